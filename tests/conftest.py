@@ -1,0 +1,89 @@
+"""Shared fixtures: tiny models built on the fly, and servers started as subprocesses."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from splitserve.model.tiny import TinyModelSpec, write_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory):
+    """Build (once per session) a tiny model for a given spec; returns its directory."""
+    built: dict[TinyModelSpec, str] = {}
+
+    def make(**spec_fields) -> str:
+        spec = TinyModelSpec(**spec_fields)
+        if spec not in built:
+            directory = tmp_path_factory.mktemp(f"tiny-{spec.arch}")
+            built[spec] = str(write_tiny_model(directory, spec))
+        return built[spec]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_model_factory) -> str:
+    """The default tiny model (qwen3, float32)."""
+    return tiny_model_factory()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_server(
+    args: list[str],
+    port: int,
+    health_path: str = "/health",
+    timeout: float = 120.0,
+    env: dict[str, str] | None = None,
+) -> Iterator[str]:
+    """Start `splitserve <args>` bound to 127.0.0.1:port, wait for health, yield the base
+    URL, and always stop it (SIGINT, then SIGKILL for the whole process group)."""
+    log = Path(os.environ.get("TMPDIR", "/tmp")) / f"splitserve-test-{port}.log"
+    with open(log, "wb") as log_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "splitserve.cli", *args],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **(env or {})},
+        )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(base + health_path, timeout=2).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"server did not become healthy:\n{log.read_text()[-4000:]}")
+            time.sleep(0.2)
+        yield base
+    finally:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
