@@ -1,0 +1,50 @@
+"""Typed, frozen configuration for every tier. Construct once, pass down, never mutate."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+EngineRole = Literal["both", "prefill", "decode"]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str  # a Hugging Face model directory
+    dtype: str | None = None  # None: the dtype config.json names
+    device: str | None = None  # None: cuda when present, else cpu
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    # KV budget in bytes; the number of blocks is derived from it and the model shape.
+    kv_cache_memory_bytes: int = 512 * 1024 * 1024
+    num_blocks: int | None = None  # overrides the budget when set (tests)
+    enable_prefix_caching: bool = True
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    transport: Literal["shm", "tcp"] = "shm"
+    mode: Literal["push", "pull"] = "push"
+    timeout_s: float = 30.0
+    failure_policy: Literal["recompute", "fail"] = "recompute"
+    reservation_ttl_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    role: EngineRole = "both"
+    transfer: TransferConfig = field(default_factory=TransferConfig)
