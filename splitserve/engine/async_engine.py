@@ -1,0 +1,246 @@
+"""AsyncEngine: the LLMEngine loop in a background thread, fed by asyncio callers.
+
+The thread sleeps on an Event while there is nothing to compute (no busy polling);
+`generate` enqueues a request and wakes it. Outputs are handed to each caller's event
+loop with call_soon_threadsafe, one batch per loop per step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import NamedTuple
+
+from splitserve.config import EngineConfig
+from splitserve.engine.errors import InvalidRequestError
+from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.model_runner import KVCacheAllocator
+from splitserve.engine.outputs import EngineStats, RequestOutput
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.kv.connector import KVConnector
+
+logger = logging.getLogger(__name__)
+
+StepListener = Callable[[float, int], None]
+# While only remote KV loads are pending, wake at least this often even if the
+# connector forgets to call wakeup (a safety net, not the mechanism).
+_REMOTE_WAIT_S = 0.05
+
+
+class _Stream(NamedTuple):
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+class _AddCommand(NamedTuple):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    cache_salt: str | None
+    kv_transfer_params: dict | None
+    arrival_time: float
+
+
+class AsyncEngine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        connector: KVConnector | None = None,
+        kv_cache_allocator: KVCacheAllocator | None = None,
+    ) -> None:
+        self.engine = LLMEngine(config, connector, kv_cache_allocator)
+        self.model_config = self.engine.model_config
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._adds: list[_AddCommand] = []
+        self._aborts: list[str] = []
+        self._streams: dict[str, _Stream] = {}
+        self._listeners: list[StepListener] = []
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._stats = self.engine.stats()
+        if connector is not None:
+            connector.set_wakeup(self._wake.set)
+
+    # ---- lifecycle ----------------------------------------------------------------
+    def start(self) -> AsyncEngine:
+        if self._thread is None:
+            self._stopping = False
+            self._thread = threading.Thread(target=self._run, name="splitserve-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+        with self._lock:
+            streams, self._streams = self._streams, {}
+        for request_id, stream in streams.items():
+            self._deliver(stream, [_aborted_output(request_id)])
+        self.engine.shutdown()
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def __enter__(self) -> AsyncEngine:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # ---- API ----------------------------------------------------------------------
+    def validate_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        cache_salt: str | None = None,
+        kv_transfer_params: dict | None = None,
+    ) -> None:
+        self.engine.validate_request(
+            request_id, prompt_token_ids, sampling_params, cache_salt, kv_transfer_params
+        )
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        cache_salt: str | None = None,
+        kv_transfer_params: dict | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs (deltas) until one is finished. Invalid requests
+        raise at the first `__anext__`, before any output. Closing or cancelling the
+        iterator early aborts the request and frees its blocks."""
+        if not self.is_running:
+            raise RuntimeError("AsyncEngine is not running; call start()")
+        self.validate_request(request_id, prompt_token_ids, sampling_params, cache_salt, kv_transfer_params)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        with self._lock:
+            if request_id in self._streams:
+                raise InvalidRequestError(f"request_id {request_id!r} is already in use", param="request_id")
+            self._streams[request_id] = stream
+            self._adds.append(
+                _AddCommand(
+                    request_id,
+                    list(prompt_token_ids),
+                    sampling_params,
+                    cache_salt,
+                    kv_transfer_params,
+                    time.monotonic(),
+                )
+            )
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+            with self._lock:
+                if self._streams.get(request_id) is stream:
+                    del self._streams[request_id]
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request; False if no such request is in flight."""
+        with self._lock:
+            if request_id not in self._streams:
+                return False
+            self._aborts.append(request_id)
+        self._wake.set()
+        return True
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    def add_step_listener(self, listener: StepListener) -> None:
+        """`listener(step_time_s, num_tokens)` is called on the engine thread after each
+        step that ran the model; keep it cheap (e.g. a histogram observe)."""
+        self._listeners.append(listener)
+
+    # ---- the engine thread --------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._stopping:
+            with self._lock:
+                adds, self._adds = self._adds, []
+                aborts, self._aborts = self._aborts, []
+            for command in adds:
+                try:
+                    engine.add_request(
+                        command.request_id,
+                        command.prompt_token_ids,
+                        command.sampling_params,
+                        cache_salt=command.cache_salt,
+                        kv_transfer_params=command.kv_transfer_params,
+                        arrival_time=command.arrival_time,
+                    )
+                except Exception as exc:  # validated already; a race or an engine bug
+                    self._route([], errors={command.request_id: exc})
+            if aborts:
+                engine.abort_request(aborts)
+            if not engine.has_runnable_work():
+                self._stats = engine.stats()
+                timeout = _REMOTE_WAIT_S if engine.has_unfinished_requests() else None
+                self._wake.wait(timeout)
+                self._wake.clear()
+                continue
+            steps_before = engine.num_steps
+            try:
+                outputs = engine.step()
+            except Exception:
+                logger.exception("engine step failed outside the model; failing all requests")
+                outputs = engine.fail_all_requests()
+            self._stats = engine.stats()
+            if engine.num_steps != steps_before:
+                for listener in self._listeners:
+                    try:
+                        listener(engine.last_step_time_s, engine.last_step_tokens)
+                    except Exception:
+                        logger.exception("step listener failed")
+            self._route(outputs)
+
+    def _route(self, outputs: list[RequestOutput], errors: dict[str, Exception] | None = None) -> None:
+        """Hand outputs (and per-request errors) to their callers' loops, one call per loop."""
+        payloads: list[tuple[str, RequestOutput | Exception]] = [(o.request_id, o) for o in outputs]
+        payloads += list((errors or {}).items())
+        batches: dict[int, tuple[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]]] = {}
+        with self._lock:
+            for request_id, payload in payloads:
+                stream = self._streams.get(request_id)
+                if stream is not None:
+                    batches.setdefault(id(stream.loop), (stream.loop, []))[1].append((stream.queue, payload))
+        for loop, items in batches.values():
+            with contextlib.suppress(RuntimeError):  # the caller's loop is closed
+                loop.call_soon_threadsafe(_put_all, items)
+
+    @staticmethod
+    def _deliver(stream: _Stream, outputs: list[RequestOutput]) -> None:
+        with contextlib.suppress(RuntimeError):
+            stream.loop.call_soon_threadsafe(_put_all, [(stream.queue, o) for o in outputs])
+
+
+def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
+    for queue, payload in items:
+        queue.put_nowait(payload)
+
+
+def _aborted_output(request_id: str) -> RequestOutput:
+    return RequestOutput(request_id, [], None, True, "abort", 0, 0, None, {})

@@ -1,0 +1,132 @@
+"""Paged KV block accounting with reference counts and a prefix cache.
+
+Free blocks sit in one LRU (an OrderedDict, head evicted first). A free block may still
+hold a cached prefix (its hash stays in `cached` until the block is reused), so a later
+request can revive it. Freed blocks without a hash go to the head: they are worth nothing.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+
+from splitserve.engine.request import Request
+from splitserve.kv.block_hash import BlockHash
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_hashes: list[BlockHash | None] = [None] * num_blocks
+        self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self.cached: dict[BlockHash, int] = {}
+        # per request: how many of its leading blocks were already offered to the cache
+        self.num_hashed_blocks: dict[str, int] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - len(self.free) / self.num_blocks
+
+    def get_computed_blocks(self, request: Request) -> list[int]:
+        """The longest run of cached leading blocks of the request, never covering its
+        last token (whose logits must be computed)."""
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[int] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block_id = self.cached.get(block_hash)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def can_allocate(
+        self, request: Request, num_tokens: int, new_computed_blocks: Iterable[int] = ()
+    ) -> bool:
+        computed = list(new_computed_blocks)
+        num_needed = cdiv(num_tokens, self.block_size) - len(request.block_ids) - len(computed)
+        reviving = sum(1 for b in computed if self.ref_counts[b] == 0)
+        return num_needed + reviving <= len(self.free)
+
+    def allocate_slots(
+        self, request: Request, num_tokens: int, new_computed_blocks: Iterable[int] = ()
+    ) -> bool:
+        """Make `request.block_ids` cover `num_tokens` positions, first taking the prefix
+        hits `new_computed_blocks`. False (and nothing changed) when blocks run out."""
+        computed = list(new_computed_blocks)
+        if not self.can_allocate(request, num_tokens, computed):
+            return False
+        for block_id in computed:
+            if self.ref_counts[block_id] == 0:
+                del self.free[block_id]
+            self.ref_counts[block_id] += 1
+            request.block_ids.append(block_id)
+        if computed:
+            self.num_hashed_blocks[request.request_id] = len(request.block_ids)
+        for _ in range(cdiv(num_tokens, self.block_size) - len(request.block_ids)):
+            block_id, _ = self.free.popitem(last=False)
+            self._evict(block_id)
+            self.ref_counts[block_id] = 1
+            request.block_ids.append(block_id)
+        return True
+
+    def _evict(self, block_id: int) -> None:
+        block_hash = self.block_hashes[block_id]
+        if block_hash is not None:
+            if self.cached.get(block_hash) == block_id:
+                del self.cached[block_hash]
+            self.block_hashes[block_id] = None
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Offer the request's newly full, computed blocks to the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        start = self.num_hashed_blocks.get(request.request_id, 0)
+        end = min(request.num_computed_tokens // self.block_size, len(request.block_hashes))
+        for index in range(start, end):
+            block_id, block_hash = request.block_ids[index], request.block_hashes[index]
+            if self.block_hashes[block_id] is None and block_hash not in self.cached:
+                self.block_hashes[block_id] = block_hash
+                self.cached[block_hash] = block_id
+        if end > start:
+            self.num_hashed_blocks[request.request_id] = end
+
+    def free_blocks(self, request: Request) -> None:
+        """Release the request's blocks, last block first (evicted before its prefix)."""
+        for block_id in reversed(request.block_ids):
+            self.ref_counts[block_id] -= 1
+            if self.ref_counts[block_id] == 0:
+                self.free[block_id] = None
+                if self.block_hashes[block_id] is None:
+                    self.free.move_to_end(block_id, last=False)
+        request.block_ids = []
+        self.num_hashed_blocks.pop(request.request_id, None)
+
+    def check_integrity(self, holders: Iterable[Request]) -> None:
+        """Raise AssertionError if the accounting is inconsistent with `holders`, the
+        requests that currently own blocks."""
+        counts = [0] * self.num_blocks
+        for request in holders:
+            assert len(set(request.block_ids)) == len(request.block_ids), f"{request} holds a block twice"
+            for block_id in request.block_ids:
+                counts[block_id] += 1
+        assert counts == self.ref_counts, "reference counts differ from the holders' blocks"
+        free_ids = {b for b in range(self.num_blocks) if self.ref_counts[b] == 0}
+        assert set(self.free) == free_ids, "free list differs from the unreferenced blocks"
+        for block_hash, block_id in self.cached.items():
+            assert self.block_hashes[block_id] == block_hash, f"cache entry of block {block_id} is stale"
+        for block_id, block_hash in enumerate(self.block_hashes):
+            if block_hash is not None:
+                assert self.cached.get(block_hash) == block_id, f"block {block_id} hashed but not cached"

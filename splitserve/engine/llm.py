@@ -1,0 +1,104 @@
+"""Offline Python API: `LLM(model).generate(prompts, sampling_params)`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+from splitserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.kv.connector import KVConnector
+
+_MODEL_KEYS = ("dtype", "device", "seed")
+_CACHE_KEYS = ("block_size", "kv_cache_memory_bytes", "num_blocks", "enable_prefix_caching")
+_SCHEDULER_KEYS = ("max_num_batched_tokens", "max_num_seqs", "max_model_len")
+
+
+class CompletionResult(NamedTuple):
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[dict] | None
+    num_cached_tokens: int
+    kv_transfer_params: dict | None
+
+
+def engine_config_from_kwargs(model: str, **kwargs: Any) -> EngineConfig:
+    """EngineConfig from flat keyword arguments (dtype, num_blocks, max_num_seqs, ...)."""
+    unknown = set(kwargs) - {*_MODEL_KEYS, *_CACHE_KEYS, *_SCHEDULER_KEYS, "role"}
+    if unknown:
+        raise TypeError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
+    pick = lambda keys: {k: kwargs[k] for k in keys if k in kwargs}  # noqa: E731
+    return EngineConfig(
+        model=ModelConfig(model, **pick(_MODEL_KEYS)),
+        cache=CacheConfig(**pick(_CACHE_KEYS)),
+        scheduler=SchedulerConfig(**pick(_SCHEDULER_KEYS)),
+        role=kwargs.get("role", "both"),
+    )
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        config: EngineConfig | None = None,
+        connector: KVConnector | None = None,
+        **engine_kwargs: Any,
+    ) -> None:
+        if config is None:
+            from splitserve.model.tiny import resolve_model
+
+            config = engine_config_from_kwargs(resolve_model(model), **engine_kwargs)
+        self.engine = LLMEngine(config, connector)
+        self._counter = 0
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        kv_transfer_params: Sequence[dict | None] | None = None,
+        cache_salt: str | None = None,
+    ) -> list[CompletionResult]:
+        """Run every prompt (token IDs) to completion, batched; results in prompt order."""
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError("one SamplingParams per prompt, or a single one for all")
+        transfer = list(kv_transfer_params) if kv_transfer_params is not None else [None] * len(prompts)
+        ids = []
+        for prompt, param, kv_params in zip(prompts, params, transfer, strict=True):
+            self._counter += 1
+            request_id = f"llm-{self._counter}"
+            self.engine.add_request(
+                request_id, list(prompt), param, cache_salt=cache_salt, kv_transfer_params=kv_params
+            )
+            ids.append(request_id)
+        tokens: dict[str, list[int]] = {i: [] for i in ids}
+        logprobs: dict[str, list[dict]] = {i: [] for i in ids}
+        final = {}
+        while len(final) < len(ids):
+            for out in self.engine.step():
+                if out.request_id not in tokens:
+                    continue
+                tokens[out.request_id].extend(out.new_token_ids)
+                logprobs[out.request_id].extend(out.new_logprobs or [])
+                if out.finished:
+                    final[out.request_id] = out
+        return [
+            CompletionResult(
+                list(prompt),
+                tokens[i],
+                final[i].finish_reason,
+                logprobs[i] if param.logprobs is not None else None,
+                final[i].num_cached_tokens,
+                final[i].kv_transfer_params,
+            )
+            for i, prompt, param in zip(ids, prompts, params, strict=True)
+        ]

@@ -1,0 +1,165 @@
+"""Turns a scheduled step into tensors, runs the decoder over the paged KV cache, samples."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+from splitserve.engine.request import Request
+from splitserve.engine.scheduler import ScheduledRequest
+from splitserve.kv.connector import KVConnector, RequestSlots, StepKVInfo
+from splitserve.model.attention import AttentionMetadata, PrefillChunk
+from splitserve.model.decoder import DecoderModel
+from splitserve.model.loader import DecoderConfig
+from splitserve.model.sampler import Sampler
+
+KVCacheAllocator = Callable[..., torch.Tensor]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    name = name.removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}; choose from {sorted(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def kv_cache_shape(config: DecoderConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
+    return (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+
+
+def kv_block_bytes(config: DecoderConfig, block_size: int, dtype: torch.dtype) -> int:
+    element = torch.empty((), dtype=dtype).element_size()
+    return config.num_layers * 2 * block_size * config.num_kv_heads * config.head_dim * element
+
+
+class SampledToken(NamedTuple):
+    request: Request
+    token_id: int
+    logprobs: dict | None
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: DecoderModel,
+        kv_cache: torch.Tensor,
+        block_size: int,
+        device: torch.device,
+        seed: int = 0,
+        connector: KVConnector | None = None,
+    ) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = block_size
+        self.device = device
+        self.sampler = Sampler(device, seed)
+        self.connector = connector
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledRequest]) -> list[SampledToken]:
+        bs = self.block_size
+        # decode-like (one token) first: they share one batched attention call
+        decodes = [s for s in scheduled if s.num_tokens == 1]
+        prefills = [s for s in scheduled if s.num_tokens > 1]
+        ordered = decodes + prefills
+
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        for s in decodes:
+            pos = s.position_start
+            input_ids.append(s.request.all_token_ids[pos])
+            positions.append(pos)
+            slots.append(s.request.block_ids[pos // bs] * bs + pos % bs)
+        chunks: list[PrefillChunk] = []
+        prefill_slot_parts: list[torch.Tensor] = []
+        offset = len(decodes)
+        for s in prefills:
+            start, end = s.position_start, s.position_start + s.num_tokens
+            input_ids.extend(s.request.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            table = torch.tensor(s.request.block_ids[: -(-end // bs)], dtype=torch.long)
+            pos = torch.arange(start, end)
+            prefill_slot_parts.append(table[pos // bs] * bs + pos % bs)
+            chunks.append(PrefillChunk(offset, s.num_tokens, start, table.to(self.device)))
+            offset += s.num_tokens
+        slot_mapping = torch.tensor(slots, dtype=torch.long)
+        if prefill_slot_parts:
+            slot_mapping = torch.cat([slot_mapping, *prefill_slot_parts])
+        slot_mapping = slot_mapping.to(self.device)
+
+        if decodes:
+            max_blocks = max(-(-(s.position_start + 1) // bs) for s in decodes)
+            tables = [s.request.block_ids[:max_blocks] for s in decodes]
+            tables = [t + [0] * (max_blocks - len(t)) for t in tables]
+            decode_tables = torch.tensor(tables, dtype=torch.long, device=self.device)
+            context = torch.tensor([s.position_start + 1 for s in decodes], device=self.device)
+            decode_mask = torch.arange(max_blocks * bs, device=self.device)[None, :] < context[:, None]
+            decode_mask = decode_mask[:, None, None, :]
+        else:
+            decode_tables = torch.empty((0, 1), dtype=torch.long, device=self.device)
+            decode_mask = torch.empty((0, 1, 1, bs), dtype=torch.bool, device=self.device)
+        meta = AttentionMetadata(slot_mapping, len(decodes), decode_tables, decode_mask, chunks)
+
+        sample_rows: list[int] = []
+        sampling: list[ScheduledRequest] = []
+        row = 0
+        for s in ordered:
+            row += s.num_tokens
+            if s.position_start + s.num_tokens == s.request.num_tokens:
+                sample_rows.append(row - 1)
+                sampling.append(s)
+
+        before_layer = after_layer = None
+        step_info = None
+        if self.connector is not None:
+            starts = [0]
+            for s in ordered:
+                starts.append(starts[-1] + s.num_tokens)
+            step_info = StepKVInfo(
+                [
+                    RequestSlots(
+                        s.request.request_id,
+                        starts[i],
+                        s.num_tokens,
+                        s.position_start,
+                        list(s.request.block_ids),
+                    )
+                    for i, s in enumerate(ordered)
+                ],
+                slot_mapping,
+                bs,
+            )
+            connector, info = self.connector, step_info
+            connector.start_load_kv(info)
+            before_layer = connector.wait_for_layer_load
+
+            def after_layer(i: int, kv_layer: torch.Tensor) -> None:
+                connector.save_kv_layer(i, kv_layer, info)
+
+        logits = self.model(
+            torch.tensor(input_ids, dtype=torch.long, device=self.device),
+            torch.tensor(positions, dtype=torch.long, device=self.device),
+            self.kv_cache,
+            meta,
+            torch.tensor(sample_rows, dtype=torch.long, device=self.device),
+            before_layer,
+            after_layer,
+        )
+        if self.connector is not None:
+            self.connector.wait_for_save()
+        if not sampling:
+            return []
+        out = self.sampler(
+            logits,
+            [s.request.sampling_params for s in sampling],
+            [s.request.generator for s in sampling],
+        )
+        return [
+            SampledToken(s.request, token, lp)
+            for s, token, lp in zip(sampling, out.token_ids, out.logprobs, strict=True)
+        ]

@@ -1,0 +1,38 @@
+"""What the engine hands back: per-step request outputs and engine-wide statistics."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class RequestOutput(NamedTuple):
+    """The tokens a request produced in one step (a delta, not the history).
+
+    `new_logprobs`, when the request asked for logprobs, holds one entry per new token:
+    `{"token_id": int, "logprob": float, "top_logprobs": [[token_id, logprob], ...]}`.
+    `metrics` times are `time.monotonic()` seconds: arrival_time, first_scheduled_time,
+    first_token_time, last_token_time, finished_time (None until they happen).
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[dict] | None
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    kv_transfer_params: dict | None
+    metrics: dict
+
+
+class EngineStats(NamedTuple):
+    num_running: int
+    num_waiting: int  # includes requests waiting for remote KV
+    kv_usage: float  # fraction of blocks in use, 0..1
+    num_blocks_total: int
+    num_blocks_free: int
+    prefix_cache_queried_tokens: int
+    prefix_cache_hit_tokens: int
+    num_preemptions: int
+    last_step_time_s: float
+    last_step_tokens: int

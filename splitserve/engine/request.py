@@ -1,0 +1,99 @@
+"""A request's state inside the engine: tokens so far, KV progress, status, timings."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.kv.block_hash import BlockHash, compute_block_hashes
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"  # blocks held, async KV load in flight
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request:
+    """Token IDs are prompt + output; `num_computed_tokens` of them have KV in `block_ids`.
+    A request whose num_computed_tokens < len(all_token_ids) - 1 is (re)prefilling."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        eos_token_ids: frozenset[int],
+        block_size: int,
+        cache_salt: str | None = None,
+        kv_transfer_params: dict | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.all_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.cache_salt = cache_salt
+        self.kv_transfer_params = kv_transfer_params
+        self.block_size = block_size
+        self.stop_token_ids = frozenset(sampling_params.stop_token_ids) | (
+            frozenset() if sampling_params.ignore_eos else eos_token_ids
+        )
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache + remote hits at first scheduling
+        self.block_ids: list[int] = []
+        self.block_hashes: list[BlockHash] = []
+        self.finish_reason: str | None = None
+        self.num_preemptions = 0
+        self.output_kv_transfer_params: dict | None = None
+        self.connector_consulted = False  # the KV connector was asked for external tokens
+        self.pending_external_tokens = 0  # tokens an async KV load is bringing in
+        self.generator = None  # torch.Generator of a seeded request, set by the engine
+        self.metrics: dict[str, float | None] = {
+            "arrival_time": arrival_time if arrival_time is not None else time.monotonic(),
+            "first_scheduled_time": None,
+            "first_token_time": None,
+            "last_token_time": None,
+            "finished_time": None,
+        }
+        self.update_block_hashes()
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+        if self.num_tokens % self.block_size == 0:
+            self.update_block_hashes()
+
+    def update_block_hashes(self) -> None:
+        self.block_hashes = compute_block_hashes(
+            self.all_token_ids, self.block_size, cache_salt=self.cache_salt, parent_hashes=self.block_hashes
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks={len(self.block_ids)})"
+        )

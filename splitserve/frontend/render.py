@@ -1,0 +1,200 @@
+"""Render: an OpenAI chat or completions request → the engine's generate request.
+
+The chat template runs in a sandbox, the tokenizer caches segment IDs by content so a
+resent conversation costs O(new text), and block hashes are computed here so a router can
+match prefixes on real token IDs. No torch: this runs on CPU-only hosts.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from splitserve.frontend.chat_template import ChatTemplateCache, TemplateError, load_chat_template
+from splitserve.frontend.choice_decoder import model_has_reasoning, prompt_opens_reasoning, vocab_id
+from splitserve.frontend.protocol import ChatCompletionRequest, CompletionRequest, RequestError
+from splitserve.frontend.tokenizer import Tokenizer
+from splitserve.kv.block_hash import compute_block_hashes
+
+
+@dataclass(frozen=True)
+class RenderConfig:
+    model: str  # a Hugging Face model directory
+    served_model_name: str | None = None  # None: the directory's name
+    max_model_len: int | None = None  # None: config.json's max_position_embeddings
+    block_size: int = 16
+    chat_template: str | None = None  # a template file or string overriding the model's
+    reasoning: bool | None = None  # None: on when the vocabulary has <think> and </think>
+    tools: bool | None = None  # None: on when the vocabulary has <tool_call>
+
+
+def _read_max_position(model_dir: str) -> int:
+    config_path = Path(model_dir) / "config.json"
+    config = json.loads(config_path.read_text()) if config_path.exists() else {}
+    return int(config.get("max_position_embeddings") or 4096)
+
+
+class Renderer:
+    """Holds one model's tokenizer and chat template; thread-safe for reads."""
+
+    def __init__(self, config: RenderConfig) -> None:
+        self.config = config
+        self.tokenizer = Tokenizer.from_dir(config.model)
+        self.chat_template = load_chat_template(config.model, config.chat_template)
+        self._template_cache = ChatTemplateCache()
+        self.model_name = config.served_model_name or Path(config.model).resolve().name
+        self.max_model_len = config.max_model_len or _read_max_position(config.model)
+        self.reasoning = model_has_reasoning(self.tokenizer) if config.reasoning is None else config.reasoning
+        has_tool_tag = vocab_id(self.tokenizer, "<tool_call>") is not None
+        self.tools = has_tool_tag if config.tools is None else config.tools
+
+    # --- chat ---
+
+    def chat_prompt(self, request: ChatCompletionRequest) -> str:
+        messages = [_template_message(m) for m in request.messages]
+        try:
+            template = self.chat_template
+            if request.chat_template is not None:
+                template = self._template_cache.get(request.chat_template, self.chat_template.special_tokens)
+            return template.render(
+                messages,
+                tools=request.template_tools(),
+                add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=request.continue_final_message,
+                **(request.chat_template_kwargs or {}),
+            )
+        except TemplateError as exc:
+            raise RequestError(f"chat template error: {exc}", param="messages") from exc
+
+    def chat_token_ids(self, request: ChatCompletionRequest) -> list[int]:
+        token_ids = self.tokenizer.encode(self.chat_prompt(request))
+        if not token_ids:
+            raise RequestError("the rendered prompt is empty", param="messages")
+        return token_ids
+
+    def render_chat(self, request: ChatCompletionRequest, *, request_id: str | None = None) -> dict[str, Any]:
+        """The generate request for one chat choice (n > 1 is fanned out by the caller)."""
+        self.check_model(request.model)
+        token_ids = self.chat_token_ids(request)
+        max_tokens = self.max_tokens_for(len(token_ids), request.max_output_tokens())
+        rid = request_id or request.request_id or f"chatcmpl-{uuid.uuid4().hex}"
+        return self._generate_request(rid, token_ids, request, max_tokens, logprobs=_chat_logprobs(request))
+
+    def starts_in_reasoning(self, prompt_token_ids: list[int]) -> bool:
+        return self.reasoning and prompt_opens_reasoning(self.tokenizer, prompt_token_ids)
+
+    # --- completions ---
+
+    def completion_token_ids(self, request: CompletionRequest) -> list[list[int]]:
+        prompts: list[list[int]] = []
+        for index, prompt in enumerate(request.prompts()):
+            if isinstance(prompt, str):
+                token_ids = self.tokenizer.encode(prompt)
+                if not token_ids:
+                    raise RequestError("the prompt is empty", param="prompt")
+            else:
+                vocab = self.tokenizer.vocab_size
+                bad = next((t for t in prompt if t >= vocab), None)
+                if bad is not None:
+                    raise RequestError(
+                        f"prompt[{index}] has token ID {bad} >= vocab size {vocab}", param="prompt"
+                    )
+                token_ids = list(prompt)
+            prompts.append(token_ids)
+        return prompts
+
+    def render_completion(
+        self, request: CompletionRequest, *, request_id: str | None = None
+    ) -> list[dict[str, Any]]:
+        """One generate request per prompt, as vLLM's /v1/completions/render."""
+        self.check_model(request.model)
+        base = request_id or request.request_id or f"cmpl-{uuid.uuid4().hex}"
+        all_ids = self.completion_token_ids(request)
+        result = []
+        for index, token_ids in enumerate(all_ids):
+            max_tokens = self.max_tokens_for(len(token_ids), request.max_tokens)
+            rid = base if len(all_ids) == 1 else f"{base}-{index}"
+            result.append(
+                self._generate_request(rid, token_ids, request, max_tokens, logprobs=request.logprobs)
+            )
+        return result
+
+    # --- shared ---
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise RequestError(f"the model {model!r} does not exist", param="model", status=404)
+
+    def max_tokens_for(self, prompt_len: int, requested: int | None) -> int:
+        limit = self.max_model_len
+        if prompt_len >= limit:
+            raise RequestError(
+                f"this model's maximum context length is {limit} tokens; the prompt has {prompt_len}",
+                param="messages",
+            )
+        if requested is None:
+            return limit - prompt_len
+        if prompt_len + requested > limit:
+            raise RequestError(
+                f"this model's maximum context length is {limit} tokens; you requested "
+                f"{prompt_len + requested} ({prompt_len} in the prompt, {requested} for the output)",
+                param="max_tokens",
+            )
+        return requested
+
+    def block_hashes(self, token_ids: list[int], cache_salt: str | None) -> list[str]:
+        hashes = compute_block_hashes(token_ids, self.config.block_size, cache_salt=cache_salt)
+        return [h.hex() for h in hashes]
+
+    def _generate_request(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        request: ChatCompletionRequest | CompletionRequest,
+        max_tokens: int,
+        *,
+        logprobs: int | None,
+    ) -> dict[str, Any]:
+        sampling_params = {
+            "max_tokens": max_tokens,
+            "temperature": 1.0 if request.temperature is None else request.temperature,
+            "top_p": 1.0 if request.top_p is None else request.top_p,
+            "top_k": -1 if request.top_k in (None, 0) else request.top_k,
+            "seed": request.seed,
+            "stop_token_ids": list(request.stop_token_ids or []),
+            "ignore_eos": request.ignore_eos,
+            "logprobs": logprobs,
+        }
+        body: dict[str, Any] = {
+            "request_id": request_id,
+            "token_ids": token_ids,
+            "sampling_params": sampling_params,
+            "block_hashes": self.block_hashes(token_ids, request.cache_salt),
+            "features": None,
+            "model": self.model_name,
+            "stream": request.stream,
+            "cache_salt": request.cache_salt,
+        }
+        if request.stream:
+            body["stream_options"] = {"include_usage": request.include_usage()}
+        if request.return_token_ids:
+            body["return_token_ids"] = True
+        return body
+
+
+def _chat_logprobs(request: ChatCompletionRequest) -> int | None:
+    if not request.logprobs:
+        return None
+    return request.top_logprobs or 0
+
+
+def _template_message(message: Any) -> dict[str, Any]:
+    """A message as chat templates expect it: no null fields, and the OpenAI `developer`
+    role shown as `system` (templates predating it know only system)."""
+    data = message.model_dump(exclude_none=True)
+    if data["role"] == "developer":
+        data["role"] = "system"
+    return data

@@ -1,0 +1,72 @@
+"""Prometheus metrics of P/D handoffs, one registry per connector (no module globals).
+
+The engine app forwards this registry into its own `/metrics` (see `server/pd_engine.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+PREFIX = "splitserve_kv"
+_SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class _Gauges(Collector):
+    def __init__(self, read: Callable[[], dict[str, tuple[str, float]]]):
+        self._read = read
+
+    def collect(self) -> Iterator[Metric]:
+        for name, (help_, value) in self._read().items():
+            yield GaugeMetricFamily(f"{PREFIX}_{name}", help_, value)
+
+
+class HandoffMetrics:
+    def __init__(self, gauges: Callable[[], dict[str, tuple[str, float]]] | None = None):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.bytes = Counter(f"{PREFIX}_transfer_bytes", "KV bytes moved.", ["direction"], registry=r)
+        self.transfers = Counter(f"{PREFIX}_transfers", "KV transfers finished.", ["side", "outcome"], registry=r)
+        self.transfer_time = Histogram(
+            f"{PREFIX}_transfer_seconds",
+            "Decode: from the start of waiting (reservation or pull) to the last arrival.",
+            buckets=_SECONDS,
+            registry=r,
+        )
+        self.send_time = Histogram(
+            f"{PREFIX}_send_seconds", "Prefill: time spent copying one request's KV out.", buckets=_SECONDS, registry=r
+        )
+        self.exposed_handoff = Histogram(
+            f"{PREFIX}_exposed_handoff_seconds",
+            "Decode: first token minus the moment prefill's last layer was computed.",
+            buckets=_SECONDS,
+            registry=r,
+        )
+        self.notification_delay = Histogram(
+            f"{PREFIX}_notification_delay_seconds",
+            "Decode: from the last KV arrival to the engine picking the request up.",
+            buckets=_SECONDS,
+            registry=r,
+        )
+        self.failures = Counter(f"{PREFIX}_transfer_failures", "KV transfers that failed.", ["side"], registry=r)
+        self.fallbacks = Counter(
+            f"{PREFIX}_fallbacks", "Requests that could not use transferred KV.", ["action"], registry=r
+        )
+        self.reservations_expired = Counter(
+            f"{PREFIX}_reservations_expired", "Reservations released by their TTL.", registry=r
+        )
+        if gauges is not None:
+            r.register(_Gauges(gauges))
+
+
+class ForwardRegistry(Collector):
+    """Expose another registry's metrics through this one."""
+
+    def __init__(self, source: CollectorRegistry):
+        self._source = source
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._source.collect()

@@ -1,0 +1,422 @@
+"""The P/D connector: both halves of the engine's KV seam for prefill and decode workers.
+
+Push (default): the decode request arrives first with `do_remote_prefill`; after its own
+prefix-cache match it reserves blocks for the missing positions and parks in
+WAITING_FOR_REMOTE_KVS. The proxy reads that reservation and sends the prefill request
+with `do_remote_decode` and the decode block IDs; the prefill worker ships each layer's
+finished blocks from `save_kv_layer`, while the next layer computes. Decode counts the
+arrivals and wakes its engine on the last one.
+
+Pull (vLLM NIXL's behaviour, kept for comparison): the prefill worker finishes, holds its
+blocks and returns where they are; decode reads them after it is scheduled, then tells
+prefill to release them (or the hold expires after the TTL).
+
+A transfer that fails or times out makes decode recompute the prompt itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from splitserve.config import EngineRole, TransferConfig
+from splitserve.kv.connector import KVCacheAllocator, KVConnector, StepKVInfo
+from splitserve.kv.handoff_metrics import HandoffMetrics
+from splitserve.kv.reservations import HoldTable, Reservation, ReservationTable
+from splitserve.kv.transport import KVTransport, PeerInfo, TransferError, TransferResult, make_transport
+
+if TYPE_CHECKING:
+    import torch
+
+    from splitserve.engine.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _wall_to_monotonic(wall: float) -> float:
+    return time.monotonic() - (time.time() - wall)
+
+
+class KVParamsError(ValueError):
+    """kv_transfer_params that cannot describe a transfer."""
+
+
+def peer_from_params(params: dict) -> PeerInfo:
+    try:
+        return PeerInfo(str(params["remote_engine_id"]), str(params["remote_host"]), int(params["remote_port"]))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise KVParamsError(f"kv_transfer_params lack a valid remote address: {exc}") from exc
+
+
+def _block_list(params: dict, key: str) -> list[int]:
+    value = params.get(key)
+    if not isinstance(value, list) or not all(isinstance(b, int) and not isinstance(b, bool) for b in value):
+        raise KVParamsError(f"kv_transfer_params.{key} must be a list of block IDs")
+    return value
+
+
+@dataclass
+class _Load:
+    """Decode side: one request waiting for remote KV."""
+
+    transfer_id: str
+    mode: str
+    started: float  # monotonic
+    ready_mono: float | None = None  # when prefill's last layer was computed, in our clock
+    last_arrival_mono: float | None = None
+    transfer_s: float = 0.0
+    num_bytes: int = 0
+    done: bool = False
+    ok: bool = False
+    error: str | None = None
+    orphaned: bool = False  # the request finished while the transfer was in flight
+
+
+@dataclass
+class _PushPlan:
+    """Prefill side: where one request's blocks go."""
+
+    peer: PeerInfo
+    transfer_id: str
+    dst: list[int]
+    first_block: int
+    num_tokens: int  # the decode side needs positions [0, num_tokens - 1)
+    next_block: int
+    error: str | None = None
+
+
+class PDConnector(KVConnector):
+    def __init__(
+        self,
+        role: EngineRole,
+        config: TransferConfig,
+        *,
+        engine_id: str | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        transport: KVTransport | None = None,
+    ) -> None:
+        self.role = role
+        self.config = config
+        self.engine_id = engine_id or f"{role}-{uuid.uuid4().hex[:8]}"
+        self.transport = transport or make_transport(self.engine_id, config, host, port)
+        self.reservations = ReservationTable()
+        self.holds = HoldTable(config.reservation_ttl_s, self._on_hold_released)
+        self.transport.on_release = lambda transfer_id: self.holds.release(transfer_id)
+        self.transport.is_held = self.holds.is_held
+        self.metrics = HandoffMetrics(self._gauges)
+        self._lock = threading.Lock()
+        self._loads: dict[str, _Load] = {}
+        self._request_of_transfer: dict[str, str] = {}
+        self._loaded: set[str] = set()
+        self._failed: set[str] = set()
+        self._failed_errors: dict[str, str] = {}
+        self._freeable: set[str] = set()
+        self._pushes: dict[str, _PushPlan] = {}
+        self._pushed_this_step = False
+        self._wakeup: Callable[[], None] | None = None
+        self.block_size = 0
+        self.num_layers = 0
+        self.peer: PeerInfo | None = None
+
+    # ---- set-up -----------------------------------------------------------------------
+    def kv_cache_allocator(self) -> KVCacheAllocator:
+        def allocate(shape: tuple[int, ...], *, dtype: torch.dtype, device: object = "cpu") -> torch.Tensor:
+            return self.transport.allocate_pool(tuple(shape), dtype, str(device))
+
+        return allocate
+
+    def register_kv_cache(self, kv_cache: torch.Tensor, block_size: int) -> None:
+        if self.transport.pool is None:
+            self.transport.pool = kv_cache  # an allocator of the caller's: tcp can still send from it
+        elif self.transport.pool.data_ptr() != kv_cache.data_ptr():
+            raise TransferError("the engine's KV cache is not the transport's pool")
+        self.block_size = block_size
+        self.num_layers = kv_cache.shape[0]
+        self.peer = self.transport.start()
+
+    def set_wakeup(self, wakeup: Callable[[], None]) -> None:
+        self._wakeup = wakeup
+
+    def kv_address(self) -> dict:
+        """This worker's KV endpoint, as kv_transfer_params spell it."""
+        assert self.peer is not None
+        return {"remote_engine_id": self.peer.engine_id, "remote_host": self.peer.host, "remote_port": self.peer.port}
+
+    def _gauges(self) -> dict[str, tuple[str, float]]:
+        return {
+            "reservations_active": ("Decode: requests holding blocks for incoming KV.", self.reservations.active()),
+            "reserved_blocks": ("Decode: blocks reserved for incoming KV.", self.reservations.reserved_blocks()),
+            "holds_active": ("Prefill (pull): finished requests whose blocks await a reader.", self.holds.active()),
+        }
+
+    def _wake(self) -> None:
+        if self._wakeup is not None:
+            self._wakeup()
+
+    # ---- scheduler half ---------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params or {}
+        if params.get("do_remote_decode"):
+            self._plan_push(request, params)
+            return 0, False
+        if not params.get("do_remote_prefill"):
+            return 0, False
+        external = request.num_prompt_tokens - 1 - num_computed_tokens
+        if external <= 0:
+            return 0, False
+        if params.get("transfer_mode", self.config.mode) == "pull":
+            try:
+                peer_from_params(params)
+                _block_list(params, "remote_block_ids")
+            except KVParamsError as exc:
+                logger.warning("request %s computes its prompt itself: %s", request.request_id, exc)
+                return 0, False
+        return external, True
+
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+        params = request.kv_transfer_params or {}
+        if not params.get("do_remote_prefill"):
+            return
+        request_id, bs = request.request_id, self.block_size
+        needed = request.num_prompt_tokens - 1
+        if num_external_tokens <= 0:
+            # Nothing travels (a full local hit, or unusable params): an empty reservation
+            # tells the proxy to skip prefill.
+            first = _cdiv(needed, bs)
+            self.reservations.add(Reservation(request_id, [], first, needed, needed, time.monotonic()))
+            return
+        hit = request.num_computed_tokens
+        first, last = hit // bs, _cdiv(hit + num_external_tokens, bs)
+        dst = list(block_ids[first:last])
+        mode = params.get("transfer_mode", self.config.mode)
+        transfer_id = request_id if mode == "push" else str(params.get("remote_request_id", request_id))
+        load = _Load(transfer_id, mode, time.monotonic())
+        if mode == "pull" and params.get("prefill_done_at") is not None:
+            load.ready_mono = _wall_to_monotonic(float(params["prefill_done_at"]))
+        with self._lock:
+            self._loads[request_id] = load
+            self._request_of_transfer[transfer_id] = request_id
+        self.transport.expect(transfer_id, dst, self._on_transfer_done, ttl_s=self.config.reservation_ttl_s)
+        if mode == "push":
+            reservation = Reservation(request_id, dst, first, hit, hit + num_external_tokens, time.monotonic())
+            self.reservations.add(reservation)
+            return
+        src = params["remote_block_ids"][first:last]
+        if len(src) != len(dst):
+            self.transport.fail(transfer_id, f"prefill holds {len(src)} of the {len(dst)} blocks needed")
+            return
+        self.transport.pull(peer_from_params(params), transfer_id, src, dst)
+
+    def _on_transfer_done(self, result: TransferResult) -> None:
+        """Transport thread: the last layer arrived, or the transfer failed."""
+        now = time.monotonic()
+        with self._lock:
+            request_id = self._request_of_transfer.pop(result.transfer_id, None)
+            load = self._loads.get(request_id) if request_id else None
+            if load is None or request_id is None:
+                return
+            load.done, load.ok, load.error = True, result.ok, result.error
+            load.num_bytes = result.num_bytes
+            load.last_arrival_mono = _wall_to_monotonic(result.last_arrival) if result.last_arrival else now
+            load.transfer_s = load.last_arrival_mono - load.started
+            if result.sender_ready_at is not None and load.mode == "push":
+                load.ready_mono = _wall_to_monotonic(result.sender_ready_at)
+            if load.orphaned:
+                self._loads.pop(request_id, None)
+                self._freeable.add(request_id)
+            elif result.ok:
+                self._loaded.add(request_id)
+            else:
+                self._failed.add(request_id)
+                self._failed_errors[request_id] = result.error or "transfer failed"
+        self.reservations.remove(request_id, expired=not result.ok and result.first_arrival is None)
+        self.metrics.bytes.labels("received").inc(result.num_bytes)
+        if result.ok:
+            self.metrics.transfers.labels("decode", "ok").inc()
+            self.metrics.transfer_time.observe(load.transfer_s)
+        else:
+            logger.warning("KV transfer for %s failed: %s", request_id, result.error)
+            self.metrics.transfers.labels("decode", "failed").inc()
+            self.metrics.failures.labels("decode").inc()
+            if result.first_arrival is None and "TTL" in (result.error or ""):
+                self.metrics.reservations_expired.inc()
+            if not load.orphaned:
+                self.metrics.fallbacks.labels("recompute").inc()
+        self._wake()
+
+    def get_finished_loading(self) -> set[str]:
+        now = time.monotonic()
+        with self._lock:
+            loaded, self._loaded = self._loaded, set()
+            for request_id in loaded:
+                load = self._loads.get(request_id)
+                if load is not None and load.last_arrival_mono is not None:
+                    self.metrics.notification_delay.observe(max(0.0, now - load.last_arrival_mono))
+        return loaded
+
+    def get_failed_loading(self) -> set[str]:
+        with self._lock:
+            failed, self._failed = self._failed, set()
+        return failed
+
+    def get_finished_sending(self) -> set[str]:
+        with self._lock:
+            freeable, self._freeable = self._freeable, set()
+        return freeable
+
+    def fail_transfer(self, request_id: str, error: str) -> bool:
+        """Give up waiting for a request's KV now (the proxy saw its prefill fail)."""
+        with self._lock:
+            load = self._loads.get(request_id)
+            transfer_id = load.transfer_id if load is not None and not load.done else None
+        if transfer_id is None:
+            return False
+        self.transport.fail(transfer_id, error)
+        return True
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
+        params = request.kv_transfer_params or {}
+        if params.get("do_remote_decode"):
+            return self._prefill_finished(request, block_ids, params)
+        if not params.get("do_remote_prefill"):
+            return False, None
+        request_id = request.request_id
+        with self._lock:
+            load = self._loads.get(request_id)
+            if load is not None and not load.done:
+                load.orphaned = True  # keep the blocks until the sender can no longer write
+                return True, None
+            self._loads.pop(request_id, None)
+        reservation = self.reservations.remove(request_id)
+        if load is None:
+            cached = reservation.num_cached_tokens if reservation else request.num_cached_tokens
+            return False, {"handoff": {"transferred": False, "num_cached_tokens": cached}}
+        handoff: dict = {
+            "transferred": load.ok,
+            "mode": load.mode,
+            "bytes": load.num_bytes,
+            "wait_s": load.transfer_s,
+            "error": load.error,
+        }
+        first_token = request.metrics.get("first_token_time")
+        if load.ok and first_token is not None and load.ready_mono is not None:
+            exposed = max(0.0, first_token - load.ready_mono)
+            handoff["exposed_handoff_s"] = exposed
+            self.metrics.exposed_handoff.observe(exposed)
+        return False, {"handoff": handoff}
+
+    # ---- prefill side -----------------------------------------------------------------
+    def _plan_push(self, request: Request, params: dict) -> None:
+        if params.get("transfer_mode", self.config.mode) != "push" or request.request_id in self._pushes:
+            return
+        try:
+            peer = peer_from_params(params)
+            dst = _block_list(params, "remote_block_ids")
+            first = int(params.get("remote_first_block", 0))
+        except (KVParamsError, TypeError, ValueError) as exc:
+            logger.warning("request %s cannot push its KV: %s", request.request_id, exc)
+            return
+        transfer_id = str(params.get("remote_request_id") or request.request_id)
+        plan = _PushPlan(peer, transfer_id, dst, first, request.num_prompt_tokens, first)
+        needed_blocks = _cdiv(request.num_prompt_tokens - 1, self.block_size) - first
+        if needed_blocks != len(dst):
+            plan.error = f"decode reserved {len(dst)} blocks, the prompt needs {needed_blocks} from block {first}"
+            self.transport.send_failure(peer, transfer_id, plan.error)
+        self._pushes[request.request_id] = plan
+
+    def save_kv_layer(self, layer_idx: int, kv_layer: torch.Tensor, step: StepKVInfo) -> None:
+        if not self._pushes:
+            return
+        ready_at = time.time()
+        for slots in step.requests:
+            plan = self._pushes.get(slots.request_id)
+            if plan is None or plan.error is not None:
+                continue
+            computed_end = slots.position_start + slots.num_tokens
+            needed = plan.num_tokens - 1
+            last = plan.first_block + len(plan.dst)
+            ready = plan.next_block
+            while ready < last and computed_end >= min((ready + 1) * self.block_size, needed):
+                ready += 1
+            if ready == plan.next_block:
+                continue
+            src = slots.block_ids[plan.next_block : ready]
+            dst = plan.dst[plan.next_block - plan.first_block : ready - plan.first_block]
+            try:
+                self.transport.push_layer(plan.peer, plan.transfer_id, layer_idx, src, dst, ready_at)
+            except TransferError as exc:
+                plan.error = str(exc)
+                continue
+            self._pushed_this_step = True
+            if layer_idx == self.num_layers - 1:
+                plan.next_block = ready
+
+    def wait_for_save(self) -> None:
+        if not self._pushed_this_step:
+            return
+        self._pushed_this_step = False
+        if not self.transport.flush(self.config.timeout_s):
+            for plan in self._pushes.values():
+                plan.error = plan.error or f"KV send did not finish within {self.config.timeout_s:.1f}s"
+
+    def _prefill_finished(self, request: Request, block_ids: list[int], params: dict) -> tuple[bool, dict | None]:
+        done_at = time.time()
+        address = self.kv_address()
+        if params.get("transfer_mode", self.config.mode) == "push":
+            plan = self._pushes.pop(request.request_id, None)
+            if plan is None:
+                return False, {"transfer_mode": "push", "kv_transfer_error": "no push plan", **address}
+            seconds, num_bytes = self.transport.take_send_stats(plan.transfer_id)
+            error = plan.error or self.transport.take_send_error(plan.transfer_id)
+            complete = plan.next_block >= plan.first_block + len(plan.dst)
+            if error is None and not complete:
+                error = f"prefill ended ({request.finish_reason}) before its KV was sent"
+            if error is not None:
+                self.metrics.failures.labels("prefill").inc()
+                self.metrics.transfers.labels("prefill", "failed").inc()
+                self.transport.send_failure(plan.peer, plan.transfer_id, error)
+            else:
+                self.metrics.transfers.labels("prefill", "ok").inc()
+                self.metrics.send_time.observe(seconds)
+            self.metrics.bytes.labels("sent").inc(num_bytes)
+            result = {"transfer_mode": "push", "prefill_done_at": done_at, "kv_bytes": num_bytes, "send_s": seconds}
+            if error is not None:
+                result["kv_transfer_error"] = error
+            return False, {**result, **address}
+        if request.finish_reason not in ("stop", "length") or not block_ids:
+            return False, None
+        self.holds.hold(request.request_id)
+        return True, {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "transfer_mode": "pull",
+            "remote_request_id": request.request_id,
+            "remote_block_ids": list(block_ids),
+            "remote_num_tokens": request.num_prompt_tokens,
+            "prompt_token_ids": list(request.prompt_token_ids),
+            "prefill_done_at": done_at,
+            **address,
+        }
+
+    def _on_hold_released(self, request_id: str, expired: bool) -> None:
+        with self._lock:
+            self._freeable.add(request_id)
+        if expired:
+            self.metrics.reservations_expired.inc()
+        else:
+            self.metrics.transfers.labels("prefill", "ok").inc()
+        self._wake()
+
+    def shutdown(self) -> None:
+        self.holds.clear()
+        self.transport.close()

@@ -1,0 +1,109 @@
+"""Same-host KV transport: pools live in shared-memory files, peers write into them directly.
+
+The sender maps the receiver's pool (learned at connection set-up) and copies a layer's
+blocks into it, a one-sided write like RDMA; only a small notification frame crosses the
+socket. Pull maps the source's pool and reads from it, then tells the source to release.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import tempfile
+
+import torch
+import zmq
+
+from splitserve.kv.transport import (
+    KVTransport,
+    PeerInfo,
+    PoolLayout,
+    TransferError,
+    _PullJob,
+    _PushJob,
+    dtype_from_name,
+)
+
+
+def _shm_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def map_pool(path: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor backed by the shared file at `path` (created and sized when missing)."""
+    return torch.from_file(path, shared=True, size=math.prod(shape), dtype=dtype).view(shape)
+
+
+class ShmTransport(KVTransport):
+    name = "shm"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._path: str | None = None
+        self._peer_pools: dict[str, torch.Tensor] = {}
+
+    def allocate_pool(self, shape: tuple[int, ...], dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
+        if str(device) != "cpu":
+            raise TransferError("the shm transport keeps KV pools in host memory; use device cpu")
+        path = os.path.join(_shm_dir(), f"splitserve-kv-{os.getpid()}-{self.engine_id}")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        self._path = path
+        self.pool = map_pool(path, tuple(shape), dtype)
+        return self.pool
+
+    def _shm_path(self) -> str | None:
+        return self._path
+
+    def _release_pool(self) -> None:
+        if self._path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._path)
+            self._path = None
+        self._peer_pools.clear()
+
+    def _on_handshake(self, peer: PeerInfo, layout: PoolLayout) -> None:
+        if not layout.shm_path or not os.path.exists(layout.shm_path):
+            raise TransferError(f"KV peer {peer.engine_id} has no shared-memory pool on this host")
+        self._peer_pools[f"{peer.host}:{peer.port}"] = map_pool(
+            layout.shm_path, layout.shape, dtype_from_name(layout.dtype)
+        )
+
+    def _send_push(self, socket: zmq.Socket, job: _PushJob) -> int:
+        assert self.pool is not None
+        target = self._peer_pools[f"{job.peer.host}:{job.peer.port}"]
+        src = torch.tensor(job.src_block_ids, dtype=torch.long)
+        dst = torch.tensor(job.dst_block_ids, dtype=torch.long)
+        data = self.pool[job.layer].index_select(1, src)
+        target[job.layer].index_copy_(1, dst, data)
+        num_bytes = data.numel() * data.element_size()
+        header = {
+            "transfer_id": job.transfer_id,
+            "layer": job.layer,
+            "dst": job.dst_block_ids,
+            "ready_at": job.ready_at,
+            "bytes": num_bytes,
+        }
+        self._send_control(socket, b"PUSH", header)
+        return num_bytes
+
+    def _on_push(self, header: dict, frames: list[zmq.Frame]) -> int:
+        return int(header.get("bytes", 0))  # the sender already wrote into our pool
+
+    def _do_pull(self, socket: zmq.Socket, job: _PullJob) -> None:
+        assert self.pool is not None
+        source = self._peer_pools[f"{job.peer.host}:{job.peer.port}"]
+        # Held before and after the read means held throughout: the blocks were not reused.
+        if not self._ask_held(socket, job.transfer_id):
+            raise TransferError(f"engine {job.peer.engine_id} no longer holds the blocks")
+        src = torch.tensor(job.src_block_ids, dtype=torch.long)
+        dst = torch.tensor(job.dst_block_ids, dtype=torch.long)
+        for layer in range(self.pool.shape[0]):
+            data = source[layer].index_select(1, src)
+            self.pool[layer].index_copy_(1, dst, data)
+            num_bytes = data.numel() * data.element_size()
+            if layer == self.pool.shape[0] - 1 and not self._ask_held(socket, job.transfer_id):
+                raise TransferError(f"engine {job.peer.engine_id} released the blocks during the read")
+            self.record_arrival(job.transfer_id, layer, job.dst_block_ids, num_bytes, None)
+        self._send_control(socket, b"RELEASE", {"transfer_id": job.transfer_id})

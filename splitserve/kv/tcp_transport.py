@@ -1,0 +1,80 @@
+"""Cross-host KV transport: a layer's blocks travel as one ZeroMQ data frame.
+
+The receiver's socket thread writes each frame into its pool and counts the arrival. Pull
+asks the source to push every layer back, then the source releases its blocks.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import zmq
+
+from splitserve.kv.transport import (
+    KVTransport,
+    PeerInfo,
+    TransferError,
+    _Callback,
+    _PullJob,
+    _PushJob,
+)
+
+
+class TcpTransport(KVTransport):
+    name = "tcp"
+
+    def allocate_pool(self, shape: tuple[int, ...], dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
+        self.pool = torch.zeros(tuple(shape), dtype=dtype, device=device)
+        return self.pool
+
+    def _send_push(self, socket: zmq.Socket, job: _PushJob) -> int:
+        assert self.pool is not None
+        src = torch.tensor(job.src_block_ids, dtype=torch.long, device=self.pool.device)
+        data = self.pool[job.layer].index_select(1, src).cpu().contiguous()
+        payload = data.view(torch.uint8).numpy()
+        header = {
+            "transfer_id": job.transfer_id,
+            "layer": job.layer,
+            "dst": job.dst_block_ids,
+            "ready_at": job.ready_at,
+        }
+        self._send_control(socket, b"PUSH", header, memoryview(payload.reshape(-1)))
+        return payload.nbytes
+
+    def _on_push(self, header: dict, frames: list[zmq.Frame]) -> int:
+        assert self.pool is not None
+        if not frames:
+            raise TransferError("a tcp KV push arrived without data")
+        layer_pool = self.pool[header["layer"]]
+        dst = torch.tensor(header["dst"], dtype=torch.long, device=self.pool.device)
+        shape = (layer_pool.shape[0], len(header["dst"]), *layer_pool.shape[2:])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # zmq frames are read-only; we copy at once
+            raw = torch.frombuffer(frames[0].buffer, dtype=torch.uint8)
+        data = raw.view(self.pool.dtype).view(shape)
+        layer_pool.index_copy_(1, dst, data.to(self.pool.device))
+        return raw.numel()
+
+    def _do_pull(self, socket: zmq.Socket, job: _PullJob) -> None:
+        me = self.peer_info()
+        header = {
+            "transfer_id": job.transfer_id,
+            "src": job.src_block_ids,
+            "dst": job.dst_block_ids,
+            "reply_to": list(me),
+        }
+        self._send_control(socket, b"PULL", header)
+
+    def _on_pull_request(self, header: dict) -> None:
+        peer = PeerInfo(*header["reply_to"])
+        transfer_id = header["transfer_id"]
+        if self.is_held is not None and not self.is_held(transfer_id):
+            self.send_failure(peer, transfer_id, f"engine {self.engine_id} no longer holds the blocks")
+            return
+        assert self.pool is not None
+        for layer in range(self.pool.shape[0]):
+            self.push_layer(peer, transfer_id, layer, header["src"], header["dst"], ready_at=None)
+        release = self.on_release
+        if release is not None:
+            self._put(_Callback(transfer_id, lambda: release(transfer_id)))

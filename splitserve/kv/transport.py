@@ -1,0 +1,541 @@
+"""KV transports: move blocks of one engine's paged KV pool into another engine's pool.
+
+A pool is one contiguous tensor `[num_layers, 2, num_blocks, block_size, num_kv_heads,
+head_dim]`; block IDs index dim 2. Every transport has the same control plane: each engine
+binds one ZeroMQ ROUTER socket (its address is the `PeerInfo` that travels in
+`kv_transfer_params`), and one sender thread owns a DEALER socket per peer. Transports
+differ only in the data plane:
+
+- `shm`: every pool lives in a shared-memory file; the sender writes a layer's blocks
+  straight into the peer's pool (a one-sided write, like RDMA) and then sends a small
+  notification frame.
+- `tcp`: the layer's blocks travel as one ZeroMQ data frame; the receiver writes them.
+
+The receiver counts arrivals per transfer (layers x blocks) and calls `on_done` exactly
+once: on the last arrival (at once, from the receiving thread, not at the engine's next
+step), or with an error when nothing arrived within the reservation TTL, when a started
+transfer makes no progress for `timeout_s`, or when the sender reports a failure.
+Pull mode asks the source to send (`tcp`) or reads the source's pool itself (`shm`), then
+tells the source it may release its blocks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import queue
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+import zmq
+
+from splitserve.config import TransferConfig
+
+logger = logging.getLogger(__name__)
+
+_POLL_MS = 20
+
+
+class PeerInfo(NamedTuple):
+    """Where a transport listens; travels in kv_transfer_params as remote_engine_id/host/port."""
+
+    engine_id: str
+    host: str
+    port: int
+
+
+class PoolLayout(NamedTuple):
+    """What a peer must know to write into (or read from) a pool; exchanged at connection set-up."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    shm_path: str | None
+
+    @property
+    def num_layers(self) -> int:
+        return self.shape[0]
+
+
+class TransferResult(NamedTuple):
+    transfer_id: str
+    ok: bool
+    error: str | None
+    num_bytes: int
+    started_at: float  # wall clock (time.time) of the expectation
+    first_arrival: float | None
+    last_arrival: float | None
+    sender_ready_at: float | None  # sender's wall clock when the last layer it sent was computed
+
+
+class TransferError(RuntimeError):
+    """A transfer could not be set up or did not complete in time."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise TransferError(f"unknown KV dtype {name!r}")
+    return dtype
+
+
+@dataclass
+class _Expectation:
+    block_ids: list[int]
+    expected: int  # layers x blocks
+    on_done: Callable[[TransferResult], None]
+    started_at: float
+    ttl_deadline: float
+    arrived: int = 0
+    num_bytes: int = 0
+    first_arrival: float | None = None
+    last_arrival: float | None = None
+    last_progress: float = 0.0
+    sender_ready_at: float | None = None
+    done: bool = False
+    seen: set[tuple[int, int]] = field(default_factory=set)
+
+
+class _PushJob(NamedTuple):
+    peer: PeerInfo
+    transfer_id: str
+    layer: int
+    src_block_ids: list[int]
+    dst_block_ids: list[int]
+    ready_at: float
+
+
+class _PullJob(NamedTuple):
+    peer: PeerInfo
+    transfer_id: str
+    src_block_ids: list[int]
+    dst_block_ids: list[int]
+
+
+class _ControlJob(NamedTuple):
+    peer: PeerInfo
+    kind: bytes
+    header: dict
+
+
+class _Barrier(NamedTuple):
+    event: threading.Event
+
+
+class _Callback(NamedTuple):
+    transfer_id: str
+    fn: Callable[[], None]
+
+
+class KVTransport(ABC):
+    """One per engine. Owns the pool allocation, the receiving socket and the sender thread."""
+
+    name: str = ""
+
+    def __init__(
+        self,
+        engine_id: str,
+        config: TransferConfig,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_queued_jobs: int = 64,
+    ):
+        self.engine_id = engine_id
+        self.config = config
+        self.host = host
+        self._requested_port = port
+        self.pool: torch.Tensor | None = None
+        self._context = zmq.Context()
+        self._router: zmq.Socket | None = None
+        self.port = 0
+        self._expectations: dict[str, _Expectation] = {}
+        self._lock = threading.Lock()
+        self.max_queued_jobs = max(4, max_queued_jobs)
+        self._jobs: queue.Queue = queue.Queue(maxsize=self.max_queued_jobs)
+        self._peer_layouts: dict[str, PoolLayout] = {}
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._send_errors: dict[str, str] = {}
+        self._send_stats: dict[str, tuple[float, int]] = {}
+        self.on_release: Callable[[str], None] | None = None  # pull source: a peer has read the blocks
+        self.is_held: Callable[[str], bool] | None = None  # pull source: are the blocks still kept?
+        self.bytes_sent = 0
+
+    # ---- pool ----------------------------------------------------------------------------
+    @abstractmethod
+    def allocate_pool(self, shape: tuple[int, ...], dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
+        """Create this engine's KV pool where peers can reach it; the engine calls this."""
+
+    def layout(self) -> PoolLayout:
+        if self.pool is None:
+            raise TransferError("the KV pool is not allocated yet")
+        return PoolLayout(tuple(self.pool.shape), dtype_name(self.pool.dtype), self._shm_path())
+
+    def _shm_path(self) -> str | None:
+        return None
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    def start(self) -> PeerInfo:
+        if self._router is not None:
+            return self.peer_info()
+        router = self._context.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.setsockopt(zmq.RCVHWM, 0)
+        if self._requested_port:
+            router.bind(f"tcp://{self.host}:{self._requested_port}")
+            self.port = self._requested_port
+        else:
+            self.port = router.bind_to_random_port(f"tcp://{self.host}")
+        self._router = router
+        for target, name in ((self._receive_loop, "recv"), (self._send_loop, "send")):
+            thread = threading.Thread(target=target, name=f"kv-{self.name}-{name}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        return self.peer_info()
+
+    def peer_info(self) -> PeerInfo:
+        return PeerInfo(self.engine_id, self.host, self.port)
+
+    def close(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=2)
+        self._threads.clear()
+        self._context.destroy(linger=0)
+        self._release_pool()
+
+    def _release_pool(self) -> None:
+        return None
+
+    # ---- receiver API --------------------------------------------------------------------
+    def expect(
+        self,
+        transfer_id: str,
+        block_ids: list[int],
+        on_done: Callable[[TransferResult], None],
+        ttl_s: float | None = None,
+    ) -> None:
+        """Count arrivals for `block_ids` (every layer); `on_done` runs once, on any thread."""
+        if self.pool is None:
+            raise TransferError("the KV pool is not allocated yet")
+        now = time.monotonic()
+        ttl = self.config.reservation_ttl_s if ttl_s is None else ttl_s
+        expectation = _Expectation(
+            block_ids=list(block_ids),
+            expected=self.pool.shape[0] * len(block_ids),
+            on_done=on_done,
+            started_at=time.time(),
+            ttl_deadline=now + ttl,
+            last_progress=now,
+        )
+        with self._lock:
+            self._expectations[transfer_id] = expectation
+        if expectation.expected == 0:
+            self._finish(transfer_id, None)
+
+    def cancel(self, transfer_id: str) -> None:
+        """Stop expecting; later arrivals for it are ignored and `on_done` is not called."""
+        with self._lock:
+            self._expectations.pop(transfer_id, None)
+
+    def fail(self, transfer_id: str, error: str) -> None:
+        """Fail an expected transfer now (e.g. the proxy saw the prefill worker die)."""
+        self._finish(transfer_id, error)
+
+    def pending_transfers(self) -> int:
+        with self._lock:
+            return len(self._expectations)
+
+    # ---- sender API ----------------------------------------------------------------------
+    def push_layer(
+        self,
+        peer: PeerInfo,
+        transfer_id: str,
+        layer: int,
+        src_block_ids: list[int],
+        dst_block_ids: list[int],
+        ready_at: float | None = None,
+    ) -> None:
+        """Queue one layer's blocks for the peer. Blocks (back-pressure) while the queue is
+        full; raises TransferError after `timeout_s`."""
+        if len(src_block_ids) != len(dst_block_ids):
+            raise TransferError("source and destination block lists differ in length")
+        job = _PushJob(
+            peer, transfer_id, layer, list(src_block_ids), list(dst_block_ids), ready_at or time.time()
+        )
+        self._put(job)
+
+    def pull(
+        self, peer: PeerInfo, transfer_id: str, src_block_ids: list[int], dst_block_ids: list[int]
+    ) -> None:
+        """Fetch every layer of the peer's `src_block_ids` into our `dst_block_ids`; completion
+        is reported to the expectation registered for `transfer_id`."""
+        self._put(_PullJob(peer, transfer_id, list(src_block_ids), list(dst_block_ids)))
+
+    def send_failure(self, peer: PeerInfo, transfer_id: str, error: str) -> None:
+        self._put(_ControlJob(peer, b"FAIL", {"transfer_id": transfer_id, "error": error}))
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until every queued job has been written (shm) or handed to the socket (tcp)."""
+        barrier = _Barrier(threading.Event())
+        try:
+            self._put(barrier, timeout_s)
+        except TransferError:
+            return False
+        return barrier.event.wait(self.config.timeout_s if timeout_s is None else timeout_s)
+
+    def _note_sent(self, transfer_id: str, seconds: float, num_bytes: int) -> None:
+        with self._lock:
+            spent, sent = self._send_stats.get(transfer_id, (0.0, 0))
+            self._send_stats[transfer_id] = (spent + seconds, sent + num_bytes)
+            self.bytes_sent += num_bytes
+
+    def take_send_stats(self, transfer_id: str) -> tuple[float, int]:
+        """(seconds spent copying, bytes sent) for a transfer, forgotten afterwards."""
+        with self._lock:
+            return self._send_stats.pop(transfer_id, (0.0, 0))
+
+    def take_send_error(self, transfer_id: str) -> str | None:
+        with self._lock:
+            return self._send_errors.pop(transfer_id, None)
+
+    def _put(self, job: object, timeout_s: float | None = None) -> None:
+        try:
+            self._jobs.put(job, timeout=self.config.timeout_s if timeout_s is None else timeout_s)
+        except queue.Full as exc:
+            raise TransferError(f"KV send queue stayed full for {self.config.timeout_s:.1f}s") from exc
+
+    # ---- subclass hooks ------------------------------------------------------------------
+    @abstractmethod
+    def _send_push(self, socket: zmq.Socket, job: _PushJob) -> int:
+        """Move one layer to the peer; returns the bytes moved."""
+
+    @abstractmethod
+    def _do_pull(self, socket: zmq.Socket, job: _PullJob) -> None:
+        """Fetch the blocks of a pull job (runs on the sender thread)."""
+
+    @abstractmethod
+    def _on_push(self, header: dict, frames: list[zmq.Frame]) -> int:
+        """Receiver side of a push: make the data land in our pool; returns bytes landed."""
+
+    def _on_pull_request(self, header: dict) -> None:
+        """Pull source side (tcp): send the requested blocks back. shm never gets one."""
+        raise TransferError(f"{self.name} transport does not serve pull requests")
+
+    # ---- sender thread -------------------------------------------------------------------
+    def _send_loop(self) -> None:
+        sockets: dict[str, zmq.Socket] = {}
+        while not self._stop.is_set():
+            try:
+                job = self._jobs.get(timeout=_POLL_MS / 1000)
+            except queue.Empty:
+                continue
+            if isinstance(job, _Barrier):
+                job.event.set()
+                continue
+            if isinstance(job, _Callback):
+                with contextlib.suppress(Exception):
+                    job.fn()
+                continue
+            try:
+                socket = self._socket_for(sockets, job.peer)
+                if isinstance(job, _PushJob):
+                    started = time.perf_counter()
+                    num_bytes = self._send_push(socket, job)
+                    self._note_sent(job.transfer_id, time.perf_counter() - started, num_bytes)
+                elif isinstance(job, _PullJob):
+                    self._do_pull(socket, job)
+                else:
+                    self._send_control(socket, job.kind, job.header)
+            except Exception as exc:  # a dead or unreachable peer must not kill the thread
+                transfer_id = getattr(job, "transfer_id", None) or job.header.get("transfer_id", "")
+                logger.warning("KV %s transfer %s failed: %s", self.name, transfer_id, exc)
+                with self._lock:
+                    self._send_errors[transfer_id] = str(exc)
+                if isinstance(job, _PullJob):
+                    self._finish(job.transfer_id, f"pull from {job.peer.engine_id} failed: {exc}")
+        for socket in sockets.values():
+            socket.close(linger=0)
+
+    def _socket_for(self, sockets: dict[str, zmq.Socket], peer: PeerInfo) -> zmq.Socket:
+        key = f"{peer.host}:{peer.port}"
+        socket = sockets.get(key)
+        if socket is None:
+            socket = self._context.socket(zmq.DEALER)
+            socket.setsockopt(zmq.LINGER, int(self.config.timeout_s * 1000))
+            socket.setsockopt(zmq.SNDHWM, self.max_queued_jobs)
+            socket.setsockopt(zmq.SNDTIMEO, int(self.config.timeout_s * 1000))
+            socket.setsockopt(zmq.RCVTIMEO, int(self.config.timeout_s * 1000))
+            socket.connect(f"tcp://{peer.host}:{peer.port}")
+            sockets[key] = socket
+        if key not in self._peer_layouts:
+            self._peer_layouts[key] = self._handshake(socket, peer)
+        return socket
+
+    def _handshake(self, socket: zmq.Socket, peer: PeerInfo) -> PoolLayout:
+        """Connection set-up: learn the peer's pool layout and check it matches ours."""
+        self._send_control(socket, b"HELLO", {"engine_id": self.engine_id})
+        try:
+            reply = json.loads(socket.recv())
+        except zmq.Again as exc:
+            raise TransferError(
+                f"KV peer {peer.engine_id} at {peer.host}:{peer.port} did not answer"
+            ) from exc
+        layout = PoolLayout(tuple(reply["shape"]), reply["dtype"], reply.get("shm_path"))
+        mine = self.layout()
+        if (
+            layout.shape[0] != mine.shape[0]
+            or layout.shape[3:] != mine.shape[3:]
+            or layout.dtype != mine.dtype
+        ):
+            raise TransferError(f"KV pool layouts differ: ours {mine.shape} {mine.dtype}, peer {layout}")
+        self._on_handshake(peer, layout)
+        return layout
+
+    def _ask_held(self, socket: zmq.Socket, transfer_id: str) -> bool:
+        """Does the pull source still hold the blocks of `transfer_id`?"""
+        self._send_control(socket, b"HELD", {"transfer_id": transfer_id})
+        try:
+            return bool(json.loads(socket.recv())["held"])
+        except zmq.Again as exc:
+            raise TransferError("the pull source did not answer") from exc
+
+    def _on_handshake(self, peer: PeerInfo, layout: PoolLayout) -> None:
+        return None
+
+    def peer_layout(self, peer: PeerInfo) -> PoolLayout:
+        return self._peer_layouts[f"{peer.host}:{peer.port}"]
+
+    @staticmethod
+    def _send_control(socket: zmq.Socket, kind: bytes, header: dict, data: object | None = None) -> None:
+        frames: list = [kind, json.dumps(header).encode()]
+        if data is not None:
+            frames.append(data)
+        socket.send_multipart(frames, copy=data is None)
+
+    # ---- receiver thread -----------------------------------------------------------------
+    def _receive_loop(self) -> None:
+        assert self._router is not None
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        while not self._stop.is_set():
+            if poller.poll(_POLL_MS):
+                while True:
+                    try:
+                        frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    try:
+                        self._dispatch(frames)
+                    except Exception:  # a malformed frame must not kill the receiver
+                        logger.exception("bad KV control message")
+            self._check_deadlines()
+        self._router.close(linger=0)
+
+    def _dispatch(self, frames: list[zmq.Frame]) -> None:
+        identity, kind, header = frames[0], frames[1].bytes, json.loads(frames[2].bytes)
+        if kind == b"HELLO":
+            assert self._router is not None
+            self._router.send_multipart([identity, json.dumps(self.layout()._asdict()).encode()])
+        elif kind == b"PUSH":
+            num_bytes = self._on_push(header, frames[3:])
+            self.record_arrival(
+                header["transfer_id"], header["layer"], header["dst"], num_bytes, header["ready_at"]
+            )
+        elif kind == b"HELD":
+            held = self.is_held(header["transfer_id"]) if self.is_held is not None else True
+            assert self._router is not None
+            self._router.send_multipart([identity, json.dumps({"held": held}).encode()])
+        elif kind == b"PULL":
+            self._on_pull_request(header)
+        elif kind == b"RELEASE":
+            if self.on_release is not None:
+                self.on_release(header["transfer_id"])
+        elif kind == b"FAIL":
+            self._finish(header["transfer_id"], f"sender failed: {header.get('error')}")
+        else:
+            logger.warning("unknown KV message %r", kind)
+
+    def record_arrival(
+        self, transfer_id: str, layer: int, block_ids: list[int], num_bytes: int, ready_at: float | None
+    ) -> None:
+        now_wall, now = time.time(), time.monotonic()
+        complete = False
+        with self._lock:
+            expectation = self._expectations.get(transfer_id)
+            if expectation is None or expectation.done:
+                return  # cancelled, timed out, or never ours: late data is ignored
+            for block_id in block_ids:
+                key = (layer, block_id)
+                if key not in expectation.seen:
+                    expectation.seen.add(key)
+                    expectation.arrived += 1
+            expectation.num_bytes += num_bytes
+            expectation.first_arrival = expectation.first_arrival or now_wall
+            expectation.last_arrival = now_wall
+            expectation.last_progress = now
+            if ready_at is not None:
+                expectation.sender_ready_at = max(expectation.sender_ready_at or 0.0, ready_at)
+            complete = expectation.arrived >= expectation.expected
+        if complete:
+            self._finish(transfer_id, None)
+
+    def _check_deadlines(self) -> None:
+        now = time.monotonic()
+        expired: list[tuple[str, str]] = []
+        with self._lock:
+            for transfer_id, expectation in self._expectations.items():
+                if expectation.first_arrival is None and now > expectation.ttl_deadline:
+                    expired.append((transfer_id, "no KV arrived within the reservation TTL"))
+                elif (
+                    expectation.first_arrival is not None
+                    and now - expectation.last_progress > self.config.timeout_s
+                ):
+                    expired.append(
+                        (transfer_id, f"KV transfer stalled for {self.config.timeout_s:.1f}s (sender gone?)")
+                    )
+        for transfer_id, error in expired:
+            self._finish(transfer_id, error)
+
+    def _finish(self, transfer_id: str, error: str | None) -> None:
+        with self._lock:
+            expectation = self._expectations.pop(transfer_id, None)
+            if expectation is None or expectation.done:
+                return
+            expectation.done = True
+        result = TransferResult(
+            transfer_id=transfer_id,
+            ok=error is None,
+            error=error,
+            num_bytes=expectation.num_bytes,
+            started_at=expectation.started_at,
+            first_arrival=expectation.first_arrival,
+            last_arrival=expectation.last_arrival,
+            sender_ready_at=expectation.sender_ready_at,
+        )
+        with contextlib.suppress(Exception):
+            expectation.on_done(result)
+
+
+def make_transport(
+    engine_id: str, config: TransferConfig, host: str = "127.0.0.1", port: int = 0, max_queued_jobs: int = 64
+) -> KVTransport:
+    """The transport `config.transport` names."""
+    if config.transport == "shm":
+        from splitserve.kv.shm_transport import ShmTransport
+
+        return ShmTransport(engine_id, config, host, port, max_queued_jobs)
+    if config.transport == "tcp":
+        from splitserve.kv.tcp_transport import TcpTransport
+
+        return TcpTransport(engine_id, config, host, port, max_queued_jobs)
+    raise TransferError(f"unknown KV transport {config.transport!r} (shm or tcp)")

@@ -1,0 +1,211 @@
+"""One decoder for Llama, Qwen2 (QKV bias) and Qwen3 (per-head q/k RMSNorm).
+
+Q, K, V projections are fused into one matmul, gate and up into another. Numerics
+follow transformers (RMSNorm in float32, RoPE tables cast to the model dtype) so that
+greedy outputs match its `generate` exactly in float32.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from splitserve.model.attention import AttentionMetadata, paged_attention, write_kv
+from splitserve.model.loader import DecoderConfig, iter_safetensors
+
+# Called after layer i's KV is written: (layer_idx, kv_layer) -> None.
+LayerHook = Callable[[int, torch.Tensor], None]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(config: DecoderConfig) -> torch.Tensor:
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling_dict
+    if not scaling:
+        return inv_freq
+    kind = scaling.get("rope_type") or scaling.get("type")
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: DecoderConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim,
+        )
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.scale = self.head_dim**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_layer: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        write_kv(kv_layer, k, v, meta.slot_mapping)
+        out = paged_attention(q, k, v, kv_layer, meta, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: DecoderConfig) -> None:
+        super().__init__()
+        self.intermediate = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: DecoderConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: DecoderConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        # [T, 1, head_dim]: broadcast over heads
+        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_cache: torch.Tensor,  # [layers, 2, blocks, block_size, kv_heads, head_dim]
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,  # rows whose next token is sampled
+        before_layer: Callable[[int], None] | None = None,
+        after_layer: LayerHook | None = None,
+    ) -> torch.Tensor:
+        """Returns float32 logits [len(logits_indices), vocab]."""
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rope(positions, hidden.dtype)
+        residual = hidden
+        for i, layer in enumerate(self.layers):
+            if before_layer is not None:
+                before_layer(i)
+            attn_out = layer.self_attn(layer.input_layernorm(residual), cos, sin, kv_cache[i], meta)
+            if after_layer is not None:
+                after_layer(i, kv_cache[i])
+            residual = residual + attn_out
+            residual = residual + layer.mlp(layer.post_attention_layernorm(residual))
+        last = self.norm(residual[logits_indices])
+        return self.lm_head(last).float()
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Fill from HF tensor names, fusing q/k/v and gate/up."""
+        params = dict(self.named_parameters())
+        c = self.config
+        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        loaded: set[str] = set()
+        fused = {
+            "q_proj": ("qkv_proj", 0, q),
+            "k_proj": ("qkv_proj", q, kv),
+            "v_proj": ("qkv_proj", q + kv, kv),
+            "gate_proj": ("gate_up_proj", 0, c.intermediate_size),
+            "up_proj": ("gate_up_proj", c.intermediate_size, c.intermediate_size),
+        }
+        for name, tensor in weights.items():
+            if "rotary_emb" in name:
+                continue
+            target, start, size = name.removeprefix("model."), 0, None
+            for part, (fused_name, offset, length) in fused.items():
+                if f".{part}." in target:
+                    target, start, size = target.replace(part, fused_name), offset, length
+                    break
+            if name == "lm_head.weight":
+                target = "lm_head.weight"
+            if target not in params:
+                raise ValueError(f"unexpected weight {name!r}")
+            param = params[target]
+            with torch.no_grad():
+                if size is None:
+                    param.copy_(tensor)
+                else:
+                    param.narrow(0, start, size).copy_(tensor)
+            loaded.add(name)
+        if c.tie_word_embeddings or "lm_head.weight" not in weights:
+            self.lm_head.weight = self.embed_tokens.weight
+
+
+def load_model(
+    model_dir: str, config: DecoderConfig, dtype: torch.dtype, device: torch.device
+) -> DecoderModel:
+    with torch.device("meta"):
+        model = DecoderModel(config)
+    model = model.to_empty(device=device).to(dtype)
+    model.inv_freq = rope_inv_freq(config).to(device)
+    model.load_weights(dict(iter_safetensors(model_dir)))
+    return model.eval()

@@ -1,0 +1,61 @@
+"""`splitserve serve [MODEL]`: the collocated OpenAI-compatible server.
+
+One process: the renderer, an `AsyncEngine` (its own thread) behind a `LocalEngineClient`,
+and the OpenAI routes. Takes the engine's flags (`splitserve engine --help`) plus the
+frontend's (chat template, parsers, body limit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from splitserve.server import engine_cli, render_cli
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    engine_cli.add_arguments(parser)
+    parser.set_defaults(port=8000)
+    render_cli.add_frontend_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from splitserve.engine.async_engine import AsyncEngine
+    from splitserve.frontend.chat_template import TemplateError
+    from splitserve.frontend.render import Renderer
+    from splitserve.model.tiny import resolve_model
+    from splitserve.server.local_engine_client import LocalEngineClient
+    from splitserve.server.openai_app import create_openai_app
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if args.role != "both":
+        print("splitserve serve: the collocated server runs --role both", file=sys.stderr)
+        return 2
+    model_dir = resolve_model(args.model)
+    try:
+        engine = AsyncEngine(engine_cli.engine_config(args, model_dir))
+    except ValueError as exc:
+        print(f"splitserve serve: {exc}", file=sys.stderr)
+        return 2
+    max_model_len = engine.model_config.max_model_len  # the engine's bound is the one that holds
+    try:
+        renderer = Renderer(render_cli.render_config(args, model_dir, max_model_len))
+    except (OSError, TemplateError, ValueError) as exc:
+        engine.shutdown()
+        print(f"splitserve serve: {exc}", file=sys.stderr)
+        return 2
+    client = LocalEngineClient(engine, max_model_len=max_model_len)
+    app = create_openai_app(
+        renderer,
+        client,
+        max_body_bytes=args.max_body_bytes,
+        on_startup=engine.start,
+        on_shutdown=engine.shutdown,
+    )
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    return 0

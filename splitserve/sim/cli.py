@@ -1,0 +1,218 @@
+"""`splitserve sim <command>`: the seed's analyses, the simulator, goodput and the planner.
+Every command prints a table, or JSON with --json; bad input exits non-zero with a message."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from splitserve.sim import commands
+from splitserve.sim.calibrate import CalibrationError
+from splitserve.sim.specs import SpecError
+from splitserve.sim.workload import WorkloadError
+
+
+def _common(
+    p: argparse.ArgumentParser, model: str = "Qwen2.5-7B", gpu: str = "L40S", compute: float = 0.47
+) -> None:
+    p.add_argument("--model", default=model, help="built-in name or a HF config.json path/dir")
+    p.add_argument("--gpu", default=gpu, help="built-in name (L40S, A100-80G, H100-SXM, H200, B200) or JSON")
+    p.add_argument("--eff-compute", type=float, default=compute, help="achieved fraction of peak FLOP/s")
+    p.add_argument("--eff-bandwidth", type=float, default=0.75, help="achieved fraction of peak bandwidth")
+    p.add_argument("--eff-attention", type=float, default=None, help="prefill attention's fraction of peak")
+    p.add_argument("--overhead-ms", type=float, default=2.0, help="fixed cost per step")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _workload(p: argparse.ArgumentParser, seeds: int = 5) -> None:
+    p.add_argument("--requests", type=int, default=100, help="requests per run")
+    p.add_argument("--prompt", default="8192", help="N, uniform:LO:HI, normal:M:S, exp:M, lognormal:MED:SIG")
+    p.add_argument("--output", default="256", help="output tokens (same forms as --prompt)")
+    p.add_argument("--burstiness", type=float, default=1.0, help="1 Poisson; >1 burstier (gamma CV^2)")
+    p.add_argument("--trace", default=None, help="replay a CSV/JSONL trace instead (rates scale its time)")
+    p.add_argument("--seeds", type=int, default=seeds, help="runs averaged per point")
+    p.add_argument(
+        "--turns",
+        type=int,
+        default=1,
+        help="> 1: multi-turn sessions (--requests/turns sessions arriving at the rate; --prompt "
+        "is the first prompt, --output each answer)",
+    )
+    p.add_argument("--message", type=int, default=400, help="tokens of each follow-up message")
+    p.add_argument("--think-s", type=float, default=5.0, help="user think time between turns")
+    p.add_argument(
+        "--stripped",
+        type=int,
+        default=0,
+        help="tokens of each answer the chat template drops next turn (reasoning)",
+    )
+
+
+def _deployment(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--preset",
+        choices=["seed", "realistic"],
+        default="seed",
+        help="seed: the seed's simulator; realistic: per-kernel step times, several prompts "
+        "per step, KV memory limit, load-unaware routing",
+    )
+    p.add_argument("--replicas", type=int, default=2, help="collocated instances")
+    p.add_argument("--tp", type=int, default=1, help="GPUs per collocated instance")
+    p.add_argument("--prefill-instances", type=int, default=1)
+    p.add_argument("--decode-instances", type=int, default=1)
+    p.add_argument("--tp-prefill", type=int, default=1)
+    p.add_argument("--tp-decode", type=int, default=1)
+    p.add_argument("--budget", type=int, default=2048, help="tokens per collocated step")
+    p.add_argument("--routing", choices=["round_robin", "random", "least_loaded"], default=None)
+    p.add_argument("--link-gbps", type=float, default=200.0, help="KV link when no fixed transfer time")
+    p.add_argument("--transfer-overhead-ms", type=float, default=0.0)
+    p.add_argument("--layerwise", action="store_true", help="stream KV layer by layer during prefill")
+    p.add_argument("--notify", choices=["immediate", "step"], default="immediate")
+    p.add_argument("--kv-limit", action="store_true", help="enforce KV memory capacity")
+    p.add_argument(
+        "--bidirectional",
+        action="store_true",
+        help="multi-turn P/D: prefill pulls the last answer's KV back from decode",
+    )
+    p.add_argument(
+        "--design",
+        action="append",
+        default=None,
+        help="collocated | pd | pd:SECONDS (fixed handoff); repeatable "
+        "(default: collocated, pd:1.3, pd:0.02 as in the seed)",
+    )
+
+
+def _slo(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--slo",
+        choices=["average", "worst-gap", "both", "custom"],
+        default="both",
+        help="the seed's targets, or custom from the flags below",
+    )
+    p.add_argument("--ttft", type=float, default=None, help="custom SLO: TTFT seconds")
+    p.add_argument("--tpot-ms", type=float, default=None)
+    p.add_argument("--p99-itl-ms", type=float, default=None)
+    p.add_argument("--worst-gap-ms", type=float, default=None)
+    p.add_argument("--target", type=float, default=0.9, help="fraction of requests that must meet the SLO")
+
+
+def _rates(text: str) -> list[float]:
+    try:
+        rates = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"bad rate list {text!r}") from exc
+    if not rates or min(rates) <= 0:
+        raise argparse.ArgumentTypeError("rates must be > 0")
+    return rates
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"bad integer list {text!r}") from exc
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError("values must be >= 1")
+    return values
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="sim_command", metavar="COMMAND")
+    sub.required = True
+
+    p = sub.add_parser("kv", help="KV bytes per token/request, transfer time, layer-wise exposure")
+    _common(p, model="Llama-3.1-70B", gpu="H100-SXM", compute=0.45)
+    p.add_argument("--tokens", type=int, default=10_000)
+    p.add_argument("--link-gbps", type=float, action="append", default=None, help="repeatable (default 400)")
+    p.add_argument("--tp", type=int, default=8, help="GPUs doing the prefill (for the layer-wise overlap)")
+
+    p = sub.add_parser("roofline", help="FLOPs, bytes, bound and ideal/expected time of steps")
+    _common(p)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--prefill", type=int, action="append", default=None, help="extra prefill row: N tokens")
+    p.add_argument("--past", type=int, default=0, help="cached tokens before the extra prefill rows")
+    p.add_argument("--decode", type=int, action="append", default=None, help="extra decode row: batch")
+    p.add_argument("--context", type=int, default=8192, help="context per sequence of the extra decode rows")
+
+    p = sub.add_parser("scenario", help="two streams and one long prompt: who waits? (the seed's opening)")
+    _common(p)
+    p.add_argument("--prompt-tokens", type=int, default=8192)
+
+    for name, help_ in (
+        ("simulate", "median TTFT and ITL p50/p99 per rate and design"),
+        ("goodput", "SLO attainment per rate and design, and goodput"),
+        ("sweep-chunk", "collocated chunk budget sweep: TTFT, p99 ITL, worst gap"),
+    ):
+        p = sub.add_parser(name, help=help_)
+        _common(p)
+        _workload(p)
+        _deployment(p)
+        default_rates = {
+            "simulate": "0.2,0.4,0.6,1.0,1.5,2.0",
+            "goodput": "0.2,0.4,0.6,0.8,1.0,1.2,1.5",
+            "sweep-chunk": "0.4,1.0",
+        }[name]
+        p.add_argument("--rates", type=_rates, default=_rates(default_rates))
+        if name == "goodput":
+            _slo(p)
+        if name == "sweep-chunk":
+            p.add_argument("--budgets", type=_ints, default=[512, 1024, 2048, 4096, 8192])
+        p.add_argument("--plot", default=None, help="write a PNG (attainment vs rate, or ITL CDF)")
+
+    p = sub.add_parser(
+        "beyond", help="what the seed's simulator misses, against the guide's 263 ms at 2 req/s"
+    )
+    _common(p)
+    _workload(p)
+    p.add_argument("--rates", type=_rates, default=_rates("0.4,1.0,2.0"))
+
+    p = sub.add_parser("multiturn", help="prefill work per turn: collocated, one-way and bidirectional P/D")
+    _common(p)
+    p.add_argument("--first-prompt", type=int, default=4000)
+    p.add_argument("--answer", type=int, default=600)
+    p.add_argument("--message", type=int, default=400)
+    p.add_argument("--turns", type=int, default=6)
+
+    p = sub.add_parser("tp", help="prefill TTFT and decode batch per TP size (two pools, two questions)")
+    _common(p, model="Llama-3.1-70B", gpu="H100-SXM", compute=0.45)
+    p.add_argument("--tps", type=_ints, default=[4, 8])
+    p.add_argument("--prompt-tokens", type=int, default=8192)
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--itl-ms", type=float, default=40.0)
+
+    p = sub.add_parser("cuts", help="what crosses each cut: embeddings, KV cache, MoE hidden states")
+    _common(p)
+    p.add_argument("--moe-model", default="DeepSeek-V3")
+
+    p = sub.add_parser("plan", help="rank collocated and xP:yD layouts by goodput for an SLO")
+    _common(p)
+    _workload(p, seeds=2)
+    _deployment(p)
+    _slo(p)
+    p.add_argument("--gpus", type=int, default=2)
+    p.add_argument("--tps", type=_ints, default=[1, 2, 4, 8])
+    p.add_argument("--budgets", type=_ints, default=[512, 2048, 8192])
+    p.add_argument("--transfer-s", type=float, default=None, help="fixed handoff for the P/D layouts")
+    p.add_argument("--iters", type=int, default=5, help="bisection steps per layout")
+    p.add_argument("--top", type=int, default=10)
+
+    p = sub.add_parser("calibrate", help="fit efficiency factors to measured step times (JSON)")
+    _common(p)
+    p.add_argument("input", nargs="?", help="JSON of samples (see docs/sim.md)")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument(
+        "--synthetic",
+        default=None,
+        metavar="C,B,OVERHEAD_MS",
+        help="write samples a GPU at these factors would report (to stdout) instead",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    handler = getattr(commands, "cmd_" + args.sim_command.replace("-", "_"))
+    try:
+        return int(handler(args) or 0)
+    except (SpecError, WorkloadError, CalibrationError, ValueError) as exc:
+        print(f"splitserve sim {args.sim_command}: error: {exc}", file=sys.stderr)
+        return 2

@@ -1,0 +1,200 @@
+"""One simulated serving instance: a continuous-batching scheduler stepping on roofline time.
+
+Roles: "both" (collocated: decodes first, then prefill chunks fill the step's token budget),
+"prefill" (prompts only; a finished prompt is handed to the simulator) and "decode" (joins
+requests whose KV has arrived at the next step boundary).
+
+Speed: a running request emits one token on every step of its instance until it finishes,
+so its token times are a contiguous slice of the instance's step end times. Only step times
+are stored, and runs of decode-only steps between two events are computed in one numpy
+call; a new arrival cuts such a run at the first step boundary after it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from splitserve.sim.roofline import ZERO, Cost, Roofline
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    budget: int | None = 2048  # tokens per step, decodes included (None: no limit)
+    max_prefills_per_step: int | None = 1  # prompts advanced per step (None: as many as fit)
+    kv_capacity_tokens: int | None = None  # None: unlimited; else reserve prompt+output at admission
+
+    def __post_init__(self) -> None:
+        if self.budget is not None and self.budget < 1:
+            raise ValueError("budget must be >= 1")
+        if self.max_prefills_per_step is not None and self.max_prefills_per_step < 1:
+            raise ValueError("max_prefills_per_step must be >= 1")
+
+
+class Engine:
+    """State of one instance. The simulator calls `enqueue`, `plan` and `finish_step`."""
+
+    def __init__(
+        self,
+        index: int,
+        role: str,
+        roofline: Roofline,
+        sched: SchedulerConfig,
+        prompt: np.ndarray,
+        output: np.ndarray,
+    ) -> None:
+        self.index, self.role, self.roofline, self.sched = index, role, roofline, sched
+        self._prompt, self._output = prompt, output
+        self.step_chunks: list[np.ndarray] = []  # step end times, appended in order
+        self.n_steps = 0
+        self.waiting: deque[list] = deque()  # [rid, tokens done, prompt tokens, reserved?]
+        self.ready: deque[int] = deque()  # decode role: KV arrived, waiting to join
+        self.pulls: list[int] = []  # decode role, notify=step: transfers to start at a boundary
+        self.run_ids: list[int] = []
+        self.run_left: list[int] = []
+        self.run_ctx: list[int] = []
+        self.reserved = 0
+        self.busy_until: float | None = None  # end of the in-flight step or run
+        self.version = 0  # bumps when the in-flight work is replaced (stale events are dropped)
+        self._run_times: np.ndarray | None = None  # in-flight decode-only run
+        self._chunks: list[tuple[int, int, int]] = []  # in-flight mixed step: (rid, tokens, past)
+        self.busy_s = 0.0
+
+    # ---- load ---------------------------------------------------------------------------
+    def outstanding(self) -> int:
+        return len(self.waiting) + len(self.ready) + len(self.pulls) + len(self.run_ids)
+
+    def enqueue_prefill(self, rid: int, cached: int) -> None:
+        self.waiting.append([rid, cached, int(self._prompt[rid]), False])
+
+    def cut_run(self, now: float) -> float | None:
+        """New work arrived at `now` during a decode-only run: end the run at the first step
+        boundary at or after `now`. Returns the new end time if it moved, else None."""
+        times = self._run_times
+        if times is None or self.busy_until is None or now >= self.busy_until:
+            return None
+        k = int(np.searchsorted(times, now, side="left"))
+        if k >= len(times) - 1:
+            return None
+        self._run_times = times[: k + 1]
+        self.busy_s -= self.busy_until - float(times[k])
+        self.busy_until = float(times[k])
+        self.version += 1
+        return self.busy_until
+
+    # ---- planning -----------------------------------------------------------------------
+    def _fits(self, rid: int) -> bool:
+        cap = self.sched.kv_capacity_tokens
+        need = int(self._prompt[rid] + self._output[rid])
+        return cap is None or self.reserved + need <= cap
+
+    def plan(self, now: float, admitted: Callable[[int, int], None]) -> float | None:
+        """Start the next step (or run of decode steps) at `now`; returns its end time.
+        `admitted(rid, first_step)` is told when a decode-role request joins the batch."""
+        self._chunks, self._run_times = [], None
+        if self.role == "decode":
+            while self.ready and self._fits(self.ready[0]):
+                rid = self.ready.popleft()
+                self.reserved += int(self._prompt[rid] + self._output[rid])
+                self.run_ids.append(rid)
+                self.run_left.append(int(self._output[rid]))
+                self.run_ctx.append(int(self._prompt[rid]))
+                admitted(rid, self.n_steps)
+        else:
+            self._plan_chunks()
+        batch = len(self.run_ids)
+        if not self._chunks and batch == 0:
+            self.busy_until = None
+            return None
+        ctx = float(sum(self.run_ctx))
+        if self._chunks:
+            cost: Cost = self.roofline.decode(batch, ctx) if batch else ZERO
+            for _, n, past in self._chunks:
+                cost = cost + self.roofline.prefill(n, past=past)
+            end = now + self.roofline.step_s(cost)
+        else:
+            steps = min(self.run_left)
+            durations = self.roofline.decode_times(batch, ctx + batch * np.arange(steps))
+            self._run_times = now + np.cumsum(durations)
+            end = float(self._run_times[-1])
+        self.busy_s += end - now
+        self.busy_until = end
+        return end
+
+    def _plan_chunks(self) -> None:
+        budget = self.sched.budget
+        left = (budget - len(self.run_ids)) if budget is not None else None
+        limit = self.sched.max_prefills_per_step
+        for entry in self.waiting:
+            if left is not None and left <= 0:
+                break
+            if limit is not None and len(self._chunks) >= limit:
+                break
+            rid, done, total, reserved = entry
+            if not reserved:
+                if not self._fits(rid):
+                    break  # first come, first served: later prompts wait behind it
+                self.reserved += int(self._prompt[rid] + self._output[rid])
+                entry[3] = True
+            n = total - done if left is None else min(left, total - done)
+            self._chunks.append((rid, n, done))
+            if left is not None:
+                left -= n
+
+    # ---- completing ---------------------------------------------------------------------
+    def finish_step(self) -> tuple[np.ndarray, list[int], list[int]]:
+        """Account for the in-flight work. Returns (step end times, requests whose output
+        finished, requests whose prefill finished)."""
+        if self._run_times is not None:
+            times = self._run_times
+        else:
+            times = np.array([self.busy_until])
+        k = len(times)
+        self.step_chunks.append(times)
+        self.n_steps += k
+        finished: list[int] = []
+        keep = []
+        for i, rid in enumerate(self.run_ids):
+            self.run_left[i] -= k
+            self.run_ctx[i] += k
+            if self.run_left[i] <= 0:
+                finished.append(rid)
+                self.reserved -= int(self._prompt[rid] + self._output[rid])
+            else:
+                keep.append(i)
+        if finished:
+            self.run_ids = [self.run_ids[i] for i in keep]
+            self.run_left = [self.run_left[i] for i in keep]
+            self.run_ctx = [self.run_ctx[i] for i in keep]
+        prefilled: list[int] = []
+        for rid, n, _ in self._chunks:
+            entry = next(e for e in self.waiting if e[0] == rid)
+            entry[1] += n
+            if entry[1] >= entry[2]:
+                self.waiting.remove(entry)
+                prefilled.append(rid)
+        self._chunks, self._run_times = [], None
+        self.busy_until = None
+        return times, finished, prefilled
+
+    def join_after_prefill(self, rid: int) -> bool:
+        """Collocated: the step that finished the prompt emitted the first token. Returns
+        True if that was the only token (the request is done)."""
+        left = int(self._output[rid]) - 1
+        if left <= 0:
+            self.reserved -= int(self._prompt[rid] + self._output[rid])
+            return True
+        self.run_ids.append(rid)
+        self.run_left.append(left)
+        self.run_ctx.append(int(self._prompt[rid]) + 1)
+        return False
+
+    def release_prefill(self, rid: int) -> None:
+        """Prefill role: the KV left for decode; free its reservation."""
+        self.reserved -= int(self._prompt[rid] + self._output[rid])
+
+    def step_times(self) -> np.ndarray:
+        return np.concatenate(self.step_chunks) if self.step_chunks else np.zeros(0)

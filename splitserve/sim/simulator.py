@@ -1,0 +1,356 @@
+"""Discrete-event serving simulator: collocated replicas, or P/D (N prefill, M decode
+instances) with a KV handoff between them.
+
+Per request it records the time to first token, every inter-token gap, TPOT and the worst
+gap. The seed's simulator is the default configuration (one prompt advanced per step, whole
+prompts on the prefill side, round-robin routing, roofline "max" step times, no memory
+limit); each of those is a switch, which is how `seed` vs `realistic` differ.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from splitserve.sim.engine import Engine, SchedulerConfig
+from splitserve.sim.kv import exposed_transfer_s, transfer_s
+from splitserve.sim.roofline import Efficiency, Roofline
+from splitserve.sim.specs import GPUSpec, ModelSpec
+from splitserve.sim.workload import Workload
+
+_ARRIVE, _STEP_END, _KV_READY, _PULL, _ENQ_PREFILL = range(5)
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    """How KV moves from prefill to decode. `fixed_s` (a measured handoff, such as the guide's
+    1.3 s) replaces the link model; otherwise bytes / link + overhead, all of it after prefill
+    ("bulk") or only the part not hidden behind prefill's compute ("layerwise").
+    notify="step": decode starts pulling when it next checks between its steps (vLLM NIXL);
+    "immediate": prefill pushes and decode picks the KV up at its next step boundary."""
+
+    fixed_s: float | None = None
+    link_gbps: float = 200.0
+    overhead_s: float = 0.0
+    layerwise: bool = False
+    notify: str = "immediate"
+
+    def __post_init__(self) -> None:
+        if self.notify not in ("immediate", "step"):
+            raise ValueError("notify must be 'immediate' or 'step'")
+        if self.fixed_s is not None and self.fixed_s < 0:
+            raise ValueError("fixed transfer time must be >= 0")
+        if self.link_gbps <= 0 or self.overhead_s < 0:
+            raise ValueError("link bandwidth must be > 0 and overhead >= 0")
+
+
+@dataclass(frozen=True)
+class Deployment:
+    model: ModelSpec
+    gpu: GPUSpec
+    mode: str = "collocated"  # or "pd"
+    replicas: int = 2  # collocated instances behind the router
+    prefill_instances: int = 1
+    decode_instances: int = 1
+    tp: int = 1  # GPUs per collocated instance
+    tp_prefill: int = 1
+    tp_decode: int = 1
+    eff: Efficiency = field(default_factory=Efficiency)
+    combine: str = "max"
+    sched: SchedulerConfig = field(default_factory=SchedulerConfig)
+    prefill_sched: SchedulerConfig = field(default_factory=lambda: SchedulerConfig(budget=None))
+    routing: str = "round_robin"  # or "random", "least_loaded"
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    bidirectional: bool = False  # multi-turn: prefill pulls the last answer's KV back from decode
+    kv_limit: bool = False  # reserve KV memory per request; capacity from GPU memory
+    mem_util: float = 0.9
+    prefix_ttl_s: float = 480.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("collocated", "pd"):
+            raise ValueError("mode must be 'collocated' or 'pd'")
+        if self.routing not in ("round_robin", "random", "least_loaded"):
+            raise ValueError("routing must be round_robin, random or least_loaded")
+        if min(self.replicas, self.prefill_instances, self.decode_instances) < 1:
+            raise ValueError("instance counts must be >= 1")
+        if min(self.tp, self.tp_prefill, self.tp_decode) < 1:
+            raise ValueError("tensor-parallel sizes must be >= 1")
+
+    @property
+    def gpus(self) -> int:
+        if self.mode == "collocated":
+            return self.replicas * self.tp
+        return self.prefill_instances * self.tp_prefill + self.decode_instances * self.tp_decode
+
+    def roofline(self, tp: int) -> Roofline:
+        return Roofline(self.model, self.gpu, self.eff, tp=tp, combine=self.combine)
+
+    def label(self) -> str:
+        if self.mode == "collocated":
+            return f"{self.replicas}x collocated TP{self.tp} (budget {self.sched.budget})"
+        return f"{self.prefill_instances}P(TP{self.tp_prefill}):{self.decode_instances}D(TP{self.tp_decode})"
+
+
+@dataclass(frozen=True)
+class SimResult:
+    arrival: np.ndarray
+    ttft: np.ndarray  # inf for a request that could never be admitted
+    tpot: np.ndarray
+    worst_gap: np.ndarray
+    e2e: np.ndarray
+    output: np.ndarray
+    gaps: list[np.ndarray]  # every inter-token gap, per request
+    busy_fraction: list[float]  # per instance
+    rejected: int
+
+    def itl(self) -> np.ndarray:
+        parts = [g for g in self.gaps if len(g)]
+        return np.concatenate(parts) if parts else np.zeros(0)
+
+    def p99_gap(self) -> np.ndarray:
+        """Each request's own 99th-percentile inter-token gap."""
+        return np.array([np.percentile(g, 99) if len(g) else 0.0 for g in self.gaps])
+
+    def summary(self) -> dict[str, float]:
+        itl = self.itl()
+        ok = np.isfinite(self.ttft)
+        return {
+            "requests": len(self.ttft),
+            "rejected": self.rejected,
+            "ttft_median_s": float(np.median(self.ttft[ok])) if ok.any() else float("inf"),
+            "ttft_p99_s": float(np.percentile(self.ttft[ok], 99)) if ok.any() else float("inf"),
+            "itl_p50_s": float(np.percentile(itl, 50)) if len(itl) else 0.0,
+            "itl_p99_s": float(np.percentile(itl, 99)) if len(itl) else 0.0,
+            "tpot_median_s": float(np.median(self.tpot[ok])) if ok.any() else 0.0,
+            "worst_gap_max_s": float(self.worst_gap[ok].max()) if ok.any() else 0.0,
+        }
+
+
+class _Sim:
+    def __init__(self, dep: Deployment, wl: Workload, seed: int) -> None:
+        self.dep, self.wl = dep, wl
+        self.rng = np.random.default_rng(seed + 7919)
+        self.heap: list[tuple[float, int, int, int, int]] = []
+        self.seq = 0
+        self.rr = 0
+        n = len(wl)
+        self.arrive = wl.arrival.astype(float).copy()
+        self.first_step = np.full(n, -1, dtype=np.int64)
+        self.engine_of = np.full(n, -1, dtype=np.int64)
+        self.prefill_of = np.full(n, -1, dtype=np.int64)
+        self.finish = np.full(n, np.nan)
+        self.cached = np.zeros(n, dtype=np.int64)
+        self.rejected = np.zeros(n, dtype=bool)
+        self.followers: dict[int, list[int]] = {}
+        for i, a in enumerate(wl.after):
+            if a >= 0:
+                self.followers.setdefault(int(a), []).append(i)
+        self.engines: list[Engine] = []
+        if dep.mode == "collocated":
+            self.front = self._make(dep.replicas, "both", dep.tp, dep.sched)
+            self.back: list[Engine] = []
+        else:
+            self.front = self._make(dep.prefill_instances, "prefill", dep.tp_prefill, dep.prefill_sched)
+            self.back = self._make(dep.decode_instances, "decode", dep.tp_decode, dep.sched)
+
+    def _make(self, count: int, role: str, tp: int, sched: SchedulerConfig) -> list[Engine]:
+        rl = self.dep.roofline(tp)
+        if self.dep.kv_limit and sched.kv_capacity_tokens is None and role != "prefill":
+            sched = replace(sched, kv_capacity_tokens=rl.kv_capacity_tokens(self.dep.mem_util))
+        made = [
+            Engine(len(self.engines) + i, role, rl, sched, self.wl.prompt, self.wl.output)
+            for i in range(count)
+        ]
+        self.engines.extend(made)
+        return made
+
+    def push(self, t: float, kind: int, a: int, b: int = 0) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (t, self.seq, kind, a, b))
+
+    # ---- engines ------------------------------------------------------------------------
+    def wake(self, e: Engine, t: float) -> None:
+        if e.busy_until is None:
+            self.start(e, t)
+        else:
+            end = e.cut_run(t)
+            if end is not None:
+                self.push(end, _STEP_END, e.index, e.version)
+
+    def start(self, e: Engine, t: float) -> None:
+        for rid in e.pulls:  # notify=step: the transfer starts when decode checks
+            self.push(t + self.transfer_time(rid), _KV_READY, e.index, rid)
+        e.pulls = []
+
+        def admitted(rid: int, step: int) -> None:
+            self.first_step[rid], self.engine_of[rid] = step, e.index
+
+        end = e.plan(t, admitted)
+        if end is not None:
+            self.push(end, _STEP_END, e.index, e.version)
+
+    def step_end(self, e: Engine, t: float) -> None:
+        _, finished, prefilled = e.finish_step()
+        for rid in finished:
+            self.done(rid, t)
+        for rid in prefilled:
+            if e.role == "both":
+                self.first_step[rid], self.engine_of[rid] = e.n_steps - 1, e.index
+                if e.join_after_prefill(rid):
+                    self.done(rid, t)
+            else:
+                e.release_prefill(rid)
+                self.handoff(rid, t)
+        self.start(e, t)
+
+    def done(self, rid: int, t: float) -> None:
+        self.finish[rid] = t
+        for f in self.followers.get(rid, ()):
+            self.push(t + float(self.wl.think_s[f]), _ARRIVE, f)
+
+    # ---- routing and handoff ------------------------------------------------------------
+    def pick(self, pool: list[Engine]) -> Engine:
+        if len(pool) == 1:
+            return pool[0]
+        if self.dep.routing == "round_robin":
+            self.rr += 1
+            return pool[(self.rr - 1) % len(pool)]
+        if self.dep.routing == "random":
+            return pool[int(self.rng.integers(len(pool)))]
+        return min(pool, key=lambda e: (e.outstanding(), e.index))
+
+    def arrive_at(self, rid: int, t: float) -> None:
+        self.arrive[rid] = t
+        wl, dep = self.wl, self.dep
+        prev = int(wl.after[rid])
+        prompt = int(wl.prompt[rid])
+        fresh = prev >= 0 and t - self.finish[prev] <= dep.prefix_ttl_s
+        if dep.mode == "collocated":
+            sticky = fresh and self.engine_of[prev] >= 0
+            e = self.engines[int(self.engine_of[prev])] if sticky else self.pick(self.front)
+            cached = int(wl.prefix[rid]) if sticky else 0
+            e.enqueue_prefill(rid, min(cached, prompt - 1))
+            self.wake(e, t)
+            return
+        sticky = fresh and self.prefill_of[prev] >= 0
+        e = self.engines[int(self.prefill_of[prev])] if sticky else self.pick(self.front)
+        self.prefill_of[rid] = e.index
+        pull_s = 0.0
+        if not sticky:
+            cached = 0
+        elif dep.bidirectional:  # the answer's blocks come back from decode
+            cached = int(wl.prefix[rid])
+            pulled = max(0, cached - int(wl.prev_prompt[rid]))
+            pull_s = self._link_s(pulled * dep.model.kv_bytes_per_token)
+        else:  # one-way: prefill only holds the previous prompt
+            cached = min(int(wl.prefix[rid]), int(wl.prev_prompt[rid]))
+        self.cached[rid] = min(cached, prompt - 1)
+        if pull_s > 0:
+            self.push(t + pull_s, _ENQ_PREFILL, e.index, rid)
+        else:
+            e.enqueue_prefill(rid, int(self.cached[rid]))
+            self.wake(e, t)
+
+    def _link_s(self, num_bytes: float) -> float:
+        tr = self.dep.transfer
+        return transfer_s(num_bytes, tr.link_gbps, tr.overhead_s)
+
+    def transfer_time(self, rid: int) -> float:
+        tr, model = self.dep.transfer, self.dep.model
+        if tr.fixed_s is not None:
+            return tr.fixed_s
+        size = int(self.wl.prompt[rid]) * model.kv_bytes_per_token
+        if not tr.layerwise:
+            return self._link_s(size)
+        rl = self.front[0].roofline
+        cached = int(self.cached[rid])
+        prefill_s = rl.step_s(rl.prefill(int(self.wl.prompt[rid]) - cached, past=cached))
+        return exposed_transfer_s(size, model.layers, tr.link_gbps, prefill_s, True) + tr.overhead_s
+
+    def handoff(self, rid: int, t: float) -> None:
+        d = min(self.back, key=lambda e: (e.outstanding(), e.index))
+        cap = d.sched.kv_capacity_tokens
+        if cap is not None and self.wl.prompt[rid] + self.wl.output[rid] > cap:
+            self.rejected[rid] = True
+            return
+        if self.dep.transfer.notify == "step":
+            self.push(t, _PULL, d.index, rid)
+        else:
+            self.push(t + self.transfer_time(rid), _KV_READY, d.index, rid)
+
+    # ---- main loop ----------------------------------------------------------------------
+    def run(self) -> SimResult:
+        wl = self.wl
+        for i in np.flatnonzero(wl.after < 0):
+            self._check_fits(int(i))
+            if not self.rejected[i]:
+                self.push(float(wl.arrival[i]), _ARRIVE, int(i))
+        while self.heap:
+            t, _, kind, a, b = heapq.heappop(self.heap)
+            if kind == _ARRIVE:
+                self._check_fits(a)
+                if not self.rejected[a]:
+                    self.arrive_at(a, t)
+            elif kind == _STEP_END:
+                e = self.engines[a]
+                if b == e.version and e.busy_until is not None:
+                    self.step_end(e, t)
+            elif kind == _KV_READY:
+                self.engines[a].ready.append(b)
+                self.wake(self.engines[a], t)
+            elif kind == _PULL:
+                self.engines[a].pulls.append(b)
+                self.wake(self.engines[a], t)
+            else:  # _ENQ_PREFILL
+                e = self.engines[a]
+                e.enqueue_prefill(b, int(self.cached[b]))
+                self.wake(e, t)
+        return self._collect()
+
+    def _check_fits(self, rid: int) -> None:
+        for e in self.engines:
+            cap = e.sched.kv_capacity_tokens
+            if cap is not None and self.wl.prompt[rid] + self.wl.output[rid] > cap:
+                self.rejected[rid] = True
+
+    def _collect(self) -> SimResult:
+        n = len(self.wl)
+        ttft, tpot = np.full(n, np.inf), np.zeros(n)
+        worst, e2e = np.zeros(n), np.full(n, np.inf)
+        gaps: list[np.ndarray] = [np.zeros(0)] * n
+        empty = np.zeros(0)
+        end_time = 0.0
+        for e in self.engines:
+            times = e.step_times()
+            if len(times):
+                end_time = max(end_time, float(times[-1]))
+            diffs = np.diff(times) if len(times) else empty
+            for rid in np.flatnonzero(self.engine_of == e.index):
+                s, o = int(self.first_step[rid]), int(self.wl.output[rid])
+                first, last = times[s], times[s + o - 1]
+                ttft[rid] = first - self.arrive[rid]
+                e2e[rid] = last - self.arrive[rid]
+                g = diffs[s : s + o - 1]
+                gaps[rid] = g
+                if o > 1:
+                    tpot[rid] = (last - first) / (o - 1)
+                    worst[rid] = g.max()
+        span = max(end_time, 1e-9)
+        return SimResult(
+            arrival=self.arrive,
+            ttft=ttft,
+            tpot=tpot,
+            worst_gap=worst,
+            e2e=e2e,
+            output=self.wl.output,
+            gaps=gaps,
+            busy_fraction=[e.busy_s / span for e in self.engines],
+            rejected=int(self.rejected.sum()),
+        )
+
+
+def simulate(dep: Deployment, wl: Workload, seed: int = 0) -> SimResult:
+    """Run one workload through one deployment. `seed` only drives random routing."""
+    return _Sim(dep, wl, seed).run()

@@ -1,0 +1,230 @@
+"""Workloads: arrivals (Poisson, bursty gamma), prompt/output lengths, multi-turn sessions,
+and traces replayed from CSV or JSONL.
+
+A workload is a set of arrays, one entry per request. Open-loop requests have an arrival
+time; a multi-turn follow-up instead names the request it follows (`after`) and a think
+time, and the simulator releases it when its predecessor's last token arrives.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+
+class WorkloadError(ValueError):
+    """Bad workload input (lengths, rates, trace files)."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    arrival: np.ndarray  # s; ignored for follow-ups (after >= 0)
+    prompt: np.ndarray  # prompt tokens (whole conversation so far for a follow-up)
+    output: np.ndarray  # output tokens
+    after: np.ndarray  # index of the request this one follows, -1 if open-loop
+    think_s: np.ndarray  # delay after the predecessor's last token
+    prefix: np.ndarray  # leading prompt tokens identical to the predecessor's prompt+output
+    prev_prompt: np.ndarray  # the predecessor's prompt length (what a one-way prefill cached)
+    session: np.ndarray  # session id (-1: none)
+
+    def __len__(self) -> int:
+        return len(self.prompt)
+
+    @staticmethod
+    def open_loop(arrival, prompt, output) -> Workload:
+        n = len(arrival)
+        zeros = np.zeros(n, dtype=np.int64)
+        return Workload(
+            arrival=np.asarray(arrival, dtype=float),
+            prompt=np.asarray(prompt, dtype=np.int64),
+            output=np.asarray(output, dtype=np.int64),
+            after=np.full(n, -1, dtype=np.int64),
+            think_s=np.zeros(n),
+            prefix=zeros,
+            prev_prompt=zeros.copy(),
+            session=np.full(n, -1, dtype=np.int64),
+        )
+
+
+def parse_lengths(spec: str | int, n: int, rng: np.random.Generator) -> np.ndarray:
+    """'8192' (fixed), 'uniform:LO:HI', 'normal:MEAN:STD', 'exp:MEAN', 'lognormal:MEDIAN:SIGMA'."""
+    text = str(spec)
+    kind, _, rest = text.partition(":")
+    try:
+        if not rest:
+            value = int(kind)
+            out = np.full(n, value)
+        else:
+            args = [float(a) for a in rest.split(":")]
+            if kind == "uniform":
+                out = rng.integers(int(args[0]), int(args[1]) + 1, n)
+            elif kind == "normal":
+                out = np.rint(rng.normal(args[0], args[1], n))
+            elif kind == "exp":
+                out = np.rint(rng.exponential(args[0], n))
+            elif kind == "lognormal":
+                out = np.rint(args[0] * np.exp(rng.normal(0.0, args[1], n)))
+            else:
+                raise WorkloadError(f"unknown length distribution {kind!r}")
+    except (ValueError, IndexError) as exc:
+        raise WorkloadError(
+            f"bad length spec {text!r}: use N, uniform:LO:HI, normal:MEAN:STD, "
+            "exp:MEAN or lognormal:MEDIAN:SIGMA"
+        ) from exc
+    out = np.maximum(np.asarray(out, dtype=np.int64), 1)
+    if not rest and value < 1:
+        raise WorkloadError(f"length must be >= 1, got {text!r}")
+    return out
+
+
+def arrivals(rate: float, n: int, rng: np.random.Generator, burstiness: float = 1.0) -> np.ndarray:
+    """Arrival times with mean rate `rate`. burstiness = 1: Poisson; > 1: gamma inter-arrival
+    times with squared coefficient of variation `burstiness` (burstier); < 1: smoother."""
+    if rate <= 0:
+        raise WorkloadError(f"rate must be > 0, got {rate}")
+    if burstiness <= 0:
+        raise WorkloadError(f"burstiness must be > 0, got {burstiness}")
+    if burstiness == 1.0:
+        gaps = rng.exponential(1.0 / rate, n)
+    else:
+        shape = 1.0 / burstiness
+        gaps = rng.gamma(shape, 1.0 / (rate * shape), n)
+    return np.cumsum(gaps)
+
+
+def synthetic(
+    rate: float,
+    n: int,
+    prompt: str | int = 8192,
+    output: str | int = 256,
+    seed: int = 0,
+    burstiness: float = 1.0,
+) -> Workload:
+    rng = np.random.default_rng(seed)
+    return Workload.open_loop(
+        arrivals(rate, n, rng, burstiness), parse_lengths(prompt, n, rng), parse_lengths(output, n, rng)
+    )
+
+
+def sessions(
+    rate: float,
+    n_sessions: int,
+    turns: int = 6,
+    first_prompt: int = 4000,
+    message: int = 400,
+    answer: int = 600,
+    think_s: float = 5.0,
+    stripped: int = 0,
+    seed: int = 0,
+) -> Workload:
+    """Multi-turn chats: each turn resends the whole conversation plus a new message.
+    `stripped` tokens of every answer (a reasoning trace the chat template drops) are not
+    resent, so reuse by block hash stops where they were: at the end of the previous prompt."""
+    if turns < 1 or n_sessions < 1:
+        raise WorkloadError("sessions and turns must be >= 1")
+    if not 0 <= stripped < answer:
+        raise WorkloadError("stripped must be in [0, answer)")
+    rng = np.random.default_rng(seed)
+    starts = arrivals(rate, n_sessions, rng)
+    cols: dict[str, list] = {
+        k: [] for k in ("arrival", "prompt", "output", "after", "think", "prefix", "prev")
+    }
+    for s, start in enumerate(starts):
+        history, prev_prompt = 0, 0
+        for turn in range(turns):
+            prompt = first_prompt if turn == 0 else history + message
+            cols["arrival"].append(start if turn == 0 else 0.0)
+            cols["prompt"].append(prompt)
+            cols["output"].append(answer)
+            cols["after"].append(-1 if turn == 0 else len(cols["prompt"]) - 2)
+            cols["think"].append(0.0 if turn == 0 else think_s)
+            reusable = 0 if turn == 0 else (prev_prompt if stripped else prev_prompt + answer)
+            cols["prefix"].append(reusable)
+            cols["prev"].append(prev_prompt)
+            prev_prompt = prompt
+            history = prompt + answer - stripped
+        del s
+    n = len(cols["prompt"])
+    return Workload(
+        arrival=np.array(cols["arrival"], dtype=float),
+        prompt=np.array(cols["prompt"], dtype=np.int64),
+        output=np.array(cols["output"], dtype=np.int64),
+        after=np.array(cols["after"], dtype=np.int64),
+        think_s=np.array(cols["think"]),
+        prefix=np.array(cols["prefix"], dtype=np.int64),
+        prev_prompt=np.array(cols["prev"], dtype=np.int64),
+        session=np.repeat(np.arange(n_sessions), turns)[:n],
+    )
+
+
+_TIME = ("arrival_s", "timestamp", "time", "arrival")
+_PROMPT = ("prompt_tokens", "input_length", "input_tokens", "prompt_len", "isl")
+_OUTPUT = ("output_tokens", "output_length", "max_tokens", "output_len", "osl")
+
+
+def _field(row: dict, names: tuple[str, ...], where: str) -> float:
+    for name in names:
+        if name in row and row[name] not in (None, ""):
+            try:
+                return float(row[name])
+            except (TypeError, ValueError) as exc:
+                raise WorkloadError(f"{where}: {name}={row[name]!r} is not a number") from exc
+    raise WorkloadError(f"{where}: needs one of {', '.join(names)}")
+
+
+def load_trace(path: str, time_scale: float = 1.0) -> Workload:
+    """Replay a trace: CSV with a header, or JSONL, one request per row/line. Columns:
+    arrival time (arrival_s | timestamp; ms if the column is timestamp_ms), prompt tokens
+    (prompt_tokens | input_length), output tokens (output_tokens | output_length), and an
+    optional session_id: consecutive requests of a session reuse the previous one's prefix."""
+    p = Path(path)
+    if not p.is_file():
+        raise WorkloadError(f"{path}: no such trace file")
+    rows: list[dict] = []
+    try:
+        if p.suffix in (".jsonl", ".json"):
+            for i, line in enumerate(p.read_text().splitlines()):
+                if line.strip():
+                    obj = json.loads(line)
+                    if not isinstance(obj, dict):
+                        raise WorkloadError(f"{path}:{i + 1}: expected a JSON object")
+                    rows.append(obj)
+        else:
+            with open(p, newline="") as f:
+                rows = list(csv.DictReader(f))
+    except json.JSONDecodeError as exc:
+        raise WorkloadError(f"{path}: bad JSON line ({exc})") from exc
+    if not rows:
+        raise WorkloadError(f"{path}: empty trace")
+    arrival, prompt, output, session = [], [], [], []
+    for i, row in enumerate(rows):
+        where = f"{path}:{i + 1}"
+        if "timestamp_ms" in row:
+            arrival.append(_field(row, ("timestamp_ms",), where) / 1000.0)
+        else:
+            arrival.append(_field(row, _TIME, where))
+        prompt.append(int(_field(row, _PROMPT, where)))
+        output.append(int(_field(row, _OUTPUT, where)))
+        sid = row.get("session_id", row.get("conversation_id"))
+        session.append(hash(str(sid)) & 0x7FFFFFFF if sid not in (None, "") else -1)
+    if min(prompt) < 1 or min(output) < 1:
+        raise WorkloadError(f"{path}: token counts must be >= 1")
+    t = np.array(arrival, dtype=float)
+    t = (t - t.min()) * time_scale
+    order = np.argsort(t, kind="stable")
+    wl = Workload.open_loop(t[order], np.array(prompt)[order], np.array(output)[order])
+    sess = np.array(session, dtype=np.int64)[order]
+    last: dict[int, int] = {}
+    for i, s in enumerate(sess):
+        if s >= 0 and s in last:
+            j = last[s]
+            wl.prefix[i] = min(int(wl.prompt[j] + wl.output[j]), int(wl.prompt[i]) - 1)
+            wl.prev_prompt[i] = wl.prompt[j]
+        if s >= 0:
+            last[int(s)] = i
+    wl.session[:] = sess
+    return wl

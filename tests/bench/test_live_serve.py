@@ -1,0 +1,80 @@
+"""`splitserve bench` against `splitserve serve` on the tiny model, started by the test."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+
+import pytest
+
+from tests.bench.conftest import splitserve_bench
+from tests.conftest import free_port, running_server
+
+pytestmark = pytest.mark.skipif(
+    not importlib.util.find_spec("splitserve.server.openai_app"),
+    reason="`splitserve serve` (splitserve.server.openai_app) is not in this build",
+)
+
+
+@pytest.fixture(scope="module")
+def serve_url(tiny_model):
+    port = free_port()
+    with running_server(["serve", tiny_model, "--host", "127.0.0.1", "--port", str(port)], port) as url:
+        yield url
+
+
+def run_json(tmp_path, name: str, *args: str) -> dict:
+    out = tmp_path / f"{name}.json"
+    proc = splitserve_bench(*args, "--json", str(out), "--quiet", timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(out.read_text())
+
+
+def check_level(level: dict, measured: int, output_tokens: int | None = None) -> None:
+    summary, requests = level["summary"], level["requests"]
+    assert summary["requests"] == measured == sum(not r["warmup"] for r in requests)
+    assert summary["completed"] + summary["failed"] == measured
+    for r in requests:
+        if r["error"] is None:
+            assert 0 < r["ttft"] < r["e2e"]
+            times = r["chunk_times"]
+            assert sum(b - a for a, b in itertools.pairwise(times)) == pytest.approx(r["e2e"] - r["ttft"])
+            if output_tokens is not None:
+                assert r["output_tokens"] == output_tokens  # ignore_eos honoured, usage reported
+
+
+def test_poisson_run_and_sweep_against_splitserve_serve(serve_url, tiny_model, tmp_path):
+    common = ("--url", serve_url, "--tokenizer", tiny_model, "--input-len", "48", "--output-len", "12")
+    data = run_json(tmp_path, "poisson", *common, "--rate", "20", "--num-requests", "8", "--warmup", "1")
+    (level,) = data["levels"]
+    check_level(level, 8, output_tokens=12)
+    assert level["summary"]["failed"] == 0
+    # Exact prompts: every request has the same prompt length as the server counts it
+    # (48 content tokens plus the chat template's fixed overhead).
+    assert len({r["input_tokens"] for r in level["requests"]}) == 1
+    assert level["requests"][0]["input_tokens"] >= 48
+
+    sweep = run_json(tmp_path, "sweep", *common, "--rate", "5,40", "--num-requests", "6", "--warmup", "0")
+    assert [lvl["summary"]["rate"] for lvl in sweep["levels"]] == [5.0, 40.0]
+    for lvl in sweep["levels"]:
+        check_level(lvl, 6, output_tokens=12)
+    assert set(sweep["goodput_distserve"]) == {"ttft=2s,tpot=30ms", "ttft=2s,gap=100ms"}
+
+
+def test_server_errors_are_reported_not_fatal(serve_url, tmp_path):
+    # One line too long for the tiny model's 4096-token context: the server refuses it (400).
+    dataset = tmp_path / "chats.jsonl"
+    lines = [{"prompt": "hello there " * 3000, "max_tokens": 4}] + [
+        {"messages": [{"role": "user", "content": f"question {i}"}], "max_tokens": 6} for i in range(3)
+    ]
+    dataset.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    data = run_json(
+        tmp_path, "errors", "--url", serve_url, "--dataset", str(dataset), "--rate", "inf",
+        "--num-requests", "8", "--warmup", "0",
+    )  # fmt: skip
+    (level,) = data["levels"]
+    check_level(level, 8, output_tokens=None)
+    assert level["summary"]["errors"] == {"HTTP 400": 2}
+    assert level["summary"]["completed"] == 6
+    assert all(r["output_tokens"] == 6 for r in level["requests"] if r["error"] is None)

@@ -1,0 +1,157 @@
+"""The P/D connector on the engine's seam: a prefill and a decode AsyncEngine (threads of
+this process, talking over real transports) must produce collocated greedy output."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Iterator
+
+import pytest
+
+from splitserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, TransferConfig
+from splitserve.engine.async_engine import AsyncEngine
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.kv.pd_connector import PDConnector
+
+VOCAB = 2048
+BLOCK = 16
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, VOCAB) for _ in range(length)]
+
+
+def make_engine(model: str, role: str, transfer: TransferConfig | None = None, budget: int = 2048):
+    config = EngineConfig(
+        model=ModelConfig(model=model),
+        cache=CacheConfig(num_blocks=96, block_size=BLOCK),
+        scheduler=SchedulerConfig(max_model_len=1024, max_num_batched_tokens=budget),
+        role=role,
+        transfer=transfer or TransferConfig(),
+    )
+    connector = PDConnector(role, config.transfer) if role != "both" else None
+    return AsyncEngine(config, connector=connector).start(), connector
+
+
+async def collect(outputs) -> tuple[list[int], object]:
+    tokens, last = [], None
+    async for output in outputs:
+        tokens += output.new_token_ids
+        last = output
+    return tokens, last
+
+
+async def pd_generate(prefill, decode, request_id: str, tokens: list[int], mode: str, params=GREEDY):
+    """The proxy's flow, without HTTP: returns (tokens, decode's final output, prefill's)."""
+    _, dconn = decode
+    if mode == "push":
+        task = asyncio.ensure_future(
+            collect(decode[0].generate(request_id, tokens, params, kv_transfer_params={"do_remote_prefill": True}))
+        )
+        reservation = await asyncio.to_thread(dconn.reservations.wait, request_id, 30)
+        assert reservation is not None
+        prefill_out = None
+        if reservation.block_ids:
+            kv = {
+                "do_remote_decode": True,
+                "transfer_mode": "push",
+                "remote_request_id": request_id,
+                "remote_block_ids": reservation.block_ids,
+                "remote_first_block": reservation.first_block,
+                **dconn.kv_address(),
+            }
+            _, prefill_out = await collect(prefill[0].generate(request_id + "-p", tokens, params, kv_transfer_params=kv))
+        out_tokens, final = await task
+        return out_tokens, final, prefill_out
+    _, prefill_out = await collect(
+        prefill[0].generate(request_id, tokens, params, kv_transfer_params={"do_remote_decode": True, "transfer_mode": "pull"})
+    )
+    out_tokens, final = await collect(
+        decode[0].generate(request_id, tokens, params, kv_transfer_params=prefill_out.kv_transfer_params)
+    )
+    return out_tokens, final, prefill_out
+
+
+@pytest.fixture(scope="module")
+def collocated(tiny_model) -> Iterator[AsyncEngine]:
+    engine, _ = make_engine(tiny_model, "both")
+    yield engine
+    engine.shutdown()
+
+
+PROMPTS = {
+    "odd": prompt(1, 37),
+    "exact": prompt(2, 48),
+    "one-over": prompt(3, 49),
+    "short": prompt(4, 5),
+    "long": prompt(5, 150),
+}
+SHARED = prompt(6, 40)  # 2 full blocks + 8 tokens: decode gets a partial prefix hit
+FOLLOW_UPS = {"hit-a": SHARED + prompt(7, 21), "hit-b": SHARED[:32] + prompt(8, 16)}
+
+
+@pytest.mark.parametrize("kind", ["shm", "tcp"])
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_disaggregated_greedy_equals_collocated(tiny_model, collocated, kind, mode):
+    transfer = TransferConfig(transport=kind, mode=mode, timeout_s=10, reservation_ttl_s=30)
+    prefill = make_engine(tiny_model, "prefill", transfer, budget=64)  # chunked: blocks ship as they finish
+    decode = make_engine(tiny_model, "decode", transfer)
+
+    async def run() -> None:
+        expected = {}
+        for name, tokens in {**PROMPTS, **FOLLOW_UPS, "shared": SHARED}.items():
+            expected[name], _ = await collect(collocated.generate(f"ref-{kind}-{mode}-{name}", tokens, GREEDY))
+        results = await asyncio.gather(
+            *(pd_generate(prefill, decode, f"{name}-{kind}-{mode}", t, mode) for name, t in PROMPTS.items())
+        )
+        for (name, _), (tokens, final, _) in zip(PROMPTS.items(), results, strict=True):
+            assert tokens == expected[name], name
+            handoff = final.kv_transfer_params["handoff"]
+            assert handoff["transferred"], (name, handoff)
+            assert handoff["bytes"] > 0
+        # decode caches SHARED's blocks; follow-ups then transfer only what decode lacks
+        await pd_generate(prefill, decode, f"shared-{kind}-{mode}", SHARED, mode)
+        for name, tokens in FOLLOW_UPS.items():
+            out, final, _ = await pd_generate(prefill, decode, f"{name}-{kind}-{mode}", tokens, mode)
+            assert out == expected[name], name
+            assert final.num_cached_tokens == len(tokens) - 1
+            block_bytes = final.kv_transfer_params["handoff"]["bytes"] // (-(-(len(tokens) - 1) // BLOCK) - 2)
+            assert block_bytes * (-(-(len(tokens) - 1) // BLOCK) - 2) == final.kv_transfer_params["handoff"]["bytes"]
+
+    try:
+        asyncio.run(run())
+        text = decode[1].metrics.registry
+        assert text.get_sample_value("splitserve_kv_transfers_total", {"side": "decode", "outcome": "ok"}) >= 8
+        assert text.get_sample_value("splitserve_kv_reservations_active") == 0
+        assert decode[0].engine.block_manager.num_free_blocks == 96
+        prefill_free = prefill[0].engine.block_manager.num_free_blocks
+        assert prefill_free == 96, "pull holds were not released"
+    finally:
+        prefill[0].shutdown()
+        decode[0].shutdown()
+
+
+def test_decode_recomputes_when_no_kv_ever_arrives(tiny_model, collocated):
+    transfer = TransferConfig(transport="tcp", reservation_ttl_s=0.5, timeout_s=2)
+    decode = make_engine(tiny_model, "decode", transfer)
+
+    async def run() -> None:
+        tokens = PROMPTS["long"]
+        expected, _ = await collect(collocated.generate("ref-ttl", tokens, GREEDY))
+        out, final = await collect(decode[0].generate("ttl", tokens, GREEDY, kv_transfer_params={"do_remote_prefill": True}))
+        assert out == expected
+        assert final.kv_transfer_params["handoff"]["transferred"] is False
+        assert "TTL" in final.kv_transfer_params["handoff"]["error"]
+
+    try:
+        asyncio.run(run())
+        registry = decode[1].metrics.registry
+        assert registry.get_sample_value("splitserve_kv_reservations_expired_total") == 1
+        assert registry.get_sample_value("splitserve_kv_fallbacks_total", {"action": "recompute"}) == 1
+        assert registry.get_sample_value("splitserve_kv_reservations_active") == 0
+        assert decode[0].engine.block_manager.num_free_blocks == 96
+    finally:
+        decode[0].shutdown()

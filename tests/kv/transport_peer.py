@@ -1,0 +1,78 @@
+"""Child-process halves of the transport tests (run under multiprocessing spawn)."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import torch
+
+from splitserve.config import TransferConfig
+from splitserve.kv.transport import make_transport
+
+SHAPE = (3, 2, 8, 4, 2, 5)  # layers, k/v, blocks, block size, kv heads, head dim
+
+
+def pattern(block_ids: list[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Distinct values per (layer, k/v, source block): what a pushed block must hold."""
+    layers, kv, _, *rest = SHAPE
+    values = 1000 * torch.arange(layers, dtype=torch.float32).view(layers, 1, 1)
+    values = values + 100 * torch.arange(kv, dtype=torch.float32).view(1, kv, 1)
+    values = values + torch.tensor(block_ids, dtype=torch.float32).view(1, 1, -1)
+    return (
+        values.view(layers, kv, len(block_ids), 1, 1, 1).expand(layers, kv, len(block_ids), *rest).to(dtype)
+    )
+
+
+def filled_pool(transport, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    pool = transport.allocate_pool(SHAPE, dtype)
+    pool[:, :, :] = pattern(list(range(SHAPE[2])), dtype)
+    return pool
+
+
+def receiver(kind: str, timeout_s: float, ttl_s: float, dst: list[int], to_parent, from_parent) -> None:
+    """Expect `dst` blocks, report the peer address, then the result and the pool's content."""
+    config = TransferConfig(transport=kind, timeout_s=timeout_s, reservation_ttl_s=ttl_s)
+    transport = make_transport("recv", config)
+    transport.allocate_pool(SHAPE, torch.float32)
+    done = threading.Event()
+    results = []
+
+    def on_done(result) -> None:
+        results.append(result)
+        done.set()
+
+    transport.expect("t1", dst, on_done)
+    to_parent.put(tuple(transport.start()))
+    done.wait(60)
+    result = results[0] if results else None
+    received = transport.pool[:, :, dst].clone() if transport.pool is not None else None
+    to_parent.put((result and result._asdict(), received))
+    from_parent.get(timeout=60)
+    transport.close()
+
+
+def dying_sender(kind: str, peer: tuple, src: list[int], dst: list[int], layers_before_death: int) -> None:
+    """Push some layers, then die without a word (as a killed prefill worker would)."""
+    from splitserve.kv.transport import PeerInfo
+
+    transport = make_transport("dying", TransferConfig(transport=kind, timeout_s=5))
+    filled_pool(transport)
+    transport.start()
+    for layer in range(layers_before_death):
+        transport.push_layer(PeerInfo(*peer), "t1", layer, src, dst)
+    transport.flush(10)
+    os._exit(0)
+
+
+def pull_source(kind: str, to_parent, from_parent) -> None:
+    """Hold a filled pool and serve pulls; report released transfer IDs."""
+    transport = make_transport("source", TransferConfig(transport=kind, timeout_s=5))
+    filled_pool(transport)
+    released = []
+    transport.is_held = lambda transfer_id: transfer_id != "gone"
+    transport.on_release = released.append
+    to_parent.put(tuple(transport.start()))
+    while from_parent.get(timeout=60) is not None:
+        to_parent.put(list(released))
+    transport.close()

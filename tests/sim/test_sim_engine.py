@@ -1,0 +1,181 @@
+"""Simulator mechanics against hand-computed timelines, and the features beyond the seed."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from splitserve.sim import (
+    Deployment,
+    Roofline,
+    SchedulerConfig,
+    TransferConfig,
+    Workload,
+    load_gpu,
+    load_model,
+    load_trace,
+    sessions,
+    simulate,
+    synthetic,
+)
+from splitserve.sim.commands import beyond_variants
+from splitserve.sim.kv import exposed_transfer_s, transfer_s
+from splitserve.sim.workload import WorkloadError, parse_lengths
+
+MODEL, GPU = load_model("Qwen2.5-7B"), load_gpu("L40S")
+RL = Roofline(MODEL, GPU)
+
+
+def one(prompt: int = 8192, output: int = 256, at: float = 1.0) -> Workload:
+    return Workload.open_loop([at], [prompt], [output])
+
+
+def test_single_collocated_request_matches_hand_timeline():
+    r = simulate(Deployment(MODEL, GPU, replicas=1), one())
+    chunks = sum(RL.step_s(RL.prefill(2048, past=p)) for p in (0, 2048, 4096, 6144))
+    assert r.ttft[0] == pytest.approx(chunks, rel=1e-12)
+    decode = [RL.step_s(RL.decode(1, 8193 + k)) for k in range(255)]
+    assert r.gaps[0] == pytest.approx(decode, rel=1e-9)
+    assert r.tpot[0] == pytest.approx(np.mean(decode), rel=1e-9)
+    assert r.worst_gap[0] == pytest.approx(max(decode))
+    assert len(r.gaps[0]) == 255
+
+
+def test_single_pd_request_transfer_models():
+    prefill = RL.step_s(RL.prefill(8192))
+    first_decode = RL.step_s(RL.decode(1, 8192))
+    fixed = simulate(Deployment(MODEL, GPU, mode="pd", transfer=TransferConfig(fixed_s=1.3)), one())
+    assert fixed.ttft[0] == pytest.approx(prefill + 1.3 + first_decode)
+    size = 8192 * MODEL.kv_bytes_per_token
+    bulk = simulate(Deployment(MODEL, GPU, mode="pd", transfer=TransferConfig(link_gbps=200, overhead_s=0.01)), one())
+    assert bulk.ttft[0] == pytest.approx(prefill + transfer_s(size, 200) + 0.01 + first_decode)
+    lw = simulate(Deployment(MODEL, GPU, mode="pd", transfer=TransferConfig(link_gbps=200, layerwise=True)), one())
+    exposed = exposed_transfer_s(size, MODEL.layers, 200, prefill, True)
+    assert lw.ttft[0] == pytest.approx(prefill + exposed + first_decode)
+    assert lw.ttft[0] < bulk.ttft[0]
+    assert len(fixed.gaps[0]) == 255  # decode emits all 256 tokens
+
+
+def test_notification_at_step_boundary_costs_time_under_load():
+    """notify=step: decode starts the pull only when it next checks between steps."""
+    wl = synthetic(1.0, 60, 8192, 256, seed=3)
+    tr = TransferConfig(fixed_s=0.05)
+    push = simulate(Deployment(MODEL, GPU, mode="pd", transfer=tr), wl)
+    pull = simulate(Deployment(MODEL, GPU, mode="pd", transfer=replace(tr, notify="step")), wl)
+    assert np.median(pull.ttft) > np.median(push.ttft)
+
+
+def test_arrival_cuts_a_decode_run_at_the_next_boundary():
+    wl = Workload.open_loop([0.0, 3.0], [8192, 2047], [256, 4])
+    r = simulate(Deployment(MODEL, GPU, replicas=1), wl)
+    assert 0.99 < r.busy_fraction[0] <= 1.0
+    # request 1 waits for the decode step in flight at t=3.0, then one mixed step carries its
+    # prompt (2,047 tokens: the budget of 2,048 minus request 0's decode token)
+    mixed = RL.step_s(RL.decode(1, 8192) + RL.prefill(2047))
+    wait = r.ttft[1] - mixed
+    assert 0.0 <= wait <= RL.step_s(RL.decode(1, 8192 + 256)) + 1e-9
+    # and that mixed step is the stall request 0 sees
+    assert r.worst_gap[0] == pytest.approx(mixed, rel=1e-4)
+
+
+def test_kv_memory_limit_caps_concurrency_and_rejects_oversized():
+    cap = 3 * (1000 + 200)
+    dep = Deployment(MODEL, GPU, replicas=1, sched=SchedulerConfig(kv_capacity_tokens=cap))
+    wl = synthetic(20.0, 40, 1000, 200, seed=1)
+    r = simulate(dep, wl)
+    start, end = r.arrival + r.ttft, r.arrival + r.e2e
+    assert np.isfinite(start).all()
+    for t in np.linspace(start.min(), end.max(), 400):
+        assert ((start - 1e-9 <= t) & (t < end)).sum() <= 3
+    big = simulate(dep, Workload.open_loop([0.0, 0.1], [5000, 100], [10, 10]))
+    assert big.rejected == 1 and not np.isfinite(big.ttft[0]) and np.isfinite(big.ttft[1])
+    # capacity from GPU memory: L40S 48 GB x 0.9 - 15.2 GB of weights, / 56 KiB per token
+    assert RL.kv_capacity_tokens() == int((48e9 * 0.9 - MODEL.weight_bytes) // (56 * 1024))
+
+
+def test_several_prompts_per_step_lowers_ttft_for_short_prompts():
+    wl = synthetic(80.0, 200, 200, 32, seed=2)
+    one_per_step = simulate(Deployment(MODEL, GPU, replicas=1), wl)
+    many = simulate(Deployment(MODEL, GPU, replicas=1, sched=SchedulerConfig(max_prefills_per_step=None)), wl)
+    assert np.median(many.ttft) < 0.5 * np.median(one_per_step.ttft)
+
+
+def test_routing_and_tensor_parallel():
+    wl = synthetic(1.0, 60, 8192, 64, seed=4)
+    rr = simulate(Deployment(MODEL, GPU), wl)
+    rnd = simulate(Deployment(MODEL, GPU, routing="random"), wl, seed=1)
+    again = simulate(Deployment(MODEL, GPU, routing="random"), wl, seed=1)
+    assert np.array_equal(rnd.ttft, again.ttft)  # deterministic per seed
+    assert np.mean(rnd.ttft) > np.mean(rr.ttft)  # load-unaware routing queues more
+    ll = simulate(Deployment(MODEL, GPU, routing="least_loaded"), wl)
+    assert np.isfinite(ll.ttft).all()
+    tp2 = simulate(Deployment(MODEL, GPU, replicas=1, tp=2), one())
+    tp1 = simulate(Deployment(MODEL, GPU, replicas=1), one())
+    assert tp2.ttft[0] < 0.7 * tp1.ttft[0]
+
+
+def test_multiturn_prefix_reuse():
+    wl = sessions(0.05, 8, turns=6, think_s=5.0)
+    turn = np.tile(np.arange(6), 8)
+    col = simulate(Deployment(MODEL, GPU), wl)
+    fast = TransferConfig(fixed_s=0.02)
+    one_way = simulate(Deployment(MODEL, GPU, mode="pd", transfer=fast), wl)
+    bidir = simulate(Deployment(MODEL, GPU, mode="pd", transfer=fast, bidirectional=True), wl)
+    later = turn > 0
+    # collocated: ~40 ms of prefill after turn 1 (the seed's multi-turn table), not ~330 ms
+    assert np.median(col.ttft[later]) < 0.3 * np.median(col.ttft[~later])
+    assert np.median(bidir.ttft[later]) < np.median(one_way.ttft[later]) - 0.03
+    stripped = simulate(Deployment(MODEL, GPU), sessions(0.05, 8, turns=6, think_s=5.0, stripped=300))
+    assert np.median(stripped.ttft[later]) > np.median(col.ttft[later])
+    # follow-ups arrive after the previous turn's last token plus the think time
+    for i in np.flatnonzero(wl.after >= 0):
+        assert col.arrival[i] == pytest.approx(col.arrival[wl.after[i]] + col.e2e[wl.after[i]] + 5.0)
+
+
+def test_trace_replay_csv_and_jsonl(tmp_path):
+    csv_path = tmp_path / "t.csv"
+    csv_path.write_text("timestamp,input_length,output_length,session_id\n2.0,500,20,a\n1.0,300,10,\n3.5,800,5,a\n")
+    wl = load_trace(str(csv_path))
+    assert list(wl.arrival) == [0.0, 1.0, 2.5] and list(wl.prompt) == [300, 500, 800]
+    assert wl.prefix[2] == 520 and wl.prev_prompt[2] == 500
+    jl = tmp_path / "t.jsonl"
+    jl.write_text("\n".join(json.dumps({"arrival_s": t, "prompt_tokens": 100, "output_tokens": 8}) for t in (0, 1)))
+    r = simulate(Deployment(MODEL, GPU), load_trace(str(jl)))
+    assert np.isfinite(r.ttft).all() and len(r.gaps[0]) == 7
+    bad = tmp_path / "bad.csv"
+    bad.write_text("timestamp,input_length\n1.0,5\n")
+    with pytest.raises(WorkloadError, match="output_tokens"):
+        load_trace(str(bad))
+    with pytest.raises(WorkloadError, match="no such trace"):
+        load_trace(str(tmp_path / "missing.csv"))
+
+
+def test_length_distributions_and_bursty_arrivals():
+    rng = np.random.default_rng(0)
+    assert (parse_lengths("uniform:10:20", 100, rng) >= 10).all()
+    assert parse_lengths("lognormal:1000:0.5", 1000, rng).mean() == pytest.approx(1000 * np.exp(0.125), rel=0.1)
+    with pytest.raises(WorkloadError):
+        parse_lengths("weird:1", 3, rng)
+    with pytest.raises(WorkloadError):
+        parse_lengths("0", 3, rng)
+    smooth, bursty = synthetic(1.0, 2000, seed=0), synthetic(1.0, 2000, seed=0, burstiness=4.0)
+    cv2 = [np.var(np.diff(w.arrival)) / np.mean(np.diff(w.arrival)) ** 2 for w in (smooth, bursty)]
+    assert cv2[0] == pytest.approx(1.0, rel=0.15) and cv2[1] == pytest.approx(4.0, rel=0.25)
+    with pytest.raises(WorkloadError):
+        synthetic(-1.0, 10)
+
+
+def test_beyond_the_seed_moves_toward_the_guides_263_ms():
+    """The seed plateaus at 194 ms at 2 req/s where the guide measured 263 ms. Per-kernel step
+    times (decode attention is its own memory-bound kernel), several prompts per step, a KV
+    memory limit and load-unaware routing together reach ~214 ms: 19% short instead of 26%."""
+    rows = {}
+    for name, dep in beyond_variants(Deployment(MODEL, GPU)):
+        rows[name] = np.mean([simulate(dep, synthetic(2.0, 100, seed=s), seed=s).summary()["itl_p99_s"]
+                              for s in range(3)])  # fmt: skip
+    assert rows["seed's model"] == pytest.approx(0.194, abs=0.003)
+    assert rows["all of the above"] > rows["seed's model"] + 0.012
+    assert abs(rows["all of the above"] - 0.263) < abs(rows["seed's model"] - 0.263)
