@@ -13,6 +13,7 @@ import math
 from pathlib import Path
 
 from splitserve.bench.metrics import RequestRecord
+from splitserve.bench.report import rate_label
 from splitserve.bench.runner import BenchResult
 
 _TIMELINE_REQUESTS = 12
@@ -49,7 +50,7 @@ def write_plot(result: BenchResult, path: str | Path) -> None:
     for rate, level in zip(rates, levels, strict=True):
         gaps = sorted(g * 1e3 for r in level.records if r.ok and not r.warmup for g in r.gaps)
         if gaps:
-            cdf.plot(gaps, [(i + 1) / len(gaps) for i in range(len(gaps))], label=f"rate {rate:g}/s")
+            cdf.plot(gaps, [(i + 1) / len(gaps) for i in range(len(gaps))], label=f"rate {rate_label(rate)}")
     cdf.axvline(stall_threshold(result) * 1e3, color="red", linestyle=":", label="stall threshold")
     cdf.set(xlabel="inter-token gap (ms)", ylabel="fraction of gaps", xscale="log")
     cdf.set_title("ITL CDF")

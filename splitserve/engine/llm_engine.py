@@ -195,7 +195,9 @@ class LLMEngine:
         return bool(self.requests) or bool(self.pending_outputs)
 
     def has_runnable_work(self) -> bool:
-        """False when every unfinished request waits for remote KV (nothing to compute)."""
+        """False when every unfinished request waits for remote KV (nothing to compute).
+        Polls the connector first: a finished async load makes its request runnable now."""
+        self._poll_connector()
         return self.scheduler.has_runnable() or bool(self.pending_outputs)
 
     # ---- the step -----------------------------------------------------------------

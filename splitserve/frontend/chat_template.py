@@ -29,6 +29,10 @@ import jinja2.utils
 
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+# Set by `render` itself: callers passing chat_template_kwargs should refuse these keys.
+RESERVED_VARIABLES = frozenset(
+    {"messages", "tools", "documents", "add_generation_prompt", "continue_final_message"}
+)
 SPECIAL_TOKEN_KEYS = (
     "bos_token",
     "eos_token",
@@ -125,10 +129,8 @@ def _plain(value: Any) -> Any:
     """A deep copy made of JSON types only (the template may not reach other objects)."""
     if value is None or type(value) in (str, int, float, bool):
         return value
-    if isinstance(value, str):
+    if isinstance(value, str):  # subclasses (enums...) carry methods the sandbox does not know
         return str.__str__(value)
-    if isinstance(value, bool):
-        return bool(value)
     if isinstance(value, int):
         return int.__int__(value)
     if isinstance(value, float):
@@ -173,6 +175,7 @@ class ChatTemplate:
     def render(
         self,
         messages: list[dict],
+        /,
         *,
         tools: list[dict] | None = None,
         add_generation_prompt: bool = False,
@@ -182,6 +185,9 @@ class ChatTemplate:
     ) -> str:
         if continue_final_message and add_generation_prompt:
             raise TemplateError("continue_final_message and add_generation_prompt cannot both be set")
+        reserved = RESERVED_VARIABLES.intersection(template_kwargs)
+        if reserved:
+            raise TemplateError(f"template variables {sorted(reserved)} cannot be set by keyword arguments")
         chat = _normalize_messages(messages)
         if tools is not None and not (
             isinstance(tools, (list, tuple)) and all(isinstance(t, Mapping) for t in tools)
@@ -199,17 +205,10 @@ class ChatTemplate:
             )
         except TemplateError:
             raise
-        except (
-            jinja2.TemplateError,
-            TypeError,
-            ValueError,
-            LookupError,
-            AttributeError,
-            ArithmeticError,
-        ) as exc:
-            raise TemplateError(f"chat template failed to render: {type(exc).__name__}: {exc}") from exc
         except RecursionError as exc:
             raise TemplateError("chat template failed to render: recursion too deep") from exc
+        except Exception as exc:  # the template is code run on client data: any failure is a 4xx
+            raise TemplateError(f"chat template failed to render: {type(exc).__name__}: {exc}") from exc
         if final_text is not None:
             rendered = self._cut_at_tag(rendered, final_text)
         return rendered

@@ -321,6 +321,22 @@ class CompletionRequest(_SamplingFields):
         return list(prompt)  # type: ignore[arg-type]
 
 
+class GenerateLogprob(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    token_id: int = Field(ge=0)
+    logprob: float
+    rank: int | None = None
+
+
+class GenerateLogprobEntry(GenerateLogprob):
+    top_logprobs: list[GenerateLogprob] = Field(default_factory=list)
+
+
+class GenerateLogprobs(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    content: list[GenerateLogprobEntry] | None = None
+
+
 class GenerateChoice(BaseModel):
     """One choice of a generate response or stream chunk (`/inference/v1/generate`)."""
 
@@ -328,7 +344,15 @@ class GenerateChoice(BaseModel):
     index: int = Field(default=0, ge=0)
     token_ids: list[int] = Field(default_factory=list)
     finish_reason: str | None = None
-    logprobs: dict[str, Any] | None = None
+    logprobs: GenerateLogprobs | None = None
+
+    def all_token_ids(self) -> list[int]:
+        """Every token ID the choice mentions, sampled or candidate."""
+        ids = list(self.token_ids)
+        for entry in (self.logprobs.content or []) if self.logprobs else []:
+            ids.append(entry.token_id)
+            ids.extend(candidate.token_id for candidate in entry.top_logprobs)
+        return ids
 
     @field_validator("token_ids")
     @classmethod

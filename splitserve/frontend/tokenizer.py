@@ -131,7 +131,10 @@ class Tokenizer:
         return cls(backend, config_vocab_size=vocab if isinstance(vocab, int) else 0, eos_token_ids=eos)
 
     def _segmentation_is_exact(self, added: dict) -> bool:
-        if any(t.lstrip or t.rstrip or t.single_word or t.normalized for t in added.values()):
+        normalizes = self._backend.normalizer is not None
+        if any(
+            t.lstrip or t.rstrip or t.single_word or (t.normalized and normalizes) for t in added.values()
+        ):
             return False
         contents = list(self._added_by_content)
         first, second = contents[0], contents[-1]
@@ -173,9 +176,11 @@ class Tokenizer:
                 missing.append(piece)
         if missing:
             unique = list(dict.fromkeys(missing))
-            encoded = dict(
-                zip(unique, self._backend.encode_batch_fast(unique, add_special_tokens=False), strict=True)
-            )
+            if len(unique) == 1:
+                batch = [self._backend.encode(unique[0], add_special_tokens=False)]
+            else:
+                batch = self._backend.encode_batch_fast(unique, add_special_tokens=False)
+            encoded = dict(zip(unique, batch, strict=True))
         out: list[int] = []
         for piece, ids in zip(pieces, found, strict=True):
             if ids is None:

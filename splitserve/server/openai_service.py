@@ -8,8 +8,6 @@ they stream. A stop string ends a choice in the derender step and aborts its eng
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
@@ -28,51 +26,8 @@ from splitserve.frontend.protocol import ChatCompletionRequest, CompletionReques
 from splitserve.frontend.render import Renderer
 from splitserve.server.engine_client import EngineClient
 from splitserve.server.errors import APIError
+from splitserve.server.merged_streams import MergedStreams
 from splitserve.server.request_body import api_error
-
-_DONE = object()
-
-
-class MergedStreams:
-    """Several engine streams read concurrently, yielded as (stream index, chunk)."""
-
-    def __init__(self, streams: list[AsyncIterator[dict]]) -> None:
-        self._queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
-        self._tasks = [asyncio.create_task(self._pump(i, s)) for i, s in enumerate(streams)]
-
-    async def _pump(self, index: int, stream: AsyncIterator[dict]) -> None:
-        try:
-            async for chunk in stream:
-                self._queue.put_nowait((index, chunk))
-        except Exception as exc:
-            self._queue.put_nowait((index, exc))
-        finally:
-            with contextlib.suppress(Exception):
-                await stream.aclose()  # type: ignore[attr-defined]  # aborts an unfinished request
-            self._queue.put_nowait((index, _DONE))
-
-    def stop(self, index: int) -> None:
-        """Stop reading one stream (its engine request is aborted)."""
-        self._tasks[index].cancel()
-
-    async def __aiter__(self) -> AsyncIterator[tuple[int, dict]]:
-        remaining = len(self._tasks)
-        try:
-            while remaining:
-                index, item = await self._queue.get()
-                if item is _DONE:
-                    remaining -= 1
-                elif isinstance(item, Exception):
-                    raise item
-                else:
-                    yield index, item
-        finally:
-            await self.close()
-
-    async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
 def _sse(data: dict[str, Any]) -> str:
@@ -105,21 +60,10 @@ class OpenAIService:
             bodies.append(body)
         return bodies
 
-    async def _start(
-        self, bodies: list[dict[str, Any]]
-    ) -> tuple[MergedStreams, list[tuple[int, dict]], AsyncIterator[tuple[int, dict]]]:
-        """Start the engine streams and read until the first chunk, so a rejected request
-        becomes an HTTP error rather than a broken stream."""
-        merged = MergedStreams([self.engine.generate(body) for body in bodies])
-        iterator = merged.__aiter__()
-        try:
-            first = await anext(iterator)
-        except StopAsyncIteration:
-            first = None
-        except BaseException:
-            await merged.close()
-            raise
-        return merged, [first] if first is not None else [], iterator
+    async def _start(self, bodies: list[dict[str, Any]]) -> MergedStreams:
+        streams = MergedStreams([self.engine.generate(body) for body in bodies])
+        await streams.start()
+        return streams
 
     # --- chat ---
 
@@ -140,17 +84,20 @@ class OpenAIService:
         assemblers = [MessageAssembler() for _ in range(request.n)]
         token_ids: list[list[int]] = [[] for _ in range(request.n)]
         reasons: list[str | None] = [None] * request.n
-        merged, head, iterator = await self._start(self._fan_out(generate, request.n, request.seed))
-        async for index, chunk in _chain(head, iterator):
-            for raw in chunk.get("choices") or []:
-                decoder = decoders[index]
-                delta = decoder.feed(raw.get("token_ids") or [], _choice_logprobs(raw))
-                token_ids[index] += (raw.get("token_ids") or [])[: delta.num_tokens]
-                assemblers[index].add(delta)
-                if decoder.stopped or raw.get("finish_reason") is not None:
-                    reasons[index] = raw.get("finish_reason")
-                    if decoder.stopped:
-                        merged.stop(index)
+        streams = await self._start(self._fan_out(generate, request.n, request.seed))
+        try:
+            async for index, chunk in streams:
+                for raw in chunk.get("choices") or []:
+                    decoder = decoders[index]
+                    delta = decoder.feed(raw.get("token_ids") or [], _choice_logprobs(raw))
+                    token_ids[index] += (raw.get("token_ids") or [])[: delta.num_tokens]
+                    assemblers[index].add(delta)
+                    if decoder.stopped or raw.get("finish_reason") is not None:
+                        reasons[index] = raw.get("finish_reason")
+                        if decoder.stopped:
+                            streams.stop(index)
+        finally:
+            await streams.close()
         choices = []
         for i, decoder in enumerate(decoders):
             assemblers[i].add(decoder.finish())
@@ -174,10 +121,17 @@ class OpenAIService:
         """Start the request (errors raise here) and return its SSE event stream."""
         generate, in_reasoning = self._render_chat(request)
         options = decode_options(self.renderer, request)
-        merged, head, iterator = await self._start(self._fan_out(generate, request.n, request.seed))
-        return self._chat_events(request, generate, options, in_reasoning, merged, head, iterator)
+        streams = await self._start(self._fan_out(generate, request.n, request.seed))
+        return self._chat_events(request, generate, options, in_reasoning, streams)
 
-    async def _chat_events(self, request, generate, options, in_reasoning, merged, head, iterator):
+    async def _chat_events(
+        self,
+        request: ChatCompletionRequest,
+        generate: dict[str, Any],
+        options: DecodeOptions,
+        in_reasoning: bool,
+        streams: MergedStreams,
+    ) -> AsyncIterator[str]:
         n = request.n
         decoders = [self._decoder(options, in_reasoning, f"{generate['request_id']}:{i}") for i in range(n)]
         role_sent = [False] * n
@@ -191,7 +145,7 @@ class OpenAIService:
         }
         first_chunk = True
         try:
-            async for index, chunk in _chain(head, iterator):
+            async for index, chunk in streams:
                 for raw in chunk.get("choices") or []:
                     if done[index]:
                         continue
@@ -204,7 +158,7 @@ class OpenAIService:
                         reason = final_finish_reason(raw.get("finish_reason"), decoder)
                         done[index] = True
                         if decoder.stopped:
-                            merged.stop(index)
+                            streams.stop(index)
                     empty = not (delta.reasoning or delta.content or delta.tool_calls or delta.logprobs)
                     if empty and role_sent[index] and reason is None:
                         continue
@@ -233,7 +187,7 @@ class OpenAIService:
         except APIError as exc:
             yield _sse(exc.body())
         finally:
-            await iterator.aclose()  # type: ignore[attr-defined]
+            await streams.close()
         yield "data: [DONE]\n\n"
 
     def _decoder(self, options: DecodeOptions, in_reasoning: bool, salt: str) -> ChoiceDecoder:
@@ -277,18 +231,21 @@ class OpenAIService:
         logprobs: list[list[dict]] = [[] for _ in bodies]
         token_ids: list[list[int]] = [[] for _ in bodies]
         reasons: list[str | None] = [None] * len(bodies)
-        merged, head, iterator = await self._start(bodies)
-        async for index, chunk in _chain(head, iterator):
-            for raw in chunk.get("choices") or []:
-                decoder = decoders[index]
-                delta = decoder.feed(raw.get("token_ids") or [], _choice_logprobs(raw))
-                texts[index].append(delta.content)
-                logprobs[index] += delta.logprobs or []
-                token_ids[index] += (raw.get("token_ids") or [])[: delta.num_tokens]
-                if decoder.stopped or raw.get("finish_reason") is not None:
-                    reasons[index] = raw.get("finish_reason")
-                    if decoder.stopped:
-                        merged.stop(index)
+        streams = await self._start(bodies)
+        try:
+            async for index, chunk in streams:
+                for raw in chunk.get("choices") or []:
+                    decoder = decoders[index]
+                    delta = decoder.feed(raw.get("token_ids") or [], _choice_logprobs(raw))
+                    texts[index].append(delta.content)
+                    logprobs[index] += delta.logprobs or []
+                    token_ids[index] += (raw.get("token_ids") or [])[: delta.num_tokens]
+                    if decoder.stopped or raw.get("finish_reason") is not None:
+                        reasons[index] = raw.get("finish_reason")
+                        if decoder.stopped:
+                            streams.stop(index)
+        finally:
+            await streams.close()
         choices = []
         for i, decoder in enumerate(decoders):
             texts[i].append(decoder.finish().content)
@@ -315,10 +272,16 @@ class OpenAIService:
     async def completion_stream(self, request: CompletionRequest) -> AsyncIterator[str]:
         generates = self._render_completion(request)
         bodies = self._completion_bodies(request, generates)
-        merged, head, iterator = await self._start(bodies)
-        return self._completion_events(request, generates, bodies, merged, head, iterator)
+        streams = await self._start(bodies)
+        return self._completion_events(request, generates, bodies, streams)
 
-    async def _completion_events(self, request, generates, bodies, merged, head, iterator):
+    async def _completion_events(
+        self,
+        request: CompletionRequest,
+        generates: list[dict[str, Any]],
+        bodies: list[dict[str, Any]],
+        streams: MergedStreams,
+    ) -> AsyncIterator[str]:
         options = self._completion_options(request)
         decoders = [self._decoder(options, False, body["request_id"]) for body in bodies]
         done = [False] * len(bodies)
@@ -329,7 +292,7 @@ class OpenAIService:
             "model": self.model_name,
         }
         try:
-            async for index, chunk in _chain(head, iterator):
+            async for index, chunk in streams:
                 for raw in chunk.get("choices") or []:
                     if done[index]:
                         continue
@@ -342,7 +305,7 @@ class OpenAIService:
                         reason = final_finish_reason(raw.get("finish_reason"), decoder)
                         done[index] = True
                         if decoder.stopped:
-                            merged.stop(index)
+                            streams.stop(index)
                     if not text and reason is None:
                         continue
                     choice: dict[str, Any] = {
@@ -364,15 +327,8 @@ class OpenAIService:
         except APIError as exc:
             yield _sse(exc.body())
         finally:
-            await iterator.aclose()  # type: ignore[attr-defined]
+            await streams.close()
         yield "data: [DONE]\n\n"
-
-
-async def _chain(head: list, iterator: AsyncIterator) -> AsyncIterator:
-    for item in head:
-        yield item
-    async for item in iterator:
-        yield item
 
 
 def _completion_logprobs(entries: list[dict]) -> dict[str, Any]:

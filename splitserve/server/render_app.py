@@ -34,7 +34,7 @@ from splitserve.server.request_body import DEFAULT_MAX_BODY_BYTES, api_error, pa
 
 def _check_token_ids(output: GenerateOutput, vocab_size: int, where: str) -> None:
     for choice in output.choices:
-        bad = next((t for t in choice.token_ids if t >= vocab_size), None)
+        bad = next((t for t in choice.all_token_ids() if t >= vocab_size), None)
         if bad is not None:
             raise APIError(
                 400, f"{where}: token ID {bad} is outside the vocabulary ({vocab_size})", param=where

@@ -188,6 +188,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p = sub.add_parser("plan", help="rank collocated and xP:yD layouts by goodput for an SLO")
     _common(p)
     _workload(p, seeds=2)
+    p.set_defaults(requests=200)  # high-rate layouts need a longer run to show their queues
     _deployment(p)
     _slo(p)
     p.add_argument("--gpus", type=int, default=2)

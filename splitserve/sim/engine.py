@@ -26,6 +26,7 @@ class SchedulerConfig:
     budget: int | None = 2048  # tokens per step, decodes included (None: no limit)
     max_prefills_per_step: int | None = 1  # prompts advanced per step (None: as many as fit)
     kv_capacity_tokens: int | None = None  # None: unlimited; else reserve prompt+output at admission
+    max_run_steps: int | None = None  # cap on decode steps computed in one go (1: step by step)
 
     def __post_init__(self) -> None:
         if self.budget is not None and self.budget < 1:
@@ -117,6 +118,8 @@ class Engine:
             end = now + self.roofline.step_s(cost)
         else:
             steps = min(self.run_left)
+            if self.sched.max_run_steps is not None:
+                steps = min(steps, self.sched.max_run_steps)
             durations = self.roofline.decode_times(batch, ctx + batch * np.arange(steps))
             self._run_times = now + np.cumsum(durations)
             end = float(self._run_times[-1])

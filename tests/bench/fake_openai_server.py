@@ -64,7 +64,7 @@ def build_app(behaviour: FakeBehaviour) -> FastAPI:
         if _hit(behaviour.fail_every, number):
             error = {"message": "injected failure", "type": "InternalServerError", "param": None, "code": 500}
             return JSONResponse({"error": error}, status_code=500)
-        max_tokens = int(body.get("max_tokens") or 16)
+        max_tokens = int(body.get("max_completion_tokens") or body.get("max_tokens") or 16)
         if chat:
             prompt_tokens = sum(len(str(m.get("content", "")).split()) for m in body["messages"])
         else:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from splitserve.frontend.chat_template import (
+    RESERVED_VARIABLES,
     ChatTemplate,
     ChatTemplateCache,
     TemplateError,
@@ -158,16 +159,21 @@ def test_token_ids_equal_transformers(name, hf_tokenizer, tokenizer, template):
     assert tokenizer.encode(text) == _hf_ids(hf_tokenizer, CHATS[name])
 
 
+def _render(template: ChatTemplate, name: str) -> str:
+    chat = dict(CHATS[name])
+    return template.render(chat.pop("messages"), **chat)
+
+
 def test_reasoning_of_earlier_turns_is_dropped(template):
-    text = template.render(**CHATS["multi_turn_reasoning_dropped"])
+    text = _render(template, "multi_turn_reasoning_dropped")
     assert "early thoughts" not in text and "inline thoughts" not in text
     assert "first answer" in text and "second answer" in text
-    kept = template.render(**CHATS["reasoning_after_last_user_kept"])
+    kept = _render(template, "reasoning_after_last_user_kept")
     assert "<think>\nkept thoughts\n</think>" in kept
 
 
 def test_enable_thinking_false_closes_think(template):
-    text = template.render(**CHATS["enable_thinking_false"])
+    text = _render(template, "enable_thinking_false")
     assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
 
 
@@ -315,3 +321,9 @@ def test_cache_compiles_once_and_is_bounded(tiny_model):
     assert cache.get("A") is a and cache.get("B") is not b  # B was evicted
     # the special tokens are part of the key
     assert cache.get("A", {"eos_token": "x"}) is not a
+
+
+def test_template_kwargs_cannot_replace_the_messages(template):
+    with pytest.raises(TemplateError, match="messages"):
+        template.render([{"role": "user", "content": "x"}], **{"messages": []})
+    assert {"messages", "tools", "add_generation_prompt"} <= RESERVED_VARIABLES

@@ -176,6 +176,37 @@ def test_tampered_or_foreign_state_is_refused(servers, output_ids):
         ("/v1/chat/completions/derender", {"generate_response": {"choices": [{"token_ids": [-1]}]}}, 400),
         ("/v1/chat/completions/derender", {"stream": True, "generate_chunk": {"choices": "x"}}, 400),
         ("/v1/chat/completions/derender", {"stream": True}, 400),
+        (
+            "/v1/chat/completions/derender",
+            {
+                "generate_response": {
+                    "choices": [{"token_ids": [1], "logprobs": {"content": [{"logprob": 0}]}}]
+                }
+            },
+            400,
+        ),
+        (
+            "/v1/chat/completions/derender",
+            {
+                "generate_response": {
+                    "choices": [
+                        {
+                            "token_ids": [1],
+                            "logprobs": {
+                                "content": [
+                                    {
+                                        "token_id": 1,
+                                        "logprob": -1,
+                                        "top_logprobs": [{"token_id": 10**9, "logprob": -2}],
+                                    }
+                                ]
+                            },
+                        }
+                    ]
+                }
+            },
+            400,
+        ),
     ],
 )
 def test_bad_requests(servers, path, body, status):

@@ -50,9 +50,13 @@ def test_single_pd_request_transfer_models():
     fixed = simulate(Deployment(MODEL, GPU, mode="pd", transfer=TransferConfig(fixed_s=1.3)), one())
     assert fixed.ttft[0] == pytest.approx(prefill + 1.3 + first_decode)
     size = 8192 * MODEL.kv_bytes_per_token
-    bulk = simulate(Deployment(MODEL, GPU, mode="pd", transfer=TransferConfig(link_gbps=200, overhead_s=0.01)), one())
+    bulk = simulate(
+        Deployment(MODEL, GPU, mode="pd", transfer=TransferConfig(link_gbps=200, overhead_s=0.01)), one()
+    )
     assert bulk.ttft[0] == pytest.approx(prefill + transfer_s(size, 200) + 0.01 + first_decode)
-    lw = simulate(Deployment(MODEL, GPU, mode="pd", transfer=TransferConfig(link_gbps=200, layerwise=True)), one())
+    lw = simulate(
+        Deployment(MODEL, GPU, mode="pd", transfer=TransferConfig(link_gbps=200, layerwise=True)), one()
+    )
     exposed = exposed_transfer_s(size, MODEL.layers, 200, prefill, True)
     assert lw.ttft[0] == pytest.approx(prefill + exposed + first_decode)
     assert lw.ttft[0] < bulk.ttft[0]
@@ -137,12 +141,16 @@ def test_multiturn_prefix_reuse():
 
 def test_trace_replay_csv_and_jsonl(tmp_path):
     csv_path = tmp_path / "t.csv"
-    csv_path.write_text("timestamp,input_length,output_length,session_id\n2.0,500,20,a\n1.0,300,10,\n3.5,800,5,a\n")
+    csv_path.write_text(
+        "timestamp,input_length,output_length,session_id\n2.0,500,20,a\n1.0,300,10,\n3.5,800,5,a\n"
+    )
     wl = load_trace(str(csv_path))
     assert list(wl.arrival) == [0.0, 1.0, 2.5] and list(wl.prompt) == [300, 500, 800]
     assert wl.prefix[2] == 520 and wl.prev_prompt[2] == 500
     jl = tmp_path / "t.jsonl"
-    jl.write_text("\n".join(json.dumps({"arrival_s": t, "prompt_tokens": 100, "output_tokens": 8}) for t in (0, 1)))
+    jl.write_text(
+        "\n".join(json.dumps({"arrival_s": t, "prompt_tokens": 100, "output_tokens": 8}) for t in (0, 1))
+    )
     r = simulate(Deployment(MODEL, GPU), load_trace(str(jl)))
     assert np.isfinite(r.ttft).all() and len(r.gaps[0]) == 7
     bad = tmp_path / "bad.csv"
@@ -156,7 +164,9 @@ def test_trace_replay_csv_and_jsonl(tmp_path):
 def test_length_distributions_and_bursty_arrivals():
     rng = np.random.default_rng(0)
     assert (parse_lengths("uniform:10:20", 100, rng) >= 10).all()
-    assert parse_lengths("lognormal:1000:0.5", 1000, rng).mean() == pytest.approx(1000 * np.exp(0.125), rel=0.1)
+    assert parse_lengths("lognormal:1000:0.5", 1000, rng).mean() == pytest.approx(
+        1000 * np.exp(0.125), rel=0.1
+    )
     with pytest.raises(WorkloadError):
         parse_lengths("weird:1", 3, rng)
     with pytest.raises(WorkloadError):
@@ -174,8 +184,24 @@ def test_beyond_the_seed_moves_toward_the_guides_263_ms():
     memory limit and load-unaware routing together reach ~214 ms: 19% short instead of 26%."""
     rows = {}
     for name, dep in beyond_variants(Deployment(MODEL, GPU)):
-        rows[name] = np.mean([simulate(dep, synthetic(2.0, 100, seed=s), seed=s).summary()["itl_p99_s"]
-                              for s in range(3)])  # fmt: skip
+        rows[name] = np.mean(
+            [simulate(dep, synthetic(2.0, 100, seed=s), seed=s).summary()["itl_p99_s"] for s in range(3)]
+        )
     assert rows["seed's model"] == pytest.approx(0.194, abs=0.003)
     assert rows["all of the above"] > rows["seed's model"] + 0.012
     assert abs(rows["all of the above"] - 0.263) < abs(rows["seed's model"] - 0.263)
+
+
+@pytest.mark.parametrize("mode", ["collocated", "pd"])
+def test_batched_decode_runs_equal_step_by_step_simulation(mode):
+    """Computing runs of decode steps in one numpy call (and cutting them when work arrives)
+    gives exactly what stepping one decode step at a time gives."""
+    wl = synthetic(0.8, 60, "uniform:1000:9000", "uniform:16:300", seed=9)
+    dep = Deployment(
+        MODEL, GPU, mode=mode, transfer=TransferConfig(fixed_s=0.05, notify="step"), kv_limit=True
+    )
+    fast = simulate(dep, wl)
+    slow = simulate(replace(dep, sched=replace(dep.sched, max_run_steps=1)), wl)
+    assert np.allclose(fast.ttft, slow.ttft, rtol=0, atol=1e-9)
+    assert np.allclose(fast.e2e, slow.e2e, rtol=0, atol=1e-9)
+    assert all(np.allclose(a, b, atol=1e-9) for a, b in zip(fast.gaps, slow.gaps, strict=True))

@@ -49,7 +49,11 @@ def test_roofline_table(qwen_l40s: Roofline):
         (rl.decode(64, 64 * 1024), "52", "memory", "20.7"),
     ]
     for cost, intensity, bound, ms in rows:
-        assert (f"{cost.intensity:.0f}", rl.bound(cost), f"{rl.ideal_s(cost) * 1e3:.1f}") == (intensity, bound, ms)
+        assert (f"{cost.intensity:.0f}", rl.bound(cost), f"{rl.ideal_s(cost) * 1e3:.1f}") == (
+            intensity,
+            bound,
+            ms,
+        )
     # "a 2,048-token chunk ideally takes 83 ms; at 47% efficiency that's about 177 ms" (+2 ms per step)
     assert rl.step_s(rl.prefill(2048, past=3072)) == pytest.approx(0.177 + 0.002, abs=0.001)
 
@@ -96,7 +100,10 @@ def test_multiturn_table(qwen_l40s: Roofline):
 
 def test_tensor_parallel_pools():
     llama, h100, eff = load_model("Llama-3.1-70B"), load_gpu("H100-SXM"), Efficiency(compute=0.45)
-    assert [round(prefill_pool(llama, h100, eff, 8192, tp)["seed_model_ttft_s"] * 1e3) for tp in (4, 8)] == [721, 408]
+    assert [round(prefill_pool(llama, h100, eff, 8192, tp)["seed_model_ttft_s"] * 1e3) for tp in (4, 8)] == [
+        721,
+        408,
+    ]
     d4, d8 = decode_pool(llama, h100, eff, 4), decode_pool(llama, h100, eff, 8)
     assert d4["batch"] == 109 and d4["limited_by"] == d8["limited_by"] == "memory"
     assert abs(d8["batch"] - 323) <= 1  # 70.55B vs the seed's rounded 70.6B parameters

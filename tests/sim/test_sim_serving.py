@@ -7,7 +7,6 @@ below saturation and within ~25% near it (where 100 requests are a noisy sample)
 
 from __future__ import annotations
 
-import time
 from dataclasses import replace
 
 import numpy as np
@@ -50,14 +49,22 @@ def table() -> dict[tuple[str, float], dict[str, float]]:
 
 # the seed's serving_sim table: (median TTFT s, ITL p50 ms, ITL p99 ms)
 SEED = {
-    ("collocated", 0.2): (0.72, 25, 26), ("collocated", 0.4): (0.75, 25, 174),
-    ("collocated", 0.6): (0.75, 26, 184), ("collocated", 1.0): (0.76, 28, 194),
+    ("collocated", 0.2): (0.72, 25, 26),
+    ("collocated", 0.4): (0.75, 25, 174),
+    ("collocated", 0.6): (0.75, 26, 184),
+    ("collocated", 1.0): (0.76, 28, 194),
     ("collocated", 2.0): (0.83, 37, 194),
-    ("pd1.3", 0.2): (2.04, 25, 27), ("pd1.3", 0.4): (2.05, 26, 29), ("pd1.3", 0.6): (2.06, 27, 30),
-    ("pd1.3", 1.0): (2.28, 29, 32), ("pd1.3", 2.0): (10.45, 33, 33),
-    ("pd0.02", 0.2): (0.76, 25, 27), ("pd0.02", 0.4): (0.77, 26, 29), ("pd0.02", 0.6): (0.78, 27, 30),
-    ("pd0.02", 1.0): (1.00, 29, 32), ("pd0.02", 2.0): (9.17, 33, 33),
-}  # fmt: skip
+    ("pd1.3", 0.2): (2.04, 25, 27),
+    ("pd1.3", 0.4): (2.05, 26, 29),
+    ("pd1.3", 0.6): (2.06, 27, 30),
+    ("pd1.3", 1.0): (2.28, 29, 32),
+    ("pd1.3", 2.0): (10.45, 33, 33),
+    ("pd0.02", 0.2): (0.76, 25, 27),
+    ("pd0.02", 0.4): (0.77, 26, 29),
+    ("pd0.02", 0.6): (0.78, 27, 30),
+    ("pd0.02", 1.0): (1.00, 29, 32),
+    ("pd0.02", 2.0): (9.17, 33, 33),
+}
 
 
 def test_seed_serving_table_within_tolerance(table):
@@ -104,17 +111,15 @@ def test_against_the_guides_measurements(table):
         assert 0.025 <= table[("pd0.02", rate)]["itl_p99_s"] <= 0.052
 
 
-def test_goodput_table_and_speed():
-    """The seed's goodput table: 7 rates x 5 seeds x 3 designs, twice (two SLOs), in seconds."""
+def test_goodput_table():
+    """The seed's goodput table: 7 rates x 5 seeds x 3 designs, twice (two SLOs). (Its speed is
+    measured in benchmarks/bench_sim_goodput.py.)"""
     rates = [0.2, 0.4, 0.6, 0.8, 1.0, 1.2, 1.5]
-    t0 = time.perf_counter()
     res = {
         (slo_name, name): goodput(dep, make, slo, rates, target=0.9, seeds=5)
         for slo_name, slo in (("A", SLO_AVERAGE), ("B", SLO_WORST_GAP))
         for name, dep in (("collocated", COLLOCATED), ("pd1.3", PD_SLOW), ("pd0.02", PD_FAST))
     }
-    elapsed = time.perf_counter() - t0
-    assert elapsed < 20, f"210 simulations took {elapsed:.1f} s"
     assert res[("A", "collocated")].goodput == 0.2
     assert res[("A", "pd0.02")].goodput == 0.6
     assert res[("A", "pd1.3")].goodput == res[("B", "pd1.3")].goodput == 0.0
