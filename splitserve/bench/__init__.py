@@ -1,0 +1,1 @@
+"""`splitserve bench`: load generator, streaming client, metrics, reports and plots (no torch)."""

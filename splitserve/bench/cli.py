@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import math
 import sys
+from pathlib import Path
 
 from rich.console import Console
 
@@ -109,7 +110,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    out, err = Console(soft_wrap=True), Console(stderr=True, soft_wrap=True)
+    out = Console(soft_wrap=True, highlight=False)
+    err = Console(stderr=True, soft_wrap=True, highlight=False)
     if args.compare:
         try:
             a, b = (read_json(path) for path in args.compare)
@@ -118,34 +120,12 @@ def run(args: argparse.Namespace) -> int:
         print_compare(a, b, args.compare[0], args.compare[1], out)
         return 0
     try:
-        plan_inputs = _parse(args)
+        client, loads, slos, required = _parse(args)
     except ValueError as exc:
         return _fail(str(exc))
-    client, loads, slos, required = plan_inputs
 
-    tokenizer = None
-    model_info: dict = {}
     try:
-        if args.tokenizer:
-            tokenizer = Tokenizer(args.tokenizer)
-        if client.model == "":
-            model_info = server_model(client.base_url)
-            client = dataclasses.replace(client, model=str(model_info.get("id", "")))
-        else:
-            model_info = {"id": client.model}
-        if tokenizer is None:
-            tokenizer = local_tokenizer(model_info)
-        prompts = PromptFactory(tokenizer, args.seed)
-        output_len = LengthRange.parse(args.output_len)
-        dataset = load_dataset(args.dataset, prompts, output_len, args.seed) if args.dataset else None
-        synthetic = SyntheticSpec(
-            input_len=LengthRange.parse(args.input_len),
-            output_len=output_len,
-            prefix_len=args.prefix_len,
-            num_prefix_groups=args.num_prefix_groups,
-            turns=args.turns,
-        )
-        workload = Workload(prompts, synthetic, args.seed, dataset)
+        client, tokenizer, workload = _workload(args, client)
     except (ValueError, OSError) as exc:
         return _fail(str(exc))
     if tokenizer is None and not args.dataset:
@@ -184,7 +164,35 @@ def run(args: argparse.Namespace) -> int:
 
         write_plot(result, args.plot)
         err.print(f"wrote {args.plot}")
+    if all(level.summary.completed == 0 for level in result.levels):
+        print("splitserve bench: no request succeeded", file=sys.stderr)
+        return 1
     return 0
+
+
+def _workload(
+    args: argparse.Namespace, client: ClientConfig
+) -> tuple[ClientConfig, Tokenizer | None, Workload]:
+    """The model to ask for (from the server if not given), the tokenizer and the workload."""
+    tokenizer = Tokenizer(args.tokenizer) if args.tokenizer else None
+    if client.model == "":
+        model_info = server_model(client.base_url)
+        client = dataclasses.replace(client, model=str(model_info.get("id", "")))
+    else:
+        model_info = {"id": client.model}
+    if tokenizer is None:
+        tokenizer = local_tokenizer(model_info)
+    prompts = PromptFactory(tokenizer, args.seed)
+    output_len = LengthRange.parse(args.output_len)
+    dataset = load_dataset(args.dataset, prompts, output_len, args.seed) if args.dataset else None
+    synthetic = SyntheticSpec(
+        input_len=LengthRange.parse(args.input_len),
+        output_len=output_len,
+        prefix_len=args.prefix_len,
+        num_prefix_groups=args.num_prefix_groups,
+        turns=args.turns,
+    )
+    return client, tokenizer, Workload(prompts, synthetic, args.seed, dataset)
 
 
 def _fail(message: str) -> int:
@@ -208,6 +216,9 @@ def _parse(args: argparse.Namespace) -> tuple[ClientConfig, tuple[LoadSpec, ...]
         )
     LengthRange.parse(args.input_len)
     LengthRange.parse(args.output_len)
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path and not Path(path).resolve().parent.is_dir():
+            raise ValueError(f"{flag} {path}: the directory does not exist")
     loads = tuple(
         LoadSpec(
             rate=rate,

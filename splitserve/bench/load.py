@@ -104,7 +104,7 @@ class _Run:
                 return
             messages.append({"role": "assistant", "content": reply[0]})
             context_tokens += reply[1]
-            if self.spec.think_time:
+            if self.spec.think_time and turn_index + 1 < num_turns:
                 await asyncio.sleep(self.spec.think_time)
 
     async def _send(

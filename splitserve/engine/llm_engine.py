@@ -43,6 +43,30 @@ class ModelInfo(NamedTuple):
     device: str
 
 
+def cpu_has_native_half_matmul(dtype: torch.dtype) -> bool:
+    caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+    if dtype == torch.bfloat16:
+        return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
+    return bool(caps.get("avx512_fp16") or caps.get("amx_fp16"))
+
+
+def choose_dtype(requested: str | None, config_dtype: str, device: torch.device) -> torch.dtype:
+    """The dtype asked for, else config.json's. One exception: a bf16/fp16 checkpoint on a
+    CPU without native bf16/fp16 matmul runs in float32 (those matmuls are emulated there,
+    ~5x slower than float32 ones); pass dtype explicitly to force the half type."""
+    if requested:
+        return resolve_dtype(requested)
+    dtype = resolve_dtype(config_dtype)
+    if device.type == "cpu" and dtype != torch.float32 and not cpu_has_native_half_matmul(dtype):
+        logger.warning(
+            "%s matmuls are emulated on this CPU; running in float32 (set dtype to force %s)",
+            config_dtype,
+            config_dtype,
+        )
+        return torch.float32
+    return dtype
+
+
 def _default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -58,8 +82,8 @@ class LLMEngine:
         self.connector = connector
         self.decoder_config = load_decoder_config(config.model.model)
         dc = self.decoder_config
-        self.dtype = resolve_dtype(config.model.dtype or dc.dtype)
         self.device = torch.device(config.model.device) if config.model.device else _default_device()
+        self.dtype = choose_dtype(config.model.dtype, dc.dtype, self.device)
         block_size = config.cache.block_size
         if block_size <= 0:
             raise ValueError("block_size must be positive")

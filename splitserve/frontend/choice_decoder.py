@@ -42,29 +42,26 @@ class ChoiceDelta(NamedTuple):
     num_tokens: int  # tokens consumed (tokens after a stop string are not)
 
 
-def token_text(tokenizer: Tokenizer, token_id: int) -> str:
-    return tokenizer.decode([token_id], skip_special_tokens=False)
+def token_entry(tokenizer: Tokenizer, token_id: int, logprob: float) -> dict[str, Any]:
+    """A token's OpenAI logprob entry: its text, and its own bytes (for a byte-level
+    tokenizer, the raw bytes, which may be part of a multi-byte character)."""
+    text = tokenizer.decode([token_id], skip_special_tokens=False)
+    raw = tokenizer.token_bytes(token_id) if tokenizer.byte_level else b""
+    return {"token": text, "logprob": float(logprob), "bytes": list(raw or text.encode())}
 
 
 def openai_logprobs(tokenizer: Tokenizer, entries: Sequence[dict], top_n: int) -> list[dict]:
     """Engine logprob entries ({token_id, logprob, top_logprobs: [{token_id, logprob}]})
-    → OpenAI chat entries with token strings and UTF-8 bytes."""
+    → OpenAI chat entries with token strings and bytes."""
     result = []
     for entry in entries:
-        token = token_text(tokenizer, int(entry["token_id"]))
         top = []
         for candidate in (entry.get("top_logprobs") or [])[:top_n]:
             if isinstance(candidate, (list, tuple)):  # in-process shape: [token_id, logprob]
                 candidate = {"token_id": candidate[0], "logprob": candidate[1]}
-            text = token_text(tokenizer, int(candidate["token_id"]))
-            top.append({"token": text, "logprob": float(candidate["logprob"]), "bytes": list(text.encode())})
+            top.append(token_entry(tokenizer, int(candidate["token_id"]), candidate["logprob"]))
         result.append(
-            {
-                "token": token,
-                "logprob": float(entry["logprob"]),
-                "bytes": list(token.encode()),
-                "top_logprobs": top,
-            }
+            {**token_entry(tokenizer, int(entry["token_id"]), entry["logprob"]), "top_logprobs": top}
         )
     return result
 

@@ -29,6 +29,9 @@ class RenderConfig:
     chat_template: str | None = None  # a template file or string overriding the model's
     reasoning: bool | None = None  # None: on when the vocabulary has <think> and </think>
     tools: bool | None = None  # None: on when the vocabulary has <tool_call>
+    # A template sent in a request runs sandboxed but can still burn CPU and memory: off
+    # unless the operator trusts the clients (as vLLM's --trust-request-chat-template).
+    trust_request_chat_template: bool = False
 
 
 def _read_max_position(model_dir: str) -> int:
@@ -58,6 +61,11 @@ class Renderer:
         try:
             template = self.chat_template
             if request.chat_template is not None:
+                if not self.config.trust_request_chat_template:
+                    raise RequestError(
+                        "chat_template in requests is disabled (start with --trust-request-chat-template)",
+                        param="chat_template",
+                    )
                 template = self._template_cache.get(request.chat_template, self.chat_template.special_tokens)
             return template.render(
                 messages,

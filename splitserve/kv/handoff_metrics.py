@@ -29,7 +29,9 @@ class HandoffMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.bytes = Counter(f"{PREFIX}_transfer_bytes", "KV bytes moved.", ["direction"], registry=r)
-        self.transfers = Counter(f"{PREFIX}_transfers", "KV transfers finished.", ["side", "outcome"], registry=r)
+        self.transfers = Counter(
+            f"{PREFIX}_transfers", "KV transfers finished.", ["side", "outcome"], registry=r
+        )
         self.transfer_time = Histogram(
             f"{PREFIX}_transfer_seconds",
             "Decode: from the start of waiting (reservation or pull) to the last arrival.",
@@ -37,7 +39,10 @@ class HandoffMetrics:
             registry=r,
         )
         self.send_time = Histogram(
-            f"{PREFIX}_send_seconds", "Prefill: time spent copying one request's KV out.", buckets=_SECONDS, registry=r
+            f"{PREFIX}_send_seconds",
+            "Prefill: time spent copying one request's KV out.",
+            buckets=_SECONDS,
+            registry=r,
         )
         self.exposed_handoff = Histogram(
             f"{PREFIX}_exposed_handoff_seconds",
@@ -51,7 +56,9 @@ class HandoffMetrics:
             buckets=_SECONDS,
             registry=r,
         )
-        self.failures = Counter(f"{PREFIX}_transfer_failures", "KV transfers that failed.", ["side"], registry=r)
+        self.failures = Counter(
+            f"{PREFIX}_transfer_failures", "KV transfers that failed.", ["side"], registry=r
+        )
         self.fallbacks = Counter(
             f"{PREFIX}_fallbacks", "Requests that could not use transferred KV.", ["action"], registry=r
         )

@@ -52,7 +52,9 @@ class KVParamsError(ValueError):
 
 def peer_from_params(params: dict) -> PeerInfo:
     try:
-        return PeerInfo(str(params["remote_engine_id"]), str(params["remote_host"]), int(params["remote_port"]))
+        return PeerInfo(
+            str(params["remote_engine_id"]), str(params["remote_host"]), int(params["remote_port"])
+        )
     except (KeyError, TypeError, ValueError) as exc:
         raise KVParamsError(f"kv_transfer_params lack a valid remote address: {exc}") from exc
 
@@ -73,6 +75,7 @@ class _Load:
     started: float  # monotonic
     ready_mono: float | None = None  # when prefill's last layer was computed, in our clock
     last_arrival_mono: float | None = None
+    noticed_mono: float | None = None  # when the engine picked the finished load up
     transfer_s: float = 0.0
     num_bytes: int = 0
     done: bool = False
@@ -150,13 +153,26 @@ class PDConnector(KVConnector):
     def kv_address(self) -> dict:
         """This worker's KV endpoint, as kv_transfer_params spell it."""
         assert self.peer is not None
-        return {"remote_engine_id": self.peer.engine_id, "remote_host": self.peer.host, "remote_port": self.peer.port}
+        return {
+            "remote_engine_id": self.peer.engine_id,
+            "remote_host": self.peer.host,
+            "remote_port": self.peer.port,
+        }
 
     def _gauges(self) -> dict[str, tuple[str, float]]:
         return {
-            "reservations_active": ("Decode: requests holding blocks for incoming KV.", self.reservations.active()),
-            "reserved_blocks": ("Decode: blocks reserved for incoming KV.", self.reservations.reserved_blocks()),
-            "holds_active": ("Prefill (pull): finished requests whose blocks await a reader.", self.holds.active()),
+            "reservations_active": (
+                "Decode: requests holding blocks for incoming KV.",
+                self.reservations.active(),
+            ),
+            "reserved_blocks": (
+                "Decode: blocks reserved for incoming KV.",
+                self.reservations.reserved_blocks(),
+            ),
+            "holds_active": (
+                "Prefill (pull): finished requests whose blocks await a reader.",
+                self.holds.active(),
+            ),
         }
 
     def _wake(self) -> None:
@@ -183,7 +199,9 @@ class PDConnector(KVConnector):
                 return 0, False
         return external, True
 
-    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, block_ids: list[int], num_external_tokens: int
+    ) -> None:
         params = request.kv_transfer_params or {}
         if not params.get("do_remote_prefill"):
             return
@@ -208,7 +226,9 @@ class PDConnector(KVConnector):
             self._request_of_transfer[transfer_id] = request_id
         self.transport.expect(transfer_id, dst, self._on_transfer_done, ttl_s=self.config.reservation_ttl_s)
         if mode == "push":
-            reservation = Reservation(request_id, dst, first, hit, hit + num_external_tokens, time.monotonic())
+            reservation = Reservation(
+                request_id, dst, first, hit, hit + num_external_tokens, time.monotonic()
+            )
             self.reservations.add(reservation)
             return
         src = params["remote_block_ids"][first:last]
@@ -261,6 +281,7 @@ class PDConnector(KVConnector):
             for request_id in loaded:
                 load = self._loads.get(request_id)
                 if load is not None and load.last_arrival_mono is not None:
+                    load.noticed_mono = now
                     self.metrics.notification_delay.observe(max(0.0, now - load.last_arrival_mono))
         return loaded
 
@@ -308,11 +329,17 @@ class PDConnector(KVConnector):
             "wait_s": load.transfer_s,
             "error": load.error,
         }
+        # Where the TTFT went, from the moment prefill's last layer was computed: the part
+        # of the transfer left exposed, the notification, then decode's own first step.
         first_token = request.metrics.get("first_token_time")
-        if load.ok and first_token is not None and load.ready_mono is not None:
-            exposed = max(0.0, first_token - load.ready_mono)
-            handoff["exposed_handoff_s"] = exposed
-            self.metrics.exposed_handoff.observe(exposed)
+        if load.ok and load.ready_mono is not None and load.last_arrival_mono is not None:
+            handoff["exposed_transfer_s"] = max(0.0, load.last_arrival_mono - load.ready_mono)
+            if load.noticed_mono is not None:
+                handoff["notification_s"] = max(0.0, load.noticed_mono - load.last_arrival_mono)
+            if first_token is not None:
+                exposed = max(0.0, first_token - load.ready_mono)
+                handoff["exposed_handoff_s"] = exposed
+                self.metrics.exposed_handoff.observe(exposed)
         return False, {"handoff": handoff}
 
     # ---- prefill side -----------------------------------------------------------------
@@ -330,7 +357,9 @@ class PDConnector(KVConnector):
         plan = _PushPlan(peer, transfer_id, dst, first, request.num_prompt_tokens, first)
         needed_blocks = _cdiv(request.num_prompt_tokens - 1, self.block_size) - first
         if needed_blocks != len(dst):
-            plan.error = f"decode reserved {len(dst)} blocks, the prompt needs {needed_blocks} from block {first}"
+            plan.error = (
+                f"decode reserved {len(dst)} blocks, the prompt needs {needed_blocks} from block {first}"
+            )
             self.transport.send_failure(peer, transfer_id, plan.error)
         self._pushes[request.request_id] = plan
 
@@ -369,7 +398,9 @@ class PDConnector(KVConnector):
             for plan in self._pushes.values():
                 plan.error = plan.error or f"KV send did not finish within {self.config.timeout_s:.1f}s"
 
-    def _prefill_finished(self, request: Request, block_ids: list[int], params: dict) -> tuple[bool, dict | None]:
+    def _prefill_finished(
+        self, request: Request, block_ids: list[int], params: dict
+    ) -> tuple[bool, dict | None]:
         done_at = time.time()
         address = self.kv_address()
         if params.get("transfer_mode", self.config.mode) == "push":
@@ -389,7 +420,12 @@ class PDConnector(KVConnector):
                 self.metrics.transfers.labels("prefill", "ok").inc()
                 self.metrics.send_time.observe(seconds)
             self.metrics.bytes.labels("sent").inc(num_bytes)
-            result = {"transfer_mode": "push", "prefill_done_at": done_at, "kv_bytes": num_bytes, "send_s": seconds}
+            result = {
+                "transfer_mode": "push",
+                "prefill_done_at": done_at,
+                "kv_bytes": num_bytes,
+                "send_s": seconds,
+            }
             if error is not None:
                 result["kv_transfer_error"] = error
             return False, {**result, **address}

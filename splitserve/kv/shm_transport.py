@@ -41,6 +41,7 @@ class ShmTransport(KVTransport):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._path: str | None = None
+        self._fd: int | None = None
         self._peer_pools: dict[str, torch.Tensor] = {}
 
     def allocate_pool(self, shape: tuple[int, ...], dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
@@ -49,18 +50,23 @@ class ShmTransport(KVTransport):
         path = os.path.join(_shm_dir(), f"splitserve-kv-{os.getpid()}-{self.engine_id}")
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
-        self._path = path
         self.pool = map_pool(path, tuple(shape), dtype)
+        # Unlinked at once and reached through our open descriptor: the memory goes away
+        # with this process, however it dies.
+        self._fd = os.open(path, os.O_RDWR)
+        os.unlink(path)
+        self._path = f"/proc/{os.getpid()}/fd/{self._fd}"
         return self.pool
 
     def _shm_path(self) -> str | None:
         return self._path
 
     def _release_pool(self) -> None:
-        if self._path is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._path)
-            self._path = None
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = None
+        self._path = None
         self._peer_pools.clear()
 
     def _on_handshake(self, peer: PeerInfo, layout: PoolLayout) -> None:

@@ -132,12 +132,17 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        self.rope_cos = self.rope_sin = torch.empty(0)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        # [T, 1, head_dim]: broadcast over heads
-        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+        """cos, sin [T, 1, head_dim] (broadcast over heads), from a table grown on demand."""
+        needed = int(positions.max()) + 1 if positions.numel() else 0
+        if self.rope_cos.shape[0] < needed or self.rope_cos.dtype != dtype:
+            length = max(needed, 2 * self.rope_cos.shape[0], 1024)
+            table = torch.arange(length, device=self.inv_freq.device).float()[:, None] * self.inv_freq.float()
+            emb = torch.cat((table, table), dim=-1)
+            self.rope_cos, self.rope_sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        return self.rope_cos[positions][:, None, :], self.rope_sin[positions][:, None, :]
 
     def forward(
         self,
@@ -207,5 +212,6 @@ def load_model(
         model = DecoderModel(config)
     model = model.to_empty(device=device).to(dtype)
     model.inv_freq = rope_inv_freq(config).to(device)
+    model.rope_cos = model.rope_sin = torch.empty(0, device=device)
     model.load_weights(dict(iter_safetensors(model_dir)))
     return model.eval()

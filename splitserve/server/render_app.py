@@ -18,14 +18,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from splitserve.frontend.derender import Derenderer
-from splitserve.frontend.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
+from splitserve.frontend.derender_protocol import (
     DerenderChatRequest,
     DerenderChatStreamRequest,
     GenerateOutput,
-    RequestError,
 )
+from splitserve.frontend.protocol import ChatCompletionRequest, CompletionRequest, RequestError
 from splitserve.frontend.render import Renderer
 from splitserve.frontend.stream_state import StreamStateCodec
 from splitserve.server.errors import APIError, install_error_handlers

@@ -32,6 +32,11 @@ def add_frontend_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="parse <tool_call> blocks into tool_calls (auto: when the vocabulary has the tag)",
     )
+    parser.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="accept a chat_template in requests (sandboxed, but it costs CPU and memory)",
+    )
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
 
 
@@ -68,6 +73,7 @@ def render_config(args: argparse.Namespace, model_dir: str, max_model_len: int |
         chat_template=args.chat_template,
         reasoning=_parser_switch(args.reasoning_parser),
         tools=_parser_switch(args.tool_call_parser),
+        trust_request_chat_template=args.trust_request_chat_template,
     )
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from splitserve.sim import commands
+from splitserve.sim import cmd_analysis, cmd_simulation
 from splitserve.sim.calibrate import CalibrationError
 from splitserve.sim.specs import SpecError
 from splitserve.sim.workload import WorkloadError
@@ -211,7 +211,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    handler = getattr(commands, "cmd_" + args.sim_command.replace("-", "_"))
+    name = "cmd_" + args.sim_command.replace("-", "_")
+    handler = getattr(cmd_analysis, name, None) or getattr(cmd_simulation, name)
     try:
         return int(handler(args) or 0)
     except (SpecError, WorkloadError, CalibrationError, ValueError) as exc:

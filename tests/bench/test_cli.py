@@ -9,6 +9,7 @@ import pytest
 
 from splitserve.cli import main
 from tests.bench.conftest import fake_server, server_stats, splitserve_bench
+from tests.conftest import free_port
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +83,8 @@ def test_compare_prints_side_by_side_ratios(steady_server, tmp_path):
         (["--duration", "5", "--rate", "inf"], "concurrency cap"),
         (["--tokenizer", "/nonexistent"], "no tokenizer.json"),
         (["--compare", "/nonexistent.json", "/nonexistent.json"], "cannot read"),
+        (["--json", "/nonexistent/dir/out.json"], "directory does not exist"),
+        (["--turns", "2", "--dataset", "x.jsonl"], "cannot be combined"),
     ],
 )
 def test_bad_arguments_get_a_clear_message(args, message, capsys):
@@ -109,3 +112,13 @@ def test_dataset_replay(steady_server, tmp_path):
     requests = json.loads(out.read_text())["levels"][0]["requests"]
     assert sorted(r["output_tokens"] for r in requests) == [3, 3, 5, 5]
     assert all(r["error"] is None for r in requests)
+
+
+def test_refused_connections_are_reported_and_exit_1(capsys):
+    url = f"http://127.0.0.1:{free_port()}"
+    assert (
+        main(["bench", "--url", url, "--model", "m", "--num-requests", "3", "--rate", "inf", "--quiet"]) == 1
+    )
+    captured = capsys.readouterr()
+    assert "errors: connect x3" in captured.out  # the 3 measured requests (warm-up not counted)
+    assert "no request succeeded" in captured.err

@@ -23,14 +23,14 @@ def prompts(tiny_model) -> PromptFactory:
     return PromptFactory(Tokenizer(tiny_model), seed=0)
 
 
-def bench(url, prompts, loads, output_len="8:16", turns=1, endpoint="chat", timeout=30.0):
+def bench(url, prompts, loads, output_len="8:16", turns=1, endpoint="chat", timeout=30.0, slos=SLOS):
     spec = SyntheticSpec(LengthRange.parse("16:32"), LengthRange.parse(output_len), turns=turns)
     client = ClientConfig(url, "fake-model", endpoint=endpoint, timeout=timeout)
-    plan = BenchPlan(client, tuple(loads), SLOS)
+    plan = BenchPlan(client, tuple(loads), slos)
     return run_benchmark(plan, Workload(prompts, spec, seed=0), settings={}, count_tokens=prompts.count)
 
 
-def check_consistent(level, expected_requests):
+def check_consistent(level, expected_requests, slos=SLOS):
     records, summary = level.records, level.summary
     measured = [r for r in records if not r.warmup]
     assert len(measured) == summary.requests == expected_requests
@@ -41,7 +41,7 @@ def check_consistent(level, expected_requests):
             assert 0 < r.ttft < r.e2e
             assert sum(r.gaps) == pytest.approx(r.e2e - r.ttft, abs=1e-9)
             assert len(r.chunk_times) == r.output_tokens  # one token per chunk from this server
-    assert summary == summarize(records, SLOS, level.load.rate, level.load.concurrency)
+    assert summary == summarize(records, slos, level.load.rate, level.load.concurrency)
 
 
 @pytest.mark.parametrize("endpoint", ["chat", "completions"])
@@ -55,18 +55,21 @@ def test_short_poisson_run_is_counted_and_consistent(steady_server, prompts, end
     records = [r for r in level.records if not r.warmup]
     assert all(8 <= r.output_tokens <= 16 for r in records)
     assert all(r.ttft >= 0.02 for r in records)  # the server waits 20 ms before the first token
-    assert level.summary.attainment == {slo.name: 1.0 for slo in SLOS}
+    lenient = SLO.parse("ttft=2s,tpot=500ms,gap=1s")  # far above this server's timing
+    assert summarize(level.records, [lenient], rate=40).attainment == {lenient.name: 1.0}
 
 
 def test_sweep_levels_are_each_consistent(steady_server, prompts):
     loads = [LoadSpec(rate=rate, num_requests=8, warmup=1, seed=i) for i, rate in enumerate((10.0, 50.0))]
-    result = bench(steady_server, prompts, loads)
+    # Targets far above this server's 20 ms TTFT and 2 ms gaps: a busy machine cannot miss them.
+    lenient = (SLO.parse("ttft=2s"), SLO.parse("ttft=2s,gap=1s"))
+    result = bench(steady_server, prompts, loads, slos=lenient)
     assert [level.load.rate for level in result.levels] == [10.0, 50.0]
     for level in result.levels:
-        check_consistent(level, 8)
+        check_consistent(level, 8, lenient)
     # 8 Poisson arrivals at 10/s take about 0.7 s; at 50/s about 0.15 s.
     assert result.levels[0].summary.duration > result.levels[1].summary.duration
-    assert result.distserve_goodput == {slo.name: 50.0 for slo in SLOS}
+    assert result.distserve_goodput == {slo.name: 50.0 for slo in lenient}
 
 
 def test_usage_missing_counts_tokens_from_text(prompts):
@@ -84,7 +87,8 @@ def test_errors_are_counted_and_the_run_continues(prompts):
     # Server request numbers start at 1: 4, 8, 12, 16, 20 fail; 5, 10, 15 garble; 7, 14 hang.
     assert level.summary.errors == {"HTTP 500": 5, "bad stream": 3, "timeout": 2}
     assert level.summary.completed == 10
-    assert level.summary.attainment[SLOS[0].name] == pytest.approx(0.5)
+    lenient = SLO.parse("e2e=10s")  # failed requests are misses, every other one meets it
+    assert summarize(level.records, [lenient], rate=200).attainment[lenient.name] == pytest.approx(0.5)
 
 
 def test_refused_connection_is_an_error_not_a_crash(prompts):
@@ -136,8 +140,12 @@ def test_multi_turn_resends_the_conversation(prompts):
 
 def test_sse_parser_and_chunk_shapes():
     parser = SSEParser()
-    assert parser.feed(b'data: {"a": 1}\n\ndata: [DO') == [b'{"a": 1}']
-    assert parser.feed(b"NE]\r\n\r\n: comment\n\n") == [b"[DONE]"]
+    assert parser.feed(b'data: {"a": 1}\n\ndata: [DO') == ['{"a": 1}']
+    assert parser.feed(b"NE]\r\n\r\n: comment\n\n") == ["[DONE]"]
+    # A UTF-8 character split across two reads, then a multi-line event.
+    cafe = "data: caf\u00e9".encode()
+    assert parser.feed(cafe[:-1]) == []
+    assert parser.feed(cafe[-1:] + b"\n\nevent: x\ndata: a\ndata: b\n\n") == ["caf\u00e9", "a\nb"]
     assert chunk_output({"choices": [{"delta": {"role": "assistant", "content": ""}}]}) == ("", False)
     assert chunk_output({"choices": [{"delta": {"reasoning_content": "hmm"}}]}) == ("", True)
     assert chunk_output({"choices": [{"index": 0, "text": "hi"}]}) == ("hi", True)

@@ -55,10 +55,15 @@ def test_poisson_run_and_sweep_against_splitserve_serve(serve_url, tiny_model, t
     assert len({r["input_tokens"] for r in level["requests"]}) == 1
     assert level["requests"][0]["input_tokens"] >= 48
 
-    sweep = run_json(tmp_path, "sweep", *common, "--rate", "5,40", "--num-requests", "6", "--warmup", "0")
+    # The completions endpoint adds no template: the server counts exactly --input-len tokens.
+    sweep = run_json(
+        tmp_path, "sweep", *common, "--endpoint", "completions", "--rate", "5,40", "--num-requests", "6",
+        "--warmup", "0",
+    )  # fmt: skip
     assert [lvl["summary"]["rate"] for lvl in sweep["levels"]] == [5.0, 40.0]
     for lvl in sweep["levels"]:
         check_level(lvl, 6, output_tokens=12)
+        assert {r["input_tokens"] for r in lvl["requests"]} == {48}
     assert set(sweep["goodput_distserve"]) == {"ttft=2s,tpot=30ms", "ttft=2s,gap=100ms"}
 
 
@@ -78,3 +83,19 @@ def test_server_errors_are_reported_not_fatal(serve_url, tmp_path):
     assert level["summary"]["errors"] == {"HTTP 400": 2}
     assert level["summary"]["completed"] == 6
     assert all(r["output_tokens"] == 6 for r in level["requests"] if r["error"] is None)
+
+
+def test_multi_turn_sessions_with_shared_prefixes(serve_url, tiny_model, tmp_path):
+    data = run_json(
+        tmp_path, "turns", "--url", serve_url, "--tokenizer", tiny_model, "--turns", "2",
+        "--prefix-len", "32", "--num-prefix-groups", "2", "--input-len", "16", "--output-len", "8",
+        "--rate", "inf", "--num-requests", "4", "--warmup", "0",
+    )  # fmt: skip
+    (level,) = data["levels"]
+    check_level(level, 4, output_tokens=8)
+    by_turn = {(r["session"], r["turn"]): r["input_tokens"] for r in level["requests"]}
+    assert sorted(by_turn) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for session in (0, 1):
+        # The second turn resends the first prompt, the 8-token answer and 16 new tokens.
+        assert by_turn[session, 1] >= by_turn[session, 0] + 8 + 16
+    assert by_turn[0, 0] == by_turn[1, 0]  # same lengths: 32 prefix + 16 tokens + the template

@@ -20,7 +20,9 @@ SEARCH = {"type": "function", "function": {"name": "search", "parameters": {"typ
 
 @pytest.fixture(scope="module")
 def renderer(tiny_model) -> Renderer:
-    return Renderer(RenderConfig(model=tiny_model, max_model_len=512, block_size=16))
+    return Renderer(
+        RenderConfig(model=tiny_model, max_model_len=512, block_size=16, trust_request_chat_template=True)
+    )
 
 
 def chat(**fields) -> ChatCompletionRequest:
@@ -123,6 +125,9 @@ def test_template_errors_become_request_errors(renderer):
         renderer.render_chat(bad)
     with pytest.raises(RequestError, match="template"):
         renderer.render_chat(chat(chat_template="{% for %}"))
+    untrusting = Renderer(RenderConfig(model=renderer.config.model))
+    with pytest.raises(RequestError, match="trust-request-chat-template"):
+        untrusting.render_chat(chat(chat_template="{{ messages }}"))
 
 
 def test_render_completion(renderer):

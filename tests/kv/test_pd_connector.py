@@ -49,7 +49,9 @@ async def pd_generate(prefill, decode, request_id: str, tokens: list[int], mode:
     _, dconn = decode
     if mode == "push":
         task = asyncio.ensure_future(
-            collect(decode[0].generate(request_id, tokens, params, kv_transfer_params={"do_remote_prefill": True}))
+            collect(
+                decode[0].generate(request_id, tokens, params, kv_transfer_params={"do_remote_prefill": True})
+            )
         )
         reservation = await asyncio.to_thread(dconn.reservations.wait, request_id, 30)
         assert reservation is not None
@@ -63,11 +65,15 @@ async def pd_generate(prefill, decode, request_id: str, tokens: list[int], mode:
                 "remote_first_block": reservation.first_block,
                 **dconn.kv_address(),
             }
-            _, prefill_out = await collect(prefill[0].generate(request_id + "-p", tokens, params, kv_transfer_params=kv))
+            _, prefill_out = await collect(
+                prefill[0].generate(request_id + "-p", tokens, params, kv_transfer_params=kv)
+            )
         out_tokens, final = await task
         return out_tokens, final, prefill_out
     _, prefill_out = await collect(
-        prefill[0].generate(request_id, tokens, params, kv_transfer_params={"do_remote_decode": True, "transfer_mode": "pull"})
+        prefill[0].generate(
+            request_id, tokens, params, kv_transfer_params={"do_remote_decode": True, "transfer_mode": "pull"}
+        )
     )
     out_tokens, final = await collect(
         decode[0].generate(request_id, tokens, params, kv_transfer_params=prefill_out.kv_transfer_params)
@@ -103,7 +109,9 @@ def test_disaggregated_greedy_equals_collocated(tiny_model, collocated, kind, mo
     async def run() -> None:
         expected = {}
         for name, tokens in {**PROMPTS, **FOLLOW_UPS, "shared": SHARED}.items():
-            expected[name], _ = await collect(collocated.generate(f"ref-{kind}-{mode}-{name}", tokens, GREEDY))
+            expected[name], _ = await collect(
+                collocated.generate(f"ref-{kind}-{mode}-{name}", tokens, GREEDY)
+            )
         results = await asyncio.gather(
             *(pd_generate(prefill, decode, f"{name}-{kind}-{mode}", t, mode) for name, t in PROMPTS.items())
         )
@@ -119,12 +127,17 @@ def test_disaggregated_greedy_equals_collocated(tiny_model, collocated, kind, mo
             assert out == expected[name], name
             assert final.num_cached_tokens == len(tokens) - 1
             block_bytes = final.kv_transfer_params["handoff"]["bytes"] // (-(-(len(tokens) - 1) // BLOCK) - 2)
-            assert block_bytes * (-(-(len(tokens) - 1) // BLOCK) - 2) == final.kv_transfer_params["handoff"]["bytes"]
+            assert (
+                block_bytes * (-(-(len(tokens) - 1) // BLOCK) - 2)
+                == final.kv_transfer_params["handoff"]["bytes"]
+            )
 
     try:
         asyncio.run(run())
         text = decode[1].metrics.registry
-        assert text.get_sample_value("splitserve_kv_transfers_total", {"side": "decode", "outcome": "ok"}) >= 8
+        assert (
+            text.get_sample_value("splitserve_kv_transfers_total", {"side": "decode", "outcome": "ok"}) >= 8
+        )
         assert text.get_sample_value("splitserve_kv_reservations_active") == 0
         assert decode[0].engine.block_manager.num_free_blocks == 96
         prefill_free = prefill[0].engine.block_manager.num_free_blocks
@@ -141,7 +154,9 @@ def test_decode_recomputes_when_no_kv_ever_arrives(tiny_model, collocated):
     async def run() -> None:
         tokens = PROMPTS["long"]
         expected, _ = await collect(collocated.generate("ref-ttl", tokens, GREEDY))
-        out, final = await collect(decode[0].generate("ttl", tokens, GREEDY, kv_transfer_params={"do_remote_prefill": True}))
+        out, final = await collect(
+            decode[0].generate("ttl", tokens, GREEDY, kv_transfer_params={"do_remote_prefill": True})
+        )
         assert out == expected
         assert final.kv_transfer_params["handoff"]["transferred"] is False
         assert "TTL" in final.kv_transfer_params["handoff"]["error"]

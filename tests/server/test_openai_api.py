@@ -25,6 +25,7 @@ def server(tiny_model):
         "256",
         "--max-body-bytes",
         str(MAX_BODY),
+        "--trust-request-chat-template",
     ]
     with running_server(args, port) as base:
         yield base
@@ -53,6 +54,10 @@ def test_plain_chat_and_streaming_with_usage(client, model):
     assert choice.message.role == "assistant" and isinstance(choice.message.content, str)
     assert choice.finish_reason in ("stop", "length")
     assert plain.usage.completion_tokens <= 12 and plain.usage.prompt_tokens > 0
+    capped = client.chat.completions.create(
+        model=model, messages=MESSAGES, max_completion_tokens=3, temperature=0
+    )
+    assert capped.usage.completion_tokens <= 3
     events = list(
         client.chat.completions.create(
             model=model,

@@ -172,6 +172,11 @@ def test_tampered_or_foreign_state_is_refused(servers, output_ids):
             400,
         ),
         ("/v1/completions/render", {"prompt": [10**9]}, 400),
+        (
+            "/v1/chat/completions/render",
+            {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ 1 }}"},
+            400,
+        ),
         ("/v1/chat/completions/derender", {"generate_response": {"choices": [{"token_ids": [10**9]}]}}, 400),
         ("/v1/chat/completions/derender", {"generate_response": {"choices": [{"token_ids": [-1]}]}}, 400),
         ("/v1/chat/completions/derender", {"stream": True, "generate_chunk": {"choices": "x"}}, 400),
@@ -213,3 +218,10 @@ def test_bad_requests(servers, path, body, status):
     response = post(servers[0], path, body)
     assert response.status_code == status, response.text
     assert response.json()["error"]["message"]
+
+
+def test_cli_refuses_a_short_state_key(tiny_model, capsys):
+    from splitserve.cli import main
+
+    assert main(["render", tiny_model, "--state-key", "short"]) == 2
+    assert "at least 8 bytes" in capsys.readouterr().err

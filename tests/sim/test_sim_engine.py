@@ -21,7 +21,7 @@ from splitserve.sim import (
     simulate,
     synthetic,
 )
-from splitserve.sim.commands import beyond_variants
+from splitserve.sim.cmd_simulation import beyond_variants
 from splitserve.sim.kv import exposed_transfer_s, transfer_s
 from splitserve.sim.workload import WorkloadError, parse_lengths
 

@@ -1,0 +1,339 @@
+"""KV handoff and the interference P/D removes, on the bench model (../shared/PEERS.md).
+
+Part 1, handoff: a prefill and a decode engine (`splitserve engine --role prefill|decode`,
+pinned to one core each), driven through the proxy's own P/D client. For shm and tcp,
+push layer by layer vs pull after prefill (vLLM NIXL's behaviour), same engines, same run.
+Per request the decode worker reports (kv_transfer_params.handoff):
+  exposed transfer = last KV arrival on decode - prefill's last layer computed (push) or
+                     prefill finished (pull: includes the proxy hop and the pull request)
+  notification     = last arrival -> the decode engine picking the request up
+  exposed handoff  = decode's first token - prefill's last layer (adds decode's own step)
+The full transfer time of a prompt is the pull's measured transfer (pull sent -> last
+layer landed) on the same transport; exposed transfer is reported as a fraction of it.
+With L layers streamed while the next computes, about 1/L should remain (the seed).
+
+Part 2, interference: short prompts stream long answers while long prompts arrive.
+Collocated: one `--role both` engine on cores {0,1}. P/D: prefill on core 0, decode on
+core 1 (same two cores in all), shm push, prompts under --min-prefill-tokens skip the
+prefill pool. Reported per config: worst inter-token gap and p99 ITL of the streams, and
+the long prompts' TTFT. Ratios (P/D vs the collocated peer, same run) are printed last.
+
+    .venv/bin/python benchmarks/bench_kv_handoff.py [--prompt-tokens 3000] [--repeats 3]
+        [--skip-interference] [--model DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+import httpx
+
+from splitserve.router.pd_policy import PDPolicy
+from splitserve.router.workers import WorkerPool
+from splitserve.server.http_engine_client import HTTPEngineClient
+from splitserve.server.pd_client import PDEngineClient
+
+BENCH_MODEL_FLAGS = [
+    "--arch", "qwen3", "--layers", "8", "--hidden", "512", "--heads", "8", "--kv-heads", "4",
+    "--vocab", "32768", "--dtype", "bfloat16",
+]  # fmt: skip
+DEFAULT_MODEL_DIR = (
+    Path(os.environ.get("SPLITSERVE_HOME", Path.home() / ".cache" / "splitserve")) / "bench-qwen3-8l"
+)
+VOCAB = 32768
+
+
+def ensure_bench_model(directory: Path) -> Path:
+    if not (directory / "config.json").exists():
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        command = [sys.executable, "-m", "splitserve.cli", "tiny-model", str(directory), *BENCH_MODEL_FLAGS]
+        subprocess.run(command, check=True)
+    return directory
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, VOCAB) for _ in range(length)]
+
+
+class Engine(NamedTuple):
+    url: str
+    process: subprocess.Popen
+
+
+def start_engine(model: Path, role: str, cores: set[int], transport: str = "shm", *extra: str) -> Engine:
+    port = free_port()
+    command = [
+        sys.executable, "-m", "splitserve.cli", "engine", str(model), "--role", role, "--port", str(port),
+        "--kv-transport", transport, "--kv-cache-memory", "1GiB", "--max-model-len", "4096",
+        "--log-level", "warning", *extra,
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": str(len(cores))}
+    process = subprocess.Popen(command, env=env, preexec_fn=lambda: os.sched_setaffinity(0, cores))
+    return Engine(f"http://127.0.0.1:{port}", process)
+
+
+def wait_healthy(engines: list[Engine], timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    for engine in engines:
+        while True:
+            if engine.process.poll() is not None:
+                raise RuntimeError(f"engine {engine.url} exited with {engine.process.returncode}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{engine.url}/health", timeout=2).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"engine {engine.url} did not become healthy")
+            time.sleep(0.3)
+
+
+def stop(engines: list[Engine]) -> None:
+    for engine in engines:
+        engine.process.terminate()
+    for engine in engines:
+        try:
+            engine.process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            engine.process.kill()
+
+
+def body(request_id: str, tokens: list[int], max_tokens: int) -> dict:
+    sampling = {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+    return {"request_id": request_id, "token_ids": tokens, "sampling_params": sampling, "stream": True}
+
+
+def median_ms(values: list[float]) -> float:
+    return 1000 * statistics.median(values) if values else float("nan")
+
+
+# ---- part 1: handoff ---------------------------------------------------------------------
+class Handoff(NamedTuple):
+    ttft_s: float
+    exposed_transfer_s: float
+    notification_s: float
+    exposed_handoff_s: float
+    wait_s: float
+    num_bytes: int
+
+
+async def one_handoff(client: PDEngineClient, request_id: str, tokens: list[int]) -> Handoff:
+    started = time.monotonic()
+    ttft, final = None, {}
+    async for chunk in client.generate(body(request_id, tokens, 2)):
+        ttft = ttft if ttft is not None else time.monotonic() - started
+        final = chunk
+    handoff = (final.get("kv_transfer_params") or {}).get("handoff") or {}
+    if not handoff.get("transferred"):
+        raise RuntimeError(f"{request_id}: the KV did not transfer: {handoff}")
+    return Handoff(
+        ttft or 0.0,
+        handoff["exposed_transfer_s"],
+        handoff.get("notification_s", 0.0),
+        handoff["exposed_handoff_s"],
+        handoff["wait_s"],
+        handoff["bytes"],
+    )
+
+
+async def handoff_runs(prefill: str, decode: str, prompt_tokens: int, repeats: int, seed: int) -> dict:
+    results = {}
+    for mode in ("push", "pull"):
+        client = PDEngineClient(WorkerPool([prefill], [decode]), PDPolicy(min_prefill_tokens=0, mode=mode))
+        try:
+            await one_handoff(client, f"warm-{mode}-{seed}", prompt(seed, 256))
+            runs = []
+            for r in range(repeats):
+                tokens = prompt(seed * 1000 + r + (500 if mode == "pull" else 0), prompt_tokens)
+                runs.append(await one_handoff(client, f"{mode}-{seed}-{r}", tokens))
+            results[mode] = runs
+        finally:
+            await client.close()
+    return results
+
+
+def part_handoff(model: Path, prompt_tokens: int, repeats: int) -> dict[str, float]:
+    layers = 8
+    print(
+        f"\n== Handoff: {prompt_tokens}-token prompts, {repeats} per cell; "
+        "prefill on core 0, decode on core 1 =="
+    )
+    header = (
+        f"{'transport':<9} {'mode':<5} {'KV MB':>6} {'TTFT ms':>8} {'full xfer ms':>12} {'exposed ms':>10} "
+        f"{'of full':>8} {'notify ms':>9} {'expo.+step ms':>13}"
+    )
+    print(header)
+    fractions: dict[str, float] = {}
+    for seed, transport in enumerate(("shm", "tcp"), start=1):
+        engines = [
+            start_engine(model, "prefill", {0}, transport),
+            start_engine(model, "decode", {1}, transport),
+        ]
+        try:
+            wait_healthy(engines)
+            results = asyncio.run(handoff_runs(engines[0].url, engines[1].url, prompt_tokens, repeats, seed))
+        finally:
+            stop(engines)
+        full_ms = median_ms([h.wait_s for h in results["pull"]])
+        for mode, runs in results.items():
+            exposed = median_ms([h.exposed_transfer_s for h in runs])
+            fractions[f"{transport}/{mode}"] = exposed / full_ms
+            ttft = median_ms([h.ttft_s for h in runs])
+            print(
+                f"{transport:<9} {mode:<5} {runs[0].num_bytes / 1e6:>6.1f} {ttft:>8.1f} "
+                f"{full_ms:>12.2f} {exposed:>10.2f} {exposed / full_ms:>7.0%} "
+                f"{median_ms([h.notification_s for h in runs]):>9.2f} "
+                f"{median_ms([h.exposed_handoff_s for h in runs]):>13.1f}"
+            )
+    print(f"(one layer's share of the transfer: 1/{layers} = {1 / layers:.0%})")
+    return fractions
+
+
+# ---- part 2: interference ----------------------------------------------------------------
+class StreamStats(NamedTuple):
+    worst_gap_s: float
+    p99_itl_s: float
+    median_itl_s: float
+    long_ttft_s: float
+
+
+async def stream_gaps(client, request_id: str, tokens: list[int], max_tokens: int) -> list[float]:
+    times: list[float] = []
+    async for chunk in client.generate(body(request_id, tokens, max_tokens)):
+        now = time.monotonic()
+        for choice in chunk.get("choices") or []:
+            times += [now] * len(choice.get("token_ids") or [])
+    return [b - a for a, b in itertools.pairwise(times)]
+
+
+async def long_ttft(client, request_id: str, tokens: list[int], delay_s: float) -> float:
+    await asyncio.sleep(delay_s)
+    started = time.monotonic()
+    async for _ in client.generate(body(request_id, tokens, 2)):
+        return time.monotonic() - started
+    return float("nan")
+
+
+async def interference_run(
+    client, tag: str, streams: int, long_prompts: int, long_tokens: int
+) -> StreamStats:
+    # warm-up: one short and one long request, so nothing below pays first-call costs
+    await stream_gaps(client, f"{tag}-warm-s", prompt(7, 64), 4)
+    await long_ttft(client, f"{tag}-warm-l", prompt(8, long_tokens), 0)
+    stream_tasks = [
+        asyncio.ensure_future(stream_gaps(client, f"{tag}-s{i}", prompt(100 + i, 64), 300))
+        for i in range(streams)
+    ]
+    long_tasks = [
+        asyncio.ensure_future(long_ttft(client, f"{tag}-l{i}", prompt(200 + i, long_tokens), 0.5 + 1.0 * i))
+        for i in range(long_prompts)
+    ]
+    gaps = [g for gs in await asyncio.gather(*stream_tasks) for g in gs]
+    ttfts = await asyncio.gather(*long_tasks)
+    gaps.sort()
+    return StreamStats(
+        worst_gap_s=gaps[-1],
+        p99_itl_s=gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))],
+        median_itl_s=statistics.median(gaps),
+        long_ttft_s=statistics.median(ttfts),
+    )
+
+
+def part_interference(
+    model: Path, streams: int, long_prompts: int, long_tokens: int
+) -> dict[str, StreamStats]:
+    print(
+        f"\n== Interference: {streams} streams (64-token prompts, 300 tokens each) while {long_prompts} "
+        f"{long_tokens}-token prompts arrive 1 s apart; cores {{0,1}} in both configs =="
+    )
+    stats: dict[str, StreamStats] = {}
+    engine = start_engine(model, "both", {0, 1})
+    try:
+        wait_healthy([engine])
+        client = HTTPEngineClient(engine.url)
+        stats["collocated"] = asyncio.run(interference_run(client, "co", streams, long_prompts, long_tokens))
+    finally:
+        stop([engine])
+    engines = [start_engine(model, "prefill", {0}), start_engine(model, "decode", {1})]
+    try:
+        wait_healthy(engines)
+        policy = PDPolicy(min_prefill_tokens=512, mode="push")
+
+        async def run_pd() -> StreamStats:
+            client = PDEngineClient(WorkerPool([engines[0].url], [engines[1].url]), policy)
+            try:
+                return await interference_run(client, "pd", streams, long_prompts, long_tokens)
+            finally:
+                await client.close()
+
+        stats["P/D (shm push)"] = asyncio.run(run_pd())
+    finally:
+        stop(engines)
+    print(
+        f"{'config':<16} {'worst gap ms':>12} {'p99 ITL ms':>10} {'median ITL ms':>13} {'long TTFT ms':>12}"
+    )
+    for name, s in stats.items():
+        print(
+            f"{name:<16} {1000 * s.worst_gap_s:>12.1f} {1000 * s.p99_itl_s:>10.1f} "
+            f"{1000 * s.median_itl_s:>13.1f} {1000 * s.long_ttft_s:>12.1f}"
+        )
+    return stats
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR)
+    parser.add_argument("--prompt-tokens", type=int, default=3000)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--skip-handoff", action="store_true")
+    parser.add_argument("--skip-interference", action="store_true")
+    parser.add_argument("--streams", type=int, default=4)
+    parser.add_argument("--long-prompts", type=int, default=3)
+    parser.add_argument("--long-tokens", type=int, default=2500)
+    args = parser.parse_args()
+    if len(os.sched_getaffinity(0)) < 2:
+        print("needs two cores (prefill and decode are pinned to one each)", file=sys.stderr)
+        return 2
+    model = ensure_bench_model(args.model)
+    fractions = {} if args.skip_handoff else part_handoff(model, args.prompt_tokens, args.repeats)
+    stats = (
+        {}
+        if args.skip_interference
+        else part_interference(model, args.streams, args.long_prompts, args.long_tokens)
+    )
+    print()
+    for transport in ("shm", "tcp"):
+        if f"{transport}/push" in fractions:
+            push, pull = fractions[f"{transport}/push"], fractions[f"{transport}/pull"]
+            print(
+                f"exposed transfer, {transport}: push layer-wise {push:.0%} of the full transfer, "
+                f"pull after prefill {pull:.0%}: push/pull = {push / pull:.2f}x"
+            )
+    if stats:
+        co, pd = stats["collocated"], stats["P/D (shm push)"]
+        print(
+            f"P/D vs collocated (peer): worst gap {pd.worst_gap_s / co.worst_gap_s:.2f}x, "
+            f"p99 ITL {pd.p99_itl_s / co.p99_itl_s:.2f}x"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+"""The proxy's Prometheus metrics (one registry per proxy app, no module globals)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+PREFIX = "splitserve_proxy"
+_SECONDS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class ProxyMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(f"{PREFIX}_requests", "Requests routed, by path.", ["path"], registry=r)
+        self.retries = Counter(f"{PREFIX}_retries", "Requests retried on another decode worker.", registry=r)
+        self.prefill_failures = Counter(
+            f"{PREFIX}_prefill_failures", "Prefill calls that failed or could not ship their KV.", registry=r
+        )
+        self.fallbacks = Counter(
+            f"{PREFIX}_fallbacks",
+            "Requests whose decode worker computed the prompt itself.",
+            ["reason"],
+            registry=r,
+        )
+        self.errors = Counter(
+            f"{PREFIX}_errors", "Requests that failed, by HTTP status.", ["status"], registry=r
+        )
+        self.prefill_time = Histogram(
+            f"{PREFIX}_prefill_seconds", "Prefill call, sent to answered.", buckets=_SECONDS, registry=r
+        )
+        self.handoff_time = Histogram(
+            f"{PREFIX}_handoff_seconds",
+            "From the prefill worker's answer to the decode worker's first token.",
+            buckets=_SECONDS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            f"{PREFIX}_time_to_first_token_seconds",
+            "Engine request sent to first token.",
+            buckets=_SECONDS,
+            registry=r,
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,107 @@
+"""The prefill and decode worker pools the proxy routes over: least-loaded picks, health.
+
+A worker that fails a request or a health check leaves the rotation until a later health
+check passes. Load is the proxy's own count of requests in flight on each worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from typing import Literal
+
+logger = logging.getLogger(__name__)
+
+WorkerRole = Literal["prefill", "decode"]
+
+
+@dataclass
+class Worker:
+    url: str
+    role: WorkerRole
+    healthy: bool = True
+    in_flight: int = 0
+    served: int = 0
+    failures: int = 0
+
+    def snapshot(self) -> dict:
+        return {
+            "url": self.url,
+            "role": self.role,
+            "healthy": self.healthy,
+            "in_flight": self.in_flight,
+            "served": self.served,
+            "failures": self.failures,
+        }
+
+
+class WorkerPool:
+    def __init__(self, prefill_urls: list[str], decode_urls: list[str]):
+        if not decode_urls:
+            raise ValueError("at least one decode worker is needed")
+        self._lock = threading.Lock()
+        self._workers: list[Worker] = [Worker(u.rstrip("/"), "prefill") for u in prefill_urls]
+        self._workers += [Worker(u.rstrip("/"), "decode") for u in decode_urls]
+
+    def workers(self, role: WorkerRole | None = None) -> list[Worker]:
+        return [w for w in self._workers if role is None or w.role == role]
+
+    def pick(self, role: WorkerRole, exclude: set[str] | frozenset[str] = frozenset()) -> Worker | None:
+        """The healthy worker of `role` with the fewest requests in flight (then the one
+        that served fewest, so equal loads rotate)."""
+        with self._lock:
+            candidates = [w for w in self._workers if w.role == role and w.healthy and w.url not in exclude]
+            if not candidates:
+                return None
+            return min(candidates, key=lambda w: (w.in_flight, w.served))
+
+    @contextlib.contextmanager
+    def lease(self, worker: Worker) -> Iterator[Worker]:
+        with self._lock:
+            worker.in_flight += 1
+            worker.served += 1
+        try:
+            yield worker
+        finally:
+            with self._lock:
+                worker.in_flight -= 1
+
+    def report_failure(self, worker: Worker, reason: str) -> None:
+        with self._lock:
+            worker.failures += 1
+            was_healthy, worker.healthy = worker.healthy, False
+        if was_healthy:
+            logger.warning("%s worker %s out of rotation: %s", worker.role, worker.url, reason)
+
+    def set_health(self, worker: Worker, healthy: bool) -> None:
+        with self._lock:
+            changed = worker.healthy != healthy
+            worker.healthy = healthy
+        if changed:
+            state = "back in rotation" if healthy else "out of rotation (health check failed)"
+            logger.warning("%s worker %s %s", worker.role, worker.url, state)
+
+    def snapshot(self) -> list[dict]:
+        with self._lock:
+            return [w.snapshot() for w in self._workers]
+
+
+async def check_all(pool: WorkerPool, check: Callable[[Worker], Awaitable[bool]]) -> None:
+    """Run one health check of every worker, concurrently."""
+    workers = pool.workers()
+    results = await asyncio.gather(*(check(w) for w in workers), return_exceptions=True)
+    for worker, result in zip(workers, results, strict=True):
+        pool.set_health(worker, result is True)
+
+
+async def health_loop(
+    pool: WorkerPool, check: Callable[[Worker], Awaitable[bool]], interval_s: float
+) -> None:
+    """Check every worker each `interval_s` until cancelled."""
+    while True:
+        await check_all(pool, check)
+        await asyncio.sleep(interval_s)

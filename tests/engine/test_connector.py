@@ -1,0 +1,80 @@
+"""Prefill-only and decode-only engines in one process, KV handed over by the in-process
+connector, give exactly the collocated token IDs."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from splitserve.config import CacheConfig, EngineConfig, ModelConfig
+from splitserve.engine.async_engine import AsyncEngine
+from splitserve.engine.llm import LLM
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.kv.inprocess import InProcessConnector, InProcessKVStore
+from tests.engine.helpers import make_prompts
+
+PROMPTS = make_prompts(2048, seed=5)
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def collocated(tiny_model):
+    return [r.token_ids for r in LLM(tiny_model, num_blocks=64).generate(PROMPTS, GREEDY)]
+
+
+@pytest.mark.parametrize("load_async", [False, True])
+def test_prefill_then_decode_equals_collocated(tiny_model, collocated, load_async):
+    store = InProcessKVStore()
+    prefill_connector = InProcessConnector(store, "prefill-0")
+    # a small budget chunks the prefill: KV is saved layer by layer over several steps
+    prefill = LLM(tiny_model, num_blocks=64, role="prefill", max_num_batched_tokens=24, connector=prefill_connector)
+    decode = LLM(tiny_model, num_blocks=64, role="decode", connector=InProcessConnector(store, "d", load_async))
+
+    first = prefill.generate(PROMPTS, GREEDY, kv_transfer_params=[{"do_remote_decode": True}] * len(PROMPTS))
+    assert all(len(r.token_ids) == 1 and r.finish_reason == "length" for r in first)
+    assert [r.token_ids[0] for r in first] == [tokens[0] for tokens in collocated]
+    assert prefill_connector.num_saved_layers > 0
+    params = [r.kv_transfer_params for r in first]
+    assert all(p["do_remote_prefill"] and p["remote_num_tokens"] == len(q) for p, q in zip(params, PROMPTS, strict=True))
+    assert len(store) == len(PROMPTS)
+
+    second = decode.generate(PROMPTS, GREEDY, kv_transfer_params=params)
+    assert [r.token_ids for r in second] == collocated
+    # everything but the last prompt token came over the connector (or the local cache)
+    assert [r.num_cached_tokens for r in second] == [len(p) - 1 for p in PROMPTS]
+    assert len(store) == 0
+    decode.engine.check_integrity()
+    prefill.engine.check_integrity()
+
+
+def test_corrupted_transfer_changes_the_answer(tiny_model, collocated):
+    """Negative control: the decode engine really uses the transferred KV."""
+    store = InProcessKVStore()
+    prefill = LLM(tiny_model, num_blocks=64, role="prefill", connector=InProcessConnector(store, "p"))
+    decode = LLM(tiny_model, num_blocks=64, role="decode", connector=InProcessConnector(store, "d"))
+    first = prefill.generate([PROMPTS[2]], GREEDY, kv_transfer_params=[{"do_remote_decode": True}])
+    entry = store.get(first[0].kv_transfer_params["remote_request_id"])
+    entry.kv.mul_(-3.0)
+    second = decode.generate([PROMPTS[2]], GREEDY, kv_transfer_params=[first[0].kv_transfer_params])
+    assert second[0].token_ids != collocated[2]
+
+
+def test_async_decode_engine_wakes_on_load(tiny_model, collocated):
+    store = InProcessKVStore()
+    prefill = LLM(tiny_model, num_blocks=64, role="prefill", connector=InProcessConnector(store, "p"))
+    first = prefill.generate(PROMPTS, GREEDY, kv_transfer_params=[{"do_remote_decode": True}] * len(PROMPTS))
+    config = EngineConfig(ModelConfig(tiny_model), CacheConfig(num_blocks=64), role="decode")
+
+    async def run(engine: AsyncEngine, i: int) -> list[int]:
+        tokens: list[int] = []
+        async for out in engine.generate(f"d{i}", PROMPTS[i], GREEDY, kv_transfer_params=first[i].kv_transfer_params):
+            tokens.extend(out.new_token_ids)
+        return tokens
+
+    with AsyncEngine(config, InProcessConnector(store, "d", load_async=True)) as engine:
+
+        async def main():
+            return await asyncio.gather(*(run(engine, i) for i in range(len(PROMPTS))))
+
+        assert asyncio.run(main()) == collocated

@@ -1,0 +1,64 @@
+"""Greedy token IDs equal transformers' `generate` in every scheduling mode."""
+
+from __future__ import annotations
+
+import pytest
+
+from splitserve.engine.llm import LLM
+from splitserve.engine.sampling_params import SamplingParams
+from tests.engine.helpers import make_prompts, oracle_greedy
+
+MAX_TOKENS = 24
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+
+MODES = {
+    # name: engine kwargs
+    "whole-prompts": {"num_blocks": 64, "max_num_batched_tokens": 2048},
+    "chunked": {"num_blocks": 64, "max_num_batched_tokens": 16},
+    "no-prefix-cache": {"num_blocks": 64, "enable_prefix_caching": False, "max_num_batched_tokens": 40},
+    "preemption": {"num_blocks": 10, "max_num_batched_tokens": 64},
+}
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def arch_case(request, tiny_model_factory):
+    model_dir = tiny_model_factory(arch=request.param)
+    prompts = make_prompts(2048, seed=1)
+    return model_dir, prompts, oracle_greedy(model_dir, prompts, MAX_TOKENS)
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_greedy_equals_transformers(arch_case, mode):
+    model_dir, prompts, expected = arch_case
+    llm = LLM(model_dir, **MODES[mode])
+    results = llm.generate(prompts, GREEDY)
+    assert [r.token_ids for r in results] == expected
+    assert all(r.finish_reason == "length" for r in results)
+    stats = llm.engine.stats()
+    if mode == "preemption":
+        assert stats.num_preemptions > 0
+    if mode == "no-prefix-cache":
+        assert stats.prefix_cache_hit_tokens == 0
+    llm.engine.check_integrity()
+    assert stats.num_blocks_free == stats.num_blocks_total  # everything released
+
+    # Second round: every prompt is now (mostly) in the prefix cache.
+    again = llm.generate(prompts, GREEDY)
+    assert [r.token_ids for r in again] == expected
+    if MODES[mode].get("enable_prefix_caching", True) and mode != "preemption":
+        hits = [r.num_cached_tokens for r in again]
+        # full blocks only, and never the last prompt token
+        assert hits == [((len(p) - 1) // 16) * 16 for p in prompts]
+
+
+def test_prefix_hits_within_one_batch(tiny_model):
+    """Requests arriving after a shared prefix was computed reuse it in the same run."""
+    prompts = make_prompts(2048, seed=2)
+    expected = oracle_greedy(tiny_model, prompts, 8)
+    llm = LLM(tiny_model, num_blocks=64, max_num_batched_tokens=64)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    results = llm.generate(prompts, params)
+    assert [r.token_ids for r in results] == expected
+    assert llm.engine.stats().prefix_cache_hit_tokens > 0
+    # the repeated 48-token prompt hits the 2 full blocks that do not hold its last token
+    assert results[6].num_cached_tokens == 32

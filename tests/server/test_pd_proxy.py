@@ -1,0 +1,177 @@
+"""P/D end to end over HTTP: `splitserve up` and `splitserve proxy` in front of real
+prefill/decode engines, checked against the collocated `splitserve serve`."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import re
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import free_port, running_server
+
+WORDS = "the of and to in is that for it as was with be by on not this are or from at prefill decode".split()
+SYSTEM = "You are a helpful assistant. " + " ".join(random.Random(0).choice(WORDS) for _ in range(60))
+
+
+def words(seed: int, count: int) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(count))
+
+
+def chats() -> list[list[dict]]:
+    """Concurrent chats: a shared system prompt (partial prefix hits on decode), user turns
+    of lengths that are not multiples of the block size, one short enough to skip prefill."""
+    out = [
+        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": words(i, 5 + 17 * i)}]
+        for i in range(5)
+    ]
+    out.append([{"role": "user", "content": "hi"}])
+    return out
+
+
+def metric(text: str, name: str, labels: str = "") -> float:
+    match = re.search(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", text, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+async def chat_token_ids(base: str, messages: list[list[dict]], max_tokens: int = 8) -> list[list[int]]:
+    async with httpx.AsyncClient(timeout=120) as client:
+
+        async def one(m: list[dict]) -> list[int]:
+            body = {"messages": m, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True}
+            response = await client.post(f"{base}/v1/chat/completions", json=body)
+            assert response.status_code == 200, response.text
+            return response.json()["choices"][0]["token_ids"]
+
+        return list(await asyncio.gather(*(one(m) for m in messages)))
+
+
+@pytest.fixture(scope="module")
+def collocated(tiny_model) -> Iterator[str]:
+    port = free_port()
+    with running_server(["serve", tiny_model, "--port", str(port), "--num-blocks", "1024"], port) as base:
+        yield base
+
+
+def _up(tiny_model: str, port: int, *extra: str):
+    args = [
+        "up",
+        tiny_model,
+        "--port",
+        str(port),
+        "--num-blocks",
+        "512",
+        "--min-prefill-tokens",
+        "16",
+        *extra,
+    ]
+    return running_server(args, port, timeout=180)
+
+
+def test_up_push_over_shm_streams_through_the_openai_client(tiny_model, collocated):
+    port = free_port()
+    messages = chats()
+    expected = asyncio.run(chat_token_ids(collocated, messages))
+    with _up(tiny_model, port, "--transport", "shm", "--mode", "push") as base:
+        asyncio.run(chat_token_ids(base, messages[:1]))  # decode now caches the system prompt
+        assert asyncio.run(chat_token_ids(base, messages)) == expected
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused")
+        reference = openai.OpenAI(base_url=f"{collocated}/v1", api_key="unused")
+        for m in messages[1:3]:
+            stream = client.chat.completions.create(
+                model=None, messages=m, max_tokens=8, temperature=0, stream=True
+            )
+            text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+            want = reference.chat.completions.create(model=None, messages=m, max_tokens=8, temperature=0)
+            assert text == want.choices[0].message.content
+        proxy_metrics = httpx.get(f"{base}/metrics").text
+        assert metric(proxy_metrics, "splitserve_proxy_requests_total", '{path="pd_push"}') >= 5
+        assert metric(proxy_metrics, "splitserve_proxy_requests_total", '{path="decode_only"}') >= 1
+        assert metric(proxy_metrics, "splitserve_proxy_prefill_failures_total") == 0
+        # bad input gets a clear 4xx and the proxy keeps serving
+        assert httpx.post(f"{base}/v1/chat/completions", content=b"{nope").status_code == 400
+        bad_n = httpx.post(f"{base}/v1/chat/completions", json={"messages": messages[0], "n": 2})
+        assert bad_n.status_code == 400 and bad_n.json()["error"]["param"] == "n"
+        assert httpx.post(f"{base}/v1/chat/completions", json={"messages": "x"}).status_code == 400
+        assert asyncio.run(chat_token_ids(base, messages[:1])) == expected[:1]
+
+
+def test_up_pull_over_tcp_then_stops_when_a_part_dies(tiny_model, collocated):
+    port = free_port()
+    messages = chats()
+    expected = asyncio.run(chat_token_ids(collocated, messages))
+    with _up(tiny_model, port, "--transport", "tcp", "--mode", "pull") as base:
+        assert asyncio.run(chat_token_ids(base, messages)) == expected
+        decode_metrics = None
+        log = (Path(os.environ.get("TMPDIR", "/tmp")) / f"splitserve-test-{port}.log").read_text()
+        pids = {
+            name: int(pid) for name, pid in re.findall(r"^\s+(\S+)\s+http://\S+\s+\(pid (\d+)\)", log, re.M)
+        }
+        assert set(pids) == {"render", "prefill-0", "decode-0", "proxy"}
+        urls = dict(re.findall(r"^\s+(\S+)\s+(http://\S+)", log, re.M))
+        decode_metrics = httpx.get(f"{urls['decode-0']}/metrics").text
+        assert metric(decode_metrics, "splitserve_kv_transfers_total", '{outcome="ok",side="decode"}') >= 5
+        os.kill(pids["decode-0"], signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in pids.values()):
+            time.sleep(0.2)
+        assert not [n for n, p in pids.items() if Path(f"/proc/{p}").exists()], "up left parts running"
+
+
+def test_killing_prefill_mid_transfer_loses_no_request(tiny_model, collocated):
+    render_port, prefill_port, decode_port, proxy_port = (free_port() for _ in range(4))
+    engine = ["engine", tiny_model, "--num-blocks", "1024", "--kv-transport", "tcp", "--kv-timeout", "5"]
+    prefill_args = [
+        *engine,
+        "--role",
+        "prefill",
+        "--port",
+        str(prefill_port),
+        "--max-num-batched-tokens",
+        "16",
+    ]
+    decode_args = [*engine, "--role", "decode", "--port", str(decode_port)]
+    long_chats = [[{"role": "user", "content": words(100 + i, 1100 + 13 * i)}] for i in range(6)]
+    expected = asyncio.run(chat_token_ids(collocated, long_chats, max_tokens=4))
+    with (
+        running_server(["render", tiny_model, "--port", str(render_port)], render_port) as render,
+        running_server(prefill_args, prefill_port) as prefill,
+        running_server(decode_args, decode_port) as decode,
+        running_server(
+            ["proxy", "--render", render, "--prefill", prefill, "--decode", decode, "--port", str(proxy_port),
+             "--min-prefill-tokens", "16", "--health-interval", "0.5"], proxy_port
+        ) as proxy,
+    ):  # fmt: skip
+        prefill_pid = httpx.get(f"{prefill}/inference/v1/kv/info").json()["pid"]
+
+        async def run() -> list[list[int]]:
+            requests = asyncio.ensure_future(chat_token_ids(proxy, long_chats, max_tokens=4))
+            async with httpx.AsyncClient() as client:
+                for _ in range(2000):
+                    text = (await client.get(f"{decode}/metrics")).text
+                    if metric(text, "splitserve_kv_transfer_bytes_total", '{direction="received"}') > 0:
+                        break
+                    await asyncio.sleep(0.005)
+            os.kill(prefill_pid, signal.SIGKILL)  # mid-transfer: some KV has landed, most has not
+            return await requests
+
+        assert asyncio.run(run()) == expected
+        decode_metrics = httpx.get(f"{decode}/metrics").text
+        assert metric(decode_metrics, "splitserve_kv_transfer_failures_total", '{side="decode"}') >= 1
+        assert metric(decode_metrics, "splitserve_kv_fallbacks_total", '{action="recompute"}') >= 1
+        assert metric(decode_metrics, "splitserve_kv_reservations_active") == 0
+        proxy_metrics = httpx.get(f"{proxy}/metrics").text
+        assert metric(proxy_metrics, "splitserve_proxy_prefill_failures_total") >= 1
+        time.sleep(1.2)  # a health check later, the dead prefill worker is out of rotation
+        workers = httpx.get(f"{proxy}/workers").json()["workers"]
+        assert [w["healthy"] for w in workers if w["role"] == "prefill"] == [False]
+        assert asyncio.run(chat_token_ids(proxy, long_chats[:1], max_tokens=4)) == expected[:1]
