@@ -28,7 +28,7 @@ from splitserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerC
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.model.tiny import TinyModelSpec, write_tiny_model
-from splitserve.sim import Deployment, Efficiency, Roofline, Workload, load_gpu, load_model, simulate
+from splitserve.sim import Deployment, Roofline, Workload, load_gpu, load_model, simulate
 from splitserve.sim import SchedulerConfig as SimScheduler
 from splitserve.sim.calibrate import Sample, fit, samples_to_json
 
@@ -74,16 +74,19 @@ def measure(engine: LLMEngine, repeats: int = 4) -> list[Sample]:
     processes only ever add time)."""
     samples: list[Sample] = []
     greedy = dict(temperature=0.0, ignore_eos=True)
-    for n in (64, 256, 512, 1024):  # prefill: one prompt, one step
+    for n, past in ((64, 0), (256, 0), (512, 0), (1024, 0), (1024, 1024)):  # prefill steps
         best = float("inf")
         for rep in range(repeats):
-            engine.add_request(f"p{n}-{rep}", prompt(n, n + rep), SamplingParams(max_tokens=1, **greedy))
+            rid = f"p{n}-{past}-{rep}"
+            engine.add_request(rid, prompt(n + past, n + rep), SamplingParams(max_tokens=1, **greedy))
+            done = 0  # a prompt longer than the budget is chunked: step k has k * BUDGET cached
             while engine.has_unfinished_requests():
                 engine.step()
-                if engine.last_step_tokens == n:
+                if engine.last_step_tokens and done == past:
                     best = min(best, engine.last_step_time_s)
-                    engine.last_step_tokens = 0
-        samples.append(Sample("prefill", n, 0, best))
+                done += engine.last_step_tokens
+                engine.last_step_tokens = 0
+        samples.append(Sample("prefill", n, past, best))
     for batch, ctx in ((1, 256), (4, 256), (8, 512), (16, 256), (32, 128)):  # decode at a known context
         for i in range(batch):
             engine.add_request(
@@ -127,14 +130,15 @@ if __name__ == "__main__":
         samples = measure(engine)
         (Path(tmp) / "steps.json").write_text(json.dumps(samples_to_json(samples)))
         model, gpu = load_model(model_dir), load_gpu(str(gpu_path))
-        res = fit(Roofline(model, gpu), samples)
+        res = fit(Roofline(model, gpu), samples, attention=True, per_seq=True)
         print(f"host peaks: {peaks['peak_flops'] / 1e9:.1f} GFLOP/s fp32, {peaks['mem_bw'] / 1e9:.1f} GB/s")
         print(
             f"{len(samples)} engine steps ({res.compute_bound} compute-bound) on a "
             f"{model.layers}-layer {model.hidden}-wide model ({model.total_params / 1e6:.1f}M params, fp32)"
         )
         print(
-            f"fitted: compute {res.eff.compute:.3f}, bandwidth {res.eff.bandwidth:.3f}, "
+            f"fitted: compute {res.eff.compute:.3f}, attention {res.eff.attention}, "
+            f"per sequence {res.eff.per_seq_overhead_s * 1e3:.2f} ms, bandwidth {res.eff.bandwidth:.3f}, "
             f"overhead {res.eff.overhead_s * 1e3:.2f} ms/step; fit error rms {res.rms_rel_error:.1%}, "
             f"max {res.max_rel_error:.1%}"
         )
@@ -143,7 +147,7 @@ if __name__ == "__main__":
             model,
             gpu,
             replicas=1,
-            eff=Efficiency(res.eff.compute, res.eff.bandwidth, res.eff.overhead_s),
+            eff=res.eff,
             sched=SimScheduler(budget=BUDGET, max_prefills_per_step=None),
         )
         wl = Workload.open_loop(np.zeros(24), np.full(24, 300), np.full(24, 24))

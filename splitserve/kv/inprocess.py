@@ -136,6 +136,9 @@ class InProcessConnector(KVConnector):
                 self._pending_loads.append(load)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
+        params = request.kv_transfer_params or {}
+        if params.get("do_remote_prefill"):  # consumed, or not needed (nothing to load)
+            self.store.pop(str(params.get("remote_request_id")))
         kv = self._saving.pop(request.request_id, None)
         if kv is None or request.finish_reason in ("abort", "error"):
             return False, None
@@ -158,7 +161,7 @@ class InProcessConnector(KVConnector):
 
     # ---- worker half --------------------------------------------------------------
     def _copy_in(self, load: _Load) -> None:
-        entry = self.store.pop(load.entry_id)
+        entry = self.store.get(load.entry_id)
         assert entry is not None, f"KV for {load.entry_id} vanished"
         source = entry.kv[:, :, load.start : load.start + load.num_tokens]
         self._flat()[:, :, self._slots(load.block_ids, load.start, load.num_tokens)] = source

@@ -22,6 +22,7 @@ from splitserve.kv.transport import (
     TransferError,
     _PullJob,
     _PushJob,
+    copy_blocks,
     dtype_from_name,
 )
 
@@ -79,11 +80,7 @@ class ShmTransport(KVTransport):
     def _send_push(self, socket: zmq.Socket, job: _PushJob) -> int:
         assert self.pool is not None
         target = self._peer_pools[f"{job.peer.host}:{job.peer.port}"]
-        src = torch.tensor(job.src_block_ids, dtype=torch.long)
-        dst = torch.tensor(job.dst_block_ids, dtype=torch.long)
-        data = self.pool[job.layer].index_select(1, src)
-        target[job.layer].index_copy_(1, dst, data)
-        num_bytes = data.numel() * data.element_size()
+        num_bytes = copy_blocks(target[job.layer], job.dst_block_ids, self.pool[job.layer], job.src_block_ids)
         header = {
             "transfer_id": job.transfer_id,
             "layer": job.layer,
@@ -103,12 +100,8 @@ class ShmTransport(KVTransport):
         # Held before and after the read means held throughout: the blocks were not reused.
         if not self._ask_held(socket, job.transfer_id):
             raise TransferError(f"engine {job.peer.engine_id} no longer holds the blocks")
-        src = torch.tensor(job.src_block_ids, dtype=torch.long)
-        dst = torch.tensor(job.dst_block_ids, dtype=torch.long)
         for layer in range(self.pool.shape[0]):
-            data = source[layer].index_select(1, src)
-            self.pool[layer].index_copy_(1, dst, data)
-            num_bytes = data.numel() * data.element_size()
+            num_bytes = copy_blocks(self.pool[layer], job.dst_block_ids, source[layer], job.src_block_ids)
             if layer == self.pool.shape[0] - 1 and not self._ask_held(socket, job.transfer_id):
                 raise TransferError(f"engine {job.peer.engine_id} released the blocks during the read")
             self.record_arrival(job.transfer_id, layer, job.dst_block_ids, num_bytes, None)

@@ -18,6 +18,8 @@ from splitserve.kv.transport import (
     _Callback,
     _PullJob,
     _PushJob,
+    copy_blocks,
+    gather_blocks,
 )
 
 
@@ -30,8 +32,7 @@ class TcpTransport(KVTransport):
 
     def _send_push(self, socket: zmq.Socket, job: _PushJob) -> int:
         assert self.pool is not None
-        src = torch.tensor(job.src_block_ids, dtype=torch.long, device=self.pool.device)
-        data = self.pool[job.layer].index_select(1, src).cpu().contiguous()
+        data = gather_blocks(self.pool[job.layer], job.src_block_ids).cpu()
         payload = data.view(torch.uint8).numpy()
         header = {
             "transfer_id": job.transfer_id,
@@ -47,13 +48,12 @@ class TcpTransport(KVTransport):
         if not frames:
             raise TransferError("a tcp KV push arrived without data")
         layer_pool = self.pool[header["layer"]]
-        dst = torch.tensor(header["dst"], dtype=torch.long, device=self.pool.device)
         shape = (layer_pool.shape[0], len(header["dst"]), *layer_pool.shape[2:])
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # zmq frames are read-only; we copy at once
             raw = torch.frombuffer(frames[0].buffer, dtype=torch.uint8)
         data = raw.view(self.pool.dtype).view(shape)
-        layer_pool.index_copy_(1, dst, data.to(self.pool.device))
+        copy_blocks(layer_pool, header["dst"], data.to(self.pool.device), list(range(len(header["dst"]))))
         return raw.numel()
 
     def _do_pull(self, socket: zmq.Socket, job: _PullJob) -> None:

@@ -78,47 +78,91 @@ def load_samples(path: str) -> tuple[list[Sample], dict]:
         raise CalibrationError(f"{path}: not JSON ({exc})") from exc
 
 
-def _features(rl: Roofline, samples: list[Sample]) -> tuple[np.ndarray, np.ndarray]:
-    """Per sample: seconds at 100% of peak FLOP/s, seconds at 100% of peak bandwidth."""
-    f, b = [], []
+def _features(rl: Roofline, samples: list[Sample]) -> dict[str, np.ndarray]:
+    """Per sample: seconds of linear (and decode attention) work at 100% of peak FLOP/s, of
+    prefill attention at peak, of memory traffic at peak bandwidth; sequences in the step."""
+    cols: dict[str, list[float]] = {"lin": [], "attn": [], "bytes": [], "seqs": []}
     for s in samples:
-        cost = (
-            rl.prefill(s.tokens, past=s.context)
-            if s.kind == "prefill"
-            else rl.decode(s.tokens, s.tokens * s.context)
-        )
-        f.append(cost.flops / (rl.gpu.peak_flops * rl.tp))
-        b.append(cost.bytes / (rl.gpu.mem_bw * rl.tp))
-    return np.array(f), np.array(b)
+        if s.kind == "prefill":
+            cost = rl.prefill(s.tokens, past=s.context)
+        else:
+            cost = rl.decode(s.tokens, s.tokens * s.context)
+        peak_f, peak_b = rl.gpu.peak_flops * rl.tp, rl.gpu.mem_bw * rl.tp
+        cols["lin"].append((cost.linear_flops + cost.decode_attn_flops) / peak_f)
+        cols["attn"].append(cost.prefill_attn_flops / peak_f)
+        cols["bytes"].append(cost.bytes / peak_b)
+        cols["seqs"].append(cost.seqs)
+    return {k: np.array(v, dtype=float) for k, v in cols.items()}
 
 
-def fit(rl: Roofline, samples: list[Sample], iters: int = 50) -> Fit:
+def fit(
+    rl: Roofline, samples: list[Sample], attention: bool = False, per_seq: bool = False, iters: int = 50
+) -> Fit:
+    """Fit 1/compute, 1/bandwidth and the per-step overhead (and optionally a separate
+    prefill-attention efficiency and a per-sequence overhead) on relative errors."""
     if len(samples) < 3:
         raise CalibrationError("need at least 3 samples")
-    f, b = _features(rl, samples)
+    x = _features(rl, samples)
     t = np.array([s.step_s for s in samples])
-    compute = f > b  # first guess: the side of the ridge at peak
-    x, y, o = 1 / 0.5, 1 / 0.75, 0.0
+    free = ["c", "b", "o"] + (["a"] if attention else []) + (["s"] if per_seq else [])
+    compute = (x["lin"] + x["attn"]) > x["bytes"]  # first guess: the side of the ridge at peak
+    coef = {"c": 2.0, "b": 1.33, "a": 2.0, "o": 0.0, "s": 0.0}
     for _ in range(iters):
-        cols = [np.where(compute, f, 0.0), np.where(compute, 0.0, b), np.ones_like(t)]
-        a = np.stack(cols, axis=1)
-        keep = [i for i in range(3) if np.any(a[:, i])]
-        coef, *_ = np.linalg.lstsq(a[:, keep] / t[:, None], np.ones_like(t), rcond=None)  # relative errors
-        full = dict(zip(keep, coef, strict=True))
-        x, y, o = full.get(0, x), full.get(1, y), full.get(2, 0.0)
-        if o < 0:  # no negative overhead: refit without it
-            keep2 = [i for i in keep if i != 2]
-            coef, *_ = np.linalg.lstsq(a[:, keep2] / t[:, None], np.ones_like(t), rcond=None)
-            full = dict(zip(keep2, coef, strict=True))
-            x, y, o = full.get(0, x), full.get(1, y), 0.0
-        new = f * x > b * y
+        coef, free = _solve(x, t, compute, free, coef)
+        attn_coef = coef["a"] if "a" in free else coef["c"]
+        new = x["lin"] * coef["c"] + x["attn"] * attn_coef > x["bytes"] * coef["b"]
         if np.array_equal(new, compute):
             break
         compute = new
-    pred = np.maximum(f * x, b * y) + o
+    attn_coef = coef["a"] if "a" in free else coef["c"]
+    pred = np.maximum(x["lin"] * coef["c"] + x["attn"] * attn_coef, x["bytes"] * coef["b"])
+    pred = pred + coef["o"] + coef["s"] * x["seqs"]
     rel = np.abs(pred - t) / t
-    eff = Efficiency(compute=float(min(1.0, 1 / x)), bandwidth=float(min(1.0, 1 / y)), overhead_s=float(o))
+    try:
+        eff = Efficiency(
+            compute=float(1 / coef["c"]),
+            bandwidth=float(1 / coef["b"]),
+            overhead_s=float(coef["o"]),
+            attention=float(1 / coef["a"]) if "a" in free else None,
+            per_seq_overhead_s=float(coef["s"]),
+        )
+    except ValueError as exc:
+        raise CalibrationError(
+            f"the fit lands outside the model ({exc}): compute {1 / coef['c']:.2f}, bandwidth "
+            f"{1 / coef['b']:.2f} of the spec's peaks; check the GPU spec and the samples"
+        ) from exc
     return Fit(eff, len(samples), int(compute.sum()), float(np.sqrt(np.mean(rel**2))), float(rel.max()))
+
+
+def _solve(x: dict[str, np.ndarray], t: np.ndarray, compute: np.ndarray, free: list[str],
+           prev: dict[str, float]) -> tuple[dict[str, float], list[str]]:  # fmt: skip
+    """Linear least squares on relative errors for the given bound assignment; overheads that
+    come out negative are fixed at 0 and the rest refitted."""
+    col = {
+        "c": np.where(compute, x["lin"] + (0.0 if "a" in free else x["attn"]), 0.0),
+        "a": np.where(compute, x["attn"], 0.0),
+        "b": np.where(compute, 0.0, x["bytes"]),
+        "o": np.ones_like(t),
+        "s": x["seqs"],
+    }
+    active = [k for k in free if np.any(col[k])]
+    while True:
+        a = np.stack([col[k] / t for k in active], axis=1)
+        sol, *_ = np.linalg.lstsq(a, np.ones_like(t), rcond=None)
+        out = dict(prev, o=0.0 if "o" not in active else prev["o"], s=0.0 if "s" not in active else prev["s"])
+        out.update(zip(active, (float(v) for v in sol), strict=True))
+        bad = [k for k in active if out[k] < 0 and k in ("o", "s", "a")]
+        if not bad:
+            for k in ("c", "b", "a"):
+                if out[k] <= 0:  # an unidentifiable efficiency keeps its last value
+                    out[k] = prev[k]
+            return out, free
+        active.remove(bad[0])
+        if bad[0] in ("o", "s"):
+            prev = dict(prev, **{bad[0]: 0.0})
+        else:  # no separate attention after all: back to one compute efficiency
+            free = [k for k in free if k != "a"]
+            col["c"] = np.where(compute, x["lin"] + x["attn"], 0.0)
 
 
 def synthetic_samples(rl: Roofline, eff: Efficiency, noise: float = 0.02, seed: int = 0) -> list[Sample]:

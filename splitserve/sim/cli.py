@@ -21,6 +21,7 @@ def _common(
     p.add_argument("--eff-bandwidth", type=float, default=0.75, help="achieved fraction of peak bandwidth")
     p.add_argument("--eff-attention", type=float, default=None, help="prefill attention's fraction of peak")
     p.add_argument("--overhead-ms", type=float, default=2.0, help="fixed cost per step")
+    p.add_argument("--per-seq-overhead-ms", type=float, default=0.0, help="cost per sequence in a step")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -205,9 +206,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--synthetic",
         default=None,
-        metavar="C,B,OVERHEAD_MS",
+        metavar="C,B,OVERHEAD_MS[,ATTN,PER_SEQ_MS]",
         help="write samples a GPU at these factors would report (to stdout) instead",
     )
+    p.add_argument("--fit-attention", action="store_true", help="fit prefill attention's efficiency apart")
+    p.add_argument("--fit-per-seq", action="store_true", help="fit a per-sequence overhead too")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -202,22 +202,30 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     rl = Roofline(model, gpu, efficiency(args), tp=args.tp)
     if args.synthetic:
         try:
-            c, b, o = (float(x) for x in args.synthetic.split(","))
+            values = [float(x) for x in args.synthetic.split(",")]
+            c, b, o = values[:3]
+            attn = values[3] if len(values) > 3 else None
+            per_seq = values[4] / 1e3 if len(values) > 4 else 0.0
+            if len(values) > 5:
+                raise ValueError
         except ValueError as exc:
-            raise ValueError("--synthetic takes COMPUTE,BANDWIDTH,OVERHEAD_MS") from exc
-        samples = calibrate.synthetic_samples(rl, Efficiency(c, b, o / 1e3))
-        print(
-            json.dumps({"model": model.name, "gpu": gpu.name, "samples": calibrate.samples_to_json(samples)})
-        )
+            raise ValueError(
+                "--synthetic takes COMPUTE,BANDWIDTH,OVERHEAD_MS[,ATTENTION,PER_SEQ_MS]"
+            ) from exc
+        samples = calibrate.synthetic_samples(rl, Efficiency(c, b, o / 1e3, attn, per_seq))
+        doc = {"model": model.name, "gpu": gpu.name, "samples": calibrate.samples_to_json(samples)}
+        print(json.dumps(doc))
         return 0
     if not args.input:
         raise ValueError("give a JSON file of measured step times (or --synthetic C,B,OVERHEAD_MS)")
     samples, _ = calibrate.load_samples(args.input)
-    res = calibrate.fit(rl, samples)
+    res = calibrate.fit(rl, samples, attention=args.fit_attention, per_seq=args.fit_per_seq)
     data = {
         "compute": res.eff.compute,
         "bandwidth": res.eff.bandwidth,
         "overhead_s": res.eff.overhead_s,
+        "attention": res.eff.attention,
+        "per_seq_overhead_s": res.eff.per_seq_overhead_s,
         "samples": res.samples,
         "compute_bound_samples": res.compute_bound,
         "rms_rel_error": res.rms_rel_error,
@@ -228,6 +236,12 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         f"  compute efficiency   {res.eff.compute:.3f}  (--eff-compute)",
         f"  bandwidth efficiency {res.eff.bandwidth:.3f}  (--eff-bandwidth)",
         f"  overhead per step    {res.eff.overhead_s * 1e3:.2f} ms  (--overhead-ms)",
-        f"  fit error: rms {res.rms_rel_error:.1%}, max {res.max_rel_error:.1%}",
     ]
+    if res.eff.attention is not None:
+        lines.append(f"  attention efficiency {res.eff.attention:.3f}  (--eff-attention)")
+    if args.fit_per_seq:
+        lines.append(
+            f"  per sequence         {res.eff.per_seq_overhead_s * 1e3:.3f} ms  (--per-seq-overhead-ms)"
+        )
+    lines.append(f"  fit error: rms {res.rms_rel_error:.1%}, max {res.max_rel_error:.1%}")
     return emit(args, data, lines)

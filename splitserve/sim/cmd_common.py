@@ -50,7 +50,13 @@ def progress(args: argparse.Namespace, total: int, what: str) -> Iterator[Callab
 
 
 def efficiency(args: argparse.Namespace) -> Efficiency:
-    return Efficiency(args.eff_compute, args.eff_bandwidth, args.overhead_ms / 1e3, args.eff_attention)
+    return Efficiency(
+        args.eff_compute,
+        args.eff_bandwidth,
+        args.overhead_ms / 1e3,
+        args.eff_attention,
+        args.per_seq_overhead_ms / 1e3,
+    )
 
 
 def require_positive(**values: float) -> None:

@@ -33,11 +33,15 @@ class Efficiency:
     bandwidth: float = 0.75
     overhead_s: float = 0.002
     attention: float | None = None  # prefill attention's fraction of peak (None: as `compute`)
+    per_seq_overhead_s: float = 0.0  # CPU cost per sequence in a step (scheduling, sampling)
 
     def __post_init__(self) -> None:
+        # up to 2: a fit against a nominal peak (a CPU's measured matmul rate) may beat it
         attn = self.compute if self.attention is None else self.attention
-        if not (0 < self.compute <= 1 and 0 < self.bandwidth <= 1 and 0 < attn <= 1 and self.overhead_s >= 0):
-            raise ValueError("efficiencies must be in (0, 1] and the overhead >= 0")
+        if not (0 < self.compute <= 2 and 0 < self.bandwidth <= 2 and 0 < attn <= 2):
+            raise ValueError("efficiencies must be fractions of peak in (0, 1] (at most 2 for nominal peaks)")
+        if self.overhead_s < 0 or self.per_seq_overhead_s < 0:
+            raise ValueError("overheads must be >= 0")
 
 
 class Cost(NamedTuple):
@@ -47,6 +51,7 @@ class Cost(NamedTuple):
     weight_bytes: float
     kv_bytes: float
     tokens: int
+    seqs: int  # sequences in the step (each costs per_seq_overhead_s)
 
     @property
     def flops(self) -> float:
@@ -69,10 +74,11 @@ class Cost(NamedTuple):
             max(self.weight_bytes, other.weight_bytes),
             self.kv_bytes + other.kv_bytes,
             self.tokens + other.tokens,
+            self.seqs + other.seqs,
         )
 
 
-ZERO = Cost(0.0, 0.0, 0.0, 0.0, 0.0, 0)
+ZERO = Cost(0.0, 0.0, 0.0, 0.0, 0.0, 0, 0)
 
 
 class Roofline:
@@ -117,7 +123,7 @@ class Roofline:
         m = self.model
         linear = 2.0 * m.active_layer_params * n + 2.0 * m.head_params
         keys = past + (n + 1) / 2  # average keys each new token attends to (causal)
-        return Cost(linear, m.attn_flops_per_pair * n * keys, 0.0, self.weights_read(n), 0.0, n)
+        return Cost(linear, m.attn_flops_per_pair * n * keys, 0.0, self.weights_read(n), 0.0, n, 1)
 
     def decode(self, batch: int, context_total: float) -> Cost:
         """One decode step for `batch` sequences whose contexts sum to `context_total` tokens."""
@@ -130,6 +136,7 @@ class Roofline:
             m.attn_flops_per_pair * context_total,
             self.weights_read(batch),
             m.kv_bytes_per_token * context_total,
+            batch,
             batch,
         )
 
@@ -161,6 +168,7 @@ class Roofline:
             )
             + self.comm_s(cost.tokens)
             + self.eff.overhead_s
+            + self.eff.per_seq_overhead_s * cost.seqs
         )
 
     def _combine(self, linear, prefill_attn, decode_attn, weights, kv):
@@ -179,7 +187,7 @@ class Roofline:
             self.weights_read(batch),
             m.kv_bytes_per_token * context_totals,
         )
-        return t + (self.comm_s(batch) + self.eff.overhead_s)
+        return t + (self.comm_s(batch) + self.eff.overhead_s + self.eff.per_seq_overhead_s * batch)
 
     def kv_capacity_tokens(self, mem_util: float = 0.9) -> int:
         """Tokens of KV cache that fit next to the weights on this instance's GPUs."""

@@ -59,8 +59,13 @@ def server_stats(url: str) -> dict:
     return httpx.get(url + "/stats", timeout=5).json()
 
 
-@pytest.fixture(scope="module")
+def reset_stats(url: str) -> None:
+    httpx.post(url + "/reset", timeout=5).raise_for_status()
+
+
+@pytest.fixture(scope="session")
 def steady_server() -> Iterator[str]:
-    """Well-behaved: 20 ms to the first token, then a token every 2 ms."""
+    """Well-behaved: 20 ms to the first token, then a token every 2 ms. Shared: a test that
+    reads its counters calls reset_stats first."""
     with fake_server("--ttft", "0.02", "--itl", "0.002") as url:
         yield url

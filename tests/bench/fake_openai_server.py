@@ -51,6 +51,12 @@ def build_app(behaviour: FakeBehaviour) -> FastAPI:
     async def stats() -> dict:
         return {**counts, "seen": seen}
 
+    @app.post("/reset")
+    async def reset() -> dict:
+        counts.update(requests=0, in_flight=0, max_in_flight=0)
+        seen.clear()
+        return {}
+
     @app.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": "test"}]}

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from splitserve.cli import main
-from tests.bench.conftest import fake_server, server_stats, splitserve_bench
+from tests.bench.conftest import fake_server, reset_stats, server_stats, splitserve_bench
 from tests.conftest import free_port
 
 
@@ -21,14 +21,14 @@ def flaky_server():
 
 def test_sweep_writes_json_plot_and_summary(flaky_server, tiny_model, tmp_path):
     out, png = tmp_path / "run.json", tmp_path / "run.png"
-    before = server_stats(flaky_server)["requests"]
+    reset_stats(flaky_server)
     proc = splitserve_bench(
         "--url", flaky_server, "--tokenizer", tiny_model, "--rate", "20,80", "--num-requests", "10",
         "--warmup", "1", "--input-len", "24", "--output-len", "4:12", "--slo", "ttft=2s,gap=100ms",
         "--json", str(out), "--plot", str(png), "--quiet",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
-    assert server_stats(flaky_server)["requests"] - before == 22
+    assert server_stats(flaky_server)["requests"] == 22
     data = json.loads(out.read_text())
     assert data["settings"]["model"] == "fake-model"  # asked the server's /v1/models
     assert data["settings"]["exact_lengths"] is True
@@ -46,27 +46,28 @@ def test_sweep_writes_json_plot_and_summary(flaky_server, tiny_model, tmp_path):
         failed += summary["failed"] + sum(1 for r in requests if r["warmup"] and r["error"])
         assert summary["completed"] + summary["failed"] == 10
         assert summary["attainment"]["ttft=2s,gap=100ms"] == summary["completed"] / 10
-    assert failed == 3  # requests 6, 12, 18 of the 22 the server saw (numbers from before + 1)
+    assert failed == 3  # requests 6, 12 and 18 of the 22 the server saw
     assert data["required_attainment"] == 0.9
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "goodput (DistServe, 90% attainment)" in proc.stdout
     assert "HTTP 500" in proc.stdout  # errors are reported
 
 
-def test_compare_prints_side_by_side_ratios(steady_server, tmp_path):
+def test_compare_prints_side_by_side_ratios(steady_server, tmp_path, capsys):
+    # In-process through the CLI entry point: a subprocess per run would cost seconds of imports.
     paths = []
     for name, output_len in (("a", "4"), ("b", "8")):
         path = tmp_path / f"{name}.json"
-        proc = splitserve_bench(
-            "--url", steady_server, "--model", "fake-model", "--rate", "50", "--num-requests", "6",
+        assert main([
+            "bench", "--url", steady_server, "--model", "fake-model", "--rate", "inf", "--num-requests", "6",
             "--output-len", output_len, "--input-len", "8", "--json", str(path), "--quiet",
-        )  # fmt: skip
-        assert proc.returncode == 0, proc.stderr
+        ]) == 0  # fmt: skip
         paths.append(str(path))
-    proc = splitserve_bench("--compare", *paths)
-    assert proc.returncode == 0, proc.stderr
-    assert "B / A" in proc.stdout and "goodput (DistServe)" in proc.stdout
-    assert "x" in proc.stdout.split("output tokens/s")[1].split("\n")[0]  # a ratio on that row
+    capsys.readouterr()
+    assert main(["bench", "--compare", *paths]) == 0
+    out = capsys.readouterr().out
+    assert "B / A" in out and "goodput (DistServe)" in out
+    assert "x" in out.split("output tokens/s")[1].split("\n")[0]  # a ratio on that row
 
 
 @pytest.mark.parametrize(
@@ -104,11 +105,10 @@ def test_dataset_replay(steady_server, tmp_path):
         '{"prompt": "hello world", "max_tokens": 3}\n{"messages": [{"role": "user", "content": "hi"}]}\n'
     )
     out = tmp_path / "replay.json"
-    proc = splitserve_bench(
-        "--url", steady_server, "--dataset", str(dataset), "--rate", "inf", "--num-requests", "4",
+    assert main([
+        "bench", "--url", steady_server, "--dataset", str(dataset), "--rate", "inf", "--num-requests", "4",
         "--warmup", "0", "--output-len", "5", "--json", str(out), "--quiet",
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
+    ]) == 0  # fmt: skip
     requests = json.loads(out.read_text())["levels"][0]["requests"]
     assert sorted(r["output_tokens"] for r in requests) == [3, 3, 5, 5]
     assert all(r["error"] is None for r in requests)

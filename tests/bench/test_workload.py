@@ -9,6 +9,7 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 
 from splitserve.bench.load import LoadSpec, interarrival_times
+from splitserve.bench.runner import local_tokenizer
 from splitserve.bench.workload import (
     LengthRange,
     PromptFactory,
@@ -125,3 +126,10 @@ def test_load_spec_rejects_nonsense():
             LoadSpec(**kwargs)
     with pytest.raises(ValueError, match="concurrency cap"):
         LoadSpec(num_requests=None, duration=5.0)
+
+
+def test_tokenizer_found_from_the_servers_model_listing(tiny_model):
+    # vLLM lists a local model's directory as `root`; splitserve may list the path as the id.
+    assert local_tokenizer({"id": "x", "root": tiny_model}) is not None
+    assert local_tokenizer({"id": tiny_model}) is not None
+    assert local_tokenizer({"id": "Qwen/Qwen3-8B"}) is None

@@ -20,7 +20,9 @@ GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
 def config(model_dir: str, num_blocks: int = 48, **scheduler) -> EngineConfig:
     return EngineConfig(
-        ModelConfig(model_dir), CacheConfig(num_blocks=num_blocks), SchedulerConfig(max_model_len=256, **scheduler)
+        ModelConfig(model_dir),
+        CacheConfig(num_blocks=num_blocks),
+        SchedulerConfig(max_model_len=256, **scheduler),
     )
 
 
@@ -50,7 +52,11 @@ async def collect_signalling(engine: AsyncEngine, request_id: str, prompt: list[
 async def wait_idle(engine: AsyncEngine) -> None:
     for _ in range(200):
         stats = engine.stats()
-        if stats.num_running == 0 and stats.num_waiting == 0 and stats.num_blocks_free == stats.num_blocks_total:
+        if (
+            stats.num_running == 0
+            and stats.num_waiting == 0
+            and stats.num_blocks_free == stats.num_blocks_total
+        ):
             return
         await asyncio.sleep(0.02)
     raise AssertionError(f"engine did not go idle: {engine.stats()}")

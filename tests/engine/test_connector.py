@@ -28,15 +28,22 @@ def test_prefill_then_decode_equals_collocated(tiny_model, collocated, load_asyn
     store = InProcessKVStore()
     prefill_connector = InProcessConnector(store, "prefill-0")
     # a small budget chunks the prefill: KV is saved layer by layer over several steps
-    prefill = LLM(tiny_model, num_blocks=64, role="prefill", max_num_batched_tokens=24, connector=prefill_connector)
-    decode = LLM(tiny_model, num_blocks=64, role="decode", connector=InProcessConnector(store, "d", load_async))
+    prefill = LLM(
+        tiny_model, num_blocks=64, role="prefill", max_num_batched_tokens=24, connector=prefill_connector
+    )
+    decode = LLM(
+        tiny_model, num_blocks=64, role="decode", connector=InProcessConnector(store, "d", load_async)
+    )
 
     first = prefill.generate(PROMPTS, GREEDY, kv_transfer_params=[{"do_remote_decode": True}] * len(PROMPTS))
     assert all(len(r.token_ids) == 1 and r.finish_reason == "length" for r in first)
     assert [r.token_ids[0] for r in first] == [tokens[0] for tokens in collocated]
     assert prefill_connector.num_saved_layers > 0
     params = [r.kv_transfer_params for r in first]
-    assert all(p["do_remote_prefill"] and p["remote_num_tokens"] == len(q) for p, q in zip(params, PROMPTS, strict=True))
+    assert all(
+        p["do_remote_prefill"] and p["remote_num_tokens"] == len(q)
+        for p, q in zip(params, PROMPTS, strict=True)
+    )
     assert len(store) == len(PROMPTS)
 
     second = decode.generate(PROMPTS, GREEDY, kv_transfer_params=params)
@@ -68,7 +75,9 @@ def test_async_decode_engine_wakes_on_load(tiny_model, collocated):
 
     async def run(engine: AsyncEngine, i: int) -> list[int]:
         tokens: list[int] = []
-        async for out in engine.generate(f"d{i}", PROMPTS[i], GREEDY, kv_transfer_params=first[i].kv_transfer_params):
+        async for out in engine.generate(
+            f"d{i}", PROMPTS[i], GREEDY, kv_transfer_params=first[i].kv_transfer_params
+        ):
             tokens.extend(out.new_token_ids)
         return tokens
 

@@ -133,6 +133,8 @@ def test_sampling_params_from_dict_accepts_valid_values():
     params = SamplingParams.from_dict(
         {"max_tokens": 3, "temperature": 0, "top_p": 0.5, "top_k": 0, "seed": 1, "stop_token_ids": [2]}
     )
-    assert params == SamplingParams(max_tokens=3, temperature=0.0, top_p=0.5, top_k=0, seed=1, stop_token_ids=(2,))
+    assert params == SamplingParams(
+        max_tokens=3, temperature=0.0, top_p=0.5, top_k=0, seed=1, stop_token_ids=(2,)
+    )
     assert params.greedy
     assert SamplingParams.from_dict({"logprobs": None, "seed": None}) == SamplingParams()

@@ -156,3 +156,19 @@ def test_slo_definitions():
     assert r.itl().shape == (110,)
     with pytest.raises(ValueError):
         SLO(ttft_s=-1)
+
+
+def test_calibration_with_attention_and_per_sequence_terms():
+    rl = Roofline(load_model("Qwen2.5-7B"), load_gpu("L40S"))
+    truth = Efficiency(0.5, 0.8, 0.002, attention=0.25, per_seq_overhead_s=0.0002)
+    exact = fit(rl, synthetic_samples(rl, truth, noise=0.0), attention=True, per_seq=True)
+    for field in ("compute", "bandwidth", "overhead_s", "attention", "per_seq_overhead_s"):
+        assert getattr(exact.eff, field) == pytest.approx(getattr(truth, field), rel=1e-6), field
+    noisy = fit(rl, synthetic_samples(rl, truth, noise=0.02, seed=3), attention=True, per_seq=True)
+    assert noisy.eff.compute == pytest.approx(0.5, rel=0.05) and noisy.eff.attention == pytest.approx(
+        0.25, rel=0.1
+    )
+    assert noisy.eff.bandwidth == pytest.approx(0.8, rel=0.08)
+    assert noisy.eff.per_seq_overhead_s == pytest.approx(0.0002, rel=0.2)
+    # the two-factor model cannot express it: a visibly worse fit
+    assert fit(rl, synthetic_samples(rl, truth, noise=0.0)).rms_rel_error > 0.05
