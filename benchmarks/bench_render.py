@@ -6,8 +6,10 @@ Two cases, each request over HTTP (`POST /v1/chat/completions/render`, keep-aliv
  (b) turn 40 of a growing agent-style conversation: the whole history is resent every
      turn; turns 1..39 are sent first (as a client would), turn 40 is timed. A fresh
      conversation for every sample.
-Both servers must return the same token IDs (checked). The bench model (PEERS.md /
-issue 3): qwen3, 2 layers, hidden 128, 32k byte-level BPE vocabulary, 32k positions.
+Both servers run at once and each request goes to both back to back (order alternating),
+so the shared machine's load falls on both alike. Both must return the same token IDs.
+The bench model (PEERS.md / issue 3): qwen3, 2 layers, hidden 128, 32k byte-level BPE
+vocabulary, 32k positions.
 
     .venv/bin/python benchmarks/bench_render.py [--model DIR] [--samples 8] [--skip-vllm]
 
@@ -151,20 +153,31 @@ def timed(client: httpx.Client, base: str, body: dict) -> tuple[float, list[int]
     return elapsed, response.json()["token_ids"]
 
 
-def run_cases(base: str, samples: int) -> dict[str, tuple[list[float], list[list[int]]]]:
-    results: dict[str, tuple[list[float], list[list[int]]]] = {"a": ([], []), "b": ([], [])}
+Results = dict[str, tuple[list[float], list[list[int]]]]  # case -> (seconds, token IDs) per sample
+
+
+def run_cases(bases: dict[str, str], samples: int) -> dict[str, Results]:
+    """Every request goes to every server back to back (the order alternating per sample),
+    so the load of this shared machine falls on both alike."""
+    results: dict[str, Results] = {name: {"a": ([], []), "b": ([], [])} for name in bases}
+
+    def record(client: httpx.Client, case: str, body: dict, sample: int) -> None:
+        names = list(bases) if sample % 2 == 0 else list(reversed(bases))
+        for name in names:
+            elapsed, ids = timed(client, bases[name], body)
+            results[name][case][0].append(elapsed)
+            results[name][case][1].append(ids)
+
     with httpx.Client(timeout=120) as client:
-        timed(client, base, single_turn(10_000))  # warm-up: template compile, connections
+        for base in bases.values():
+            timed(client, base, single_turn(10_000))  # warm-up: template compile, connections
         for i in range(samples):
-            elapsed, ids = timed(client, base, single_turn(i))
-            results["a"][0].append(elapsed)
-            results["a"][1].append(ids)
+            record(client, "a", single_turn(i), i)
         for i in range(samples):
             for turn in range(1, 40):
-                timed(client, base, conversation_turn(1000 + i, turn))
-            elapsed, ids = timed(client, base, conversation_turn(1000 + i, 40))
-            results["b"][0].append(elapsed)
-            results["b"][1].append(ids)
+                for base in bases.values():
+                    timed(client, base, conversation_turn(1000 + i, turn))
+            record(client, "b", conversation_turn(1000 + i, 40), i)
     return results
 
 
@@ -178,12 +191,11 @@ def main() -> int:
     args = parser.parse_args()
     model = ensure_model(args.model)
 
-    measured: dict[str, dict] = {}
-    with splitserve_render(model, free_port()) as base:
-        measured["splitserve"] = run_cases(base, args.samples)
-    if not args.skip_vllm:
-        with vllm_render(model, free_port()) as base:
-            measured["vllm"] = run_cases(base, args.samples)
+    with contextlib.ExitStack() as servers:
+        bases = {"splitserve": servers.enter_context(splitserve_render(model, free_port()))}
+        if not args.skip_vllm:
+            bases["vllm"] = servers.enter_context(vllm_render(model, free_port()))
+        measured = run_cases(bases, args.samples)
 
     names = {"a": "(a) single turn", "b": "(b) turn 40"}
     print(f"\nmodel {model}, {args.samples} samples per case, median (mean) ms per request over HTTP")

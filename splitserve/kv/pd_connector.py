@@ -122,11 +122,11 @@ class PDConnector(KVConnector):
         self._request_of_transfer: dict[str, str] = {}
         self._loaded: set[str] = set()
         self._failed: set[str] = set()
-        self._failed_errors: dict[str, str] = {}
         self._freeable: set[str] = set()
         self._pushes: dict[str, _PushPlan] = {}
         self._pushed_this_step = False
         self._wakeup: Callable[[], None] | None = None
+        self._abort: Callable[[str], object] | None = None
         self.block_size = 0
         self.num_layers = 0
         self.peer: PeerInfo | None = None
@@ -149,6 +149,11 @@ class PDConnector(KVConnector):
 
     def set_wakeup(self, wakeup: Callable[[], None]) -> None:
         self._wakeup = wakeup
+
+    def set_abort(self, abort: Callable[[str], object]) -> None:
+        """How to end a request whose KV failed under failure_policy "fail" (thread-safe,
+        e.g. `AsyncEngine.abort`). Without it, failed loads always recompute."""
+        self._abort = abort
 
     def kv_address(self) -> dict:
         """This worker's KV endpoint, as kv_transfer_params spell it."""
@@ -240,6 +245,7 @@ class PDConnector(KVConnector):
     def _on_transfer_done(self, result: TransferResult) -> None:
         """Transport thread: the last layer arrived, or the transfer failed."""
         now = time.monotonic()
+        fail_request = self.config.failure_policy == "fail" and self._abort is not None
         with self._lock:
             request_id = self._request_of_transfer.pop(result.transfer_id, None)
             load = self._loads.get(request_id) if request_id else None
@@ -256,9 +262,8 @@ class PDConnector(KVConnector):
                 self._freeable.add(request_id)
             elif result.ok:
                 self._loaded.add(request_id)
-            else:
+            elif not fail_request:
                 self._failed.add(request_id)
-                self._failed_errors[request_id] = result.error or "transfer failed"
         self.reservations.remove(request_id, expired=not result.ok and result.first_arrival is None)
         self.metrics.bytes.labels("received").inc(result.num_bytes)
         if result.ok:
@@ -271,7 +276,9 @@ class PDConnector(KVConnector):
             if result.first_arrival is None and "TTL" in (result.error or ""):
                 self.metrics.reservations_expired.inc()
             if not load.orphaned:
-                self.metrics.fallbacks.labels("recompute").inc()
+                self.metrics.fallbacks.labels("fail" if fail_request else "recompute").inc()
+                if fail_request and self._abort is not None:
+                    self._abort(request_id)
         self._wake()
 
     def get_finished_loading(self) -> set[str]:

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import math
+import mmap
 import os
 import tempfile
+import warnings
 
 import torch
 import zmq
@@ -32,8 +34,20 @@ def _shm_dir() -> str:
 
 
 def map_pool(path: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A tensor backed by the shared file at `path` (created and sized when missing)."""
-    return torch.from_file(path, shared=True, size=math.prod(shape), dtype=dtype).view(shape)
+    """A tensor backed by the shared file at `path` (created and sized when missing). The
+    mapping is populated up front, so no transfer pays page faults on first touch."""
+    size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        if os.fstat(fd).st_size < size:
+            os.ftruncate(fd, size)
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        mapping = mmap.mmap(fd, size, flags=flags)
+    finally:
+        os.close(fd)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(mapping, dtype=dtype).view(shape)
 
 
 class ShmTransport(KVTransport):

@@ -28,10 +28,15 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """As transformers: normalise in float32, cast back, then scale."""
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
 
 
 def rope_inv_freq(config: DecoderConfig) -> torch.Tensor:
@@ -57,11 +62,6 @@ def rope_inv_freq(config: DecoderConfig) -> torch.Tensor:
     return inv_freq
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class Attention(nn.Module):
     def __init__(self, config: DecoderConfig) -> None:
         super().__init__()
@@ -79,6 +79,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.scale = self.head_dim**-0.5
+        self._qk_norm_weight: torch.Tensor | None = None
 
     def forward(
         self,
@@ -89,17 +90,31 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        # q and k heads side by side: one norm and one rotation for both
+        qk = qkv[:, : self.q_size + self.kv_size].view(
+            num_tokens, self.num_heads + self.num_kv_heads, self.head_dim
+        )
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+            qk = rms_norm(qk, self.qk_norm_weight(), self.q_norm.eps)
+        qk = qk * cos + qk.roll(self.head_dim // 2, dims=-1) * sin
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         write_kv(kv_layer, k, v, meta.slot_mapping)
         out = paged_attention(q, k, v, kv_layer, meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+    def qk_norm_weight(self) -> torch.Tensor:
+        """q_norm's weight for every query head, then k_norm's for every KV head."""
+        if self._qk_norm_weight is None:
+            assert self.q_norm is not None and self.k_norm is not None
+            self._qk_norm_weight = torch.cat(
+                [
+                    self.q_norm.weight.detach().expand(self.num_heads, -1),
+                    self.k_norm.weight.detach().expand(self.num_kv_heads, -1),
+                ]
+            )
+        return self._qk_norm_weight
 
 
 class MLP(nn.Module):
@@ -141,7 +156,10 @@ class DecoderModel(nn.Module):
             length = max(needed, 2 * self.rope_cos.shape[0], 1024)
             table = torch.arange(length, device=self.inv_freq.device).float()[:, None] * self.inv_freq.float()
             emb = torch.cat((table, table), dim=-1)
-            self.rope_cos, self.rope_sin = emb.cos().to(dtype), emb.sin().to(dtype)
+            half = emb.shape[-1] // 2
+            # rotate_half(x) * sin == roll(x, half) * [-sin_lo, sin_hi]: one op fewer per step
+            sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(emb.device)
+            self.rope_cos, self.rope_sin = emb.cos().to(dtype), (emb.sin().to(dtype) * sign.to(dtype))
         return self.rope_cos[positions][:, None, :], self.rope_sin[positions][:, None, :]
 
     def forward(

@@ -22,6 +22,7 @@ from splitserve.server.engine_protocol import merge_chunks
 from splitserve.server.errors import APIError, install_error_handlers
 from splitserve.server.local_engine_client import LocalEngineClient
 from splitserve.server.metrics import EngineMetrics
+from splitserve.server.request_body import read_json_body
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
 
@@ -68,16 +69,6 @@ def _sse(chunk: dict) -> str:
     return f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
 
 
-async def _read_json(request: Request) -> Any:
-    body = await request.body()
-    if len(body) > MAX_BODY_BYTES:
-        raise APIError(413, f"request body is larger than {MAX_BODY_BYTES} bytes")
-    try:
-        return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise APIError(400, f"request body is not valid JSON: {exc}") from exc
-
-
 def create_engine_app(
     engine: AsyncEngine,
     *,
@@ -114,7 +105,7 @@ def create_engine_app(
 
     @app.post("/inference/v1/generate")
     async def generate(raw_request: Request) -> Response:
-        request = client.parse(await _read_json(raw_request))
+        request = client.parse(await read_json_body(raw_request, MAX_BODY_BYTES))
         chunks = client.stream(request, force_usage=not request.stream)
         try:
             # Rejections by the engine (413, out-of-vocabulary, duplicate ID) come before
@@ -155,7 +146,7 @@ def create_engine_app(
 
     @app.post("/inference/v1/abort_requests")
     async def abort_requests(raw_request: Request) -> JSONResponse:
-        body = await _read_json(raw_request)
+        body = await read_json_body(raw_request, MAX_BODY_BYTES)
         if not isinstance(body, dict):
             raise APIError(400, "request body must be a JSON object")
         request_ids = body.get("request_ids")

@@ -94,7 +94,7 @@ class PDEngineClient(EngineClient):
                         yield chunk
                 return
             except APIError as exc:
-                if streamed or exc.status < 500:
+                if streamed or exc.status != 503:  # 503: the worker is unreachable
                     self.metrics.errors.labels(str(exc.status)).inc()
                     raise
                 self.pool.report_failure(decode, exc.message)
@@ -124,6 +124,7 @@ class PDEngineClient(EngineClient):
                 if first:
                     first = False
                     self.metrics.ttft.observe(time.monotonic() - sent)
+                    _raise_if_transfer_failed(chunk)
                 yield chunk
         finally:
             await stream.aclose()
@@ -272,6 +273,23 @@ class PDEngineClient(EngineClient):
                 self.metrics.handoff_time.observe(time.monotonic() - prefill_done)
             first = False
             yield _with_prefill(chunk, {k: v for k, v in (kv or {}).items() if k != "prompt_token_ids"})
+
+
+def _raise_if_transfer_failed(chunk: dict) -> None:
+    """Decode ended a request without output because its KV never arrived (failure policy
+    "fail"): a clear error, since nothing was streamed yet."""
+    choices = chunk.get("choices") or []
+    if (
+        not choices
+        or choices[0].get("finish_reason") not in ("abort", "error")
+        or choices[0].get("token_ids")
+    ):
+        return
+    handoff = (chunk.get("kv_transfer_params") or {}).get("handoff") or {}
+    if handoff.get("error"):
+        raise APIError(
+            502, f"the KV transfer failed and the decode worker's policy is fail: {handoff['error']}"
+        )
 
 
 def _with_prefill(chunk: dict, prefill_params: dict) -> dict:

@@ -78,6 +78,9 @@ def install_kv_routes(app: FastAPI, connector: PDConnector) -> None:
     if metrics is not None:
         metrics.registry.register(ForwardRegistry(connector.metrics.registry))
     app.state.kv_connector = connector
+    engine = getattr(app.state, "engine", None)
+    if engine is not None:
+        connector.set_abort(engine.abort)  # failure_policy "fail" ends the request
 
     async def request_id_of(raw: Request) -> tuple[str, dict]:
         body = await read_json_body(raw, 64 * 1024)

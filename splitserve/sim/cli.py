@@ -160,6 +160,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         if name == "sweep-chunk":
             p.add_argument("--budgets", type=_ints, default=[512, 1024, 2048, 4096, 8192])
         p.add_argument("--plot", default=None, help="write a PNG (attainment vs rate, or ITL CDF)")
+        if name == "simulate":
+            p.add_argument("--records", default=None, help="write every request's record (JSON lines)")
 
     p = sub.add_parser(
         "beyond", help="what the seed's simulator misses, against the guide's 263 ms at 2 req/s"

@@ -4,12 +4,13 @@ plan."""
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Callable
 from dataclasses import replace
 
 import numpy as np
 
-from splitserve.sim.cmd_common import efficiency, emit, progress, require_positive
+from splitserve.sim.cmd_common import clean, efficiency, emit, progress, require_positive
 from splitserve.sim.engine import SchedulerConfig
 from splitserve.sim.metrics import SLO, SLO_AVERAGE, SLO_WORST_GAP, goodput
 from splitserve.sim.planner import layouts, plan, search_steps
@@ -166,7 +167,33 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         }
         plots.itl_cdf(args.plot, series, f"{base.model.name} on {base.gpu.name}: ITL CDF at {rate:g} req/s")
         lines.append(f"wrote {args.plot}")
-    return emit(args, {"rows": rows, "plot": args.plot}, lines)
+    if args.records:
+        count = _write_records(args.records, designs, make, args.rates, args.seeds)
+        lines.append(f"wrote {count} request records to {args.records}")
+    return emit(args, {"rows": rows, "plot": args.plot, "records": args.records}, lines)
+
+
+def _write_records(path: str, designs, make, rates: list[float], seeds: int) -> int:
+    """Per-request records (JSON lines) of every run: TTFT, TPOT, worst gap, every gap."""
+    count = 0
+    try:
+        with open(path, "w") as f:
+            for rate in rates:
+                for name, dep in designs:
+                    for seed in range(seeds):
+                        r = simulate(dep, make(rate, seed), seed=seed)
+                        for i in range(len(r.ttft)):
+                            rec = {
+                                "design": name, "rate": rate, "seed": seed, "request": i,
+                                "arrival_s": r.arrival[i], "ttft_s": r.ttft[i], "tpot_s": r.tpot[i],
+                                "worst_gap_s": r.worst_gap[i], "e2e_s": r.e2e[i],
+                                "output_tokens": int(r.output[i]), "itl_s": r.gaps[i].tolist(),
+                            }  # fmt: skip
+                            f.write(json.dumps(clean(rec)) + "\n")
+                            count += 1
+    except OSError as exc:
+        raise ValueError(f"cannot write {path}: {exc}") from exc
+    return count
 
 
 def _slos(args: argparse.Namespace) -> list[tuple[str, SLO]]:

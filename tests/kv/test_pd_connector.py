@@ -147,25 +147,35 @@ def test_disaggregated_greedy_equals_collocated(tiny_model, collocated, kind, mo
         decode[0].shutdown()
 
 
-def test_decode_recomputes_when_no_kv_ever_arrives(tiny_model, collocated):
-    transfer = TransferConfig(transport="tcp", reservation_ttl_s=0.5, timeout_s=2)
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_a_reservation_that_never_receives_kv_is_released_after_the_ttl(tiny_model, collocated, policy):
+    transfer = TransferConfig(transport="tcp", reservation_ttl_s=0.5, timeout_s=2, failure_policy=policy)
     decode = make_engine(tiny_model, "decode", transfer)
+    decode[1].set_abort(decode[0].abort)
 
     async def run() -> None:
         tokens = PROMPTS["long"]
-        expected, _ = await collect(collocated.generate("ref-ttl", tokens, GREEDY))
-        out, final = await collect(
-            decode[0].generate("ttl", tokens, GREEDY, kv_transfer_params={"do_remote_prefill": True})
+        expected, _ = await collect(collocated.generate(f"ref-ttl-{policy}", tokens, GREEDY))
+        params = {"do_remote_prefill": True}
+        task = asyncio.ensure_future(
+            collect(decode[0].generate("ttl", tokens, GREEDY, kv_transfer_params=params))
         )
-        assert out == expected
-        assert final.kv_transfer_params["handoff"]["transferred"] is False
-        assert "TTL" in final.kv_transfer_params["handoff"]["error"]
+        reservation = await asyncio.to_thread(decode[1].reservations.wait, "ttl", 10)
+        assert reservation is not None and len(reservation.block_ids) == -(-(len(tokens) - 1) // BLOCK)
+        assert decode[0].engine.block_manager.num_free_blocks < 96  # held while waiting
+        out, final = await task
+        handoff = final.kv_transfer_params["handoff"]
+        assert handoff["transferred"] is False and "TTL" in handoff["error"]
+        if policy == "recompute":
+            assert out == expected
+        else:
+            assert out == [] and final.finish_reason == "abort"
 
     try:
         asyncio.run(run())
         registry = decode[1].metrics.registry
         assert registry.get_sample_value("splitserve_kv_reservations_expired_total") == 1
-        assert registry.get_sample_value("splitserve_kv_fallbacks_total", {"action": "recompute"}) == 1
+        assert registry.get_sample_value("splitserve_kv_fallbacks_total", {"action": policy}) == 1
         assert registry.get_sample_value("splitserve_kv_reservations_active") == 0
         assert decode[0].engine.block_manager.num_free_blocks == 96
     finally:

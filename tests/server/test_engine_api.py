@@ -296,46 +296,43 @@ def test_bad_generate_requests(
     assert engine.stats().num_running == 0
 
 
-def test_vllm_render_fields_at_neutral_values_are_accepted(engine: AsyncEngine) -> None:
-    """What vLLM's render tier sends (neutral extras) is served, not rejected."""
+# What `vllm launch render` (0.32) answered for a chat request, verbatim but for the IDs.
+VLLM_RENDERED_CHAT = json.loads(
+    '{"request_id":"chatcmpl-ba1a291f1c2aa8fd","token_ids":[1,503,201,1069,560,2,201,1,476,201],'
+    '"token_offsets":null,"features":null,"content_parts":null,"sampling_params":{"presence_penalty":0.0,'
+    '"frequency_penalty":0.0,"repetition_penalty":1.0,"temperature":0.0,"stop":[],"stop_token_ids":[],'
+    '"max_tokens":5,"output_kind":2,"skip_clone":true,"bad_words":[],"skip_reading_prefix_cache":false},'
+    '"model":"/models/bench","reasoning_ended":null,"reasoning_parser_kwargs":null,"return_token_ids":null,'
+    '"output_mode":"tokens","stream":false,"stream_options":null,"cache_salt":null,"priority":0,'
+    '"kv_transfer_params":null,"ec_transfer_params":null}'
+)
+
+
+def test_vllm_render_output_is_served(engine: AsyncEngine) -> None:
+    """A generate request from vLLM's render tier (neutral extras included) is served."""
     app = create_engine_app(engine, max_model_len=MAX_MODEL_LEN)
-    body = {
-        "request_id": "from-vllm-render",
-        "token_ids": prompt(3, 12),
-        "model": "tiny",
-        "priority": 0,
-        "output_mode": "tokens",
+    extras = {"n": 1, "top_k": 0, "min_p": 0.0, "min_tokens": 0, "detokenize": True, "logprobs": None}
+    with_extras = {
+        **VLLM_RENDERED_CHAT,
+        "request_id": "with-extras",
         "return_token_ids": True,
-        "sampling_params": {
-            "n": 1,
-            "presence_penalty": 0.0,
-            "frequency_penalty": 0.0,
-            "repetition_penalty": 1.0,
-            "temperature": 0.0,
-            "top_p": 1.0,
-            "top_k": 0,
-            "min_p": 0.0,
-            "seed": None,
-            "stop": [],
-            "stop_token_ids": [],
-            "ignore_eos": True,
-            "max_tokens": 5,
-            "min_tokens": 0,
-            "logprobs": None,
-            "prompt_logprobs": None,
-            "detokenize": True,
-            "skip_special_tokens": True,
-        },
+        "sampling_params": {**VLLM_RENDERED_CHAT["sampling_params"], **extras},
     }
 
-    async def go() -> httpx.Response:
+    async def go() -> tuple[httpx.Response, httpx.Response]:
         async with asgi_client(app) as client:
-            return await client.post(GENERATE, json=body)
+            return (
+                await client.post(GENERATE, json=VLLM_RENDERED_CHAT),
+                await client.post(GENERATE, json=with_extras),
+            )
 
-    response = run(go())
-    assert response.status_code == 200, response.text
-    assert len(response.json()["choices"][0]["token_ids"]) == 5
-    assert response.json()["prompt_token_ids"] == body["token_ids"]
+    plain, extra = run(go())
+    assert plain.status_code == 200, plain.text
+    assert plain.json()["request_id"] == VLLM_RENDERED_CHAT["request_id"]
+    assert extra.status_code == 200, extra.text
+    assert plain.json()["choices"][0]["token_ids"] == extra.json()["choices"][0]["token_ids"]
+    assert len(plain.json()["choices"][0]["token_ids"]) == 5
+    assert extra.json()["prompt_token_ids"] == VLLM_RENDERED_CHAT["token_ids"]
 
 
 async def _wait_running(client: httpx.AsyncClient, count: int, timeout: float = 30.0) -> dict:

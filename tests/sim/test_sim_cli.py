@@ -68,6 +68,8 @@ def runs(tmp_path_factory) -> dict[str, tuple[int, object, str]]:
             "pd:1.3",
             "--plot",
             str(tmp / "cdf.png"),
+            "--records",
+            str(tmp / "records.jsonl"),
         ],
         "goodput": [
             "goodput",
@@ -203,6 +205,11 @@ def test_cli_simulated_figures(runs):
         "2x collocated TP1 (budget 2048)",
         "1P(TP1):1D(TP1)",
     }
+    records = [json.loads(line) for line in (runs["tmp"][1] / "records.jsonl").read_text().splitlines()]
+    assert len(records) == 2 * 2 * 3 * 100  # rates x designs x seeds x requests
+    first = records[0]
+    assert first["design"] == "collocated" and len(first["itl_s"]) == first["output_tokens"] - 1 == 255
+    assert max(first["itl_s"]) == pytest.approx(first["worst_gap_s"])
     assert ok(runs, "trace")["rows"][0]["requests"] == 20
     assert ok(runs, "turns")["rows"][0]["ttft_median_s"] < 0.3
     tmp = runs["tmp"][1]
