@@ -64,6 +64,7 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler(device, seed)
         self.connector = connector
+        self.workspace = torch.empty(0, dtype=kv_cache.dtype, device=device)
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest]) -> list[SampledToken]:
@@ -99,7 +100,7 @@ class ModelRunner:
         slot_mapping = slot_mapping.to(self.device)
 
         groups = self._decode_groups(decodes) if decodes else []
-        meta = AttentionMetadata(slot_mapping, len(decodes), groups, chunks)
+        meta = AttentionMetadata(slot_mapping, len(decodes), groups, chunks, self._workspace(groups))
 
         sample_rows: list[int] = []
         sampling: list[ScheduledRequest] = []
@@ -175,16 +176,23 @@ class ModelRunner:
             for s, context in zip(members, contexts, strict=True):
                 blocks = s.request.block_ids[: -(-context // bs)]
                 rows.append(blocks + [0] * (num_blocks - len(blocks)))
-            tables = torch.tensor(rows, dtype=torch.long)
-            slots = (tables[:, :, None] * bs + torch.arange(bs)).reshape(-1)
+            tables = torch.tensor(rows, dtype=torch.long).view(-1)
             valid = torch.arange(width)[None, :] < torch.tensor(contexts)[:, None]
-            bias = torch.zeros(valid.shape, dtype=torch.float32).masked_fill_(~valid, float("-inf"))
             groups.append(
                 DecodeGroup(
                     start,
                     len(members),
-                    slots.to(self.device),
-                    bias[None, :, None, :].to(self.device),
+                    tables.to(self.device),
+                    valid[:, None, None, :].to(self.device),
                 )
             )
         return groups
+
+    def _workspace(self, groups: list[DecodeGroup]) -> torch.Tensor:
+        _, _, _, block_size, num_kv_heads, head_dim = self.kv_cache.shape
+        needed = (
+            max((g.block_ids.numel() for g in groups), default=0) * 2 * block_size * num_kv_heads * head_dim
+        )
+        if self.workspace.numel() < needed:
+            self.workspace = torch.empty(needed * 5 // 4, dtype=self.kv_cache.dtype, device=self.device)
+        return self.workspace

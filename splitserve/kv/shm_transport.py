@@ -17,6 +17,7 @@ import warnings
 import torch
 import zmq
 
+from splitserve.kv.block_copy import copy_blocks
 from splitserve.kv.transport import (
     KVTransport,
     PeerInfo,
@@ -24,7 +25,6 @@ from splitserve.kv.transport import (
     TransferError,
     _PullJob,
     _PushJob,
-    copy_blocks,
     dtype_from_name,
 )
 

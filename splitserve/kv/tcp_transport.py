@@ -11,6 +11,7 @@ import warnings
 import torch
 import zmq
 
+from splitserve.kv.block_copy import copy_blocks, gather_blocks
 from splitserve.kv.transport import (
     KVTransport,
     PeerInfo,
@@ -18,8 +19,6 @@ from splitserve.kv.transport import (
     _Callback,
     _PullJob,
     _PushJob,
-    copy_blocks,
-    gather_blocks,
 )
 
 

@@ -29,13 +29,15 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 import zmq
 
 from splitserve.config import TransferConfig
+from splitserve.kv.arrivals import ArrivalTracker, TransferResult
+
+__all__ = ["KVTransport", "PeerInfo", "PoolLayout", "TransferError", "TransferResult", "make_transport"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,17 +64,6 @@ class PoolLayout(NamedTuple):
         return self.shape[0]
 
 
-class TransferResult(NamedTuple):
-    transfer_id: str
-    ok: bool
-    error: str | None
-    num_bytes: int
-    started_at: float  # wall clock (time.time) of the expectation
-    first_arrival: float | None
-    last_arrival: float | None
-    sender_ready_at: float | None  # sender's wall clock when the last layer it sent was computed
-
-
 class TransferError(RuntimeError):
     """A transfer could not be set up or did not complete in time."""
 
@@ -86,53 +77,6 @@ def dtype_from_name(name: str) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise TransferError(f"unknown KV dtype {name!r}")
     return dtype
-
-
-def block_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
-    """(src_start, dst_start, length) runs where both block lists are consecutive: whole
-    runs copy as slices, many times faster than gathering block by block."""
-    runs: list[tuple[int, int, int]] = []
-    for s, d in zip(src, dst, strict=True):
-        if runs and s == runs[-1][0] + runs[-1][2] and d == runs[-1][1] + runs[-1][2]:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((s, d, 1))
-    return runs
-
-
-def copy_blocks(
-    dst_layer: torch.Tensor, dst_ids: list[int], src_layer: torch.Tensor, src_ids: list[int]
-) -> int:
-    """Copy blocks of one layer ([2, num_blocks, ...]); returns the bytes copied."""
-    for s, d, n in block_runs(src_ids, dst_ids):
-        dst_layer[:, d : d + n].copy_(src_layer[:, s : s + n])
-    return 2 * len(src_ids) * src_layer[0, 0].numel() * src_layer.element_size()
-
-
-def gather_blocks(layer: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
-    """The blocks of one layer as a new contiguous [2, len(block_ids), ...] tensor."""
-    out = torch.empty(
-        (layer.shape[0], len(block_ids), *layer.shape[2:]), dtype=layer.dtype, device=layer.device
-    )
-    copy_blocks(out, list(range(len(block_ids))), layer, block_ids)
-    return out
-
-
-@dataclass
-class _Expectation:
-    block_ids: list[int]
-    expected: int  # layers x blocks
-    on_done: Callable[[TransferResult], None]
-    started_at: float
-    ttl_deadline: float
-    arrived: int = 0
-    num_bytes: int = 0
-    first_arrival: float | None = None
-    last_arrival: float | None = None
-    last_progress: float = 0.0
-    sender_ready_at: float | None = None
-    done: bool = False
-    seen: set[tuple[int, int]] = field(default_factory=set)
 
 
 class _PushJob(NamedTuple):
@@ -187,7 +131,7 @@ class KVTransport(ABC):
         self._context = zmq.Context()
         self._router: zmq.Socket | None = None
         self.port = 0
-        self._expectations: dict[str, _Expectation] = {}
+        self.arrivals = ArrivalTracker(config.timeout_s, config.reservation_ttl_s)
         self._lock = threading.Lock()
         self.max_queued_jobs = max(4, max_queued_jobs)
         self._jobs: queue.Queue = queue.Queue(maxsize=self.max_queued_jobs)
@@ -257,33 +201,23 @@ class KVTransport(ABC):
         """Count arrivals for `block_ids` (every layer); `on_done` runs once, on any thread."""
         if self.pool is None:
             raise TransferError("the KV pool is not allocated yet")
-        now = time.monotonic()
-        ttl = self.config.reservation_ttl_s if ttl_s is None else ttl_s
-        expectation = _Expectation(
-            block_ids=list(block_ids),
-            expected=self.pool.shape[0] * len(block_ids),
-            on_done=on_done,
-            started_at=time.time(),
-            ttl_deadline=now + ttl,
-            last_progress=now,
-        )
-        with self._lock:
-            self._expectations[transfer_id] = expectation
-        if expectation.expected == 0:
-            self._finish(transfer_id, None)
+        self.arrivals.expect(transfer_id, self.pool.shape[0], list(block_ids), on_done, ttl_s)
 
     def cancel(self, transfer_id: str) -> None:
         """Stop expecting; later arrivals for it are ignored and `on_done` is not called."""
-        with self._lock:
-            self._expectations.pop(transfer_id, None)
+        self.arrivals.cancel(transfer_id)
 
     def fail(self, transfer_id: str, error: str) -> None:
         """Fail an expected transfer now (e.g. the proxy saw the prefill worker die)."""
-        self._finish(transfer_id, error)
+        self.arrivals.finish(transfer_id, error)
 
     def pending_transfers(self) -> int:
-        with self._lock:
-            return len(self._expectations)
+        return self.arrivals.pending()
+
+    def record_arrival(
+        self, transfer_id: str, layer: int, block_ids: list[int], num_bytes: int, ready_at: float | None
+    ) -> None:
+        self.arrivals.record(transfer_id, layer, block_ids, num_bytes, ready_at)
 
     # ---- sender API ----------------------------------------------------------------------
     def push_layer(
@@ -392,7 +326,7 @@ class KVTransport(ABC):
                 with self._lock:
                     self._send_errors[transfer_id] = str(exc)
                 if isinstance(job, _PullJob):
-                    self._finish(job.transfer_id, f"pull from {job.peer.engine_id} failed: {exc}")
+                    self.arrivals.finish(job.transfer_id, f"pull from {job.peer.engine_id} failed: {exc}")
         for socket in sockets.values():
             socket.close(linger=0)
 
@@ -468,7 +402,7 @@ class KVTransport(ABC):
                         self._dispatch(frames)
                     except Exception:  # a malformed frame must not kill the receiver
                         logger.exception("bad KV control message")
-            self._check_deadlines()
+            self.arrivals.check_deadlines()
         self._router.close(linger=0)
 
     def _dispatch(self, frames: list[zmq.Frame]) -> None:
@@ -491,69 +425,9 @@ class KVTransport(ABC):
             if self.on_release is not None:
                 self.on_release(header["transfer_id"])
         elif kind == b"FAIL":
-            self._finish(header["transfer_id"], f"sender failed: {header.get('error')}")
+            self.arrivals.finish(header["transfer_id"], f"sender failed: {header.get('error')}")
         else:
             logger.warning("unknown KV message %r", kind)
-
-    def record_arrival(
-        self, transfer_id: str, layer: int, block_ids: list[int], num_bytes: int, ready_at: float | None
-    ) -> None:
-        now_wall, now = time.time(), time.monotonic()
-        complete = False
-        with self._lock:
-            expectation = self._expectations.get(transfer_id)
-            if expectation is None or expectation.done:
-                return  # cancelled, timed out, or never ours: late data is ignored
-            for block_id in block_ids:
-                key = (layer, block_id)
-                if key not in expectation.seen:
-                    expectation.seen.add(key)
-                    expectation.arrived += 1
-            expectation.num_bytes += num_bytes
-            expectation.first_arrival = expectation.first_arrival or now_wall
-            expectation.last_arrival = now_wall
-            expectation.last_progress = now
-            if ready_at is not None:
-                expectation.sender_ready_at = max(expectation.sender_ready_at or 0.0, ready_at)
-            complete = expectation.arrived >= expectation.expected
-        if complete:
-            self._finish(transfer_id, None)
-
-    def _check_deadlines(self) -> None:
-        now = time.monotonic()
-        expired: list[tuple[str, str]] = []
-        with self._lock:
-            for transfer_id, expectation in self._expectations.items():
-                if expectation.first_arrival is None and now > expectation.ttl_deadline:
-                    expired.append((transfer_id, "no KV arrived within the reservation TTL"))
-                elif (
-                    expectation.first_arrival is not None
-                    and now - expectation.last_progress > self.config.timeout_s
-                ):
-                    expired.append(
-                        (transfer_id, f"KV transfer stalled for {self.config.timeout_s:.1f}s (sender gone?)")
-                    )
-        for transfer_id, error in expired:
-            self._finish(transfer_id, error)
-
-    def _finish(self, transfer_id: str, error: str | None) -> None:
-        with self._lock:
-            expectation = self._expectations.pop(transfer_id, None)
-            if expectation is None or expectation.done:
-                return
-            expectation.done = True
-        result = TransferResult(
-            transfer_id=transfer_id,
-            ok=error is None,
-            error=error,
-            num_bytes=expectation.num_bytes,
-            started_at=expectation.started_at,
-            first_arrival=expectation.first_arrival,
-            last_arrival=expectation.last_arrival,
-            sender_ready_at=expectation.sender_ready_at,
-        )
-        with contextlib.suppress(Exception):
-            expectation.on_done(result)
 
 
 def make_transport(

@@ -25,8 +25,8 @@ class DecodeGroup(NamedTuple):
 
     row_start: int
     num_rows: int
-    slots: torch.Tensor  # int64 [num_rows * max_context]: cache slot of each key (padding: 0)
-    bias: torch.Tensor  # float [1, num_rows, 1, max_context]: 0 for real keys, -inf for padding
+    block_ids: torch.Tensor  # int64 [num_rows * max_blocks]: each row's blocks, padded with 0
+    mask: torch.Tensor  # bool [num_rows, 1, 1, max_context]: True for real keys
 
 
 class AttentionMetadata(NamedTuple):
@@ -34,6 +34,10 @@ class AttentionMetadata(NamedTuple):
     num_decode_tokens: int  # the first num_decode_tokens tokens are one per request
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillChunk]
+    # scratch for gathered decode keys and values, reused across layers and steps (a
+    # fresh multi-megabyte tensor per layer costs page faults); at least
+    # 2 * max(group.block_ids.numel()) * block_size * kv_heads * head_dim elements
+    workspace: torch.Tensor
 
 
 def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -56,7 +60,7 @@ def paged_attention(
     out = torch.empty_like(q)
     for group in meta.decode_groups:
         rows = slice(group.row_start, group.row_start + group.num_rows)
-        out[rows] = _decode_attention(q[rows], kv_layer, group, scale)
+        out[rows] = _decode_attention(q[rows], kv_layer, group, scale, meta.workspace)
     for chunk in meta.prefills:
         rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
         if chunk.position_start == 0:
@@ -83,22 +87,28 @@ def paged_attention(
 
 
 def _decode_attention(
-    q: torch.Tensor, kv_layer: torch.Tensor, group: DecodeGroup, scale: float
+    q: torch.Tensor, kv_layer: torch.Tensor, group: DecodeGroup, scale: float, workspace: torch.Tensor
 ) -> torch.Tensor:
-    """One query per request against its whole context. Keys are gathered straight into
-    [kv_heads, rows, context, head_dim] so that the query heads sharing a KV head form
-    one batched matmul, with no transpose copy of the keys."""
+    """One query per request against its whole context. Whole blocks are gathered (one
+    contiguous copy each) into the workspace and read by SDPA through a strided view."""
     rows, num_heads, head_dim = q.shape
-    num_kv_heads = kv_layer.shape[3]
-    group_size = num_heads // num_kv_heads
-    context = group.slots.shape[0] // rows
-    flat_k = kv_layer[0].view(-1, num_kv_heads, head_dim).transpose(0, 1)  # [kvh, slots, D] view
-    flat_v = kv_layer[1].view(-1, num_kv_heads, head_dim).transpose(0, 1)
-    keys = flat_k.index_select(1, group.slots).view(num_kv_heads, rows, context, head_dim)
-    values = flat_v.index_select(1, group.slots).view(num_kv_heads, rows, context, head_dim)
-    queries = (q * scale).view(rows, num_kv_heads, group_size, head_dim).transpose(0, 1)  # [kvh, B, G, D]
-    scores = torch.matmul(queries, keys.transpose(-1, -2)).float()  # [kvh, B, G, L]
-    scores += group.bias
-    probs = torch.softmax(scores, dim=-1).to(q.dtype)
-    out = torch.matmul(probs, values)  # [kvh, B, G, D]
-    return out.transpose(0, 1).reshape(rows, num_heads, head_dim)
+    _, _, block_size, num_kv_heads, _ = kv_layer.shape
+    block_numel = block_size * num_kv_heads * head_dim
+    num_gathered = group.block_ids.shape[0]
+    size = num_gathered * block_numel
+    key_buf = workspace[:size].view(num_gathered, block_size, num_kv_heads, head_dim)
+    value_buf = workspace[size : 2 * size].view(num_gathered, block_size, num_kv_heads, head_dim)
+    torch.index_select(kv_layer[0], 0, group.block_ids, out=key_buf)
+    torch.index_select(kv_layer[1], 0, group.block_ids, out=value_buf)
+    context = num_gathered // rows * block_size
+    keys = key_buf.view(rows, context, num_kv_heads, head_dim).transpose(1, 2)
+    values = value_buf.view(rows, context, num_kv_heads, head_dim).transpose(1, 2)
+    out = F.scaled_dot_product_attention(
+        q[:, :, None, :],  # [B, heads, 1, D]
+        keys,
+        values,
+        attn_mask=group.mask,
+        scale=scale,
+        enable_gqa=num_heads != num_kv_heads,
+    )
+    return out.view(rows, num_heads, head_dim)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -75,7 +75,6 @@ def create_engine_app(
     max_model_len: int | None = None,
     metrics: EngineMetrics | None = None,
     manage_engine: bool = False,
-    on_shutdown: Callable[[], None] | None = None,
 ) -> FastAPI:
     """The engine API over a started `AsyncEngine`. With `manage_engine`, the app starts
     the engine on startup and shuts it down on shutdown (the CLI); otherwise the caller
@@ -94,8 +93,6 @@ def create_engine_app(
         finally:
             if manage_engine:
                 engine.shutdown()
-            if on_shutdown:
-                on_shutdown()
 
     app = FastAPI(title="splitserve engine", lifespan=lifespan)
     app.state.engine = engine
@@ -110,10 +107,13 @@ def create_engine_app(
         try:
             # Rejections by the engine (413, out-of-vocabulary, duplicate ID) come before
             # the first chunk, so they still get a status code rather than a broken stream.
-            first = await anext(chunks)
+            gone, first = await _first_of(anext(chunks), raw_request.receive)
         except BaseException:
             await chunks.aclose()
             raise
+        if gone:  # the client left while the request was queued
+            await chunks.aclose()
+            return Response(status_code=499)
 
         if request.stream:
 

@@ -12,8 +12,6 @@ from splitserve.sim.kv import kv_bytes
 from splitserve.sim.roofline import Efficiency, Roofline
 from splitserve.sim.specs import GPUSpec, ModelSpec
 
-KiB, MiB = 1024, 1024**2
-
 
 def two_streams(
     rl: Roofline,

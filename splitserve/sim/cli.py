@@ -4,9 +4,10 @@ Every command prints a table, or JSON with --json; bad input exits non-zero with
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from splitserve.sim import cmd_analysis, cmd_simulation
+from splitserve.sim import cmd_analysis, cmd_checks, cmd_simulation
 from splitserve.sim.calibrate import CalibrationError
 from splitserve.sim.specs import SpecError
 from splitserve.sim.workload import WorkloadError
@@ -64,8 +65,19 @@ def _deployment(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp-prefill", type=int, default=1)
     p.add_argument("--tp-decode", type=int, default=1)
     p.add_argument("--budget", type=int, default=2048, help="tokens per collocated step")
+    p.add_argument(
+        "--prefill-budget",
+        type=int,
+        default=None,
+        help="tokens per P/D prefill step (default: one whole prompt per step)",
+    )
     p.add_argument("--routing", choices=["round_robin", "random", "least_loaded"], default=None)
-    p.add_argument("--link-gbps", type=float, default=200.0, help="KV link when no fixed transfer time")
+    p.add_argument(
+        "--link-gbps",
+        type=float,
+        default=None,
+        help="KV link when no fixed transfer time (default: the GPU's NIC/PCIe path)",
+    )
     p.add_argument("--transfer-overhead-ms", type=float, default=0.0)
     p.add_argument("--layerwise", action="store_true", help="stream KV layer by layer during prefill")
     p.add_argument("--notify", choices=["immediate", "step"], default="immediate")
@@ -201,6 +213,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--iters", type=int, default=5, help="bisection steps per layout")
     p.add_argument("--top", type=int, default=10)
 
+    p = sub.add_parser("reproduce", help="every seed figure next to splitserve's, with the error")
+    p.add_argument("--seeds", type=int, default=5, help="runs averaged per simulated figure")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
     p = sub.add_parser("calibrate", help="fit efficiency factors to measured step times (JSON)")
     _common(p)
     p.add_argument("input", nargs="?", help="JSON of samples (see docs/sim.md)")
@@ -217,9 +233,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     name = "cmd_" + args.sim_command.replace("-", "_")
-    handler = getattr(cmd_analysis, name, None) or getattr(cmd_simulation, name)
+    modules = (cmd_analysis, cmd_simulation, cmd_checks)
+    handler = next(getattr(m, name) for m in modules if hasattr(m, name))
     try:
         return int(handler(args) or 0)
+    except BrokenPipeError:  # `splitserve sim ... | head`: stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except (SpecError, WorkloadError, CalibrationError, ValueError) as exc:
         print(f"splitserve sim {args.sim_command}: error: {exc}", file=sys.stderr)
         return 2

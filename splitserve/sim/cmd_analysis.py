@@ -27,12 +27,13 @@ def cmd_kv(args: argparse.Namespace) -> int:
     need = required_gbps(model, achieved)
     per = model.kv_bytes_per_token
     lines = [
-        f"{model.name}: {per / 1024:.0f} KiB per token with {model.kv_heads} KV heads"
-        + (
-            ""
+        (
+            f"{model.name}: {per / 1024:.0f} KiB per token (MLA: a {model.kv_lora_rank}-wide latent "
+            f"+ a {model.qk_rope_dim}-wide rope key per layer)"
             if model.is_mla
-            else f" (would be {model.mha_kv_bytes_per_token / 1024:.0f} KiB with full "
-            f"multi-head attention, {model.heads // model.kv_heads}x more)"
+            else f"{model.name}: {per / 1024:.0f} KiB per token with {model.kv_heads} KV heads (would be "
+            f"{model.mha_kv_bytes_per_token / 1024:.0f} KiB with full multi-head attention, "
+            f"{model.heads // model.kv_heads}x more)"
         ),
         f"{args.tokens:,}-token prompt: {per * args.tokens / 1e9:.2f} GB "
         f"({per * args.tokens / 1e6:.0f} MB) of KV",
@@ -112,6 +113,7 @@ def cmd_roofline(args: argparse.Namespace) -> int:
 
 def cmd_scenario(args: argparse.Namespace) -> int:
     rl = Roofline(load_model(args.model), load_gpu(args.gpu), efficiency(args))
+    require_positive(prompt_tokens=args.prompt_tokens)
     cases = [
         ("shared worker, whole prompt", {}),
         ("shared worker, chunked (2,048)", {"chunk": 2048}),

@@ -1,5 +1,5 @@
 """Helpers shared by the `splitserve sim` commands: output (table or JSON), progress bar,
-argument checks."""
+argument checks, the workload the arguments describe, seed-averaged summaries."""
 
 from __future__ import annotations
 
@@ -8,10 +8,13 @@ import contextlib
 import json
 import math
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 import numpy as np
 
 from splitserve.sim.roofline import Efficiency
+from splitserve.sim.simulator import Deployment, simulate
+from splitserve.sim.workload import Workload, WorkloadError, load_trace, sessions, synthetic
 
 
 def clean(obj):
@@ -63,3 +66,61 @@ def require_positive(**values: float) -> None:
     for name, v in values.items():
         if v is None or not v > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+
+
+def workload_factory(args: argparse.Namespace) -> Callable[[float, int], Workload]:
+    require_positive(requests=args.requests, seeds=args.seeds, burstiness=args.burstiness)
+    if args.trace:
+        trace = load_trace(args.trace)
+        span = float(trace.arrival.max()) or 1.0
+        natural = len(trace) / span
+
+        def from_trace(rate: float, seed: int) -> Workload:
+            del seed
+            return replace(trace, arrival=trace.arrival * (natural / rate))
+
+        return from_trace
+
+    if args.turns < 1:
+        raise ValueError("--turns must be >= 1")
+    if args.turns > 1:
+        require_positive(message=args.message)
+        if args.think_s < 0:
+            raise ValueError("--think-s must be >= 0")
+        n_sessions = max(1, args.requests // args.turns)
+
+        def chats(rate: float, seed: int) -> Workload:
+            return sessions(
+                rate,
+                n_sessions,
+                args.turns,
+                int(args.prompt),
+                args.message,
+                int(args.output),
+                args.think_s,
+                args.stripped,
+                seed=seed,
+            )
+
+        try:
+            chats(1.0, 0)
+        except ValueError as exc:
+            raise WorkloadError(f"multi-turn needs plain integer --prompt/--output ({exc})") from exc
+        return chats
+
+    def make(rate: float, seed: int) -> Workload:
+        return synthetic(rate, args.requests, args.prompt, args.output, seed=seed, burstiness=args.burstiness)
+
+    make(1.0, 0)  # validate the length specs now, not inside a progress bar
+    return make
+
+
+def mean_summary(dep: Deployment, make, rate: float, seeds: int, tick) -> dict[str, float]:
+    runs = []
+    for s in range(seeds):
+        runs.append(simulate(dep, make(rate, s), seed=s).summary())
+        tick()
+    mean = {k: float(np.mean([r[k] for r in runs])) for k in runs[0]}
+    mean["requests"] = int(sum(r["requests"] for r in runs))  # over all seeds
+    mean["rejected"] = int(sum(r["rejected"] for r in runs))
+    return mean

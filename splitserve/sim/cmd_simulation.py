@@ -1,39 +1,40 @@
-"""`splitserve sim` commands that run the simulator: simulate, goodput, sweep-chunk, beyond,
-plan."""
+"""`splitserve sim` commands that run the simulator: simulate, goodput, sweep-chunk, plan."""
 
 from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable
 from dataclasses import replace
 
 import numpy as np
 
-from splitserve.sim.cmd_common import clean, efficiency, emit, progress, require_positive
+from splitserve.sim.cmd_common import (
+    clean,
+    efficiency,
+    emit,
+    mean_summary,
+    progress,
+    require_positive,
+    workload_factory,
+)
 from splitserve.sim.engine import SchedulerConfig
 from splitserve.sim.metrics import SLO, SLO_AVERAGE, SLO_WORST_GAP, goodput
 from splitserve.sim.planner import layouts, plan, search_steps
 from splitserve.sim.simulator import Deployment, TransferConfig, simulate
 from splitserve.sim.specs import load_gpu, load_model
-from splitserve.sim.workload import Workload, WorkloadError, load_trace, sessions, synthetic
-
-# The guide's measurements the seed quotes (Qwen2.5-7B, two L40S, 8k prompts, 256 outputs).
-GUIDE = {
-    "collocated_p99_itl_0.4": 0.169,
-    "collocated_p99_itl_2.0": 0.263,
-    "collocated_ttft_median": 0.7,
-    "itl_median_lo": 0.021,
-    "itl_median_hi": 0.024,
-    "pd_ttft_median_1.3": 2.2,
-}
 
 
 def _base(args: argparse.Namespace) -> Deployment:
     model, gpu = load_model(args.model), load_gpu(args.gpu)
-    require_positive(budget=args.budget, link_gbps=args.link_gbps, replicas=args.replicas, tp=args.tp)
+    link_gbps = args.link_gbps if args.link_gbps is not None else gpu.net_bw * 8 / 1e9
+    require_positive(budget=args.budget, link_gbps=link_gbps, replicas=args.replicas, tp=args.tp)
     realistic = args.preset == "realistic"
     sched = SchedulerConfig(budget=args.budget, max_prefills_per_step=None if realistic else 1)
+    if args.prefill_budget is not None:
+        require_positive(prefill_budget=args.prefill_budget)
+    # realistic: a prefill instance chunks with the same budget as any vLLM instance
+    prefill_budget = args.prefill_budget or (args.budget if realistic else None)
+    prefill_sched = SchedulerConfig(budget=prefill_budget, max_prefills_per_step=None if realistic else 1)
     return Deployment(
         model,
         gpu,
@@ -46,9 +47,10 @@ def _base(args: argparse.Namespace) -> Deployment:
         eff=efficiency(args),
         combine="sum" if realistic else "max",
         sched=sched,
+        prefill_sched=prefill_sched,
         routing=args.routing or ("random" if realistic else "round_robin"),
         transfer=TransferConfig(
-            link_gbps=args.link_gbps,
+            link_gbps=link_gbps,
             overhead_s=args.transfer_overhead_ms / 1e3,
             layerwise=args.layerwise,
             notify=args.notify,
@@ -73,63 +75,11 @@ def _designs(args: argparse.Namespace, base: Deployment) -> list[tuple[str, Depl
                 label = f"P/D, {fixed * 1e3:.0f} ms transfer" if fixed < 1 else f"P/D, {fixed:g} s transfer"
                 out.append((label, replace(base, mode="pd", transfer=replace(base.transfer, fixed_s=fixed))))
             else:
-                out.append((f"P/D, {base.transfer.link_gbps:g} Gb/s link", replace(base, mode="pd")))
+                how = "layer by layer" if base.transfer.layerwise else "after prefill"
+                out.append((f"P/D, {base.transfer.link_gbps:g} Gb/s {how}", replace(base, mode="pd")))
         else:
             raise ValueError(f"unknown design {spec!r}: use collocated, pd or pd:SECONDS")
     return out
-
-
-def _factory(args: argparse.Namespace) -> Callable[[float, int], Workload]:
-    require_positive(requests=args.requests, seeds=args.seeds, burstiness=args.burstiness)
-    if args.trace:
-        trace = load_trace(args.trace)
-        span = float(trace.arrival.max()) or 1.0
-        natural = len(trace) / span
-
-        def from_trace(rate: float, seed: int) -> Workload:
-            del seed
-            return replace(trace, arrival=trace.arrival * (natural / rate))
-
-        return from_trace
-
-    if args.turns > 1:
-        require_positive(message=args.message)
-        if args.think_s < 0:
-            raise ValueError("--think-s must be >= 0")
-        n_sessions = max(1, args.requests // args.turns)
-
-        def chats(rate: float, seed: int) -> Workload:
-            return sessions(
-                rate,
-                n_sessions,
-                args.turns,
-                int(args.prompt),
-                args.message,
-                int(args.output),
-                args.think_s,
-                args.stripped,
-                seed=seed,
-            )
-
-        try:
-            chats(1.0, 0)
-        except ValueError as exc:
-            raise WorkloadError(f"multi-turn needs plain integer --prompt/--output ({exc})") from exc
-        return chats
-
-    def make(rate: float, seed: int) -> Workload:
-        return synthetic(rate, args.requests, args.prompt, args.output, seed=seed, burstiness=args.burstiness)
-
-    make(1.0, 0)  # validate the length specs now, not inside a progress bar
-    return make
-
-
-def _mean_summary(dep: Deployment, make, rate: float, seeds: int, tick) -> dict[str, float]:
-    runs = []
-    for s in range(seeds):
-        runs.append(simulate(dep, make(rate, s), seed=s).summary())
-        tick()
-    return {k: float(np.mean([r[k] for r in runs])) for k in runs[0]}
 
 
 def _ms(x: float) -> str:
@@ -137,15 +87,13 @@ def _ms(x: float) -> str:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    base, make = _base(args), _factory(args)
+    base, make = _base(args), workload_factory(args)
     designs = _designs(args, base)
     rows = []
     with progress(args, len(args.rates) * len(designs) * args.seeds, "simulating") as tick:
         for rate in args.rates:
             for name, dep in designs:
-                rows.append(
-                    {"rate": rate, "design": name, **_mean_summary(dep, make, rate, args.seeds, tick)}
-                )
+                rows.append({"rate": rate, "design": name, **mean_summary(dep, make, rate, args.seeds, tick)})
     lines = [
         f"{'req/s':>5s} | " + " | ".join(f"{name:^27s}" for name, _ in designs),
         f"{'':5s} | " + " | ".join(f"{'TTFT':>7s} {'ITL p50':>8s} {'ITL p99':>8s}  " for _ in designs),
@@ -214,7 +162,7 @@ def _slos(args: argparse.Namespace) -> list[tuple[str, SLO]]:
 
 
 def cmd_goodput(args: argparse.Namespace) -> int:
-    base, make = _base(args), _factory(args)
+    base, make = _base(args), workload_factory(args)
     designs, slos = _designs(args, base), _slos(args)
     if not 0 < args.target <= 1:
         raise ValueError("--target must be in (0, 1]")
@@ -259,7 +207,7 @@ def cmd_goodput(args: argparse.Namespace) -> int:
 
 
 def cmd_sweep_chunk(args: argparse.Namespace) -> int:
-    base, make = _base(args), _factory(args)
+    base, make = _base(args), workload_factory(args)
     rows = []
     with progress(args, len(args.rates) * len(args.budgets) * args.seeds, "sweeping budgets") as tick:
         for rate in args.rates:
@@ -312,45 +260,27 @@ def cmd_sweep_chunk(args: argparse.Namespace) -> int:
     return emit(args, {"rows": rows, "plot": args.plot}, lines)
 
 
-def beyond_variants(base: Deployment) -> list[tuple[str, Deployment]]:
-    """The seed's simulator, then each thing it leaves out, then all of them together."""
-    multi = replace(base.sched, max_prefills_per_step=None)
-    return [
-        ("seed's model", base),
-        ("+ per-kernel step time", replace(base, combine="sum")),
-        ("+ several prompts per step", replace(base, sched=multi)),
-        ("+ KV memory limit", replace(base, kv_limit=True)),
-        ("+ load-unaware routing", replace(base, routing="random")),
-        ("all of the above", replace(base, combine="sum", sched=multi, kv_limit=True, routing="random")),
-    ]
-
-
-def cmd_beyond(args: argparse.Namespace) -> int:
-    model, gpu, make = load_model(args.model), load_gpu(args.gpu), _factory(args)
-    variants = beyond_variants(Deployment(model, gpu, eff=efficiency(args)))
-    rows = []
-    with progress(args, len(variants) * len(args.rates) * args.seeds, "variants") as tick:
-        for name, dep in variants:
-            for rate in args.rates:
-                rows.append(
-                    {"variant": name, "rate": rate, **_mean_summary(dep, make, rate, args.seeds, tick)}
-                )
-    lines = [
-        f"collocated p99 ITL (ms) per offered load; the guide measured "
-        f"{GUIDE['collocated_p99_itl_0.4'] * 1e3:.0f} ms at 0.4 and "
-        f"{GUIDE['collocated_p99_itl_2.0'] * 1e3:.0f} ms at 2.0 req/s",
-        f"  {'variant':28s}" + "".join(f"{r:>8g}" for r in args.rates),
-    ]
-    for name, _ in variants:
-        vals = [r["itl_p99_s"] for r in rows if r["variant"] == name]
-        lines.append(f"  {name:28s}" + "".join(f"{v * 1e3:8.0f}" for v in vals))
-    data = {"rows": rows, "guide": GUIDE}
-    return emit(args, data, lines)
+def _advice(row: dict) -> str:
+    """Turn the binding target and the pools' load into what to change."""
+    load, why = row["load"], row["binding"]
+    prefill_busy = load.get("prefill busy", load.get("busy", 0.0))
+    if why.startswith("TTFT") and prefill_busy > 0.5:  # queueing for prefill sets TTFT
+        side = "the prefill pool is" if "prefill busy" in load else "the replicas are"
+        return f"{side} {prefill_busy:.0%} busy and TTFT binds: add prefill capacity (instances or TP)"
+    if why.startswith("TTFT"):
+        return "TTFT binds below saturation: the handoff or the prompt itself is too slow (TP, faster link)"
+    if why.startswith(("TPOT", "worst gap", "p99 ITL")) and "busy" in load:
+        return f"{why}: a smaller chunk budget or disaggregation"
+    if why.startswith(("TPOT", "worst gap", "p99 ITL")):
+        return f"{why}: more decode instances (batch {load['decode batch']:.0f} per step)"
+    return f"what limits it: {why}"
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    base, make = _base(args), _factory(args)
+    base, make = _base(args), workload_factory(args)
     require_positive(gpus=args.gpus, iters=args.iters, top=args.top)
+    if not 0 < args.target <= 1:
+        raise ValueError("--target must be in (0, 1]")
     if args.transfer_s is not None:
         base = replace(base, transfer=replace(base.transfer, fixed_s=args.transfer_s))
     (_, slo), *_ = _slos(args) if args.slo != "both" else [("average", SLO_AVERAGE)]
@@ -378,22 +308,25 @@ def cmd_plan(args: argparse.Namespace) -> int:
             "goodput": r.goodput,
             "goodput_per_gpu": r.goodput_per_gpu,
             "binding": r.binding,
+            "load": r.busy,
             "gpus": r.deployment.gpus,
         }
         for r in rows
     ]
     lines = [
         f"{base.model.name} on {args.gpus}x {base.gpu.name}, SLO {slo.label()} for {args.target:.0%}",
-        f"  {'#':>2s} {'layout':40s} {'goodput':>9s} {'per GPU':>8s}  binds first above it",
+        f"  {'#':>2s} {'layout':34s} {'goodput':>9s} {'per GPU':>8s}  {'load at goodput':36s} "
+        "binds first above it",
     ]
     for i, r in enumerate(out[: args.top], 1):
+        load = ", ".join(
+            f"{k} {v:.0%}" if k.endswith("busy") else f"{k} {v:.1f}" for k, v in r["load"].items()
+        )
         lines.append(
-            f"  {i:2d} {r['layout']:40s} {r['goodput']:7.2f}/s {r['goodput_per_gpu']:8.2f}  {r['binding']}"
+            f"  {i:2d} {r['layout']:34s} {r['goodput']:7.2f}/s {r['goodput_per_gpu']:8.2f}  {load:36s} "
+            f"{r['binding']}"
         )
     if out:
         best = out[0]
-        lines.append(
-            f"recommendation: {best['layout']} ({best['goodput']:.2f} req/s); "
-            f"what limits it: {best['binding']}"
-        )
+        lines.append(f"recommendation: {best['layout']} ({best['goodput']:.2f} req/s); {_advice(best)}")
     return emit(args, {"slo": slo.label(), "layouts": out}, lines)

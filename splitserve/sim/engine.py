@@ -62,7 +62,8 @@ class Engine:
         self.version = 0  # bumps when the in-flight work is replaced (stale events are dropped)
         self._run_times: np.ndarray | None = None  # in-flight decode-only run
         self._chunks: list[tuple[int, int, int]] = []  # in-flight mixed step: (rid, tokens, past)
-        self.busy_s = 0.0
+        self.busy_s = 0.0  # time spent stepping before `window_end` (the last open-loop arrival)
+        self.window_end = float("inf")
 
     # ---- load ---------------------------------------------------------------------------
     def outstanding(self) -> int:
@@ -81,7 +82,7 @@ class Engine:
         if k >= len(times) - 1:
             return None
         self._run_times = times[: k + 1]
-        self.busy_s -= self.busy_until - float(times[k])
+        self.busy_s -= self._in_window(float(times[k]), self.busy_until)
         self.busy_until = float(times[k])
         self.version += 1
         return self.busy_until
@@ -123,9 +124,12 @@ class Engine:
             durations = self.roofline.decode_times(batch, ctx + batch * np.arange(steps))
             self._run_times = now + np.cumsum(durations)
             end = float(self._run_times[-1])
-        self.busy_s += end - now
+        self.busy_s += self._in_window(now, end)
         self.busy_until = end
         return end
+
+    def _in_window(self, start: float, end: float) -> float:
+        return max(0.0, min(end, self.window_end) - min(start, self.window_end))
 
     def _plan_chunks(self) -> None:
         budget = self.sched.budget

@@ -84,6 +84,8 @@ class RatePoint(NamedTuple):
     rate: float
     attainment: float  # mean over seeds
     violations: dict[str, float]  # mean over seeds
+    busy: list[float]  # per instance, fraction of the arrival window spent stepping (mean over seeds)
+    batch: list[float]  # per instance, tokens emitted per step (mean over seeds)
 
 
 class GoodputResult(NamedTuple):
@@ -103,15 +105,24 @@ def attainment(
     seeds: int = 5,
     tick: Callable[[], None] | None = None,
 ) -> RatePoint:
-    att, viol = [], []
+    att, viol, busy, batch = [], [], [], []
     for s in range(seeds):
         r = simulate(dep, make(rate, s), seed=s)
         att.append(float(slo.met(r).mean()))
         viol.append(slo.violations(r))
+        busy.append(r.busy_fraction)
+        batch.append(r.mean_batch)
         if tick:
             tick()
     keys = viol[0].keys() if viol else ()
-    return RatePoint(rate, float(np.mean(att)), {k: float(np.mean([v[k] for v in viol])) for k in keys})
+    mean_viol = {k: float(np.mean([v[k] for v in viol])) for k in keys}
+    return RatePoint(
+        rate,
+        float(np.mean(att)),
+        mean_viol,
+        [float(b) for b in np.mean(busy, axis=0)],
+        [float(b) for b in np.mean(batch, axis=0)],
+    )
 
 
 def goodput(

@@ -27,6 +27,7 @@ class PlanRow(NamedTuple):
     goodput: float
     goodput_per_gpu: float
     binding: str  # which target fails first above the goodput
+    busy: dict[str, float]  # prefill busy fraction and decode batch at the goodput rate
     points: list  # RatePoint list from the search
 
 
@@ -85,6 +86,20 @@ def binding_target(res: GoodputResult) -> str:
     return _WHY.get(key, key)
 
 
+def pool_busy(dep: Deployment, res: GoodputResult) -> dict[str, float]:
+    """At the highest passing rate (or the lowest tried): how busy the prefill side is while
+    requests arrive, and the decode batch (a decode instance always looks busy)."""
+    passing = [p for p in res.points if p.attainment >= res.target]
+    point = max(passing, key=lambda p: p.rate) if passing else min(res.points, key=lambda p: p.rate)
+    if dep.mode == "collocated":
+        return {"busy": sum(point.busy) / len(point.busy), "batch": sum(point.batch) / len(point.batch)}
+    n = dep.prefill_instances
+    return {
+        "prefill busy": sum(point.busy[:n]) / n,
+        "decode batch": sum(point.batch[n:]) / (len(point.batch) - n),
+    }
+
+
 def plan(
     base: Deployment,
     gpus: int,
@@ -105,7 +120,15 @@ def plan(
         hi = 1.5 * capacity_guess(dep, prompt_tokens)
         res = search_goodput(dep, make, slo, hi / 64, hi, target=target, seeds=seeds, iters=iters, tick=tick)
         rows.append(
-            PlanRow(dep.label(), dep, res.goodput, res.goodput / dep.gpus, binding_target(res), res.points)
+            PlanRow(
+                dep.label(),
+                dep,
+                res.goodput,
+                res.goodput / dep.gpus,
+                binding_target(res),
+                pool_busy(dep, res),
+                res.points,
+            )
         )
     rows.sort(key=lambda r: (-r.goodput, r.label))
     return rows
@@ -116,4 +139,4 @@ def search_steps(n_layouts: int, seeds: int, iters: int) -> int:
     return n_layouts * seeds * (2 + iters)
 
 
-__all__ = ["PlanRow", "SchedulerConfig", "binding_target", "layouts", "plan", "search_steps"]
+__all__ = ["PlanRow", "SchedulerConfig", "binding_target", "layouts", "plan", "pool_busy", "search_steps"]

@@ -102,7 +102,8 @@ class SimResult:
     e2e: np.ndarray
     output: np.ndarray
     gaps: list[np.ndarray]  # every inter-token gap, per request
-    busy_fraction: list[float]  # per instance
+    busy_fraction: list[float]  # per instance, while requests were arriving
+    mean_batch: list[float]  # per instance: tokens emitted per step
     rejected: int
 
     def itl(self) -> np.ndarray:
@@ -154,6 +155,10 @@ class _Sim:
         else:
             self.front = self._make(dep.prefill_instances, "prefill", dep.tp_prefill, dep.prefill_sched)
             self.back = self._make(dep.decode_instances, "decode", dep.tp_decode, dep.sched)
+        open_loop = wl.arrival[wl.after < 0]
+        self.window = float(open_loop.max()) if len(open_loop) and open_loop.max() > 0 else float("inf")
+        for e in self.engines:
+            e.window_end = self.window
 
     def _make(self, count: int, role: str, tp: int, sched: SchedulerConfig) -> list[Engine]:
         rl = self.dep.roofline(tp)
@@ -322,6 +327,7 @@ class _Sim:
         gaps: list[np.ndarray] = [np.zeros(0)] * n
         empty = np.zeros(0)
         end_time = 0.0
+        tokens = [0] * len(self.engines)
         for e in self.engines:
             times = e.step_times()
             if len(times):
@@ -329,6 +335,7 @@ class _Sim:
             diffs = np.diff(times) if len(times) else empty
             for rid in np.flatnonzero(self.engine_of == e.index):
                 s, o = int(self.first_step[rid]), int(self.wl.output[rid])
+                tokens[e.index] += o
                 first, last = times[s], times[s + o - 1]
                 ttft[rid] = first - self.arrive[rid]
                 e2e[rid] = last - self.arrive[rid]
@@ -337,7 +344,7 @@ class _Sim:
                 if o > 1:
                     tpot[rid] = (last - first) / (o - 1)
                     worst[rid] = g.max()
-        span = max(end_time, 1e-9)
+        window = self.window if np.isfinite(self.window) else max(end_time, 1e-9)
         return SimResult(
             arrival=self.arrive,
             ttft=ttft,
@@ -346,7 +353,8 @@ class _Sim:
             e2e=e2e,
             output=self.wl.output,
             gaps=gaps,
-            busy_fraction=[e.busy_s / span for e in self.engines],
+            busy_fraction=[e.busy_s / window for e in self.engines],
+            mean_batch=[tokens[e.index] / max(e.n_steps, 1) for e in self.engines],
             rejected=int(self.rejected.sum()),
         )
 

@@ -16,6 +16,9 @@ import httpx
 import openai
 import pytest
 
+from splitserve.router.pd_policy import PDPolicy
+from splitserve.router.workers import WorkerPool
+from splitserve.server.pd_client import PDEngineClient
 from tests.conftest import free_port, running_server
 
 WORDS = "the of and to in is that for it as was with be by on not this are or from at prefill decode".split()
@@ -127,6 +130,28 @@ def test_up_pull_over_tcp_then_stops_when_a_part_dies(tiny_model, collocated):
         assert not [n for n, p in pids.items() if Path(f"/proc/{p}").exists()], "up left parts running"
 
 
+async def retry_past_a_dead_decode_worker(
+    prefill: str, decode: str, messages: list[dict], render: str
+) -> bool:
+    """The P/D client (Python API, no health loop) first picks a decode worker that refuses
+    connections: the request is retried on the live one and the dead one leaves rotation."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    client = PDEngineClient(WorkerPool([prefill], [dead, decode]), PDPolicy(min_prefill_tokens=16))
+    try:
+        async with httpx.AsyncClient() as http:
+            rendered = (
+                await http.post(f"{render}/v1/chat/completions/render", json={"messages": messages})
+            ).json()
+        rendered["sampling_params"]["max_tokens"] = 2
+        chunks = [chunk async for chunk in client.generate(rendered)]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert client.metrics.registry.get_sample_value("splitserve_proxy_retries_total") == 1
+        assert [w["healthy"] for w in client.pool.snapshot() if w["role"] == "decode"] == [False, True]
+        return True
+    finally:
+        await client.close()
+
+
 def test_killing_prefill_mid_transfer_loses_no_request(tiny_model, collocated):
     render_port, prefill_port, decode_port, proxy_port = (free_port() for _ in range(4))
     engine = ["engine", tiny_model, "--num-blocks", "1024", "--kv-transport", "tcp", "--kv-timeout", "5"]
@@ -152,6 +177,7 @@ def test_killing_prefill_mid_transfer_loses_no_request(tiny_model, collocated):
         ) as proxy,
     ):  # fmt: skip
         prefill_pid = httpx.get(f"{prefill}/inference/v1/kv/info").json()["pid"]
+        assert asyncio.run(retry_past_a_dead_decode_worker(prefill, decode, long_chats[0], render))
 
         async def run() -> list[list[int]]:
             requests = asyncio.ensure_future(chat_token_ids(proxy, long_chats, max_tokens=4))

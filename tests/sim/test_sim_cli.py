@@ -129,6 +129,7 @@ def runs(tmp_path_factory) -> dict[str, tuple[int, object, str]]:
             "--bidirectional",
         ],
         "synthetic": ["calibrate", "--synthetic", "0.4,0.7,3"],
+        "reproduce": ["reproduce"],
         "bad_model": ["roofline", "--model", "gpt-9"],
         "bad_gpu": ["simulate", "--gpu", "TPU-v9", "--rates", "0.4"],
         "bad_rate": ["goodput", "--rates=-0.4,1"],
@@ -215,6 +216,13 @@ def test_cli_simulated_figures(runs):
     tmp = runs["tmp"][1]
     for png in ("cdf.png", "att.png"):
         assert (tmp / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_reproduce_every_seed_figure(runs):
+    rep = ok(runs, "reproduce")
+    assert rep["failed"] == [] and len(rep["figures"]) >= 40
+    names = {f["name"] for f in rep["figures"]}
+    assert {"KV per token, Llama-3.1-70B", "goodput, average SLO, P/D 20 ms"} <= names
 
 
 def test_cli_calibrate_round_trip(runs):

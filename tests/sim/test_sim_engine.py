@@ -21,7 +21,7 @@ from splitserve.sim import (
     simulate,
     synthetic,
 )
-from splitserve.sim.cmd_simulation import beyond_variants
+from splitserve.sim.cmd_checks import beyond_variants
 from splitserve.sim.kv import exposed_transfer_s, transfer_s
 from splitserve.sim.workload import WorkloadError, parse_lengths
 
@@ -205,3 +205,32 @@ def test_batched_decode_runs_equal_step_by_step_simulation(mode):
     assert np.allclose(fast.ttft, slow.ttft, rtol=0, atol=1e-9)
     assert np.allclose(fast.e2e, slow.e2e, rtol=0, atol=1e-9)
     assert all(np.allclose(a, b, atol=1e-9) for a, b in zip(fast.gaps, slow.gaps, strict=True))
+
+
+def test_load_measures():
+    """Busy fraction over the arrival window and tokens per step, per instance."""
+    wl = synthetic(1.0, 80, 8192, 256, seed=6)
+    pd = simulate(Deployment(MODEL, GPU, mode="pd", transfer=TransferConfig(fixed_s=0.02)), wl)
+    prefill_s = RL.step_s(RL.prefill(8192))
+    assert pd.busy_fraction[0] == pytest.approx(prefill_s * 1.0, rel=0.15)  # offered prefill load
+    assert pd.mean_batch[0] == 0.0 and pd.mean_batch[1] > 5  # prefill emits nothing; decode batches
+    single = simulate(Deployment(MODEL, GPU, replicas=1), one(output=256))
+    assert single.mean_batch[0] == pytest.approx(256 / (4 + 255))  # 4 chunk steps, 255 decode steps
+
+
+def test_planner_layouts_and_ranking():
+    from splitserve.sim.metrics import SLO_WORST_GAP
+    from splitserve.sim.planner import layouts, plan
+
+    base = Deployment(MODEL, GPU, transfer=TransferConfig(fixed_s=0.02))
+    all4 = layouts(base, 4, (1, 2), (2048,))
+    assert len(all4) == 8 and all(d.gpus == 4 for d in all4)
+    assert {d.label() for d in all4 if d.mode == "pd"} >= {"3P(TP1):1D(TP1)", "1P(TP2):1D(TP2)"}
+
+    def make(rate: float, seed: int) -> Workload:
+        return synthetic(rate, 60, seed=seed)
+
+    rows = plan(base, 2, make, SLO_WORST_GAP, 8192, tps=(1,), budgets=(2048,), seeds=1, iters=3)
+    assert [r.label for r in rows] == ["1P(TP1):1D(TP1)", "2x collocated TP1 (budget 2048)"]
+    assert rows[0].goodput > rows[1].goodput  # the worst-gap SLO: only P/D sustains load
+    assert rows[1].binding.startswith("worst gap") and "prefill busy" in rows[0].busy

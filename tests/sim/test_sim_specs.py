@@ -147,6 +147,7 @@ def test_slo_definitions():
         output=np.array([101, 11, 1]),
         gaps=gaps,
         busy_fraction=[0.5],
+        mean_batch=[1.0],
         rejected=1,
     )
     assert list(SLO(ttft_s=2.0, tpot_s=0.030).met(r)) == [True, False, False]  # the average hides the stall

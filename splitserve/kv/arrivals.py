@@ -1,0 +1,136 @@
+"""Receiver side of KV transfers: count arrivals, signal completion once, time out.
+
+A transfer expects every layer of a list of blocks. `on_done` runs exactly once: on the
+last arrival (at once, from the thread that saw it, not at the engine's next step), or
+with an error when nothing arrived within the reservation TTL, when a started transfer
+made no progress for `timeout_s`, or when someone fails it explicitly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+
+class TransferResult(NamedTuple):
+    transfer_id: str
+    ok: bool
+    error: str | None
+    num_bytes: int
+    started_at: float  # wall clock (time.time) of the expectation
+    first_arrival: float | None
+    last_arrival: float | None
+    sender_ready_at: float | None  # sender's wall clock when the last layer it sent was computed
+
+
+@dataclass
+class _Expectation:
+    expected: int  # layers x blocks
+    on_done: Callable[[TransferResult], None]
+    started_at: float
+    ttl_deadline: float
+    arrived: int = 0
+    num_bytes: int = 0
+    first_arrival: float | None = None
+    last_arrival: float | None = None
+    last_progress: float = 0.0
+    sender_ready_at: float | None = None
+    seen: set[tuple[int, int]] = field(default_factory=set)
+
+
+class ArrivalTracker:
+    def __init__(self, timeout_s: float, default_ttl_s: float):
+        self.timeout_s = timeout_s
+        self.default_ttl_s = default_ttl_s
+        self._lock = threading.Lock()
+        self._expectations: dict[str, _Expectation] = {}
+
+    def expect(
+        self,
+        transfer_id: str,
+        num_layers: int,
+        block_ids: list[int],
+        on_done: Callable[[TransferResult], None],
+        ttl_s: float | None = None,
+    ) -> None:
+        now = time.monotonic()
+        expectation = _Expectation(
+            expected=num_layers * len(block_ids),
+            on_done=on_done,
+            started_at=time.time(),
+            ttl_deadline=now + (self.default_ttl_s if ttl_s is None else ttl_s),
+            last_progress=now,
+        )
+        with self._lock:
+            self._expectations[transfer_id] = expectation
+        if expectation.expected == 0:
+            self.finish(transfer_id, None)
+
+    def cancel(self, transfer_id: str) -> None:
+        with self._lock:
+            self._expectations.pop(transfer_id, None)
+
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._expectations)
+
+    def record(
+        self, transfer_id: str, layer: int, block_ids: list[int], num_bytes: int, ready_at: float | None
+    ) -> None:
+        now_wall, now = time.time(), time.monotonic()
+        with self._lock:
+            expectation = self._expectations.get(transfer_id)
+            if expectation is None:
+                return  # cancelled, timed out, or never ours: late data is ignored
+            for block_id in block_ids:
+                key = (layer, block_id)
+                if key not in expectation.seen:
+                    expectation.seen.add(key)
+                    expectation.arrived += 1
+            expectation.num_bytes += num_bytes
+            expectation.first_arrival = expectation.first_arrival or now_wall
+            expectation.last_arrival = now_wall
+            expectation.last_progress = now
+            if ready_at is not None:
+                expectation.sender_ready_at = max(expectation.sender_ready_at or 0.0, ready_at)
+            complete = expectation.arrived >= expectation.expected
+        if complete:
+            self.finish(transfer_id, None)
+
+    def check_deadlines(self) -> None:
+        now = time.monotonic()
+        expired: list[tuple[str, str]] = []
+        with self._lock:
+            for transfer_id, expectation in self._expectations.items():
+                if expectation.first_arrival is None and now > expectation.ttl_deadline:
+                    expired.append((transfer_id, "no KV arrived within the reservation TTL"))
+                elif (
+                    expectation.first_arrival is not None and now - expectation.last_progress > self.timeout_s
+                ):
+                    expired.append(
+                        (transfer_id, f"KV transfer stalled for {self.timeout_s:.1f}s (sender gone?)")
+                    )
+        for transfer_id, error in expired:
+            self.finish(transfer_id, error)
+
+    def finish(self, transfer_id: str, error: str | None) -> None:
+        with self._lock:
+            expectation = self._expectations.pop(transfer_id, None)
+        if expectation is None:
+            return
+        result = TransferResult(
+            transfer_id=transfer_id,
+            ok=error is None,
+            error=error,
+            num_bytes=expectation.num_bytes,
+            started_at=expectation.started_at,
+            first_arrival=expectation.first_arrival,
+            last_arrival=expectation.last_arrival,
+            sender_ready_at=expectation.sender_ready_at,
+        )
+        with contextlib.suppress(Exception):
+            expectation.on_done(result)
