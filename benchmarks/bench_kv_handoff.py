@@ -323,6 +323,8 @@ def main() -> int:
         print("needs two cores (prefill and decode are pinned to one each)", file=sys.stderr)
         return 2
     model = ensure_bench_model(args.model)
+    load = os.getloadavg()
+    print(f"machine: {os.cpu_count()} cores, load average {load[0]:.1f} at start (other processes share the cores)")
     fractions = {} if args.skip_handoff else part_handoff(model, args.prompt_tokens, args.repeats)
     stats = (
         {}

@@ -137,7 +137,7 @@ if __name__ == "__main__":
             f"{model.layers}-layer {model.hidden}-wide model ({model.total_params / 1e6:.1f}M params, fp32)"
         )
         print(
-            f"fitted: compute {res.eff.compute:.3f}, attention {res.eff.attention}, "
+            f"fitted: compute {res.eff.compute:.3f}, attention {res.eff.attention or res.eff.compute:.3f}, "
             f"per sequence {res.eff.per_seq_overhead_s * 1e3:.2f} ms, bandwidth {res.eff.bandwidth:.3f}, "
             f"overhead {res.eff.overhead_s * 1e3:.2f} ms/step; fit error rms {res.rms_rel_error:.1%}, "
             f"max {res.max_rel_error:.1%}"

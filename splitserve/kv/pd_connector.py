@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING
 from splitserve.config import EngineRole, TransferConfig
 from splitserve.kv.connector import KVCacheAllocator, KVConnector, StepKVInfo
 from splitserve.kv.handoff_metrics import HandoffMetrics
+from splitserve.kv.layer_push import LayerPusher
+from splitserve.kv.pd_params import KVParamsError, block_list, cdiv, peer_from_params
 from splitserve.kv.reservations import HoldTable, Reservation, ReservationTable
 from splitserve.kv.transport import KVTransport, PeerInfo, TransferError, TransferResult, make_transport
 
@@ -38,32 +40,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def _wall_to_monotonic(wall: float) -> float:
     return time.monotonic() - (time.time() - wall)
-
-
-class KVParamsError(ValueError):
-    """kv_transfer_params that cannot describe a transfer."""
-
-
-def peer_from_params(params: dict) -> PeerInfo:
-    try:
-        return PeerInfo(
-            str(params["remote_engine_id"]), str(params["remote_host"]), int(params["remote_port"])
-        )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise KVParamsError(f"kv_transfer_params lack a valid remote address: {exc}") from exc
-
-
-def _block_list(params: dict, key: str) -> list[int]:
-    value = params.get(key)
-    if not isinstance(value, list) or not all(isinstance(b, int) and not isinstance(b, bool) for b in value):
-        raise KVParamsError(f"kv_transfer_params.{key} must be a list of block IDs")
-    return value
 
 
 @dataclass
@@ -82,19 +60,6 @@ class _Load:
     ok: bool = False
     error: str | None = None
     orphaned: bool = False  # the request finished while the transfer was in flight
-
-
-@dataclass
-class _PushPlan:
-    """Prefill side: where one request's blocks go."""
-
-    peer: PeerInfo
-    transfer_id: str
-    dst: list[int]
-    first_block: int
-    num_tokens: int  # the decode side needs positions [0, num_tokens - 1)
-    next_block: int
-    error: str | None = None
 
 
 class PDConnector(KVConnector):
@@ -123,8 +88,7 @@ class PDConnector(KVConnector):
         self._loaded: set[str] = set()
         self._failed: set[str] = set()
         self._freeable: set[str] = set()
-        self._pushes: dict[str, _PushPlan] = {}
-        self._pushed_this_step = False
+        self.pusher = LayerPusher(self.transport, config.timeout_s)
         self._wakeup: Callable[[], None] | None = None
         self._abort: Callable[[str], object] | None = None
         self.block_size = 0
@@ -143,8 +107,8 @@ class PDConnector(KVConnector):
             self.transport.pool = kv_cache  # an allocator of the caller's: tcp can still send from it
         elif self.transport.pool.data_ptr() != kv_cache.data_ptr():
             raise TransferError("the engine's KV cache is not the transport's pool")
-        self.block_size = block_size
-        self.num_layers = kv_cache.shape[0]
+        self.block_size = self.pusher.block_size = block_size
+        self.num_layers = self.pusher.num_layers = kv_cache.shape[0]
         self.peer = self.transport.start()
 
     def set_wakeup(self, wakeup: Callable[[], None]) -> None:
@@ -188,7 +152,8 @@ class PDConnector(KVConnector):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params or {}
         if params.get("do_remote_decode"):
-            self._plan_push(request, params)
+            if params.get("transfer_mode", self.config.mode) == "push":
+                self.pusher.plan(request.request_id, request.num_prompt_tokens, params)
             return 0, False
         if not params.get("do_remote_prefill"):
             return 0, False
@@ -198,7 +163,7 @@ class PDConnector(KVConnector):
         if params.get("transfer_mode", self.config.mode) == "pull":
             try:
                 peer_from_params(params)
-                _block_list(params, "remote_block_ids")
+                block_list(params, "remote_block_ids")
             except KVParamsError as exc:
                 logger.warning("request %s computes its prompt itself: %s", request.request_id, exc)
                 return 0, False
@@ -215,11 +180,11 @@ class PDConnector(KVConnector):
         if num_external_tokens <= 0:
             # Nothing travels (a full local hit, or unusable params): an empty reservation
             # tells the proxy to skip prefill.
-            first = _cdiv(needed, bs)
+            first = cdiv(needed, bs)
             self.reservations.add(Reservation(request_id, [], first, needed, needed, time.monotonic()))
             return
         hit = request.num_computed_tokens
-        first, last = hit // bs, _cdiv(hit + num_external_tokens, bs)
+        first, last = hit // bs, cdiv(hit + num_external_tokens, bs)
         dst = list(block_ids[first:last])
         mode = params.get("transfer_mode", self.config.mode)
         transfer_id = request_id if mode == "push" else str(params.get("remote_request_id", request_id))
@@ -350,60 +315,11 @@ class PDConnector(KVConnector):
         return False, {"handoff": handoff}
 
     # ---- prefill side -----------------------------------------------------------------
-    def _plan_push(self, request: Request, params: dict) -> None:
-        if params.get("transfer_mode", self.config.mode) != "push" or request.request_id in self._pushes:
-            return
-        try:
-            peer = peer_from_params(params)
-            dst = _block_list(params, "remote_block_ids")
-            first = int(params.get("remote_first_block", 0))
-        except (KVParamsError, TypeError, ValueError) as exc:
-            logger.warning("request %s cannot push its KV: %s", request.request_id, exc)
-            return
-        transfer_id = str(params.get("remote_request_id") or request.request_id)
-        plan = _PushPlan(peer, transfer_id, dst, first, request.num_prompt_tokens, first)
-        needed_blocks = _cdiv(request.num_prompt_tokens - 1, self.block_size) - first
-        if needed_blocks != len(dst):
-            plan.error = (
-                f"decode reserved {len(dst)} blocks, the prompt needs {needed_blocks} from block {first}"
-            )
-            self.transport.send_failure(peer, transfer_id, plan.error)
-        self._pushes[request.request_id] = plan
-
     def save_kv_layer(self, layer_idx: int, kv_layer: torch.Tensor, step: StepKVInfo) -> None:
-        if not self._pushes:
-            return
-        ready_at = time.time()
-        for slots in step.requests:
-            plan = self._pushes.get(slots.request_id)
-            if plan is None or plan.error is not None:
-                continue
-            computed_end = slots.position_start + slots.num_tokens
-            needed = plan.num_tokens - 1
-            last = plan.first_block + len(plan.dst)
-            ready = plan.next_block
-            while ready < last and computed_end >= min((ready + 1) * self.block_size, needed):
-                ready += 1
-            if ready == plan.next_block:
-                continue
-            src = slots.block_ids[plan.next_block : ready]
-            dst = plan.dst[plan.next_block - plan.first_block : ready - plan.first_block]
-            try:
-                self.transport.push_layer(plan.peer, plan.transfer_id, layer_idx, src, dst, ready_at)
-            except TransferError as exc:
-                plan.error = str(exc)
-                continue
-            self._pushed_this_step = True
-            if layer_idx == self.num_layers - 1:
-                plan.next_block = ready
+        self.pusher.save(layer_idx, step)
 
     def wait_for_save(self) -> None:
-        if not self._pushed_this_step:
-            return
-        self._pushed_this_step = False
-        if not self.transport.flush(self.config.timeout_s):
-            for plan in self._pushes.values():
-                plan.error = plan.error or f"KV send did not finish within {self.config.timeout_s:.1f}s"
+        self.pusher.wait()
 
     def _prefill_finished(
         self, request: Request, block_ids: list[int], params: dict
@@ -411,30 +327,28 @@ class PDConnector(KVConnector):
         done_at = time.time()
         address = self.kv_address()
         if params.get("transfer_mode", self.config.mode) == "push":
-            plan = self._pushes.pop(request.request_id, None)
-            if plan is None:
-                return False, {"transfer_mode": "push", "kv_transfer_error": "no push plan", **address}
-            seconds, num_bytes = self.transport.take_send_stats(plan.transfer_id)
-            error = plan.error or self.transport.take_send_error(plan.transfer_id)
-            complete = plan.next_block >= plan.first_block + len(plan.dst)
-            if error is None and not complete:
-                error = f"prefill ended ({request.finish_reason}) before its KV was sent"
-            if error is not None:
+            outcome = self.pusher.finish(request.request_id, request.finish_reason)
+            if outcome is None:
+                return False, {
+                    "transfer_mode": "push",
+                    "kv_transfer_error": "no usable push target",
+                    **address,
+                }
+            if outcome.error is not None:
                 self.metrics.failures.labels("prefill").inc()
                 self.metrics.transfers.labels("prefill", "failed").inc()
-                self.transport.send_failure(plan.peer, plan.transfer_id, error)
             else:
                 self.metrics.transfers.labels("prefill", "ok").inc()
-                self.metrics.send_time.observe(seconds)
-            self.metrics.bytes.labels("sent").inc(num_bytes)
+                self.metrics.send_time.observe(outcome.send_s)
+            self.metrics.bytes.labels("sent").inc(outcome.num_bytes)
             result = {
                 "transfer_mode": "push",
                 "prefill_done_at": done_at,
-                "kv_bytes": num_bytes,
-                "send_s": seconds,
+                "kv_bytes": outcome.num_bytes,
+                "send_s": outcome.send_s,
             }
-            if error is not None:
-                result["kv_transfer_error"] = error
+            if outcome.error is not None:
+                result["kv_transfer_error"] = outcome.error
             return False, {**result, **address}
         if request.finish_reason not in ("stop", "length") or not block_ids:
             return False, None
