@@ -324,7 +324,7 @@ def main() -> int:
         return 2
     model = ensure_bench_model(args.model)
     load = os.getloadavg()
-    print(f"machine: {os.cpu_count()} cores, load average {load[0]:.1f} at start (other processes share the cores)")
+    print(f"machine: {os.cpu_count()} cores, load average {load[0]:.1f} at start (shared)")
     fractions = {} if args.skip_handoff else part_handoff(model, args.prompt_tokens, args.repeats)
     stats = (
         {}

@@ -196,6 +196,7 @@ class AsyncEngine:
                     self._route([], errors={command.request_id: exc})
             if aborts:
                 engine.abort_request(aborts)
+            engine.poll_connector()
             if not engine.has_runnable_work():
                 self._stats = engine.stats()
                 timeout = _REMOTE_WAIT_S if engine.has_unfinished_requests() else None

@@ -104,7 +104,6 @@ class LLMEngine:
             dtype=str(self.dtype).removeprefix("torch."),
             device=str(self.device),
         )
-        torch.manual_seed(config.model.seed)
         self.model = load_model(config.model.model, dc, self.dtype, self.device)
         allocator = (
             kv_cache_allocator or (connector.kv_cache_allocator() if connector else None) or torch.zeros
@@ -221,13 +220,13 @@ class LLMEngine:
     def has_runnable_work(self) -> bool:
         """False when every unfinished request waits for remote KV (nothing to compute).
         Polls the connector first: a finished async load makes its request runnable now."""
-        self._poll_connector()
+        self.poll_connector()
         return self.scheduler.has_runnable() or bool(self.pending_outputs)
 
     # ---- the step -----------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         outputs, self.pending_outputs = self.pending_outputs, []
-        self._poll_connector()
+        self.poll_connector()
         start = time.perf_counter()
         sched = self.scheduler.schedule()
         for request in sched.too_long:
@@ -255,7 +254,8 @@ class LLMEngine:
         self.num_steps += 1
         return outputs
 
-    def _poll_connector(self) -> None:
+    def poll_connector(self) -> None:
+        """Pick up finished/failed async loads and releasable blocks (step() does this too)."""
         if self.connector is None:
             return
         loaded, failed = self.connector.get_finished_loading(), self.connector.get_failed_loading()

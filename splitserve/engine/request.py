@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import Any
 
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.kv.block_hash import BlockHash, compute_block_hashes
@@ -52,7 +53,7 @@ class Request:
         self.output_kv_transfer_params: dict | None = None
         self.connector_consulted = False  # the KV connector was asked for external tokens
         self.pending_external_tokens = 0  # tokens an async KV load is bringing in
-        self.generator = None  # torch.Generator of a seeded request, set by the engine
+        self.generator: Any = None  # torch.Generator of a seeded request, set by the engine
         self.metrics: dict[str, float | None] = {
             "arrival_time": arrival_time if arrival_time is not None else time.monotonic(),
             "first_scheduled_time": None,

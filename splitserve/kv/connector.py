@@ -40,6 +40,9 @@ After each step:
      finish_reason says which) -> (delay_free_blocks, kv_transfer_params). With
      delay_free_blocks the engine keeps the blocks until the ID shows up in
      `get_finished_sending()`. kv_transfer_params goes into the request's final output.
+     A request aborted while its async load is in flight must get delay_free_blocks
+     (its blocks cannot be reused while bytes may still land in them); report it from
+     `get_finished_sending()` once the load can no longer write.
 
 Role semantics (engine side): a "prefill" engine runs the prompt with max_tokens forced
 to 1 and returns `request_finished`'s kv_transfer_params in the finished output; a

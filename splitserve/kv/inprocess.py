@@ -74,6 +74,9 @@ class InProcessConnector(KVConnector):
         self._pending_loads: list[_Load] = []
         self._lock = threading.Lock()
         self._finished_loading: set[str] = set()
+        self._loading: set[str] = set()  # async loads in flight
+        self._orphaned: set[str] = set()  # finished (aborted) while loading: blocks held
+        self._releasable: set[str] = set()  # orphans whose load ended: blocks may be freed
         self.num_saved_layers = 0  # save_kv_layer calls that copied something (tests)
 
     def register_kv_cache(self, kv_cache: torch.Tensor, block_size: int) -> None:
@@ -131,12 +134,18 @@ class InProcessConnector(KVConnector):
                 num_external_tokens,
             )
             if self.load_async:
+                with self._lock:
+                    self._loading.add(request.request_id)
                 threading.Thread(target=self._load_in_background, args=(load,), daemon=True).start()
             else:
                 self._pending_loads.append(load)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
         params = request.kv_transfer_params or {}
+        with self._lock:
+            if request.request_id in self._loading:  # the loader still writes into its blocks
+                self._orphaned.add(request.request_id)
+                return True, None
         if params.get("do_remote_prefill"):  # consumed, or not needed (nothing to load)
             self.store.pop(str(params.get("remote_request_id")))
         kv = self._saving.pop(request.request_id, None)
@@ -166,10 +175,21 @@ class InProcessConnector(KVConnector):
         source = entry.kv[:, :, load.start : load.start + load.num_tokens]
         self._flat()[:, :, self._slots(load.block_ids, load.start, load.num_tokens)] = source
 
+    def get_finished_sending(self) -> set[str]:
+        with self._lock:
+            done, self._releasable = self._releasable, set()
+        return done
+
     def _load_in_background(self, load: _Load) -> None:
         self._copy_in(load)
         with self._lock:
-            self._finished_loading.add(load.request_id)
+            self._loading.discard(load.request_id)
+            if load.request_id in self._orphaned:
+                self._orphaned.discard(load.request_id)
+                self._releasable.add(load.request_id)
+                self.store.pop(load.entry_id)
+            else:
+                self._finished_loading.add(load.request_id)
         self._wakeup()
 
     def start_load_kv(self, step: StepKVInfo) -> None:

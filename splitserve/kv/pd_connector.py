@@ -167,6 +167,12 @@ class PDConnector(KVConnector):
             except KVParamsError as exc:
                 logger.warning("request %s computes its prompt itself: %s", request.request_id, exc)
                 return 0, False
+        prefill_ids = params.get("prompt_token_ids")
+        if prefill_ids is not None and prefill_ids != request.prompt_token_ids:
+            # KV computed for other tokens must never be attended to (the seed's midnight case)
+            logger.warning("request %s: prefill computed other token IDs; recomputing", request.request_id)
+            self.metrics.fallbacks.labels("token_mismatch").inc()
+            return 0, False
         return external, True
 
     def update_state_after_alloc(

@@ -8,7 +8,7 @@ greedy outputs match its `generate` exactly in float32.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -187,12 +187,12 @@ class DecoderModel(nn.Module):
         last = self.norm(residual[logits_indices])
         return self.lm_head(last).float()
 
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Fill from HF tensor names, fusing q/k/v and gate/up."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Fill from HF tensor names (streamed, shard by shard), fusing q/k/v and gate/up.
+        Raises ValueError for unknown names, wrong shapes and missing weights."""
         params = dict(self.named_parameters())
         c = self.config
         q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        loaded: set[str] = set()
         fused = {
             "q_proj": ("qkv_proj", 0, q),
             "k_proj": ("qkv_proj", q, kv),
@@ -200,7 +200,8 @@ class DecoderModel(nn.Module):
             "gate_proj": ("gate_up_proj", 0, c.intermediate_size),
             "up_proj": ("gate_up_proj", c.intermediate_size, c.intermediate_size),
         }
-        for name, tensor in weights.items():
+        rows_loaded = dict.fromkeys(params, 0)
+        for name, tensor in weights:
             if "rotary_emb" in name:
                 continue
             target, start, size = name.removeprefix("model."), 0, None
@@ -208,19 +209,22 @@ class DecoderModel(nn.Module):
                 if f".{part}." in target:
                     target, start, size = target.replace(part, fused_name), offset, length
                     break
-            if name == "lm_head.weight":
-                target = "lm_head.weight"
             if target not in params:
                 raise ValueError(f"unexpected weight {name!r}")
-            param = params[target]
+            destination = params[target] if size is None else params[target].narrow(0, start, size)
+            if destination.shape != tensor.shape:
+                raise ValueError(
+                    f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(destination.shape)}"
+                )
             with torch.no_grad():
-                if size is None:
-                    param.copy_(tensor)
-                else:
-                    param.narrow(0, start, size).copy_(tensor)
-            loaded.add(name)
-        if c.tie_word_embeddings or "lm_head.weight" not in weights:
+                destination.copy_(tensor)
+            rows_loaded[target] += destination.shape[0]
+        if c.tie_word_embeddings or rows_loaded["lm_head.weight"] == 0:
             self.lm_head.weight = self.embed_tokens.weight
+            rows_loaded["lm_head.weight"] = c.vocab_size
+        missing = [n for n, p in params.items() if rows_loaded[n] < p.shape[0]]
+        if missing:
+            raise ValueError(f"checkpoint lacks weights for {missing[:5]}")
 
 
 def load_model(
@@ -231,5 +235,5 @@ def load_model(
     model = model.to_empty(device=device).to(dtype)
     model.inv_freq = rope_inv_freq(config).to(device)
     model.rope_cos = model.rope_sin = torch.empty(0, device=device)
-    model.load_weights(dict(iter_safetensors(model_dir)))
+    model.load_weights(iter_safetensors(model_dir))
     return model.eval()

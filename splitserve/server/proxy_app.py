@@ -137,6 +137,12 @@ def create_proxy_app(
         derender_body = {"generate_response": response, "chat_request": body, "prompt_token_ids": prompt_ids}
         return JSONResponse(await render.post("/v1/chat/completions/derender", derender_body))
 
+    @app.post("/v1/completions")
+    async def completions() -> Response:
+        # Derendering plain completions needs the tokenizer, which only the render tier's
+        # chat derender exposes over HTTP: say so rather than answer a bare 404.
+        raise APIError(404, "the P/D proxy serves /v1/chat/completions only", code="not_supported")
+
     return app
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -17,6 +19,8 @@ import time
 from typing import NamedTuple
 
 import httpx
+
+from splitserve.frontend.stream_state import STATE_KEY_ENV
 
 _POLL_S = 0.2
 
@@ -80,8 +84,8 @@ def _engine_args(args: argparse.Namespace) -> list[str]:
     return extra
 
 
-def _start(name: str, command: list[str], host: str, port: int) -> Part:
-    process = subprocess.Popen([sys.executable, "-m", "splitserve.cli", *command])
+def _start(name: str, command: list[str], host: str, port: int, env: dict[str, str] | None = None) -> Part:
+    process = subprocess.Popen([sys.executable, "-m", "splitserve.cli", *command], env=env)
     return Part(name, f"http://{host}:{port}", process)
 
 
@@ -139,7 +143,9 @@ def run(args: argparse.Namespace) -> int:
         render = ["render", model, "--host", host, "--port", str(render_port), "--log-level", args.log_level]
         if args.max_model_len:
             render += ["--max-model-len", str(args.max_model_len)]
-        parts.append(_start("render", render, host, render_port))
+        # One render replica: a fresh signing key for its stream states, unless one is set.
+        render_env = {STATE_KEY_ENV: secrets.token_hex(32), **os.environ}
+        parts.append(_start("render", render, host, render_port, render_env))
         engines = [("prefill", i) for i in range(args.prefill)] + [("decode", i) for i in range(args.decode)]
         for role, index in engines:
             port = _free_port(host)

@@ -87,3 +87,33 @@ def test_async_decode_engine_wakes_on_load(tiny_model, collocated):
             return await asyncio.gather(*(run(engine, i) for i in range(len(PROMPTS))))
 
         assert asyncio.run(main()) == collocated
+
+
+def test_abort_while_loading_keeps_blocks_until_the_load_ends(tiny_model):
+    store = InProcessKVStore()
+    prefill = LLM(tiny_model, num_blocks=64, role="prefill", connector=InProcessConnector(store, "p"))
+    first = prefill.generate(PROMPTS, GREEDY, kv_transfer_params=[{"do_remote_decode": True}] * len(PROMPTS))
+    config = EngineConfig(ModelConfig(tiny_model), CacheConfig(num_blocks=64), role="decode")
+    with AsyncEngine(config, InProcessConnector(store, "d", load_async=True)) as engine:
+
+        async def main():
+            streams = [
+                engine.generate(f"d{i}", PROMPTS[i], GREEDY, kv_transfer_params=first[i].kv_transfer_params)
+                for i in range(len(PROMPTS))
+            ]
+            tasks = [asyncio.ensure_future(s.__anext__()) for s in streams]
+            await asyncio.sleep(0)
+            for i in range(len(PROMPTS)):
+                engine.abort(f"d{i}")
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for s in streams:
+                await s.aclose()
+            for _ in range(200):
+                stats = engine.stats()
+                if stats.num_blocks_free == stats.num_blocks_total and not stats.num_waiting:
+                    return
+                await asyncio.sleep(0.02)
+            raise AssertionError(f"blocks not released: {engine.stats()}")
+
+        asyncio.run(main())
+    assert len(store) == 0

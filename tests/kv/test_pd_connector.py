@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -132,6 +133,35 @@ def test_disaggregated_greedy_equals_collocated(tiny_model, collocated, kind, mo
                 == final.kv_transfer_params["handoff"]["bytes"]
             )
 
+        # prefill holds a prefix decode lacks: its cached blocks must travel too
+        warm = prompt(9, 50)
+        await collect(prefill[0].generate(f"warm-{kind}-{mode}", warm, GREEDY))
+        tokens = warm + prompt(10, 30)
+        reference, _ = await collect(collocated.generate(f"ref-warm-{kind}-{mode}", tokens, GREEDY))
+        out, final, _ = await pd_generate(prefill, decode, f"warm-pd-{kind}-{mode}", tokens, mode)
+        assert out == reference
+        assert final.kv_transfer_params["handoff"]["transferred"]
+
+        if mode == "pull":  # decode never attends to KV computed for other tokens
+            _, prefill_out = await collect(
+                prefill[0].generate(
+                    f"midnight-{kind}", PROMPTS["odd"], GREEDY, kv_transfer_params={"do_remote_decode": True}
+                )
+            )
+            changed = [*PROMPTS["odd"][:10], PROMPTS["odd"][10] + 1, *PROMPTS["odd"][11:]]
+            reference, _ = await collect(collocated.generate(f"ref-midnight-{kind}", changed, GREEDY))
+            params = prefill_out.kv_transfer_params
+            out, final = await collect(
+                decode[0].generate(f"midnight-{kind}", changed, GREEDY, kv_transfer_params=params)
+            )
+            assert out == reference
+            assert final.kv_transfer_params["handoff"]["transferred"] is False
+            registry = decode[1].metrics.registry
+            assert (
+                registry.get_sample_value("splitserve_kv_fallbacks_total", {"action": "token_mismatch"}) >= 1
+            )
+            prefill[1].holds.release(params["remote_request_id"])  # nobody will read it
+
     try:
         asyncio.run(run())
         text = decode[1].metrics.registry
@@ -140,8 +170,10 @@ def test_disaggregated_greedy_equals_collocated(tiny_model, collocated, kind, mo
         )
         assert text.get_sample_value("splitserve_kv_reservations_active") == 0
         assert decode[0].engine.block_manager.num_free_blocks == 96
-        prefill_free = prefill[0].engine.block_manager.num_free_blocks
-        assert prefill_free == 96, "pull holds were not released"
+        deadline = time.monotonic() + 5  # released holds are freed by the engine thread
+        while prefill[0].engine.block_manager.num_free_blocks != 96 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert prefill[0].engine.block_manager.num_free_blocks == 96, "pull holds were not released"
     finally:
         prefill[0].shutdown()
         decode[0].shutdown()

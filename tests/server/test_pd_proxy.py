@@ -18,6 +18,7 @@ import pytest
 
 from splitserve.router.pd_policy import PDPolicy
 from splitserve.router.workers import WorkerPool
+from splitserve.server.errors import APIError
 from splitserve.server.pd_client import PDEngineClient
 from tests.conftest import free_port, running_server
 
@@ -80,6 +81,27 @@ def _up(tiny_model: str, port: int, *extra: str):
     return running_server(args, port, timeout=180)
 
 
+def up_log(port: int) -> str:
+    return (Path(os.environ.get("TMPDIR", "/tmp")) / f"splitserve-test-{port}.log").read_text()
+
+
+def started_parts(port: int) -> dict[str, int]:
+    """The parts `up` printed, by name: their pids."""
+    found = re.findall(r"^\s+(\S+)\s+http://\S+\s+\(pid (\d+)\)", up_log(port), re.M)
+    pids = {name: int(pid) for name, pid in found}
+    assert set(pids) == {"render", "prefill-0", "decode-0", "proxy"}
+    return pids
+
+
+def wait_gone(pids: list[int], timeout_s: float = 30) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not any(Path(f"/proc/{pid}").exists() for pid in pids):
+            return True
+        time.sleep(0.2)
+    return False
+
+
 def test_up_push_over_shm_streams_through_the_openai_client(tiny_model, collocated):
     port = free_port()
     messages = chats()
@@ -106,6 +128,11 @@ def test_up_push_over_shm_streams_through_the_openai_client(tiny_model, collocat
         assert bad_n.status_code == 400 and bad_n.json()["error"]["param"] == "n"
         assert httpx.post(f"{base}/v1/chat/completions", json={"messages": "x"}).status_code == 400
         assert asyncio.run(chat_token_ids(base, messages[:1])) == expected[:1]
+        # SIGTERM to `up` alone stops every part it started
+        pids = started_parts(port)
+        up_pid = int(Path(f"/proc/{pids['proxy']}/stat").read_text().split(")")[1].split()[1])
+        os.kill(up_pid, signal.SIGTERM)
+        assert wait_gone(list(pids.values())), "up left parts running"
 
 
 def test_up_pull_over_tcp_then_stops_when_a_part_dies(tiny_model, collocated):
@@ -114,20 +141,12 @@ def test_up_pull_over_tcp_then_stops_when_a_part_dies(tiny_model, collocated):
     expected = asyncio.run(chat_token_ids(collocated, messages))
     with _up(tiny_model, port, "--transport", "tcp", "--mode", "pull") as base:
         assert asyncio.run(chat_token_ids(base, messages)) == expected
-        decode_metrics = None
-        log = (Path(os.environ.get("TMPDIR", "/tmp")) / f"splitserve-test-{port}.log").read_text()
-        pids = {
-            name: int(pid) for name, pid in re.findall(r"^\s+(\S+)\s+http://\S+\s+\(pid (\d+)\)", log, re.M)
-        }
-        assert set(pids) == {"render", "prefill-0", "decode-0", "proxy"}
-        urls = dict(re.findall(r"^\s+(\S+)\s+(http://\S+)", log, re.M))
+        pids = started_parts(port)
+        urls = dict(re.findall(r"^\s+(\S+)\s+(http://\S+)", up_log(port), re.M))
         decode_metrics = httpx.get(f"{urls['decode-0']}/metrics").text
         assert metric(decode_metrics, "splitserve_kv_transfers_total", '{outcome="ok",side="decode"}') >= 5
         os.kill(pids["decode-0"], signal.SIGKILL)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in pids.values()):
-            time.sleep(0.2)
-        assert not [n for n, p in pids.items() if Path(f"/proc/{p}").exists()], "up left parts running"
+        assert wait_gone(list(pids.values())), "up left parts running"
 
 
 async def retry_past_a_dead_decode_worker(
@@ -150,6 +169,41 @@ async def retry_past_a_dead_decode_worker(
         return True
     finally:
         await client.close()
+
+
+def check_kv_bad_input(prefill: str, decode: str) -> None:
+    """Wrong KV requests get clear 4xx answers or a local recompute; both workers keep serving."""
+    reserve = f"{decode}/inference/v1/kv/reserve"
+    assert httpx.post(f"{prefill}/inference/v1/kv/reserve", json={"request_id": "x"}).status_code == 400
+    assert httpx.post(reserve, json={}).json()["error"]["param"] == "request_id"
+    assert (
+        httpx.post(reserve, json={"request_id": "x", "timeout_s": -1}).json()["error"]["param"] == "timeout_s"
+    )
+    assert httpx.post(reserve, json={"request_id": "nobody", "timeout_s": 0}).status_code == 404
+    assert httpx.post(reserve, content=b"[").status_code == 400
+    tokens = list(range(3, 60))
+    sampling = {"max_tokens": 2, "temperature": 0}
+    bogus = {
+        "do_remote_prefill": True,
+        "transfer_mode": "pull",
+        "remote_block_ids": "nope",
+        "remote_host": "127.0.0.1",
+        "remote_port": "x",
+    }
+    response = httpx.post(
+        f"{decode}/inference/v1/generate",
+        json={"token_ids": tokens, "sampling_params": sampling, "kv_transfer_params": bogus},
+        timeout=60,
+    )
+    assert response.status_code == 200 and len(response.json()["choices"][0]["token_ids"]) == 2
+    push_nowhere = {"do_remote_decode": True, "transfer_mode": "push", "remote_block_ids": [1, "two"]}
+    response = httpx.post(
+        f"{prefill}/inference/v1/generate",
+        json={"token_ids": tokens, "sampling_params": sampling, "kv_transfer_params": push_nowhere},
+        timeout=60,
+    )
+    assert response.status_code == 200
+    assert "kv_transfer_error" in response.json()["kv_transfer_params"]
 
 
 def test_killing_prefill_mid_transfer_loses_no_request(tiny_model, collocated):
@@ -178,6 +232,7 @@ def test_killing_prefill_mid_transfer_loses_no_request(tiny_model, collocated):
     ):  # fmt: skip
         prefill_pid = httpx.get(f"{prefill}/inference/v1/kv/info").json()["pid"]
         assert asyncio.run(retry_past_a_dead_decode_worker(prefill, decode, long_chats[0], render))
+        check_kv_bad_input(prefill, decode)
 
         async def run() -> list[list[int]]:
             requests = asyncio.ensure_future(chat_token_ids(proxy, long_chats, max_tokens=4))
@@ -201,3 +256,35 @@ def test_killing_prefill_mid_transfer_loses_no_request(tiny_model, collocated):
         workers = httpx.get(f"{proxy}/workers").json()["workers"]
         assert [w["healthy"] for w in workers if w["role"] == "prefill"] == [False]
         assert asyncio.run(chat_token_ids(proxy, long_chats[:1], max_tokens=4)) == expected[:1]
+
+
+def test_failure_policy_fail_answers_a_clear_error(tiny_model):
+    """A decode worker with --kv-failure-policy fail ends a request whose KV cannot come;
+    the proxy's client turns that into a 502 with the reason, before any output."""
+    port = free_port()
+    args = ["engine", tiny_model, "--role", "decode", "--port", str(port), "--kv-failure-policy", "fail"]
+    with running_server([*args, "--kv-reservation-ttl", "0.5", "--num-blocks", "256"], port) as decode:
+        tokens = list(range(3, 90))
+        body = {"token_ids": tokens, "sampling_params": {"max_tokens": 3, "temperature": 0}}
+        waited = httpx.post(
+            f"{decode}/inference/v1/generate",
+            json={**body, "kv_transfer_params": {"do_remote_prefill": True}},
+        ).json()
+        assert waited["choices"][0]["finish_reason"] == "abort" and waited["choices"][0]["token_ids"] == []
+        assert "TTL" in waited["kv_transfer_params"]["handoff"]["error"]
+
+        async def through_proxy_client() -> None:
+            dead_prefill = f"http://127.0.0.1:{free_port()}"
+            client = PDEngineClient(WorkerPool([dead_prefill], [decode]), PDPolicy(min_prefill_tokens=16))
+            try:
+                with pytest.raises(APIError) as failed:
+                    async for _ in client.generate({**body, "request_id": "doomed"}):
+                        pass
+                assert failed.value.status == 502 and "policy is fail" in failed.value.message
+            finally:
+                await client.close()
+
+        asyncio.run(through_proxy_client())
+        metrics = httpx.get(f"{decode}/metrics").text
+        assert metric(metrics, "splitserve_kv_fallbacks_total", '{action="fail"}') == 2
+        assert metric(metrics, "splitserve_kv_cache_blocks_free") == 256
