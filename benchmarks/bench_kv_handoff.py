@@ -13,7 +13,7 @@ layer landed) on the same transport; exposed transfer is reported as a fraction 
 With L layers streamed while the next computes, about 1/L should remain (the seed).
 
 Part 2, interference: short prompts stream long answers while long prompts arrive.
-Every engine gets one core and one thread: collocated, one `--role both` engine on core 1;
+Every engine gets one core and one thread: collocated, one `--role both` engine on core 0;
 P/D, prefill on core 0 and decode on core 1 (shm push; prompts under 512 tokens skip the
 prefill pool). Two threads on two shared cores stall on OpenMP barriers whenever another
 process runs, which on a busy machine swamps what is measured here. Reported per config:
@@ -264,7 +264,7 @@ def part_interference(
     long_prompts: int,
     long_tokens: int,
     stream_tokens: int,
-    collocated_core: int = 1,
+    collocated_core: int = 0,
 ) -> dict[str, StreamStats]:
     print(
         f"\n== Interference: {streams} streams (64-token prompts, {stream_tokens} tokens each) while "
@@ -296,6 +296,7 @@ def part_interference(
         stats["P/D (shm push)"] = asyncio.run(run_pd())
     finally:
         stop(engines)
+    print(f"(load average {os.getloadavg()[0]:.1f} at the end; the long prompts' TTFT is prefill-bound)")
     print(
         f"{'config':<16} {'worst gap ms':>12} {'p99 ITL ms':>10} {'median ITL ms':>13} {'long TTFT ms':>12}"
     )

@@ -31,12 +31,18 @@ StepListener = Callable[[float, int], None]
 _REMOTE_WAIT_S = 0.05
 
 
-class _Stream(NamedTuple):
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+class _Stream:
+    """One generate call's channel. `started` turns True once the engine thread has
+    added its request: outputs before that belong to an earlier request with this ID."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.started = False
 
 
 class _AddCommand(NamedTuple):
+    stream: _Stream
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
@@ -56,8 +62,7 @@ class AsyncEngine:
         self.model_config = self.engine.model_config
         self._lock = threading.Lock()
         self._wake = threading.Event()
-        self._adds: list[_AddCommand] = []
-        self._aborts: list[str] = []
+        self._commands: list[_AddCommand | str] = []  # a str is a request ID to abort
         self._streams: dict[str, _Stream] = {}
         self._listeners: list[StepListener] = []
         self._thread: threading.Thread | None = None
@@ -124,13 +129,14 @@ class AsyncEngine:
         if not self.is_running:
             raise RuntimeError("AsyncEngine is not running; call start()")
         self.validate_request(request_id, prompt_token_ids, sampling_params, cache_salt, kv_transfer_params)
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = _Stream(asyncio.get_running_loop())
         with self._lock:
             if request_id in self._streams:
                 raise InvalidRequestError(f"request_id {request_id!r} is already in use", param="request_id")
             self._streams[request_id] = stream
-            self._adds.append(
+            self._commands.append(
                 _AddCommand(
+                    stream,
                     request_id,
                     list(prompt_token_ids),
                     sampling_params,
@@ -163,7 +169,7 @@ class AsyncEngine:
         with self._lock:
             if request_id not in self._streams:
                 return False
-            self._aborts.append(request_id)
+            self._commands.append(request_id)
         self._wake.set()
         return True
 
@@ -180,9 +186,14 @@ class AsyncEngine:
         engine = self.engine
         while not self._stopping:
             with self._lock:
-                adds, self._adds = self._adds, []
-                aborts, self._aborts = self._aborts, []
-            for command in adds:
+                commands, self._commands = self._commands, []
+            # in arrival order: a client may close a stream and reuse its ID at once
+            for command in commands:
+                if isinstance(command, str):
+                    engine.abort_request([command])
+                    # route the abort now, before a new request may take over the ID
+                    self._route(engine.take_pending_outputs())
+                    continue
                 try:
                     engine.add_request(
                         command.request_id,
@@ -193,9 +204,9 @@ class AsyncEngine:
                         arrival_time=command.arrival_time,
                     )
                 except Exception as exc:  # validated already; a race or an engine bug
-                    self._route([], errors={command.request_id: exc})
-            if aborts:
-                engine.abort_request(aborts)
+                    self._deliver(command.stream, [exc])
+                else:
+                    command.stream.started = True
             engine.poll_connector()
             if not engine.has_runnable_work():
                 self._stats = engine.stats()
@@ -217,25 +228,28 @@ class AsyncEngine:
                     except Exception:
                         logger.exception("step listener failed")
             self._route(outputs)
+            if engine.num_steps == steps_before and not outputs:
+                # Waiting requests but no free blocks (held by remote loads or delayed
+                # frees): sleep until a command or the connector wakes us.
+                self._wake.wait(_REMOTE_WAIT_S)
+                self._wake.clear()
 
-    def _route(self, outputs: list[RequestOutput], errors: dict[str, Exception] | None = None) -> None:
-        """Hand outputs (and per-request errors) to their callers' loops, one call per loop."""
-        payloads: list[tuple[str, RequestOutput | Exception]] = [(o.request_id, o) for o in outputs]
-        payloads += list((errors or {}).items())
+    def _route(self, outputs: list[RequestOutput]) -> None:
+        """Hand outputs to their callers' loops, one call per loop."""
         batches: dict[int, tuple[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]]] = {}
         with self._lock:
-            for request_id, payload in payloads:
-                stream = self._streams.get(request_id)
-                if stream is not None:
-                    batches.setdefault(id(stream.loop), (stream.loop, []))[1].append((stream.queue, payload))
+            for output in outputs:
+                stream = self._streams.get(output.request_id)
+                if stream is not None and stream.started:
+                    batches.setdefault(id(stream.loop), (stream.loop, []))[1].append((stream.queue, output))
         for loop, items in batches.values():
             with contextlib.suppress(RuntimeError):  # the caller's loop is closed
                 loop.call_soon_threadsafe(_put_all, items)
 
     @staticmethod
-    def _deliver(stream: _Stream, outputs: list[RequestOutput]) -> None:
+    def _deliver(stream: _Stream, payloads: list[RequestOutput | Exception]) -> None:
         with contextlib.suppress(RuntimeError):
-            stream.loop.call_soon_threadsafe(_put_all, [(stream.queue, o) for o in outputs])
+            stream.loop.call_soon_threadsafe(_put_all, [(stream.queue, p) for p in payloads])
 
 
 def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:

@@ -214,6 +214,11 @@ class LLMEngine:
             self.pending_outputs.append(self._finish(request, "abort"))
         return found
 
+    def take_pending_outputs(self) -> list[RequestOutput]:
+        """The final outputs of aborted requests, now rather than at the next step()."""
+        outputs, self.pending_outputs = self.pending_outputs, []
+        return outputs
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or bool(self.pending_outputs)
 

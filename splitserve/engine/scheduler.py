@@ -108,7 +108,7 @@ class Scheduler:
     def _admit(self, request: Request, budget: int) -> ScheduledRequest | None:
         bm = self.block_manager
         computed_blocks: list[int] = []
-        if request.num_computed_tokens == 0:
+        if request.num_computed_tokens == 0:  # fresh or preempted (a failed remote load keeps its blocks)
             computed_blocks = bm.get_computed_blocks(request)
         num_hit = len(computed_blocks) * bm.block_size
         num_external, load_async = 0, False
@@ -165,6 +165,8 @@ class Scheduler:
             if request_id in loaded and request_id not in failed:
                 request.num_computed_tokens += external
                 self.block_manager.cache_full_blocks(request)
+            else:
+                request.num_cached_tokens -= external
             request.pending_external_tokens = 0
             request.status = RequestStatus.WAITING
             self.waiting.appendleft(request)

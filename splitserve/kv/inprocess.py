@@ -11,6 +11,7 @@ synchronously in `start_load_kv` or (load_async=True) from a background thread.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
@@ -21,6 +22,8 @@ from splitserve.kv.connector import KVConnector, StepKVInfo
 
 if TYPE_CHECKING:
     from splitserve.engine.request import Request
+
+logger = logging.getLogger(__name__)
 
 
 class _Entry(NamedTuple):
@@ -74,6 +77,7 @@ class InProcessConnector(KVConnector):
         self._pending_loads: list[_Load] = []
         self._lock = threading.Lock()
         self._finished_loading: set[str] = set()
+        self._failed_loading: set[str] = set()
         self._loading: set[str] = set()  # async loads in flight
         self._orphaned: set[str] = set()  # finished (aborted) while loading: blocks held
         self._releasable: set[str] = set()  # orphans whose load ended: blocks may be freed
@@ -171,7 +175,8 @@ class InProcessConnector(KVConnector):
     # ---- worker half --------------------------------------------------------------
     def _copy_in(self, load: _Load) -> None:
         entry = self.store.get(load.entry_id)
-        assert entry is not None, f"KV for {load.entry_id} vanished"
+        if entry is None:
+            raise KeyError(f"KV for {load.entry_id} is no longer in the store")
         source = entry.kv[:, :, load.start : load.start + load.num_tokens]
         self._flat()[:, :, self._slots(load.block_ids, load.start, load.num_tokens)] = source
 
@@ -180,16 +185,28 @@ class InProcessConnector(KVConnector):
             done, self._releasable = self._releasable, set()
         return done
 
+    def get_failed_loading(self) -> set[str]:
+        with self._lock:
+            failed, self._failed_loading = self._failed_loading, set()
+        return failed
+
     def _load_in_background(self, load: _Load) -> None:
-        self._copy_in(load)
+        try:
+            self._copy_in(load)
+            ok = True
+        except Exception:
+            logger.exception("in-process KV load for %s failed; it will be recomputed", load.request_id)
+            ok = False
         with self._lock:
             self._loading.discard(load.request_id)
             if load.request_id in self._orphaned:
                 self._orphaned.discard(load.request_id)
                 self._releasable.add(load.request_id)
                 self.store.pop(load.entry_id)
-            else:
+            elif ok:
                 self._finished_loading.add(load.request_id)
+            else:
+                self._failed_loading.add(load.request_id)
         self._wakeup()
 
     def start_load_kv(self, step: StepKVInfo) -> None:

@@ -32,6 +32,7 @@ class ReservationTable:
         self._lock = threading.Lock()
         self._reservations: dict[str, Reservation] = {}
         self._events: dict[str, threading.Event] = {}
+        self._callbacks: dict[str, list[Callable[[Reservation], None]]] = {}
         self.total_reserved = 0
         self.total_expired = 0
 
@@ -46,6 +47,23 @@ class ReservationTable:
             self._reservations[reservation.request_id] = reservation
             self.total_reserved += 1
             self._event(reservation.request_id).set()
+            callbacks = self._callbacks.pop(reservation.request_id, [])
+        for callback in callbacks:
+            callback(reservation)
+
+    def on_reserved(self, request_id: str, callback: Callable[[Reservation], None]) -> None:
+        """Call `callback(reservation)` once the request has reserved (now, if it has);
+        from whichever thread adds it. For event loops: no thread sits waiting."""
+        with self._lock:
+            found = self._reservations.get(request_id)
+            if found is None:
+                self._callbacks.setdefault(request_id, []).append(callback)
+        if found is not None:
+            callback(found)
+
+    def forget_callbacks(self, request_id: str) -> None:
+        with self._lock:
+            self._callbacks.pop(request_id, None)
 
     def get(self, request_id: str) -> Reservation | None:
         with self._lock:

@@ -116,7 +116,8 @@ def run(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     config = engine_config(args, resolve_model(args.model))
-    connector = pd_engine.make_connector(config.role, config.transfer, args.host, args.kv_port)
+    kv_host = args.kv_host or args.host
+    connector = pd_engine.make_connector(config.role, config.transfer, kv_host, args.kv_port)
     try:
         engine = AsyncEngine(config, connector=connector)
     except ValueError as exc:  # a configuration the model or the memory budget cannot take

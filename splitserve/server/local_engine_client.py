@@ -51,6 +51,8 @@ class LocalEngineClient(EngineClient):
     async def stream(self, request: GenerateRequest, *, force_usage: bool = False) -> AsyncIterator[dict]:
         """Run a parsed request, yielding wire chunks. Rejections (`APIError`) come before
         the first chunk; closing the iterator early aborts the request and frees its blocks."""
+        if not self.engine.is_running:
+            raise APIError(503, "engine is not running")
         if request.request_id in self._in_flight:
             self._count_rejected(400)
             raise APIError(

@@ -46,6 +46,7 @@ class PDEngineClient(EngineClient):
             timeout=httpx.Timeout(None, connect=10.0), limits=httpx.Limits(max_connections=None)
         )
         self._clients: dict[str, HTTPEngineClient] = {}
+        self._role_checked: set[str] = set()
 
     def _client(self, worker: Worker) -> HTTPEngineClient:
         client = self._clients.get(worker.url)
@@ -69,11 +70,24 @@ class PDEngineClient(EngineClient):
         await self._http.aclose()
 
     async def check_worker(self, worker: Worker) -> bool:
+        """Healthy, and a P/D engine of the role its pool expects: a collocated or
+        prefill engine in the decode pool would silently answer wrongly."""
         try:
             response = await self._http.get(f"{worker.url}/health", timeout=5.0)
-        except httpx.HTTPError:
+            if response.status_code != 200:
+                return False
+            if worker.url not in self._role_checked:
+                info = await self._http.get(f"{worker.url}/inference/v1/kv/info", timeout=5.0)
+                role = info.json().get("role") if info.status_code == 200 else None
+                if role != worker.role:
+                    logger.error(
+                        "%s is not a %s engine (its role: %s)", worker.url, worker.role, role or "none"
+                    )
+                    return False
+                self._role_checked.add(worker.url)
+        except (httpx.HTTPError, ValueError):
             return False
-        return response.status_code == 200
+        return True
 
     # ---- the flow -------------------------------------------------------------------
     async def _generate(self, request: dict) -> AsyncIterator[dict]:

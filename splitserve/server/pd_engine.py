@@ -40,6 +40,9 @@ def add_kv_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-mode", choices=["push", "pull"], default=transfer.mode)
     group.add_argument("--kv-port", type=int, default=0, help="KV socket port (default: a free one)")
     group.add_argument(
+        "--kv-host", default=None, help="address the KV socket binds and peers dial (default: --host)"
+    )
+    group.add_argument(
         "--kv-timeout", type=float, default=transfer.timeout_s, help="seconds without progress"
     )
     group.add_argument("--kv-failure-policy", choices=["recompute", "fail"], default=transfer.failure_policy)
@@ -70,6 +73,26 @@ def make_connector(
     from splitserve.kv.pd_connector import PDConnector  # torch: only engines pay for it
 
     return PDConnector(role, transfer, host=host, port=kv_port)
+
+
+async def _wait_reserved(connector: PDConnector, request_id: str, timeout_s: float):
+    """The request's reservation, awaited on the event loop (the engine thread adds it)."""
+    found = connector.reservations.get(request_id)
+    if found is not None:
+        return found
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future = loop.create_future()
+
+    def reserved(reservation) -> None:
+        loop.call_soon_threadsafe(lambda: future.done() or future.set_result(reservation))
+
+    connector.reservations.on_reserved(request_id, reserved)
+    try:
+        return await asyncio.wait_for(future, timeout_s)
+    except asyncio.TimeoutError:
+        return None
+    finally:
+        connector.reservations.forget_callbacks(request_id)
 
 
 def install_kv_routes(app: FastAPI, connector: PDConnector) -> None:
@@ -107,7 +130,7 @@ def install_kv_routes(app: FastAPI, connector: PDConnector) -> None:
             raise APIError(
                 400, f"timeout_s must be a number in [0, {MAX_RESERVE_WAIT_S:.0f}]", param="timeout_s"
             )
-        reservation = await asyncio.to_thread(connector.reservations.wait, request_id, float(timeout))
+        reservation = await _wait_reserved(connector, request_id, float(timeout))
         if reservation is None:
             raise APIError(
                 404, f"request {request_id!r} reserved no blocks within {timeout}s", param="request_id"

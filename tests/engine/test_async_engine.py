@@ -91,6 +91,9 @@ def test_abort_and_early_close_free_blocks(engine):
         got = [await stream.__anext__(), await stream.__anext__()]
         await stream.aclose()
         assert not got[-1].finished
+        # the ID is free again at once (the abort is applied before the new request)
+        tokens, last = await collect(engine, "closed", PROMPTS[0])
+        assert len(tokens) == 10 and last.finish_reason == "length"
         # explicit abort while another client reads
         started = asyncio.Event()
         reader = asyncio.create_task(collect_signalling(engine, "aborted", PROMPTS[1], long, started))

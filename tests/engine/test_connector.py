@@ -4,6 +4,7 @@ connector, give exactly the collocated token IDs."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -117,3 +118,27 @@ def test_abort_while_loading_keeps_blocks_until_the_load_ends(tiny_model):
 
         asyncio.run(main())
     assert len(store) == 0
+
+
+def test_failed_async_load_is_recomputed(tiny_model, collocated):
+    """A load that fails (here: the prefill's KV is gone from the store) costs a
+    recompute, never a wrong or lost answer."""
+    store = InProcessKVStore()
+    prefill = LLM(tiny_model, num_blocks=64, role="prefill", connector=InProcessConnector(store, "p"))
+    first = prefill.generate(PROMPTS, GREEDY, kv_transfer_params=[{"do_remote_decode": True}] * len(PROMPTS))
+
+    class VanishingStore(InProcessKVStore):
+        """Answers the scheduler's lookups; the loader thread finds nothing."""
+
+        def get(self, key):
+            return store.get(key) if threading.current_thread() is threading.main_thread() else None
+
+    decode = LLM(
+        tiny_model, num_blocks=64, role="decode", connector=InProcessConnector(VanishingStore(), "d", True)
+    )
+    second = decode.generate(PROMPTS, GREEDY, kv_transfer_params=[r.kv_transfer_params for r in first])
+    assert [r.token_ids for r in second] == collocated
+    # nothing came over: only local prefix-cache hits count as cached
+    assert second[0].num_cached_tokens == 0
+    decode.engine.check_integrity()
+    assert decode.engine.stats().num_blocks_free == decode.engine.stats().num_blocks_total

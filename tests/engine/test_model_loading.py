@@ -19,7 +19,9 @@ from tests.engine.helpers import make_prompts, oracle_greedy
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
 
-def edit_model(source: str, target: Path, config_changes: dict, drop: tuple[str, ...] = (), shards: int = 1) -> str:
+def edit_model(
+    source: str, target: Path, config_changes: dict, drop: tuple[str, ...] = (), shards: int = 1
+) -> str:
     shutil.copytree(source, target)
     config = json.loads((target / "config.json").read_text())
     config.update(config_changes)
@@ -133,7 +135,10 @@ def test_unknown_engine_argument_is_rejected(tiny_model):
 
 def test_incomplete_checkpoint_is_rejected(tiny_model_factory, tmp_path):
     model_dir = edit_model(
-        tiny_model_factory(arch="llama"), tmp_path / "broken", {}, drop=("model.layers.1.self_attn.k_proj.weight",)
+        tiny_model_factory(arch="llama"),
+        tmp_path / "broken",
+        {},
+        drop=("model.layers.1.self_attn.k_proj.weight",),
     )
     with pytest.raises(ValueError, match="qkv_proj"):
         LLM(model_dir, num_blocks=8)

@@ -62,3 +62,29 @@ def test_prefix_hits_within_one_batch(tiny_model):
     assert llm.engine.stats().prefix_cache_hit_tokens > 0
     # the repeated 48-token prompt hits the 2 full blocks that do not hold its last token
     assert results[6].num_cached_tokens == 32
+
+
+def test_max_num_seqs_caps_the_running_batch(tiny_model):
+    from splitserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from splitserve.engine.llm_engine import LLMEngine
+
+    prompts = make_prompts(2048, seed=10)
+    expected = oracle_greedy(tiny_model, prompts, 6)
+    engine = LLMEngine(
+        EngineConfig(
+            ModelConfig(tiny_model),
+            CacheConfig(num_blocks=64),
+            SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=40),
+        )
+    )
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+        stats = engine.stats()
+        assert stats.num_running <= 3 and stats.last_step_tokens <= 40
+        engine.check_integrity()
+    assert [tokens[f"r{i}"] for i in range(len(prompts))] == expected

@@ -228,3 +228,29 @@ def test_http_client_unreachable_engine() -> None:
     healthy, error = asyncio.run(go())
     assert not healthy
     assert error.status == 503
+
+
+def test_stopped_engine_answers_503(tiny_model: str) -> None:
+    from splitserve.server.engine_app import create_engine_app
+
+    stopped = AsyncEngine(EngineConfig(model=ModelConfig(model=tiny_model), cache=CacheConfig(num_blocks=8)))
+    try:
+        client = LocalEngineClient(stopped)
+        app = create_engine_app(stopped)
+
+        async def go() -> tuple[bool, APIError, httpx.Response, httpx.Response]:
+            with pytest.raises(APIError) as info:
+                await collect(client, {"token_ids": [1, 2, 3]})
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://engine") as http:
+                health = await http.get("/health")
+                generate = await http.post("/inference/v1/generate", json={"token_ids": [1, 2, 3]})
+            return await client.check_health(), info.value, health, generate
+
+        healthy, error, health, generate = asyncio.run(go())
+    finally:
+        stopped.shutdown()
+    assert not healthy
+    assert error.status == 503
+    assert health.status_code == 503 and generate.status_code == 503
+    assert generate.json()["error"]["type"] == "service_unavailable"

@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from splitserve.router.pd_policy import PDPolicy
-from splitserve.router.workers import WorkerPool
+from splitserve.router.workers import Worker, WorkerPool
 from splitserve.server.errors import APIError
 from splitserve.server.pd_client import PDEngineClient
 from tests.conftest import free_port, running_server
@@ -166,6 +166,10 @@ async def retry_past_a_dead_decode_worker(
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
         assert client.metrics.registry.get_sample_value("splitserve_proxy_retries_total") == 1
         assert [w["healthy"] for w in client.pool.snapshot() if w["role"] == "decode"] == [False, True]
+        # health checks also check roles: a prefill engine in the decode pool stays out
+        assert await client.check_worker(Worker(decode, "decode"))
+        assert not await client.check_worker(Worker(prefill, "decode"))
+        assert not await client.check_worker(Worker(render, "decode"))
         return True
     finally:
         await client.close()
