@@ -108,7 +108,7 @@ class Scheduler:
     def _admit(self, request: Request, budget: int) -> ScheduledRequest | None:
         bm = self.block_manager
         computed_blocks: list[int] = []
-        if request.num_computed_tokens == 0:  # fresh or preempted (a failed remote load keeps its blocks)
+        if not request.block_ids:  # fresh or preempted (a failed remote load keeps its blocks)
             computed_blocks = bm.get_computed_blocks(request)
         num_hit = len(computed_blocks) * bm.block_size
         num_external, load_async = 0, False

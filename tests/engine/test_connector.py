@@ -140,5 +140,14 @@ def test_failed_async_load_is_recomputed(tiny_model, collocated):
     assert [r.token_ids for r in second] == collocated
     # nothing came over: only local prefix-cache hits count as cached
     assert second[0].num_cached_tokens == 0
+    # a request whose load fails after a neighbour cached the same prefix reuses it
+    fresh = LLM(
+        tiny_model, num_blocks=64, role="decode", connector=InProcessConnector(VanishingStore(), "d2", True)
+    )
+    params = prefill.generate([PROMPTS[2]], GREEDY, kv_transfer_params=[{"do_remote_decode": True}])[0]
+    again = fresh.generate([PROMPTS[2]] * 2, GREEDY, kv_transfer_params=[None, params.kv_transfer_params])
+    assert [r.token_ids for r in again] == [collocated[2], collocated[2]]
+    assert again[1].num_cached_tokens == 0  # admitted before its neighbour's blocks were cached
+    fresh.engine.check_integrity()
     decode.engine.check_integrity()
     assert decode.engine.stats().num_blocks_free == decode.engine.stats().num_blocks_total
