@@ -81,12 +81,21 @@ class Engine(NamedTuple):
     process: subprocess.Popen
 
 
+def compute_dtype() -> str:
+    """bf16 where this CPU has native bf16 matmul, else float32 over the bf16 weights."""
+    import torch
+
+    from splitserve.engine.llm_engine import cpu_has_native_half_matmul
+
+    return "bfloat16" if cpu_has_native_half_matmul(torch.bfloat16) else "float32"
+
+
 def start_engine(model: Path, role: str, cores: set[int], transport: str = "shm", *extra: str) -> Engine:
     port = free_port()
     command = [
         sys.executable, "-m", "splitserve.cli", "engine", str(model), "--role", role, "--port", str(port),
         "--kv-transport", transport, "--kv-cache-memory", "512MiB", "--max-model-len", "4096",
-        "--log-level", "warning", *extra,
+        "--log-level", "warning", "--dtype", compute_dtype(), *extra,
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": str(len(cores))}
     process = subprocess.Popen(command, env=env, preexec_fn=lambda: os.sched_setaffinity(0, cores))

@@ -84,11 +84,19 @@ def ensure_bench_model(directory: Path) -> Path:
 
 
 def run_splitserve(model: Path, workload: Workload, args: argparse.Namespace) -> Result:
+    import torch
+
     from splitserve.engine.llm import LLM
+    from splitserve.engine.llm_engine import cpu_has_native_half_matmul
     from splitserve.engine.sampling_params import SamplingParams
 
+    # The checkpoint is bf16; where this CPU only emulates bf16 matmul, splitserve is told
+    # to compute in float32 over the same weights (vLLM-CPU keeps bf16 with its own kernels).
+    dtype = "bfloat16" if cpu_has_native_half_matmul(torch.bfloat16) else "float32"
+    print(f"splitserve computes in {dtype}", flush=True)
     llm = LLM(
         str(model),
+        dtype=dtype,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         kv_cache_memory_bytes=args.kv_cache_memory_mib * 1024 * 1024,

@@ -51,19 +51,16 @@ def cpu_has_native_half_matmul(dtype: torch.dtype) -> bool:
 
 
 def choose_dtype(requested: str | None, config_dtype: str, device: torch.device) -> torch.dtype:
-    """The dtype asked for, else config.json's. One exception: a bf16/fp16 checkpoint on a
-    CPU without native bf16/fp16 matmul runs in float32 (those matmuls are emulated there,
-    ~5x slower than float32 ones); pass dtype explicitly to force the half type."""
-    if requested:
-        return resolve_dtype(requested)
-    dtype = resolve_dtype(config_dtype)
+    """The dtype asked for, else the one config.json names. On a CPU without native
+    bf16/fp16 matmul those matmuls are emulated (~5x slower than float32 here): say so,
+    and let the operator choose `dtype="float32"`, rather than silently change precision."""
+    dtype = resolve_dtype(requested or config_dtype)
     if device.type == "cpu" and dtype != torch.float32 and not cpu_has_native_half_matmul(dtype):
         logger.warning(
-            "%s matmuls are emulated on this CPU; running in float32 (set dtype to force %s)",
-            config_dtype,
-            config_dtype,
+            "%s matmuls are emulated on this CPU and run several times slower than float32; "
+            "pass dtype float32 (--dtype float32) for speed",
+            dtype,
         )
-        return torch.float32
     return dtype
 
 

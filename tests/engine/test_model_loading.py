@@ -12,7 +12,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from splitserve.engine.llm import LLM
-from splitserve.engine.llm_engine import cpu_has_native_half_matmul
 from splitserve.engine.sampling_params import SamplingParams
 from tests.engine.helpers import make_prompts, oracle_greedy
 
@@ -75,9 +74,9 @@ def test_half_precision_checkpoints(tiny_model_factory):
     model_dir = tiny_model_factory(dtype="bfloat16")
     prompts = make_prompts(2048, seed=8)[:3]
     default = LLM(model_dir, num_blocks=32)
-    expected_dtype = "bfloat16" if cpu_has_native_half_matmul(torch.bfloat16) else "float32"
-    assert default.engine.model_config.dtype == expected_dtype
-    assert default.engine.kv_cache.dtype == getattr(torch, expected_dtype)
+    # config.json's dtype unless told otherwise
+    assert default.engine.model_config.dtype == "bfloat16"
+    assert default.engine.kv_cache.dtype == torch.bfloat16
     # float32 over bf16 weights is exact: it equals transformers loading them as float32
     as_fp32 = LLM(model_dir, num_blocks=32, dtype="float32")
     assert [r.token_ids for r in as_fp32.generate(prompts, GREEDY)] == oracle_greedy(model_dir, prompts, 10)
