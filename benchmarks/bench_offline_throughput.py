@@ -195,7 +195,7 @@ _VLLM_SCRIPT = textwrap.dedent(
         from vllm import LLM, SamplingParams
 
         spec = json.load(open(sys.argv[1]))
-        llm = LLM(model=spec["model"], dtype="bfloat16", enforce_eager=True,
+        llm = LLM(model=spec["model"], dtype=spec["dtype"], enforce_eager=True,
                   max_model_len=spec["max_model_len"], seed=0)
         params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n, detokenize=False)
                   for n in spec["output_lens"]]
@@ -211,7 +211,7 @@ _VLLM_SCRIPT = textwrap.dedent(
 )
 
 
-def run_vllm(model: Path, workload: Workload, python: str) -> Result:
+def run_vllm(model: Path, workload: Workload, python: str, dtype: str) -> Result:
     with tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp:
         script, spec, out = Path(tmp, "run_vllm.py"), Path(tmp, "spec.json"), Path(tmp, "out.json")
         script.write_text(_VLLM_SCRIPT)
@@ -219,6 +219,7 @@ def run_vllm(model: Path, workload: Workload, python: str) -> Result:
             json.dumps(
                 {
                     "model": str(model),
+                    "dtype": dtype,
                     "max_model_len": workload.max_model_len,
                     "prompts": workload.prompts,
                     "output_lens": workload.output_lens,
@@ -236,7 +237,7 @@ def run_vllm(model: Path, workload: Workload, python: str) -> Result:
             )
         data = json.loads(out.read_text())
     outputs = data["outputs"]
-    return Result("vLLM-CPU 0.32", data["elapsed_s"], sum(len(o) for o in outputs), outputs)
+    return Result(f"vLLM-CPU 0.32 ({dtype})", data["elapsed_s"], sum(len(o) for o in outputs), outputs)
 
 
 # -- report ------------------------------------------------------------------------------
@@ -273,6 +274,10 @@ def main() -> int:
     parser.add_argument("--skip-vllm", action="store_true")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--vllm-python", default=VLLM_PYTHON)
+    parser.add_argument(
+        "--vllm-dtype", action="append", choices=["bfloat16", "float32"],
+        help="dtype(s) vLLM runs in (repeatable; default bfloat16, as PEERS.md)",
+    )  # fmt: skip
     parser.add_argument("--profile-decode", action="store_true", help="profile one splitserve decode step")
     args = parser.parse_args()
 
@@ -292,14 +297,15 @@ def main() -> int:
         results.append(run_transformers(model, workload, args.hf_batch_size))
         report(results[-1])
     if not args.skip_vllm:
-        results.append(run_vllm(model, workload, args.vllm_python))
-        report(results[-1])
+        for dtype in args.vllm_dtype or ["bfloat16"]:
+            results.append(run_vllm(model, workload, args.vllm_python, dtype))
+            report(results[-1])
     ours = results[0]
 
     assert all(len(o) == n for o, n in zip(ours.outputs, workload.output_lens, strict=True)), "wrong lengths"
     for peer in results[1:]:
         agree = leading_agreement(ours.outputs, peer.outputs)
-        print(f"greedy agreement with {peer.name}: {agree:.1f} leading tokens per sequence on average (bf16)")
+        print(f"greedy agreement with {peer.name}: {agree:.1f} leading tokens per sequence on average")
     print()
     for peer in results[1:]:
         print(f"ratio splitserve / {peer.name}: {ours.tokens_per_s / peer.tokens_per_s:.2f}x")

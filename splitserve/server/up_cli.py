@@ -54,6 +54,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory", default=None, help="KV budget per engine, e.g. 512MiB")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument(
+        "--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+        help="engines' compute dtype (default: the one config.json names)",
+    )  # fmt: skip
     parser.add_argument("--kv-timeout", type=float, default=None)
     parser.add_argument("--kv-reservation-ttl", type=float, default=None)
     parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for every part")
@@ -76,6 +80,7 @@ def _engine_args(args: argparse.Namespace) -> list[str]:
         ("--kv-cache-memory", args.kv_cache_memory),
         ("--max-model-len", args.max_model_len),
         ("--max-num-batched-tokens", args.max_num_batched_tokens),
+        ("--dtype", args.dtype),
         ("--kv-timeout", args.kv_timeout),
         ("--kv-reservation-ttl", args.kv_reservation_ttl),
     ):
