@@ -85,8 +85,12 @@ def up_log(port: int) -> str:
     return (Path(os.environ.get("TMPDIR", "/tmp")) / f"splitserve-test-{port}.log").read_text()
 
 
-def started_parts(port: int) -> dict[str, int]:
-    """The parts `up` printed, by name: their pids."""
+def started_parts(port: int, timeout_s: float = 30) -> dict[str, int]:
+    """The parts `up` printed, by name: their pids. The proxy answers /health a moment
+    before `up` has seen every part healthy and printed the table, so wait for it."""
+    deadline = time.monotonic() + timeout_s
+    while "OpenAI API:" not in up_log(port) and time.monotonic() < deadline:
+        time.sleep(0.1)
     found = re.findall(r"^\s+(\S+)\s+http://\S+\s+\(pid (\d+)\)", up_log(port), re.M)
     pids = {name: int(pid) for name, pid in found}
     assert set(pids) == {"render", "prefill-0", "decode-0", "proxy"}
