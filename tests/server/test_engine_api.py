@@ -4,38 +4,29 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from splitserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.server.engine_app import create_engine_app
-from tests.conftest import free_port, running_server
-
-VOCAB = 2048  # the default tiny model's
-BLOCK_SIZE = 16
-NUM_BLOCKS = 64  # 1,024 tokens of KV: a 1,100-token prompt can never fit
-MAX_MODEL_LEN = 1536
-GENERATE = "/inference/v1/generate"
-ABORT = "/inference/v1/abort_requests"
-
-
-def prompt(seed: int, length: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, VOCAB) for _ in range(length)]
-
-
-def engine_config(model: str) -> EngineConfig:
-    return EngineConfig(
-        model=ModelConfig(model=model),
-        cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS),
-        scheduler=SchedulerConfig(max_num_batched_tokens=128, max_model_len=MAX_MODEL_LEN),
-    )
+from tests.server.engine_api_helpers import (
+    ABORT,
+    GENERATE,
+    MAX_MODEL_LEN,
+    NUM_BLOCKS,
+    VOCAB,
+    asgi_client,
+    assert_openai_error,
+    engine_config,
+    joined_tokens,
+    metric_samples,
+    prompt,
+    run,
+    sse_chunks,
+)
 
 
 @pytest.fixture(scope="module")
@@ -46,40 +37,6 @@ def engine(tiny_model: str) -> Iterator[AsyncEngine]:
         yield engine
     finally:
         engine.shutdown()
-
-
-def run(coro):
-    return asyncio.run(coro)
-
-
-def asgi_client(app) -> httpx.AsyncClient:
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://engine", timeout=60)
-
-
-def sse_chunks(text: str) -> list[dict | str]:
-    """The events of an SSE body: dicts, and the closing "[DONE]"."""
-    events: list[dict | str] = []
-    for block in text.split("\n\n"):
-        if not block.strip():
-            continue
-        assert block.startswith("data: "), block
-        payload = block[len("data: ") :]
-        events.append(payload if payload == "[DONE]" else json.loads(payload))
-    return events
-
-
-def joined_tokens(events: list[dict | str]) -> list[int]:
-    return [t for e in events if isinstance(e, dict) for c in e["choices"] for t in c["token_ids"]]
-
-
-def assert_openai_error(response: httpx.Response, status: int, param: str | None = None) -> dict:
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert error["message"]
-    if param is not None:
-        assert error["param"] == param, error
-    return error
 
 
 SAMPLINGS = [
@@ -187,115 +144,6 @@ def test_logprobs_stop_tokens_and_request_id(engine: AsyncEngine) -> None:
     assert stopped["choices"][0]["stop_reason"] == stop_at
 
 
-LONG_BUDGET = [1] * 1100  # fits max_model_len (1536), never fits 64 blocks of 16
-BAD_GENERATE_BODIES = [
-    pytest.param(b"{not json", 400, None, id="malformed-json"),
-    pytest.param(b"\xff\xfe", 400, None, id="not-utf8"),
-    pytest.param([1, 2, 3], 400, None, id="body-not-object"),
-    pytest.param("a string", 400, None, id="body-string"),
-    pytest.param({}, 400, "token_ids", id="missing-token-ids"),
-    pytest.param({"token_ids": []}, 400, "token_ids", id="empty-prompt"),
-    pytest.param({"token_ids": "1 2 3"}, 400, "token_ids", id="token-ids-string"),
-    pytest.param({"token_ids": [1, -5, 2]}, 400, "token_ids", id="negative-token"),
-    pytest.param({"token_ids": [1, VOCAB]}, 400, "token_ids", id="out-of-vocab"),
-    pytest.param({"token_ids": [1, 2.5]}, 400, "token_ids", id="float-token"),
-    pytest.param({"token_ids": [1, True]}, 400, "token_ids", id="bool-token"),
-    pytest.param({"token_ids": [1] * (MAX_MODEL_LEN + 1)}, 413, None, id="longer-than-model"),
-    pytest.param({"token_ids": LONG_BUDGET}, 413, None, id="longer-than-kv-budget"),
-    pytest.param({"token_ids": [1], "prompt": "hi"}, 400, "prompt", id="unknown-field"),
-    pytest.param(
-        {"token_ids": [1], "sampling_params": [0.5]}, 400, "sampling_params", id="sampling-not-object"
-    ),
-    pytest.param(
-        {"token_ids": [1], "sampling_params": {"temprature": 0.5}},
-        400,
-        "sampling_params.temprature",
-        id="unknown-sampling-field",
-    ),
-    pytest.param(
-        {"token_ids": [1], "sampling_params": {"temperature": -1}},
-        400,
-        "sampling_params.temperature",
-        id="negative-temperature",
-    ),
-    pytest.param(
-        {"token_ids": [1], "sampling_params": {"top_p": 0}}, 400, "sampling_params.top_p", id="zero-top-p"
-    ),
-    pytest.param(
-        {"token_ids": [1], "sampling_params": {"top_k": -3}}, 400, "sampling_params.top_k", id="bad-top-k"
-    ),
-    pytest.param(
-        {"token_ids": [1], "sampling_params": {"max_tokens": 0}},
-        400,
-        "sampling_params.max_tokens",
-        id="zero-max-tokens",
-    ),
-    pytest.param(
-        {"token_ids": [1], "sampling_params": {"max_tokens": "10"}},
-        400,
-        "sampling_params.max_tokens",
-        id="string-max-tokens",
-    ),
-    pytest.param(
-        {"token_ids": [1], "sampling_params": {"logprobs": 99}},
-        400,
-        "sampling_params.logprobs",
-        id="too-many-logprobs",
-    ),
-    pytest.param(
-        {"token_ids": [1], "sampling_params": {"seed": "x"}}, 400, "sampling_params.seed", id="string-seed"
-    ),
-    pytest.param(
-        {"token_ids": [1], "sampling_params": {"stop_token_ids": [-1]}},
-        400,
-        "sampling_params.stop_token_ids",
-        id="negative-stop-token",
-    ),
-    pytest.param({"token_ids": [1], "sampling_params": {"n": 2}}, 400, "sampling_params.n", id="vllm-n-2"),
-    pytest.param(
-        {"token_ids": [1], "sampling_params": {"stop": ["x"]}},
-        400,
-        "sampling_params.stop",
-        id="vllm-stop-strings",
-    ),
-    pytest.param({"token_ids": [1], "output_mode": "text"}, 400, "output_mode", id="vllm-text-mode"),
-    pytest.param({"token_ids": [1], "stream": "yes"}, 400, "stream", id="stream-not-bool"),
-    pytest.param(
-        {"token_ids": [1], "stream_options": {"usage": True}}, 400, None, id="unknown-stream-option"
-    ),
-    pytest.param({"token_ids": [1], "cache_salt": ""}, 400, "cache_salt", id="empty-cache-salt"),
-    pytest.param({"token_ids": [1], "request_id": 5}, 400, "request_id", id="request-id-not-string"),
-    pytest.param(
-        {"token_ids": [1], "kv_transfer_params": [1]}, 400, "kv_transfer_params", id="kv-params-list"
-    ),
-    pytest.param({"token_ids": [1], "features": {"mm_hashes": {}}}, 400, "features", id="features"),
-]
-
-
-@pytest.mark.parametrize(("body", "status", "param"), BAD_GENERATE_BODIES)
-@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
-def test_bad_generate_requests(
-    engine: AsyncEngine, body, status: int, param: str | None, stream: bool
-) -> None:
-    app = create_engine_app(engine, max_model_len=MAX_MODEL_LEN)
-    if stream and isinstance(body, dict):
-        body = {**body, "stream": body.get("stream", True)}
-    content = body if isinstance(body, bytes) else json.dumps(body).encode()
-
-    async def go() -> tuple[httpx.Response, httpx.Response]:
-        async with asgi_client(app) as client:
-            bad = await client.post(GENERATE, content=content, headers={"content-type": "application/json"})
-            good = await client.post(
-                GENERATE, json={"token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 2}}
-            )
-            return bad, good
-
-    bad, good = run(go())
-    assert_openai_error(bad, status, param)
-    assert good.status_code == 200 and len(good.json()["choices"][0]["token_ids"]) <= 2
-    assert engine.stats().num_running == 0
-
-
 # What `vllm launch render` (0.32) answered for a chat request, verbatim but for the IDs.
 VLLM_RENDERED_CHAT = json.loads(
     '{"request_id":"chatcmpl-ba1a291f1c2aa8fd","token_ids":[1,503,201,1069,560,2,201,1,476,201],'
@@ -394,14 +242,6 @@ def test_health_and_unknown_routes(engine: AsyncEngine) -> None:
     assert_openai_error(wrong_method, 405)
 
 
-def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return samples
-
-
 def test_metrics_count_requests_and_tokens(engine: AsyncEngine) -> None:
     app = create_engine_app(engine, max_model_len=MAX_MODEL_LEN)  # a fresh registry: counts start at 0
     shared = prompt(21, 64)
@@ -417,7 +257,7 @@ def test_metrics_count_requests_and_tokens(engine: AsyncEngine) -> None:
             return results, (await client.get("/metrics")).text
 
     results, text = run(go())
-    s = _samples(text)
+    s = metric_samples(text)
     assert s[("splitserve_request_success_total", (("finish_reason", "length"),))] == 3
     assert s[("splitserve_request_rejected_total", (("status", "400"),))] == 1
     assert s[("splitserve_generation_tokens_total", ())] == 6 + 5 + 7
@@ -434,107 +274,3 @@ def test_metrics_count_requests_and_tokens(engine: AsyncEngine) -> None:
     assert results[1]["usage"]["cached_tokens"] == 64
     assert s[("splitserve_prefix_cache_hits_total", ())] >= 64
     assert 0 < s[("splitserve_prefix_cache_hit_rate", ())] <= 1
-
-
-# -- against a real `splitserve engine` process ------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model: str) -> Iterator[str]:
-    port = free_port()
-    args = [
-        "engine",
-        tiny_model,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--block-size",
-        str(BLOCK_SIZE),
-        "--num-blocks",
-        str(NUM_BLOCKS),
-        "--max-model-len",
-        str(MAX_MODEL_LEN),
-        "--max-num-batched-tokens",
-        "128",
-        "--log-level",
-        "warning",
-    ]
-    with running_server(args, port) as base:
-        yield base
-
-
-ABORTED = ("splitserve_request_success_total", (("finish_reason", "abort"),))
-
-
-def _wait_idle(client: httpx.Client, timeout: float = 30.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = client.get("/inference/v1/stats").json()
-        if stats["num_running"] == 0 and stats["num_waiting"] == 0 and stats["kv_usage"] == 0:
-            return stats
-        assert time.monotonic() < deadline, stats
-        time.sleep(0.05)
-
-
-def test_server_keeps_streaming_while_bad_requests_are_rejected(server: str) -> None:
-    long_body = {
-        "token_ids": prompt(31, 50),
-        "sampling_params": {"max_tokens": 600, "ignore_eos": True, "temperature": 0},
-    }
-    with (
-        httpx.Client(base_url=server, timeout=60) as client,
-        httpx.Client(base_url=server, timeout=60) as other,
-    ):
-        expected = client.post(GENERATE, json=long_body).json()["choices"][0]["token_ids"]
-        streamed: list[int] = []
-        rejected = concurrent = 0
-        with client.stream("POST", GENERATE, json={**long_body, "stream": True}) as response:
-            assert response.status_code == 200
-            for line in response.iter_lines():
-                if not line.startswith("data: "):
-                    continue
-                if line == "data: [DONE]":
-                    break
-                chunk = json.loads(line[len("data: ") :])
-                streamed += chunk["choices"][0]["token_ids"]
-                if rejected < len(BAD_GENERATE_BODIES) and len(streamed) % 8 == 0:
-                    body, status, _ = BAD_GENERATE_BODIES[rejected].values
-                    content = body if isinstance(body, bytes) else json.dumps(body).encode()
-                    bad = other.post(GENERATE, content=content, headers={"content-type": "application/json"})
-                    assert_openai_error(bad, status)
-                    rejected += 1
-                    concurrent += other.get("/inference/v1/stats").json()["num_running"]
-        assert rejected == len(BAD_GENERATE_BODIES)
-        assert streamed == expected
-        assert len(streamed) == 600
-        assert concurrent > 0  # the long request was running while bad ones were rejected
-        _wait_idle(client)
-
-
-def test_server_client_disconnect_frees_blocks(server: str) -> None:
-    body = {"token_ids": prompt(41, 40), "sampling_params": {"max_tokens": 900, "ignore_eos": True}}
-    with httpx.Client(base_url=server, timeout=60) as client:
-        total = client.get("/inference/v1/stats").json()["num_blocks_total"]
-        aborted_before = _samples(client.get("/metrics").text).get(ABORTED, 0)
-        with httpx.Client(base_url=server, timeout=60) as streamer:
-            with streamer.stream("POST", GENERATE, json={**body, "stream": True}) as response:
-                events = 0
-                for line in response.iter_lines():
-                    if line.startswith("data: "):
-                        events += 1
-                    if events == 3:
-                        break
-            assert client.get("/inference/v1/stats").json()["num_running"] <= 1
-        stats = _wait_idle(client)
-        assert stats["num_blocks_free"] == total
-
-        # a non-streaming client that gives up is aborted too
-        with pytest.raises(httpx.ReadTimeout), httpx.Client(base_url=server, timeout=0.3) as impatient:
-            impatient.post(GENERATE, json=body)
-        stats = _wait_idle(client)
-        assert stats["num_blocks_free"] == total
-
-        metrics = _samples(client.get("/metrics").text)
-        assert metrics[ABORTED] == aborted_before + 2  # neither request ran to its end
-        assert metrics[("splitserve_num_requests_running", ())] == 0
