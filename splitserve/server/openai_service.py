@@ -11,9 +11,9 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, NamedTuple
 
-from splitserve.frontend.choice_decoder import ChoiceDecoder, DecodeOptions
+from splitserve.frontend.choice_decoder import ChoiceDecoder, ChoiceDelta, DecodeOptions
 from splitserve.frontend.derender import (
     MessageAssembler,
     chunk_choice,
@@ -37,6 +37,12 @@ def _sse(data: dict[str, Any]) -> str:
 def _choice_logprobs(choice: dict[str, Any]) -> list[dict] | None:
     logprobs = choice.get("logprobs")
     return None if logprobs is None else list(logprobs.get("content") or [])
+
+
+class CollectedChoice(NamedTuple):
+    deltas: list[ChoiceDelta]  # every decoded delta, the decoder's final flush last
+    token_ids: list[int]  # output tokens up to a matched stop string
+    engine_finish_reason: str | None
 
 
 class OpenAIService:
@@ -65,6 +71,33 @@ class OpenAIService:
         await streams.start()
         return streams
 
+    async def _collect(
+        self, decoders: list[ChoiceDecoder], bodies: list[dict[str, Any]]
+    ) -> list[CollectedChoice]:
+        """Run the engine requests to the end (non-streaming), feeding each choice's
+        decoder; a choice whose stop string matched is aborted at the engine early."""
+        deltas: list[list[ChoiceDelta]] = [[] for _ in decoders]
+        token_ids: list[list[int]] = [[] for _ in decoders]
+        reasons: list[str | None] = [None] * len(decoders)
+        streams = await self._start(bodies)
+        try:
+            async for index, chunk in streams:
+                for raw in chunk.get("choices") or []:
+                    decoder = decoders[index]
+                    ids = raw.get("token_ids") or []
+                    delta = decoder.feed(ids, _choice_logprobs(raw))
+                    deltas[index].append(delta)
+                    token_ids[index] += ids[: delta.num_tokens]
+                    if decoder.stopped or raw.get("finish_reason") is not None:
+                        reasons[index] = raw.get("finish_reason")
+                        if decoder.stopped:
+                            streams.stop(index)
+        finally:
+            await streams.close()
+        for i, decoder in enumerate(decoders):
+            deltas[i].append(decoder.finish())
+        return [CollectedChoice(*fields) for fields in zip(deltas, token_ids, reasons, strict=True)]
+
     # --- chat ---
 
     def _render_chat(self, request: ChatCompletionRequest) -> tuple[dict[str, Any], bool]:
@@ -81,29 +114,15 @@ class OpenAIService:
         decoders = [
             self._decoder(options, in_reasoning, f"{generate['request_id']}:{i}") for i in range(request.n)
         ]
-        assemblers = [MessageAssembler() for _ in range(request.n)]
-        token_ids: list[list[int]] = [[] for _ in range(request.n)]
-        reasons: list[str | None] = [None] * request.n
-        streams = await self._start(self._fan_out(generate, request.n, request.seed))
-        try:
-            async for index, chunk in streams:
-                for raw in chunk.get("choices") or []:
-                    decoder = decoders[index]
-                    delta = decoder.feed(raw.get("token_ids") or [], _choice_logprobs(raw))
-                    token_ids[index] += (raw.get("token_ids") or [])[: delta.num_tokens]
-                    assemblers[index].add(delta)
-                    if decoder.stopped or raw.get("finish_reason") is not None:
-                        reasons[index] = raw.get("finish_reason")
-                        if decoder.stopped:
-                            streams.stop(index)
-        finally:
-            await streams.close()
+        collected = await self._collect(decoders, self._fan_out(generate, request.n, request.seed))
         choices = []
-        for i, decoder in enumerate(decoders):
-            assemblers[i].add(decoder.finish())
-            reason = final_finish_reason(reasons[i], decoder)
+        for i, (decoder, result) in enumerate(zip(decoders, collected, strict=True)):
+            assembler = MessageAssembler()
+            for delta in result.deltas:
+                assembler.add(delta)
+            reason = final_finish_reason(result.engine_finish_reason, decoder)
             choices.append(
-                assemblers[i].choice(i, reason, token_ids[i] if request.return_token_ids else None)
+                assembler.choice(i, reason, result.token_ids if request.return_token_ids else None)
             )
         response: dict[str, Any] = {
             "id": generate["request_id"],
@@ -227,36 +246,18 @@ class OpenAIService:
         bodies = self._completion_bodies(request, generates)
         options = self._completion_options(request)
         decoders = [self._decoder(options, False, body["request_id"]) for body in bodies]
-        texts: list[list[str]] = [[] for _ in bodies]
-        logprobs: list[list[dict]] = [[] for _ in bodies]
-        token_ids: list[list[int]] = [[] for _ in bodies]
-        reasons: list[str | None] = [None] * len(bodies)
-        streams = await self._start(bodies)
-        try:
-            async for index, chunk in streams:
-                for raw in chunk.get("choices") or []:
-                    decoder = decoders[index]
-                    delta = decoder.feed(raw.get("token_ids") or [], _choice_logprobs(raw))
-                    texts[index].append(delta.content)
-                    logprobs[index] += delta.logprobs or []
-                    token_ids[index] += (raw.get("token_ids") or [])[: delta.num_tokens]
-                    if decoder.stopped or raw.get("finish_reason") is not None:
-                        reasons[index] = raw.get("finish_reason")
-                        if decoder.stopped:
-                            streams.stop(index)
-        finally:
-            await streams.close()
+        collected = await self._collect(decoders, bodies)
         choices = []
-        for i, decoder in enumerate(decoders):
-            texts[i].append(decoder.finish().content)
+        for i, (decoder, result) in enumerate(zip(decoders, collected, strict=True)):
+            logprobs = [entry for delta in result.deltas for entry in delta.logprobs or []]
             choice: dict[str, Any] = {
                 "index": i,
-                "text": "".join(texts[i]),
-                "logprobs": _completion_logprobs(logprobs[i]) if options.logprobs else None,
-                "finish_reason": final_finish_reason(reasons[i], decoder),
+                "text": "".join(delta.content for delta in result.deltas),
+                "logprobs": _completion_logprobs(logprobs) if options.logprobs else None,
+                "finish_reason": final_finish_reason(result.engine_finish_reason, decoder),
             }
             if request.return_token_ids:
-                choice["token_ids"] = token_ids[i]
+                choice["token_ids"] = result.token_ids
                 choice["prompt_token_ids"] = generates[i // request.n]["token_ids"]
             choices.append(choice)
         prompt_tokens = sum(len(g["token_ids"]) for g in generates) * request.n
