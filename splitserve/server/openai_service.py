@@ -39,10 +39,38 @@ def _choice_logprobs(choice: dict[str, Any]) -> list[dict] | None:
     return None if logprobs is None else list(logprobs.get("content") or [])
 
 
+class DecodedPiece(NamedTuple):
+    index: int  # the choice
+    token_ids: list[int]  # the engine tokens decoded into this piece (cut at a matched stop string)
+    delta: ChoiceDelta
+    finish_reason: str | None  # set on a choice's last piece, which also carries the decoder's flush
+
+
 class CollectedChoice(NamedTuple):
-    deltas: list[ChoiceDelta]  # every decoded delta, the decoder's final flush last
-    token_ids: list[int]  # output tokens up to a matched stop string
-    engine_finish_reason: str | None
+    deltas: list[ChoiceDelta]
+    token_ids: list[int]
+    finish_reason: str
+
+
+async def _decoded(decoders: list[ChoiceDecoder], streams: MergedStreams) -> AsyncIterator[DecodedPiece]:
+    """Feed each engine chunk once to its choice's decoder. A choice ends on the engine's
+    finish reason or on a matched stop string, which aborts that engine request early."""
+    done = [False] * len(decoders)
+    async for index, chunk in streams:
+        for raw in chunk.get("choices") or []:
+            if done[index]:
+                continue
+            decoder = decoders[index]
+            ids = raw.get("token_ids") or []
+            delta = decoder.feed(ids, _choice_logprobs(raw))
+            reason = None
+            if decoder.stopped or raw.get("finish_reason") is not None:
+                delta = merge_deltas(delta, decoder.finish())
+                reason = final_finish_reason(raw.get("finish_reason"), decoder)
+                done[index] = True
+                if decoder.stopped:
+                    streams.stop(index)
+            yield DecodedPiece(index, ids[: delta.num_tokens], delta, reason)
 
 
 class OpenAIService:
@@ -74,28 +102,22 @@ class OpenAIService:
     async def _collect(
         self, decoders: list[ChoiceDecoder], bodies: list[dict[str, Any]]
     ) -> list[CollectedChoice]:
-        """Run the engine requests to the end (non-streaming), feeding each choice's
-        decoder; a choice whose stop string matched is aborted at the engine early."""
+        """Run the engine requests to the end (non-streaming) through their decoders."""
         deltas: list[list[ChoiceDelta]] = [[] for _ in decoders]
         token_ids: list[list[int]] = [[] for _ in decoders]
         reasons: list[str | None] = [None] * len(decoders)
         streams = await self._start(bodies)
         try:
-            async for index, chunk in streams:
-                for raw in chunk.get("choices") or []:
-                    decoder = decoders[index]
-                    ids = raw.get("token_ids") or []
-                    delta = decoder.feed(ids, _choice_logprobs(raw))
-                    deltas[index].append(delta)
-                    token_ids[index] += ids[: delta.num_tokens]
-                    if decoder.stopped or raw.get("finish_reason") is not None:
-                        reasons[index] = raw.get("finish_reason")
-                        if decoder.stopped:
-                            streams.stop(index)
+            async for piece in _decoded(decoders, streams):
+                deltas[piece.index].append(piece.delta)
+                token_ids[piece.index] += piece.token_ids
+                reasons[piece.index] = piece.finish_reason
         finally:
             await streams.close()
         for i, decoder in enumerate(decoders):
-            deltas[i].append(decoder.finish())
+            if reasons[i] is None:  # the engine stream ended without a finish reason
+                deltas[i].append(decoder.finish())
+                reasons[i] = final_finish_reason(None, decoder)
         return [CollectedChoice(*fields) for fields in zip(deltas, token_ids, reasons, strict=True)]
 
     # --- chat ---
@@ -116,14 +138,12 @@ class OpenAIService:
         ]
         collected = await self._collect(decoders, self._fan_out(generate, request.n, request.seed))
         choices = []
-        for i, (decoder, result) in enumerate(zip(decoders, collected, strict=True)):
+        for i, result in enumerate(collected):
             assembler = MessageAssembler()
             for delta in result.deltas:
                 assembler.add(delta)
-            reason = final_finish_reason(result.engine_finish_reason, decoder)
-            choices.append(
-                assembler.choice(i, reason, result.token_ids if request.return_token_ids else None)
-            )
+            token_ids = result.token_ids if request.return_token_ids else None
+            choices.append(assembler.choice(i, result.finish_reason, token_ids))
         response: dict[str, Any] = {
             "id": generate["request_id"],
             "object": "chat.completion",
@@ -154,7 +174,6 @@ class OpenAIService:
         n = request.n
         decoders = [self._decoder(options, in_reasoning, f"{generate['request_id']}:{i}") for i in range(n)]
         role_sent = [False] * n
-        done = [False] * n
         include_usage = request.include_usage()
         base = {
             "id": generate["request_id"],
@@ -164,42 +183,29 @@ class OpenAIService:
         }
         first_chunk = True
         try:
-            async for index, chunk in streams:
-                for raw in chunk.get("choices") or []:
-                    if done[index]:
-                        continue
-                    decoder = decoders[index]
-                    ids = raw.get("token_ids") or []
-                    delta = decoder.feed(ids, _choice_logprobs(raw))
-                    reason = None
-                    if decoder.stopped or raw.get("finish_reason") is not None:
-                        delta = merge_deltas(delta, decoder.finish())
-                        reason = final_finish_reason(raw.get("finish_reason"), decoder)
-                        done[index] = True
-                        if decoder.stopped:
-                            streams.stop(index)
-                    empty = not (delta.reasoning or delta.content or delta.tool_calls or delta.logprobs)
-                    if empty and role_sent[index] and reason is None:
-                        continue
-                    event: dict[str, Any] = {
-                        **base,
-                        "choices": [
-                            chunk_choice(
-                                index,
-                                delta,
-                                role=not role_sent[index],
-                                finish_reason=reason,
-                                token_ids=ids[: delta.num_tokens] if request.return_token_ids else None,
-                            )
-                        ],
-                    }
-                    role_sent[index] = True
-                    if first_chunk and request.return_token_ids:
-                        event["prompt_token_ids"] = generate["token_ids"]
-                    first_chunk = False
-                    if include_usage:
-                        event["usage"] = None
-                    yield _sse(event)
+            async for index, token_ids, delta, reason in _decoded(decoders, streams):
+                empty = not (delta.reasoning or delta.content or delta.tool_calls or delta.logprobs)
+                if empty and role_sent[index] and reason is None:
+                    continue
+                event: dict[str, Any] = {
+                    **base,
+                    "choices": [
+                        chunk_choice(
+                            index,
+                            delta,
+                            role=not role_sent[index],
+                            finish_reason=reason,
+                            token_ids=token_ids if request.return_token_ids else None,
+                        )
+                    ],
+                }
+                role_sent[index] = True
+                if first_chunk and request.return_token_ids:
+                    event["prompt_token_ids"] = generate["token_ids"]
+                first_chunk = False
+                if include_usage:
+                    event["usage"] = None
+                yield _sse(event)
             if include_usage:
                 usage = usage_dict(len(generate["token_ids"]), sum(d.num_tokens for d in decoders))
                 yield _sse({**base, "choices": [], "usage": usage})
@@ -248,13 +254,13 @@ class OpenAIService:
         decoders = [self._decoder(options, False, body["request_id"]) for body in bodies]
         collected = await self._collect(decoders, bodies)
         choices = []
-        for i, (decoder, result) in enumerate(zip(decoders, collected, strict=True)):
+        for i, result in enumerate(collected):
             logprobs = [entry for delta in result.deltas for entry in delta.logprobs or []]
             choice: dict[str, Any] = {
                 "index": i,
                 "text": "".join(delta.content for delta in result.deltas),
                 "logprobs": _completion_logprobs(logprobs) if options.logprobs else None,
-                "finish_reason": final_finish_reason(result.engine_finish_reason, decoder),
+                "finish_reason": result.finish_reason,
             }
             if request.return_token_ids:
                 choice["token_ids"] = result.token_ids
@@ -285,7 +291,6 @@ class OpenAIService:
     ) -> AsyncIterator[str]:
         options = self._completion_options(request)
         decoders = [self._decoder(options, False, body["request_id"]) for body in bodies]
-        done = [False] * len(bodies)
         base = {
             "id": generates[0]["request_id"],
             "object": "text_completion",
@@ -293,34 +298,21 @@ class OpenAIService:
             "model": self.model_name,
         }
         try:
-            async for index, chunk in streams:
-                for raw in chunk.get("choices") or []:
-                    if done[index]:
-                        continue
-                    decoder = decoders[index]
-                    ids = raw.get("token_ids") or []
-                    delta = decoder.feed(ids, _choice_logprobs(raw))
-                    text, reason = delta.content, None
-                    if decoder.stopped or raw.get("finish_reason") is not None:
-                        text += decoder.finish().content
-                        reason = final_finish_reason(raw.get("finish_reason"), decoder)
-                        done[index] = True
-                        if decoder.stopped:
-                            streams.stop(index)
-                    if not text and reason is None:
-                        continue
-                    choice: dict[str, Any] = {
-                        "index": index,
-                        "text": text,
-                        "finish_reason": reason,
-                        "logprobs": _completion_logprobs(delta.logprobs or []) if options.logprobs else None,
-                    }
-                    if request.return_token_ids:
-                        choice["token_ids"] = ids[: delta.num_tokens]
-                    event = {**base, "choices": [choice]}
-                    if request.include_usage():
-                        event["usage"] = None
-                    yield _sse(event)
+            async for index, token_ids, delta, reason in _decoded(decoders, streams):
+                if not delta.content and reason is None:
+                    continue
+                choice: dict[str, Any] = {
+                    "index": index,
+                    "text": delta.content,
+                    "finish_reason": reason,
+                    "logprobs": _completion_logprobs(delta.logprobs or []) if options.logprobs else None,
+                }
+                if request.return_token_ids:
+                    choice["token_ids"] = token_ids
+                event = {**base, "choices": [choice]}
+                if request.include_usage():
+                    event["usage"] = None
+                yield _sse(event)
             if request.include_usage():
                 prompt_tokens = sum(len(g["token_ids"]) for g in generates) * request.n
                 usage = usage_dict(prompt_tokens, sum(d.num_tokens for d in decoders))
