@@ -41,28 +41,14 @@ from pathlib import Path
 from typing import NamedTuple
 
 import httpx
+from bench_model import DEFAULT_MODEL_DIR, compute_dtype, ensure_bench_model
 
 from splitserve.router.pd_policy import PDPolicy
 from splitserve.router.workers import WorkerPool
 from splitserve.server.http_engine_client import HTTPEngineClient
 from splitserve.server.pd_client import PDEngineClient
 
-BENCH_MODEL_FLAGS = [
-    "--arch", "qwen3", "--layers", "8", "--hidden", "512", "--heads", "8", "--kv-heads", "4",
-    "--vocab", "32768", "--dtype", "bfloat16",
-]  # fmt: skip
-DEFAULT_MODEL_DIR = (
-    Path(os.environ.get("SPLITSERVE_HOME", Path.home() / ".cache" / "splitserve")) / "bench-qwen3-8l"
-)
 VOCAB = 32768
-
-
-def ensure_bench_model(directory: Path) -> Path:
-    if not (directory / "config.json").exists():
-        directory.parent.mkdir(parents=True, exist_ok=True)
-        command = [sys.executable, "-m", "splitserve.cli", "tiny-model", str(directory), *BENCH_MODEL_FLAGS]
-        subprocess.run(command, check=True)
-    return directory
 
 
 def free_port() -> int:
@@ -79,15 +65,6 @@ def prompt(seed: int, length: int) -> list[int]:
 class Engine(NamedTuple):
     url: str
     process: subprocess.Popen
-
-
-def compute_dtype() -> str:
-    """bf16 where this CPU has native bf16 matmul, else float32 over the bf16 weights."""
-    import torch
-
-    from splitserve.engine.llm_engine import cpu_has_native_half_matmul
-
-    return "bfloat16" if cpu_has_native_half_matmul(torch.bfloat16) else "float32"
 
 
 def start_engine(model: Path, role: str, cores: set[int], transport: str = "shm", *extra: str) -> Engine:

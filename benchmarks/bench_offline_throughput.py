@@ -29,13 +29,8 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-BENCH_MODEL_FLAGS = [
-    "--arch", "qwen3", "--layers", "8", "--hidden", "512", "--heads", "8", "--kv-heads", "4",
-    "--vocab", "32768", "--dtype", "bfloat16",
-]  # fmt: skip
-DEFAULT_MODEL_DIR = (
-    Path(os.environ.get("SPLITSERVE_HOME", Path.home() / ".cache" / "splitserve")) / "bench-qwen3-8l"
-)
+from bench_model import DEFAULT_MODEL_DIR, compute_dtype, ensure_bench_model
+
 VLLM_PYTHON = "/work/vllm-peer/bin/python"
 
 
@@ -70,29 +65,16 @@ def make_workload(num_seqs: int, min_len: int, max_len: int, vocab: int, seed: i
     return Workload(prompts, output_lens)
 
 
-def ensure_bench_model(directory: Path) -> Path:
-    if not (directory / "model.safetensors").is_file():
-        print(f"building the bench model in {directory} ...", flush=True)
-        subprocess.run(
-            [sys.executable, "-m", "splitserve.cli", "tiny-model", str(directory), *BENCH_MODEL_FLAGS],
-            check=True,
-        )
-    return directory
-
-
 # -- splitserve --------------------------------------------------------------------------
 
 
 def run_splitserve(model: Path, workload: Workload, args: argparse.Namespace) -> Result:
-    import torch
-
     from splitserve.engine.llm import LLM
-    from splitserve.engine.llm_engine import cpu_has_native_half_matmul
     from splitserve.engine.sampling_params import SamplingParams
 
     # The checkpoint is bf16; where this CPU only emulates bf16 matmul, splitserve is told
     # to compute in float32 over the same weights (vLLM-CPU keeps bf16 with its own kernels).
-    dtype = "bfloat16" if cpu_has_native_half_matmul(torch.bfloat16) else "float32"
+    dtype = compute_dtype()
     print(f"splitserve computes in {dtype}", flush=True)
     llm = LLM(
         str(model),
