@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -20,24 +19,12 @@ from tests.server.engine_api_helpers import (
     VOCAB,
     asgi_client,
     assert_openai_error,
-    engine_config,
     joined_tokens,
     metric_samples,
     prompt,
     run,
     sse_chunks,
 )
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model: str) -> Iterator[AsyncEngine]:
-    engine = AsyncEngine(engine_config(tiny_model))
-    engine.start()
-    try:
-        yield engine
-    finally:
-        engine.shutdown()
-
 
 SAMPLINGS = [
     pytest.param({"temperature": 0.0}, id="greedy"),

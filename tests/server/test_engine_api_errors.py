@@ -21,22 +21,10 @@ from tests.server.engine_api_helpers import (
     VOCAB,
     asgi_client,
     assert_openai_error,
-    engine_config,
     metric_samples,
     prompt,
     run,
 )
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model: str) -> Iterator[AsyncEngine]:
-    engine = AsyncEngine(engine_config(tiny_model))
-    engine.start()
-    try:
-        yield engine
-    finally:
-        engine.shutdown()
-
 
 LONG_BUDGET = [1] * 1100  # fits max_model_len (1536), never fits 64 blocks of 16
 BAD_GENERATE_BODIES = [
