@@ -18,8 +18,7 @@ from pathlib import Path
 from rich.console import Console
 
 from splitserve.bench.client import ENDPOINTS, ClientConfig
-from splitserve.bench.load import ARRIVALS, LoadSpec
-from splitserve.bench.metrics import SLO
+from splitserve.bench.load import LoadSpec
 from splitserve.bench.report import LiveProgress, print_compare, print_summary
 from splitserve.bench.runner import (
     BenchPlan,
@@ -29,14 +28,8 @@ from splitserve.bench.runner import (
     server_model,
     write_json,
 )
-from splitserve.bench.workload import (
-    LengthRange,
-    PromptFactory,
-    SyntheticSpec,
-    Tokenizer,
-    Workload,
-    load_dataset,
-)
+from splitserve.bench.workload import PromptFactory, SessionFactory, SyntheticSpec, Tokenizer, load_dataset
+from splitserve.goodput import ARRIVALS, SLO, Lengths
 
 DEFAULT_SLOS = ("ttft=2s,tpot=30ms", "ttft=2s,gap=100ms")
 DEFAULT_NUM_REQUESTS = 32
@@ -172,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _workload(
     args: argparse.Namespace, client: ClientConfig
-) -> tuple[ClientConfig, Tokenizer | None, Workload]:
+) -> tuple[ClientConfig, Tokenizer | None, SessionFactory]:
     """The model to ask for (from the server if not given), the tokenizer and the workload."""
     tokenizer = Tokenizer(args.tokenizer) if args.tokenizer else None
     if client.model == "":
@@ -183,16 +176,16 @@ def _workload(
     if tokenizer is None:
         tokenizer = local_tokenizer(model_info)
     prompts = PromptFactory(tokenizer, args.seed)
-    output_len = LengthRange.parse(args.output_len)
+    output_len = Lengths.parse(args.output_len)
     dataset = load_dataset(args.dataset, prompts, output_len, args.seed) if args.dataset else None
     synthetic = SyntheticSpec(
-        input_len=LengthRange.parse(args.input_len),
+        input_len=Lengths.parse(args.input_len),
         output_len=output_len,
         prefix_len=args.prefix_len,
         num_prefix_groups=args.num_prefix_groups,
         turns=args.turns,
     )
-    return client, tokenizer, Workload(prompts, synthetic, args.seed, dataset)
+    return client, tokenizer, SessionFactory(prompts, synthetic, args.seed, dataset)
 
 
 def _fail(message: str) -> int:
@@ -214,8 +207,8 @@ def _parse(args: argparse.Namespace) -> tuple[ClientConfig, tuple[LoadSpec, ...]
         raise ValueError(
             "--dataset replays recorded chats: it cannot be combined with --turns or --prefix-len"
         )
-    LengthRange.parse(args.input_len)
-    LengthRange.parse(args.output_len)
+    Lengths.parse(args.input_len)
+    Lengths.parse(args.output_len)
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
         if path and not Path(path).resolve().parent.is_dir():
             raise ValueError(f"{flag} {path}: the directory does not exist")

@@ -15,15 +15,14 @@ import asyncio
 import math
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from splitserve.bench.client import StreamingClient
 from splitserve.bench.metrics import RequestRecord
-from splitserve.bench.workload import Session, Workload
-
-ARRIVALS = ("poisson", "gamma", "constant")
+from splitserve.bench.workload import Session, SessionFactory
+from splitserve.goodput import ARRIVALS, interarrival_times
 
 
 @dataclass(frozen=True)
@@ -57,20 +56,6 @@ class LoadSpec:
             raise ValueError("a duration with an unbounded rate needs a concurrency cap")
         if self.warmup < 0 or self.think_time < 0:
             raise ValueError("warm-up and think time cannot be negative")
-
-
-def interarrival_times(spec: LoadSpec, rng: random.Random) -> Iterator[float]:
-    """Seconds between consecutive session starts (mean 1 / rate)."""
-    while True:
-        if math.isinf(spec.rate):
-            yield 0.0
-        elif spec.arrival == "poisson":
-            yield rng.expovariate(spec.rate)
-        elif spec.arrival == "gamma":
-            # Shape k, scale 1 / (rate k): mean 1 / rate, coefficient of variation 1 / sqrt(k).
-            yield rng.gammavariate(spec.burstiness, 1.0 / (spec.rate * spec.burstiness))
-        else:
-            yield 1.0 / spec.rate
 
 
 class LoadResult(NamedTuple):
@@ -136,7 +121,7 @@ class _Run:
 
 async def run_load(
     spec: LoadSpec,
-    workload: Workload,
+    workload: SessionFactory,
     client: StreamingClient,
     on_record: Callable[[RequestRecord], None] = lambda record: None,
 ) -> LoadResult:
@@ -169,7 +154,7 @@ async def run_load(
 
     tasks: list[asyncio.Task] = []
     next_start = run.clock
-    gaps = interarrival_times(spec, random.Random(spec.seed))
+    gaps = interarrival_times(spec.rate, random.Random(spec.seed), spec.arrival, spec.burstiness)
     while True:
         delay = next_start - time.perf_counter()
         if delay > 0:

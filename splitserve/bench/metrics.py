@@ -35,17 +35,13 @@ from __future__ import annotations
 
 import itertools
 import math
-import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 
-SLO_KEYS = ("ttft", "tpot", "gap", "e2e")
-_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
-_DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(s|ms|us)\s*$")
+from splitserve.goodput import SLO
 
 
 class RequestRecord(NamedTuple):
@@ -94,6 +90,21 @@ class RequestRecord(NamedTuple):
         """When the request finished, on the run's clock (its start if nothing came back)."""
         return self.start + (self.chunk_times[-1] if self.chunk_times else 0.0)
 
+    def metric_values(self) -> dict[str, float | None]:
+        """The values an SLO bounds (splitserve.goodput.SLO_KEYS); None when nothing came back."""
+        gaps = self.gaps
+        return {
+            "ttft": self.ttft,
+            "tpot": self.tpot if self.chunk_times else None,
+            "gap": self.worst_gap if self.chunk_times else None,
+            "p99_itl": float(np.percentile(gaps, 99)) if gaps else 0.0,
+            "e2e": self.e2e,
+        }
+
+    def meets(self, slo: SLO) -> bool:
+        """Succeeded and met every bound of `slo`."""
+        return self.ok and bool(slo.met(self.metric_values()))
+
     def to_json(self) -> dict:
         return {
             "request_id": self.request_id,
@@ -124,60 +135,6 @@ class RequestRecord(NamedTuple):
             session=int(data.get("session", 0)),
             turn=int(data.get("turn", 0)),
         )
-
-
-def parse_duration(text: str) -> float:
-    """'2s' -> 2.0, '30ms' -> 0.03, '500us' -> 0.0005. A unit is required."""
-    match = _DURATION.match(text)
-    if not match:
-        raise ValueError(f"bad duration {text!r}: give a number and a unit (s, ms or us), e.g. 2s or 30ms")
-    return float(match.group(1)) * _UNITS[match.group(2)]
-
-
-@dataclass(frozen=True)
-class SLO:
-    """A latency target: every bound given must hold for a request to count as good."""
-
-    name: str
-    ttft: float | None = None
-    tpot: float | None = None
-    gap: float | None = None
-    e2e: float | None = None
-
-    @classmethod
-    def parse(cls, text: str) -> SLO:
-        """`ttft=2s,tpot=30ms,gap=100ms,e2e=10s`, any non-empty subset."""
-        bounds: dict[str, float] = {}
-        for part in text.split(","):
-            key, sep, value = part.strip().partition("=")
-            key = key.strip().lower()
-            if not sep or key not in SLO_KEYS:
-                raise ValueError(
-                    f"bad SLO term {part.strip()!r} in {text!r}: use KEY=DURATION, KEY one of {SLO_KEYS}"
-                )
-            if key in bounds:
-                raise ValueError(f"SLO {text!r} gives {key} twice")
-            bounds[key] = parse_duration(value)
-        return cls(name=",".join(f"{k}={_fmt_duration(v)}" for k, v in bounds.items()), **bounds)
-
-    def met(self, record: RequestRecord) -> bool:
-        if not record.ok:
-            return False
-        checks = (
-            (self.ttft, record.ttft),
-            (self.tpot, record.tpot),
-            (self.gap, record.worst_gap),
-            (self.e2e, record.e2e),
-        )
-        return all(bound is None or (value is not None and value <= bound) for bound, value in checks)
-
-
-def _fmt_duration(seconds: float) -> str:
-    if seconds >= 1 or seconds == 0:
-        return f"{seconds:g}s"
-    if seconds >= 1e-3:
-        return f"{seconds * 1e3:g}ms"
-    return f"{seconds * 1e6:g}us"
 
 
 class Distribution(NamedTuple):
@@ -244,7 +201,7 @@ def summarize(
     ok = [r for r in measured if r.ok]
     duration = measured_window(measured)
     per_second = (lambda n: n / duration) if duration > 0 else (lambda n: 0.0)
-    good = {s.name: sum(s.met(r) for r in measured) for s in slos}
+    good = {s.name: sum(r.meets(s) for r in measured) for s in slos}
     attainment = {name: (count / len(measured) if measured else 0.0) for name, count in good.items()}
     goodput = {name: per_second(count) for name, count in good.items()}
     return RunSummary(
@@ -266,9 +223,3 @@ def summarize(
         attainment=attainment,
         goodput=goodput,
     )
-
-
-def distserve_goodput(rates: Sequence[float], attainments: Sequence[float], required: float) -> float:
-    """Highest offered rate whose attainment is at least `required` (0 if none)."""
-    meeting = [rate for rate, att in zip(rates, attainments, strict=True) if att >= required]
-    return max(meeting, default=0.0)

@@ -15,8 +15,9 @@ import httpx
 
 from splitserve.bench.client import ClientConfig, StreamingClient
 from splitserve.bench.load import LoadSpec, run_load
-from splitserve.bench.metrics import SLO, RequestRecord, RunSummary, distserve_goodput, summarize
-from splitserve.bench.workload import Tokenizer, Workload
+from splitserve.bench.metrics import RequestRecord, RunSummary, summarize
+from splitserve.bench.workload import SessionFactory, Tokenizer
+from splitserve.goodput import SLO, distserve_goodput
 
 RESULT_VERSION = 1
 
@@ -79,7 +80,7 @@ def local_tokenizer(model: dict) -> Tokenizer | None:
 
 async def run_plan(
     plan: BenchPlan,
-    workload: Workload,
+    workload: SessionFactory,
     count_tokens: Callable[[str], int] | None = None,
     on_level_start: Callable[[LoadSpec], None] = lambda load: None,
     on_record: Callable[[RequestRecord], None] = lambda record: None,
@@ -98,7 +99,7 @@ async def run_plan(
 
 def run_benchmark(
     plan: BenchPlan,
-    workload: Workload,
+    workload: SessionFactory,
     settings: dict,
     count_tokens: Callable[[str], int] | None = None,
     on_level_start: Callable[[LoadSpec], None] = lambda load: None,

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+from splitserve.goodput import Lengths
+
 _FALLBACK_WORDS = (
     "time year people way day man thing woman life child world school state family student group "
     "country problem hand part place case week company system program question work government number "
@@ -91,29 +93,6 @@ class PromptFactory:
         return len(text.split())
 
 
-@dataclass(frozen=True)
-class LengthRange:
-    """A fixed length (`64`) or a uniform integer range (`64:256`, both ends included)."""
-
-    low: int
-    high: int
-
-    @classmethod
-    def parse(cls, text: str, minimum: int = 1) -> LengthRange:
-        low_text, sep, high_text = str(text).partition(":")
-        try:
-            low = int(low_text)
-            high = int(high_text) if sep else low
-        except ValueError:
-            raise ValueError(f"bad length {text!r}: give N or LOW:HIGH, e.g. 128 or 64:256") from None
-        if low < minimum or high < low:
-            raise ValueError(f"bad length {text!r}: need {minimum} <= LOW <= HIGH")
-        return cls(low, high)
-
-    def sample(self, rng: random.Random) -> int:
-        return self.low if self.low == self.high else rng.randint(self.low, self.high)
-
-
 class Turn(NamedTuple):
     """One request of a session: the new user text and how many tokens to generate."""
 
@@ -134,14 +113,14 @@ class Session(NamedTuple):
 
 @dataclass(frozen=True)
 class SyntheticSpec:
-    input_len: LengthRange
-    output_len: LengthRange
+    input_len: Lengths
+    output_len: Lengths
     prefix_len: int = 0
     num_prefix_groups: int = 1
     turns: int = 1
 
 
-class Workload:
+class SessionFactory:
     """Produces sessions on demand (index 0, 1, 2, ...), deterministically from the seed."""
 
     def __init__(
@@ -180,7 +159,7 @@ class Workload:
 
 
 def load_dataset(
-    path: str | Path, prompts: PromptFactory, output_len: LengthRange, seed: int
+    path: str | Path, prompts: PromptFactory, output_len: Lengths, seed: int
 ) -> list[Session]:
     """Chats from a JSONL file, one request a line, in a seeded random order.
 
@@ -215,7 +194,7 @@ _SHAREGPT_ROLES = {
 
 
 def _session_from_line(
-    data: dict, prompts: PromptFactory, output_len: LengthRange, rng: random.Random
+    data: dict, prompts: PromptFactory, output_len: Lengths, rng: random.Random
 ) -> Session:
     if "prompt" in data:
         if not isinstance(data["prompt"], str):

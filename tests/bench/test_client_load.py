@@ -9,9 +9,10 @@ import pytest
 
 from splitserve.bench.client import ClientConfig, SSEParser, StreamingClient, chunk_output
 from splitserve.bench.load import LoadSpec
-from splitserve.bench.metrics import SLO, summarize
+from splitserve.bench.metrics import summarize
 from splitserve.bench.runner import BenchPlan, run_benchmark
-from splitserve.bench.workload import LengthRange, PromptFactory, SyntheticSpec, Tokenizer, Workload
+from splitserve.bench.workload import PromptFactory, SessionFactory, SyntheticSpec, Tokenizer
+from splitserve.goodput import SLO, Lengths
 from tests.bench.conftest import fake_server, reset_stats, server_stats
 from tests.conftest import free_port
 
@@ -24,10 +25,10 @@ def prompts(tiny_model) -> PromptFactory:
 
 
 def bench(url, prompts, loads, output_len="8:16", turns=1, endpoint="chat", timeout=30.0, slos=SLOS):
-    spec = SyntheticSpec(LengthRange.parse("16:32"), LengthRange.parse(output_len), turns=turns)
+    spec = SyntheticSpec(Lengths.parse("16:32"), Lengths.parse(output_len), turns=turns)
     client = ClientConfig(url, "fake-model", endpoint=endpoint, timeout=timeout)
     plan = BenchPlan(client, tuple(loads), slos)
-    return run_benchmark(plan, Workload(prompts, spec, seed=0), settings={}, count_tokens=prompts.count)
+    return run_benchmark(plan, SessionFactory(prompts, spec, seed=0), settings={}, count_tokens=prompts.count)
 
 
 def check_consistent(level, expected_requests, slos=SLOS):

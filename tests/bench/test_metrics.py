@@ -6,14 +6,8 @@ import math
 
 import pytest
 
-from splitserve.bench.metrics import (
-    SLO,
-    Distribution,
-    RequestRecord,
-    distserve_goodput,
-    parse_duration,
-    summarize,
-)
+from splitserve.bench.metrics import Distribution, RequestRecord, summarize
+from splitserve.goodput import SLO, distserve_goodput, parse_duration
 
 
 def record(
@@ -90,9 +84,9 @@ def test_slo_filters_count_known_answers():
     gap = SLO.parse("ttft=2s,gap=100ms")
     ttft_only = SLO.parse("ttft=2s")
     measured = [r for r in KNOWN if not r.warmup]
-    assert [r.request_id for r in measured if avg.met(r)] == [0, 1, 5, 6]
-    assert [r.request_id for r in measured if gap.met(r)] == [0, 1, 3, 6]
-    assert [r.request_id for r in measured if ttft_only.met(r)] == [0, 1, 3, 4, 5, 6]
+    assert [r.request_id for r in measured if r.meets(avg)] == [0, 1, 5, 6]
+    assert [r.request_id for r in measured if r.meets(gap)] == [0, 1, 3, 6]
+    assert [r.request_id for r in measured if r.meets(ttft_only)] == [0, 1, 3, 4, 5, 6]
 
     summary = summarize(KNOWN, [avg, gap, ttft_only], rate=2.0)
     assert (summary.requests, summary.completed, summary.failed) == (9, 7, 2)

@@ -8,16 +8,16 @@ import random
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
 
-from splitserve.bench.load import LoadSpec, interarrival_times
+from splitserve.bench.load import LoadSpec
 from splitserve.bench.runner import local_tokenizer
 from splitserve.bench.workload import (
-    LengthRange,
     PromptFactory,
+    SessionFactory,
     SyntheticSpec,
     Tokenizer,
-    Workload,
     load_dataset,
 )
+from splitserve.goodput import Lengths, interarrival_times
 
 
 @pytest.fixture(scope="module")
@@ -37,9 +37,9 @@ def test_prompts_have_exact_token_lengths(tiny_model, tokenizer):
 def test_synthetic_sessions_lengths_and_prefix_groups(tokenizer):
     prompts = PromptFactory(tokenizer, seed=0)
     spec = SyntheticSpec(
-        LengthRange.parse("20:40"), LengthRange.parse("5:9"), prefix_len=32, num_prefix_groups=3
+        Lengths.parse("20:40"), Lengths.parse("5:9"), prefix_len=32, num_prefix_groups=3
     )
-    workload = Workload(prompts, spec, seed=0)
+    workload = SessionFactory(prompts, spec, seed=0)
     sessions = [workload.session(i) for i in range(12)]
     for session in sessions:
         (turn,) = session.turns
@@ -52,19 +52,19 @@ def test_synthetic_sessions_lengths_and_prefix_groups(tokenizer):
 
 
 def test_multi_turn_sessions_have_one_turn_per_request(tokenizer):
-    spec = SyntheticSpec(LengthRange(8, 8), LengthRange(4, 4), turns=3)
-    session = Workload(PromptFactory(tokenizer, 0), spec, seed=0).session(0)
+    spec = SyntheticSpec(Lengths.fixed(8), Lengths.fixed(4), turns=3)
+    session = SessionFactory(PromptFactory(tokenizer, 0), spec, seed=0).session(0)
     assert len(session.turns) == 3 and all(t.user_tokens == 8 for t in session.turns)
 
 
 def test_length_range_parse():
-    assert LengthRange.parse("64") == LengthRange(64, 64)
-    assert LengthRange.parse("64:256") == LengthRange(64, 256)
+    assert Lengths.parse("64") == Lengths.fixed(64)
+    assert Lengths.parse("64:256") == Lengths("uniform", 64, 256)
     rng = random.Random(0)
-    assert {LengthRange(3, 5).sample(rng) for _ in range(200)} == {3, 4, 5}
+    assert {Lengths("uniform", 3, 5).sample(rng) for _ in range(200)} == {3, 4, 5}
     for bad in ("0", "10:5", "a", "1:b", "-3"):
-        with pytest.raises(ValueError, match="bad length"):
-            LengthRange.parse(bad)
+        with pytest.raises(ValueError, match="bad lengths"):
+            Lengths.parse(bad)
 
 
 def test_dataset_formats(tmp_path, tokenizer):
@@ -81,14 +81,14 @@ def test_dataset_formats(tmp_path, tokenizer):
     ]
     path.write_text("\n".join(json.dumps(line) for line in lines) + "\n\n")
     prompts = PromptFactory(tokenizer, 0)
-    sessions = load_dataset(path, prompts, LengthRange(11, 11), seed=0)
+    sessions = load_dataset(path, prompts, Lengths.fixed(11), seed=0)
     by_text = {s.turns[0].user_text: s for s in sessions}
     assert set(by_text) == {"hello there", "what is the time", "once upon a time"}
     assert by_text["hello there"].history == ({"role": "system", "content": "be brief"},)
     assert by_text["hello there"].turns[0].max_tokens == 11  # from --output-len
     assert by_text["what is the time"].turns[0].max_tokens == tokenizer.count("noon today")  # recorded answer
     assert by_text["once upon a time"].turns[0].max_tokens == 7
-    workload = Workload(prompts, SyntheticSpec(LengthRange(1, 1), LengthRange(1, 1)), 0, sessions)
+    workload = SessionFactory(prompts, SyntheticSpec(Lengths.fixed(1), Lengths.fixed(1)), 0, sessions)
     assert [workload.session(i).turns[0].user_text for i in range(6)] == [
         s.turns[0].user_text for s in sessions
     ] * 2
@@ -106,13 +106,13 @@ def test_dataset_errors_name_the_line(tmp_path, tokenizer, line, message):
     path = tmp_path / "chats.jsonl"
     path.write_text('{"prompt": "fine"}\n' + line + "\n")
     with pytest.raises(ValueError, match=message):
-        load_dataset(path, PromptFactory(tokenizer, 0), LengthRange(4, 4), seed=0)
+        load_dataset(path, PromptFactory(tokenizer, 0), Lengths.fixed(4), seed=0)
 
 
 @pytest.mark.parametrize(("arrival", "cv"), [("poisson", 1.0), ("gamma", 2.0), ("constant", 0.0)])
 def test_arrival_processes_have_the_asked_rate(arrival, cv):
     spec = LoadSpec(rate=5.0, arrival=arrival, burstiness=0.25 if arrival == "gamma" else 1.0)
-    gaps = interarrival_times(spec, random.Random(1))
+    gaps = interarrival_times(spec.rate, random.Random(1), spec.arrival, spec.burstiness)
     sample = [next(gaps) for _ in range(20000)]
     mean = sum(sample) / len(sample)
     std = (sum((g - mean) ** 2 for g in sample) / len(sample)) ** 0.5

@@ -1,0 +1,132 @@
+"""Offered traffic: when requests arrive and how long their prompts and answers are.
+
+Arrivals come from Python's `random.Random(seed)`: a Poisson process draws
+`expovariate(rate)` gaps, exactly the stream the seed's simulator draws, so `sim` replays
+the seed's own arrival times and `bench` sends the schedule `sim` predicted for the same
+seed. `burstiness` is vLLM's: the gamma shape (1 is Poisson, < 1 burstier, > 1 more
+regular; the coefficient of variation is 1 / sqrt(burstiness)).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+ARRIVALS = ("poisson", "gamma", "constant")
+_KINDS = ("fixed", "uniform", "normal", "exp", "lognormal")
+_FORMS = "N, LO:HI, uniform:LO:HI, normal:MEAN:STD, exp:MEAN or lognormal:MEDIAN:SIGMA"
+
+
+def interarrival_times(
+    rate: float, rng: random.Random, arrival: str = "poisson", burstiness: float = 1.0
+) -> Iterator[float]:
+    """Seconds between consecutive arrivals (mean 1 / rate; 0 for an infinite rate)."""
+    if arrival not in ARRIVALS:
+        raise ValueError(f"unknown arrival process {arrival!r}: use one of {ARRIVALS}")
+    if not rate > 0:
+        raise ValueError(f"rate must be positive, got {rate}")
+    if not burstiness > 0:
+        raise ValueError(f"burstiness must be positive, got {burstiness}")
+    while True:
+        if math.isinf(rate):
+            yield 0.0
+        elif arrival == "poisson":
+            yield rng.expovariate(rate)
+        elif arrival == "gamma":
+            # shape k, scale 1 / (rate k): mean 1 / rate, coefficient of variation 1 / sqrt(k)
+            yield rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
+        else:
+            yield 1.0 / rate
+
+
+def arrival_times(
+    rate: float, n: int, seed: int, arrival: str = "poisson", burstiness: float = 1.0
+) -> list[float]:
+    """The first `n` arrival times of the process seeded with `seed` (the first arrival
+    after one gap, as the seed's simulator). A longer run extends the same stream."""
+    gaps = interarrival_times(rate, random.Random(seed), arrival, burstiness)
+    t, out = 0.0, []
+    for _ in range(n):
+        t += next(gaps)
+        out.append(t)
+    return out
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """A token-count distribution: fixed `N`, uniform `LO:HI` (both ends included; also
+    `uniform:LO:HI`), `normal:MEAN:STD`, `exp:MEAN`, `lognormal:MEDIAN:SIGMA`. Every draw is
+    rounded and at least 1."""
+
+    kind: str
+    a: float
+    b: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in _KINDS:
+            raise ValueError(f"unknown length distribution {self.kind!r}: use {_FORMS}")
+        if self.kind in ("fixed", "uniform") and (self.a < 1 or (self.kind == "uniform" and self.b < self.a)):
+            raise ValueError(f"bad lengths {self}: need 1 <= LO <= HI")
+        if self.kind != "uniform" and (self.a <= 0 or self.b < 0):
+            raise ValueError(f"bad lengths {self}: parameters must be positive")
+
+    @classmethod
+    def fixed(cls, n: int) -> Lengths:
+        return cls("fixed", n)
+
+    @classmethod
+    def parse(cls, text: str | int) -> Lengths:
+        spec = str(text).strip()
+        head, _, rest = spec.partition(":")
+        try:
+            if not rest:
+                return cls("fixed", int(head))
+            if head.isdigit():  # LO:HI
+                low, high = (int(x) for x in spec.split(":"))
+                return cls("uniform", low, high)
+            args = [float(x) for x in rest.split(":")]
+            if head == "uniform" and len(args) == 2:
+                return cls("uniform", int(args[0]), int(args[1]))
+            if head in ("normal", "lognormal") and len(args) == 2:
+                return cls(head, args[0], args[1])
+            if head == "exp" and len(args) == 1:
+                return cls("exp", args[0])
+        except ValueError as exc:
+            raise ValueError(f"bad lengths {spec!r}: use {_FORMS} ({exc})") from None
+        raise ValueError(f"bad lengths {spec!r}: use {_FORMS}")
+
+    @property
+    def is_fixed(self) -> bool:
+        return self.kind == "fixed"
+
+    def mean(self) -> float:
+        """The distribution's mean (before rounding and the floor of 1)."""
+        if self.kind == "fixed":
+            return self.a
+        if self.kind == "uniform":
+            return (self.a + self.b) / 2
+        if self.kind == "lognormal":
+            return self.a * math.exp(self.b**2 / 2)
+        return self.a
+
+    def sample(self, rng: random.Random) -> int:
+        if self.kind == "fixed":
+            return int(self.a)
+        if self.kind == "uniform":
+            return rng.randint(int(self.a), int(self.b))
+        if self.kind == "normal":
+            value = rng.gauss(self.a, self.b)
+        elif self.kind == "exp":
+            value = rng.expovariate(1.0 / self.a)
+        else:
+            value = self.a * math.exp(rng.gauss(0.0, self.b))
+        return max(1, round(value))
+
+    def __str__(self) -> str:
+        if self.kind == "fixed":
+            return f"{int(self.a)}"
+        if self.kind == "uniform":
+            return f"{int(self.a)}:{int(self.b)}"
+        return f"{self.kind}:{self.a:g}" + (f":{self.b:g}" if self.kind != "exp" else "")
