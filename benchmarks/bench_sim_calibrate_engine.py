@@ -28,8 +28,7 @@ from splitserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerC
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.model.tiny import TinyModelSpec, write_tiny_model
-from splitserve.sim import Deployment, Roofline, Workload, load_gpu, load_model, simulate
-from splitserve.sim import SchedulerConfig as SimScheduler
+from splitserve.sim import Deployment, InstanceConfig, Roofline, Workload, load_gpu, load_model, simulate
 from splitserve.sim.calibrate import Sample, fit, samples_to_json
 
 SPEC = TinyModelSpec(layers=4, hidden=512, heads=8, kv_heads=4, intermediate=1536, vocab=8192)
@@ -148,7 +147,7 @@ if __name__ == "__main__":
             gpu,
             replicas=1,
             eff=res.eff,
-            sched=SimScheduler(budget=BUDGET, max_prefills_per_step=None),
+            sched=InstanceConfig(SchedulerConfig(max_num_batched_tokens=BUDGET)),
         )
         wl = Workload.open_loop(np.zeros(24), np.full(24, 300), np.full(24, 24))
         simulated = float(np.max(simulate(dep, wl).e2e))

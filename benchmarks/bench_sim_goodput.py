@@ -13,30 +13,22 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-from splitserve.sim import (
-    SLO_AVERAGE,
-    SLO_WORST_GAP,
-    Deployment,
-    TransferConfig,
-    goodput,
-    load_gpu,
-    load_model,
-    synthetic,
-)
+from splitserve.goodput import SLO_AVERAGE, SLO_WORST_GAP
+from splitserve.sim import Deployment, KVLink, goodput, load_gpu, load_model, synthetic
 
 RATES = [0.2, 0.4, 0.6, 0.8, 1.0, 1.2, 1.5]
 
 
-def make(rate: float, seed: int):
-    return synthetic(rate, 100, 8192, 256, seed=seed)
+def make(rate: float, requests: int, seed: int):
+    return synthetic(rate, requests, 8192, 256, seed=seed)
 
 
 def search(step_by_step: bool) -> tuple[float, float, dict]:
     model, gpu = load_model("Qwen2.5-7B"), load_gpu("L40S")
     designs = {
         "collocated": Deployment(model, gpu),
-        "P/D 1.3 s": Deployment(model, gpu, mode="pd", transfer=TransferConfig(fixed_s=1.3)),
-        "P/D 20 ms": Deployment(model, gpu, mode="pd", transfer=TransferConfig(fixed_s=0.02)),
+        "P/D 1.3 s": Deployment(model, gpu, mode="pd", link=KVLink(fixed_s=1.3)),
+        "P/D 20 ms": Deployment(model, gpu, mode="pd", link=KVLink(fixed_s=0.02)),
     }
     if step_by_step:
         designs = {k: replace(d, sched=replace(d.sched, max_run_steps=1)) for k, d in designs.items()}

@@ -7,8 +7,9 @@ import argparse
 import os
 import sys
 
-from splitserve.sim import cmd_analysis, cmd_checks, cmd_simulation
+from splitserve.sim import cmd_analysis, cmd_checks, cmd_cpu_tier, cmd_plan, cmd_simulation, cpu_tier
 from splitserve.sim.calibrate import CalibrationError
+from splitserve.sim.cmd_common import REALISTIC_SMALL_CHUNK_TOKENS
 from splitserve.sim.specs import SpecError
 from splitserve.sim.workload import WorkloadError
 
@@ -23,6 +24,13 @@ def _common(
     p.add_argument("--eff-attention", type=float, default=None, help="prefill attention's fraction of peak")
     p.add_argument("--overhead-ms", type=float, default=2.0, help="fixed cost per step")
     p.add_argument("--per-seq-overhead-ms", type=float, default=0.0, help="cost per sequence in a step")
+    p.add_argument(
+        "--small-chunk-tokens",
+        type=float,
+        default=None,
+        help="a prefill step computes as if it had this many more tokens (small chunks run "
+        f"below peak; default {REALISTIC_SMALL_CHUNK_TOKENS:g} with --preset realistic, 0 with seed)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -30,7 +38,9 @@ def _workload(p: argparse.ArgumentParser, seeds: int = 5) -> None:
     p.add_argument("--requests", type=int, default=100, help="requests per run")
     p.add_argument("--prompt", default="8192", help="N, uniform:LO:HI, normal:M:S, exp:M, lognormal:MED:SIG")
     p.add_argument("--output", default="256", help="output tokens (same forms as --prompt)")
-    p.add_argument("--burstiness", type=float, default=1.0, help="1 Poisson; >1 burstier (gamma CV^2)")
+    p.add_argument(
+        "--burstiness", type=float, default=1.0, help="gamma shape (vLLM's): 1 Poisson, <1 burstier"
+    )
     p.add_argument("--trace", default=None, help="replay a CSV/JSONL trace instead (rates scale its time)")
     p.add_argument("--seeds", type=int, default=seeds, help="runs averaged per point")
     p.add_argument(
@@ -54,9 +64,10 @@ def _deployment(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--preset",
         choices=["seed", "realistic"],
-        default="seed",
-        help="seed: the seed's simulator; realistic: per-kernel step times, several prompts "
-        "per step, KV memory limit, load-unaware routing",
+        default="realistic",
+        help="realistic (default): per-kernel step times, small-chunk efficiency, several "
+        "prompts per step, KV memory limit, least-loaded routing as splitserve's router; "
+        "seed: the seed's simulator",
     )
     p.add_argument("--replicas", type=int, default=2, help="collocated instances")
     p.add_argument("--tp", type=int, default=1, help="GPUs per collocated instance")
@@ -79,8 +90,13 @@ def _deployment(p: argparse.ArgumentParser) -> None:
         help="KV link when no fixed transfer time (default: the GPU's NIC/PCIe path)",
     )
     p.add_argument("--transfer-overhead-ms", type=float, default=0.0)
-    p.add_argument("--layerwise", action="store_true", help="stream KV layer by layer during prefill")
-    p.add_argument("--notify", choices=["immediate", "step"], default="immediate")
+    p.add_argument(
+        "--kv-mode",
+        choices=["push", "pull"],
+        default="push",
+        help="push: KV streamed layer by layer during prefill (splitserve's default); pull: "
+        "after prefill, once decode next checks between steps (vLLM NIXL)",
+    )
     p.add_argument("--kv-limit", action="store_true", help="enforce KV memory capacity")
     p.add_argument(
         "--bidirectional",
@@ -200,21 +216,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _common(p)
     p.add_argument("--moe-model", default="DeepSeek-V3")
 
-    p = sub.add_parser("plan", help="rank collocated and xP:yD layouts by goodput for an SLO")
+    p = sub.add_parser("plan", help="the cheapest layouts that meet the SLO at a request rate")
     _common(p)
-    _workload(p, seeds=2)
-    p.set_defaults(requests=200)  # high-rate layouts need a longer run to show their queues
+    _workload(p, seeds=1)
     _deployment(p)
     _slo(p)
-    p.add_argument("--gpus", type=int, default=2)
-    p.add_argument("--tps", type=_ints, default=[1, 2, 4, 8])
-    p.add_argument("--budgets", type=_ints, default=[512, 2048, 8192])
+    p.add_argument("--rate", type=float, required=True, help="requests per second to serve")
+    p.add_argument("--max-gpus", type=int, default=8, help="largest GPU count to consider")
+    p.add_argument("--tps", type=_ints, default=[1], help="TP sizes to consider per instance")
+    p.add_argument("--budgets", type=_ints, default=[512, 2048, 8192], help="collocated chunk budgets")
     p.add_argument("--transfer-s", type=float, default=None, help="fixed handoff for the P/D layouts")
-    p.add_argument("--iters", type=int, default=5, help="bisection steps per layout")
-    p.add_argument("--top", type=int, default=10)
+    p.add_argument("--iters", type=int, default=5, help="bisection steps for each plan's headroom")
+    p.add_argument("--half-width", type=float, default=0.02, help="stop a run when the 95%% CI is this tight")
+    p.add_argument("--max-requests", type=int, default=6400, help="longest steady-state run")
+
+    p = sub.add_parser("cpu-tier", help="stateless derender replay work and render CPU cost (seed vs ours)")
+    p.add_argument(
+        "--us-per-token", type=float, default=cpu_tier.GUIDE_US_PER_TOKEN, help="CPU per prompt token"
+    )
+    p.add_argument(
+        "--image-ms", type=float, default=cpu_tier.SEED_IMAGE_MS, help="CPU per image preprocessed"
+    )
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    p = sub.add_parser("payload", help="one image's bytes at each hop of the EPD pipeline (seed vs ours)")
+    p.add_argument("--model", default="Qwen2.5-7B", help="the language model the visual tokens feed")
+    p.add_argument("--jpeg-bytes", type=float, default=cpu_tier.SEED_JPEG_MIB * cpu_tier.MIB)
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     p = sub.add_parser("reproduce", help="every seed figure next to splitserve's, with the error")
     p.add_argument("--seeds", type=int, default=5, help="runs averaged per simulated figure")
+    p.add_argument(
+        "--seed-arrivals",
+        action="store_true",
+        help="the seed's whole serving, goodput and chunk-sweep tables, cell by cell",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     p = sub.add_parser("calibrate", help="fit efficiency factors to measured step times (JSON)")
@@ -233,7 +269,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     name = "cmd_" + args.sim_command.replace("-", "_")
-    modules = (cmd_analysis, cmd_simulation, cmd_checks)
+    modules = (cmd_analysis, cmd_simulation, cmd_checks, cmd_plan, cmd_cpu_tier)
     handler = next(getattr(m, name) for m in modules if hasattr(m, name))
     try:
         return int(handler(args) or 0)

@@ -7,6 +7,7 @@ import argparse
 from dataclasses import replace
 
 from splitserve.sim.cmd_common import (
+    REALISTIC_SMALL_CHUNK_TOKENS,
     efficiency,
     emit,
     mean_summary,
@@ -29,15 +30,21 @@ GUIDE = {
 
 
 def beyond_variants(base: Deployment) -> list[tuple[str, Deployment]]:
-    """The seed's simulator, then each thing it leaves out, then all of them together."""
-    multi = replace(base.sched, max_prefills_per_step=None)
+    """The seed's simulator, then each thing it leaves out, then all of them together (the
+    realistic preset)."""
+    multi = replace(base.sched, prompts_per_step=None)
+    small = replace(base.eff, small_chunk_tokens=REALISTIC_SMALL_CHUNK_TOKENS)
     return [
         ("seed's model", base),
         ("+ per-kernel step time", replace(base, combine="sum")),
         ("+ several prompts per step", replace(base, sched=multi)),
         ("+ KV memory limit", replace(base, kv_limit=True)),
-        ("+ load-unaware routing", replace(base, routing="random")),
-        ("all of the above", replace(base, combine="sum", sched=multi, kv_limit=True, routing="random")),
+        ("+ least-loaded routing", replace(base, routing="least_loaded")),
+        ("+ small-chunk efficiency", replace(base, eff=small)),
+        (
+            "all of the above",
+            replace(base, combine="sum", sched=multi, kv_limit=True, routing="least_loaded", eff=small),
+        ),
     ]
 
 
@@ -49,7 +56,11 @@ def cmd_beyond(args: argparse.Namespace) -> int:
         for name, dep in variants:
             for rate in args.rates:
                 rows.append(
-                    {"variant": name, "rate": rate, **mean_summary(dep, make, rate, args.seeds, tick)}
+                    {
+                        "variant": name,
+                        "rate": rate,
+                        **mean_summary(dep, make, rate, args.requests, args.seeds, tick),
+                    }
                 )
     lines = [
         f"collocated p99 ITL (ms) per offered load; the guide measured "
@@ -64,10 +75,36 @@ def cmd_beyond(args: argparse.Namespace) -> int:
     return emit(args, data, lines)
 
 
+def _seed_tables(args: argparse.Namespace) -> int:
+    """Every cell of the seed's serving, goodput and chunk-sweep tables, from its own arrivals."""
+    from splitserve.sim import seed_tables
+
+    with progress(args, seed_tables.RUNS, "the seed's tables") as tick:
+        cells = seed_tables.all_cells(tick)
+    lines, table = [], None
+    for c in cells:
+        if c.table != table:
+            table = c.table
+            lines += [
+                "",
+                f"{table}: {'row':22s} {'column':34s} {'seed':>8s} {'splitserve':>10s} {'error':>7s}",
+            ]
+        err = (c.ours - c.seed) / c.seed if c.seed else c.ours - c.seed
+        mark = "" if c.ok else "  OFF"
+        lines.append(f"  {c.row:30s} {c.column:34s} {c.seed:>8g} {c.ours:>10.4g} {err:>+7.1%}{mark}")
+    failed = [f"{c.table} {c.row} {c.column}" for c in cells if not c.ok]
+    lines.append(f"{len(cells) - len(failed)}/{len(cells)} cells within 5% (or half the seed's last digit)")
+    rows = [{**c._asdict(), "ok": c.ok} for c in cells]
+    emit(args, {"cells": rows, "failed": failed}, lines)
+    return 1 if failed else 0
+
+
 def cmd_reproduce(args: argparse.Namespace) -> int:
     from splitserve.sim import reproduce
 
     require_positive(seeds=args.seeds)
+    if args.seed_arrivals:
+        return _seed_tables(args)
     with progress(args, 5 * args.seeds + 3 * 7 * args.seeds, "reproducing") as tick:
         figures = (
             reproduce.closed_form() + reproduce.simulated(args.seeds, tick) + reproduce.guide(args.seeds)

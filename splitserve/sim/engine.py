@@ -14,25 +14,39 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from splitserve.config import SchedulerConfig
 from splitserve.sim.roofline import ZERO, Cost, Roofline
 
 
 @dataclass(frozen=True)
-class SchedulerConfig:
-    budget: int | None = 2048  # tokens per step, decodes included (None: no limit)
-    max_prefills_per_step: int | None = 1  # prompts advanced per step (None: as many as fit)
+class InstanceConfig:
+    """One simulated instance's scheduler: splitserve's own `SchedulerConfig` (the token budget
+    per step, decodes included, and the cap on running sequences) and what the simulator
+    models around it."""
+
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    chunked_prefill: bool = True  # False: a prompt runs whole in one step (the seed's prefill instance)
+    prompts_per_step: int | None = None  # prompts advanced per step; None: as many as fit (vLLM)
     kv_capacity_tokens: int | None = None  # None: unlimited; else reserve prompt+output at admission
     max_run_steps: int | None = None  # cap on decode steps computed in one go (1: step by step)
 
     def __post_init__(self) -> None:
-        if self.budget is not None and self.budget < 1:
-            raise ValueError("budget must be >= 1")
-        if self.max_prefills_per_step is not None and self.max_prefills_per_step < 1:
-            raise ValueError("max_prefills_per_step must be >= 1")
+        if self.scheduler.max_num_batched_tokens < 1 or self.scheduler.max_num_seqs < 1:
+            raise ValueError("the token budget and max_num_seqs must be >= 1")
+        if self.prompts_per_step is not None and self.prompts_per_step < 1:
+            raise ValueError("prompts_per_step must be >= 1")
+
+    @property
+    def budget(self) -> int | None:
+        """Tokens per step, decodes included; None: no limit (whole prompts)."""
+        return self.scheduler.max_num_batched_tokens if self.chunked_prefill else None
+
+    def with_budget(self, budget: int) -> InstanceConfig:
+        return replace(self, scheduler=replace(self.scheduler, max_num_batched_tokens=budget))
 
 
 class Engine:
@@ -43,7 +57,7 @@ class Engine:
         index: int,
         role: str,
         roofline: Roofline,
-        sched: SchedulerConfig,
+        sched: InstanceConfig,
         prompt: np.ndarray,
         output: np.ndarray,
     ) -> None:
@@ -64,6 +78,9 @@ class Engine:
         self._chunks: list[tuple[int, int, int]] = []  # in-flight mixed step: (rid, tokens, past)
         self.busy_s = 0.0  # time spent stepping before `window_end` (the last open-loop arrival)
         self.window_end = float("inf")
+        self.peak_reserved = 0
+        self.kv_blocked_s = 0.0  # time (within the window) some request waited for KV memory
+        self._blocked = False  # this step was planned with a request left waiting for memory
 
     # ---- load ---------------------------------------------------------------------------
     def outstanding(self) -> int:
@@ -83,6 +100,8 @@ class Engine:
             return None
         self._run_times = times[: k + 1]
         self.busy_s -= self._in_window(float(times[k]), self.busy_until)
+        if self._blocked:
+            self.kv_blocked_s -= self._in_window(float(times[k]), self.busy_until)
         self.busy_until = float(times[k])
         self.version += 1
         return self.busy_until
@@ -91,16 +110,29 @@ class Engine:
     def _fits(self, rid: int) -> bool:
         cap = self.sched.kv_capacity_tokens
         need = int(self._prompt[rid] + self._output[rid])
-        return cap is None or self.reserved + need <= cap
+        if cap is None or self.reserved + need <= cap:
+            return True
+        self._blocked = True
+        return False
+
+    def _reserve(self, rid: int) -> None:
+        self.reserved += int(self._prompt[rid] + self._output[rid])
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
+
+    def kv_peak_fraction(self) -> float:
+        cap = self.sched.kv_capacity_tokens
+        return self.peak_reserved / cap if cap else 0.0
 
     def plan(self, now: float, admitted: Callable[[int, int], None]) -> float | None:
         """Start the next step (or run of decode steps) at `now`; returns its end time.
         `admitted(rid, first_step)` is told when a decode-role request joins the batch."""
         self._chunks, self._run_times = [], None
+        self._blocked = False
         if self.role == "decode":
-            while self.ready and self._fits(self.ready[0]):
+            seqs = self.sched.scheduler.max_num_seqs
+            while self.ready and len(self.run_ids) < seqs and self._fits(self.ready[0]):
                 rid = self.ready.popleft()
-                self.reserved += int(self._prompt[rid] + self._output[rid])
+                self._reserve(rid)
                 self.run_ids.append(rid)
                 self.run_left.append(int(self._output[rid]))
                 self.run_ctx.append(int(self._prompt[rid]))
@@ -125,6 +157,8 @@ class Engine:
             self._run_times = now + np.cumsum(durations)
             end = float(self._run_times[-1])
         self.busy_s += self._in_window(now, end)
+        if self._blocked:
+            self.kv_blocked_s += self._in_window(now, end)
         self.busy_until = end
         return end
 
@@ -134,17 +168,20 @@ class Engine:
     def _plan_chunks(self) -> None:
         budget = self.sched.budget
         left = (budget - len(self.run_ids)) if budget is not None else None
-        limit = self.sched.max_prefills_per_step
+        limit = self.sched.prompts_per_step
+        seqs_left = self.sched.scheduler.max_num_seqs - len(self.run_ids)
         for entry in self.waiting:
             if left is not None and left <= 0:
                 break
             if limit is not None and len(self._chunks) >= limit:
                 break
+            if len(self._chunks) >= seqs_left:
+                break
             rid, done, total, reserved = entry
             if not reserved:
                 if not self._fits(rid):
                     break  # first come, first served: later prompts wait behind it
-                self.reserved += int(self._prompt[rid] + self._output[rid])
+                self._reserve(rid)
                 entry[3] = True
             n = total - done if left is None else min(left, total - done)
             self._chunks.append((rid, n, done))

@@ -1,7 +1,8 @@
-"""Planner: for a model, a GPU type, a GPU count, a workload and an SLO, search collocated
-layouts (TP size x chunk budget) and xP:yD layouts (TP per pool, instance counts), find each
-one's goodput by simulation, and rank them, saying which target binds (DistServe-style
-placement search, with the simulator as the oracle)."""
+"""Planner: how many of each for this rate. For a model, a GPU type, a workload, SLOs and a
+request rate, the cheapest layouts (fewest GPUs: collocated replicas with a chunk budget, or
+N prefill : M decode instances) whose steady-state attainment meets the target at that rate,
+each with the resource that binds first above it and its headroom (goodput / rate - 1).
+The simulator is the oracle (DistServe-style placement search)."""
 
 from __future__ import annotations
 
@@ -9,65 +10,66 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import NamedTuple
 
-from splitserve.sim.engine import SchedulerConfig
-from splitserve.sim.metrics import SLO, GoodputResult, WorkloadFactory, search_goodput
+import numpy as np
+
+from splitserve.goodput import SLO
+from splitserve.sim.metrics import WorkloadFactory
 from splitserve.sim.simulator import Deployment
+from splitserve.sim.steady import Estimate, SteadyState, estimate, search_goodput
 
-_WHY = {
-    "ttft": "TTFT: prefill capacity (queueing) or the handoff",
-    "tpot": "TPOT: decode steps slowed by prefill chunks or a large batch",
-    "worst_gap": "worst gap: a prefill chunk stalls the streams",
-    "p99_itl": "p99 ITL: prefill chunks in decode steps",
-}
+_ITL_KEYS = ("tpot", "gap", "p99_itl")
+KV_BLOCKED = 0.05  # a pool whose requests wait for KV memory this much of the time is memory-bound
 
 
-class PlanRow(NamedTuple):
-    label: str
+class Plan(NamedTuple):
     deployment: Deployment
-    goodput: float
-    goodput_per_gpu: float
-    binding: str  # which target fails first above the goodput
-    busy: dict[str, float]  # prefill busy fraction and decode batch at the goodput rate
-    points: list  # RatePoint list from the search
+    at_rate: Estimate  # steady-state attainment at the asked rate
+    goodput: float  # highest rate still meeting the target (bisected)
+    headroom: float  # goodput / rate - 1
+    binding: str  # the resource that gives out first above the goodput
+
+    def counts(self) -> dict[str, int]:
+        """Instances of each kind, as `--json` prints them (no sim workload has images yet,
+        so the encoder pool is always 0)."""
+        dep = self.deployment
+        if dep.mode == "collocated":
+            return {"prefill": 0, "decode": 0, "collocated": dep.replicas, "encoder": 0}
+        return {
+            "prefill": dep.prefill_instances,
+            "decode": dep.decode_instances,
+            "collocated": 0,
+            "encoder": 0,
+        }
 
 
-def layouts(
-    base: Deployment,
-    gpus: int,
-    tps: Sequence[int],
-    budgets: Sequence[int],
-    pd: bool = True,
-    collocated: bool = True,
-) -> list[Deployment]:
+def layouts(base: Deployment, gpus: int, tps: Sequence[int], budgets: Sequence[int]) -> list[Deployment]:
     """Every layout that uses exactly `gpus` GPUs."""
     out: list[Deployment] = []
-    if collocated:
-        for tp in tps:
-            if gpus % tp == 0:
-                for budget in budgets:
-                    sched = replace(base.sched, budget=budget)
-                    out.append(replace(base, mode="collocated", tp=tp, replicas=gpus // tp, sched=sched))
-    if pd:
-        for tp_p in tps:
-            for tp_d in tps:
-                for x in range(1, gpus // tp_p + 1):
-                    rest = gpus - x * tp_p
-                    if rest >= tp_d and rest % tp_d == 0:
-                        out.append(
-                            replace(
-                                base,
-                                mode="pd",
-                                tp_prefill=tp_p,
-                                tp_decode=tp_d,
-                                prefill_instances=x,
-                                decode_instances=rest // tp_d,
-                            )
+    for tp in tps:
+        if gpus % tp == 0:
+            for budget in budgets:
+                sched = base.sched.with_budget(budget)
+                out.append(replace(base, mode="collocated", tp=tp, replicas=gpus // tp, sched=sched))
+    for tp_p in tps:
+        for tp_d in tps:
+            for x in range(1, gpus // tp_p + 1):
+                rest = gpus - x * tp_p
+                if rest >= tp_d and rest % tp_d == 0:
+                    out.append(
+                        replace(
+                            base,
+                            mode="pd",
+                            tp_prefill=tp_p,
+                            tp_decode=tp_d,
+                            prefill_instances=x,
+                            decode_instances=rest // tp_d,
                         )
+                    )
     return out
 
 
-def capacity_guess(dep: Deployment, prompt: int) -> float:
-    """Requests/s the prefill side could sustain if it did nothing else (search upper bound)."""
+def prefill_capacity(dep: Deployment, prompt: int) -> float:
+    """Requests/s the prefill side could sustain doing nothing else (an upper bound)."""
     if dep.mode == "collocated":
         rl, count = dep.roofline(dep.tp), dep.replicas
     else:
@@ -75,68 +77,60 @@ def capacity_guess(dep: Deployment, prompt: int) -> float:
     return count / rl.step_s(rl.prefill(prompt))
 
 
-def binding_target(res: GoodputResult) -> str:
-    failing = [p for p in res.points if p.attainment < res.target]
-    if not failing:
-        return "none within the searched rates"
-    first = min(failing, key=lambda p: p.rate)
-    if not first.violations:
-        return "no SLO given"
-    key = max(first.violations, key=lambda k: first.violations[k])
-    return _WHY.get(key, key)
-
-
-def pool_busy(dep: Deployment, res: GoodputResult) -> dict[str, float]:
-    """At the highest passing rate (or the lowest tried): how busy the prefill side is while
-    requests arrive, and the decode batch (a decode instance always looks busy)."""
-    passing = [p for p in res.points if p.attainment >= res.target]
-    point = max(passing, key=lambda p: p.rate) if passing else min(res.points, key=lambda p: p.rate)
-    if dep.mode == "collocated":
-        return {"busy": sum(point.busy) / len(point.busy), "batch": sum(point.batch) / len(point.batch)}
-    n = dep.prefill_instances
-    return {
-        "prefill busy": sum(point.busy[:n]) / n,
-        "decode batch": sum(point.batch[n:]) / (len(point.batch) - n),
+def binding_resource(dep: Deployment, e: Estimate) -> str:
+    """Name what gives out in a run that misses the target: from which bounds are missed
+    and how the pools were loaded."""
+    r = e.result
+    ttft_miss = e.misses.get("ttft", 0.0)
+    itl_miss = max((e.misses.get(k, 0.0) for k in _ITL_KEYS), default=0.0)
+    blocked = {
+        role: [b for b, x in zip(r.kv_blocked, r.roles, strict=True) if x == role] for role in set(r.roles)
     }
+    memory = {role: float(np.mean(v)) for role, v in blocked.items()}
+    if itl_miss > ttft_miss:
+        if dep.mode == "collocated":
+            return "ITL target (prefill chunks in decode steps)"
+        return "decode bandwidth (batch too large for the ITL target)"
+    if memory.get("decode", 0.0) > KV_BLOCKED:
+        return "KV memory (decode)"
+    if memory.get("both", 0.0) > KV_BLOCKED:
+        return "KV memory"
+    if dep.mode == "pd" and dep.link.fixed_s is not None and e.misses.get("ttft", 0.0) >= 0.99:
+        return "KV handoff"
+    return "prefill compute"
 
 
-def plan(
+def plan_for_rate(
     base: Deployment,
-    gpus: int,
+    rate: float,
     make: WorkloadFactory,
-    slo: SLO,
-    prompt_tokens: int,
-    tps: Sequence[int] = (1, 2, 4, 8),
+    slos: Sequence[SLO],
+    prompt_tokens: float,
+    max_gpus: int = 8,
+    tps: Sequence[int] = (1,),
     budgets: Sequence[int] = (512, 2048, 8192),
     target: float = 0.9,
-    seeds: int = 2,
+    cfg: SteadyState = SteadyState(),
     iters: int = 5,
     tick: Callable[[], None] | None = None,
-    pd: bool = True,
-    collocated: bool = True,
-) -> list[PlanRow]:
-    rows = []
-    for dep in layouts(base, gpus, tps, budgets, pd=pd, collocated=collocated):
-        hi = 1.5 * capacity_guess(dep, prompt_tokens)
-        res = search_goodput(dep, make, slo, hi / 64, hi, target=target, seeds=seeds, iters=iters, tick=tick)
-        rows.append(
-            PlanRow(
-                dep.label(),
-                dep,
-                res.goodput,
-                res.goodput / dep.gpus,
-                binding_target(res),
-                pool_busy(dep, res),
-                res.points,
+) -> list[Plan]:
+    """The layouts with the fewest GPUs (up to `max_gpus`) that meet every SLO for `target`
+    of requests at `rate`, best first (most headroom)."""
+    for gpus in range(1, max_gpus + 1):
+        plans = []
+        for dep in layouts(base, gpus, tps, budgets):
+            capacity = prefill_capacity(dep, int(prompt_tokens))
+            if capacity < rate:
+                continue  # the prefill side alone cannot keep up
+            at_rate = estimate(dep, make, rate, slos, cfg, target, tick)
+            if at_rate.attainment < target:
+                continue
+            found = search_goodput(
+                dep, make, slos, rate, 1.2 * capacity, target, cfg, iters, tick, at_lo=at_rate
             )
-        )
-    rows.sort(key=lambda r: (-r.goodput, r.label))
-    return rows
-
-
-def search_steps(n_layouts: int, seeds: int, iters: int) -> int:
-    """Simulations the plan runs at most (for a progress bar)."""
-    return n_layouts * seeds * (2 + iters)
-
-
-__all__ = ["PlanRow", "SchedulerConfig", "binding_target", "layouts", "plan", "pool_busy", "search_steps"]
+            above = found.failing
+            binding = binding_resource(dep, above) if above else "none up to 1.2x prefill capacity"
+            plans.append(Plan(dep, at_rate, found.goodput, found.goodput / rate - 1, binding))
+        if plans:
+            return sorted(plans, key=lambda p: (-p.headroom, p.deployment.label()))
+    return []

@@ -34,13 +34,17 @@ class Efficiency:
     overhead_s: float = 0.002
     attention: float | None = None  # prefill attention's fraction of peak (None: as `compute`)
     per_seq_overhead_s: float = 0.0  # CPU cost per sequence in a step (scheduling, sampling)
+    # Small chunks run their matrix multiplies below `compute` (tiles and waves part empty):
+    # a step with prefill tokens computes as if it had this many more (an n-token chunk runs
+    # at compute * n / (n + small_chunk_tokens)).
+    small_chunk_tokens: float = 0.0
 
     def __post_init__(self) -> None:
         # up to 2: a fit against a nominal peak (a CPU's measured matmul rate) may beat it
         attn = self.compute if self.attention is None else self.attention
         if not (0 < self.compute <= 2 and 0 < self.bandwidth <= 2 and 0 < attn <= 2):
             raise ValueError("efficiencies must be fractions of peak in (0, 1] (at most 2 for nominal peaks)")
-        if self.overhead_s < 0 or self.per_seq_overhead_s < 0:
+        if self.overhead_s < 0 or self.per_seq_overhead_s < 0 or self.small_chunk_tokens < 0:
             raise ValueError("overheads must be >= 0")
 
 
@@ -52,6 +56,7 @@ class Cost(NamedTuple):
     kv_bytes: float
     tokens: int
     seqs: int  # sequences in the step (each costs per_seq_overhead_s)
+    prefill_tokens: int = 0  # prompt tokens in the step (small-chunk efficiency)
 
     @property
     def flops(self) -> float:
@@ -75,10 +80,11 @@ class Cost(NamedTuple):
             self.kv_bytes + other.kv_bytes,
             self.tokens + other.tokens,
             self.seqs + other.seqs,
+            self.prefill_tokens + other.prefill_tokens,
         )
 
 
-ZERO = Cost(0.0, 0.0, 0.0, 0.0, 0.0, 0, 0)
+ZERO = Cost(0.0, 0.0, 0.0, 0.0, 0.0, 0, 0, 0)
 
 
 class Roofline:
@@ -102,6 +108,7 @@ class Roofline:
         attn = eff.compute if eff.attention is None else eff.attention
         self.attn_flops_per_s = gpu.peak_flops * attn * tp
         self._flops_per_token = 2.0 * (model.active_layer_params + model.head_params)
+        self.small_chunk_flops = 2.0 * model.active_layer_params * eff.small_chunk_tokens
 
     @property
     def ridge(self) -> float:
@@ -123,7 +130,7 @@ class Roofline:
         m = self.model
         linear = 2.0 * m.active_layer_params * n + 2.0 * m.head_params
         keys = past + (n + 1) / 2  # average keys each new token attends to (causal)
-        return Cost(linear, m.attn_flops_per_pair * n * keys, 0.0, self.weights_read(n), 0.0, n, 1)
+        return Cost(linear, m.attn_flops_per_pair * n * keys, 0.0, self.weights_read(n), 0.0, n, 1, n)
 
     def decode(self, batch: int, context_total: float) -> Cost:
         """One decode step for `batch` sequences whose contexts sum to `context_total` tokens."""
@@ -158,9 +165,10 @@ class Roofline:
     def step_s(self, cost: Cost) -> float:
         if cost.tokens == 0:
             return 0.0
+        fill = self.small_chunk_flops if cost.prefill_tokens else 0.0
         return float(
             self._combine(
-                cost.linear_flops,
+                cost.linear_flops + fill,
                 cost.prefill_attn_flops,
                 cost.decode_attn_flops,
                 cost.weight_bytes,

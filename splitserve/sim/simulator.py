@@ -10,11 +10,13 @@ limit); each of those is a switch, which is how `seed` vs `realistic` differ.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from splitserve.sim.engine import Engine, SchedulerConfig
+from splitserve.config import TransferConfig
+from splitserve.sim.engine import Engine, InstanceConfig
 from splitserve.sim.kv import exposed_transfer_s, transfer_s
 from splitserve.sim.roofline import Efficiency, Roofline
 from splitserve.sim.specs import GPUSpec, ModelSpec
@@ -24,25 +26,18 @@ _ARRIVE, _STEP_END, _KV_READY, _PULL, _ENQ_PREFILL = range(5)
 
 
 @dataclass(frozen=True)
-class TransferConfig:
-    """How KV moves from prefill to decode. `fixed_s` (a measured handoff, such as the guide's
-    1.3 s) replaces the link model; otherwise bytes / link + overhead, all of it after prefill
-    ("bulk") or only the part not hidden behind prefill's compute ("layerwise").
-    notify="step": decode starts pulling when it next checks between its steps (vLLM NIXL);
-    "immediate": prefill pushes and decode picks the KV up at its next step boundary."""
+class KVLink:
+    """The path KV takes from prefill to decode: a measured handoff `fixed_s` (such as the
+    guide's 1.3 s, notification included), or bytes over `gbps` plus `overhead_s`."""
 
     fixed_s: float | None = None
-    link_gbps: float = 200.0
+    gbps: float = 200.0
     overhead_s: float = 0.0
-    layerwise: bool = False
-    notify: str = "immediate"
 
     def __post_init__(self) -> None:
-        if self.notify not in ("immediate", "step"):
-            raise ValueError("notify must be 'immediate' or 'step'")
         if self.fixed_s is not None and self.fixed_s < 0:
             raise ValueError("fixed transfer time must be >= 0")
-        if self.link_gbps <= 0 or self.overhead_s < 0:
+        if self.gbps <= 0 or self.overhead_s < 0:
             raise ValueError("link bandwidth must be > 0 and overhead >= 0")
 
 
@@ -59,10 +54,16 @@ class Deployment:
     tp_decode: int = 1
     eff: Efficiency = field(default_factory=Efficiency)
     combine: str = "max"
-    sched: SchedulerConfig = field(default_factory=SchedulerConfig)
-    prefill_sched: SchedulerConfig = field(default_factory=lambda: SchedulerConfig(budget=None))
-    routing: str = "round_robin"  # or "random", "least_loaded"
+    sched: InstanceConfig = field(default_factory=lambda: InstanceConfig(prompts_per_step=1))
+    prefill_sched: InstanceConfig = field(
+        default_factory=lambda: InstanceConfig(chunked_prefill=False, prompts_per_step=1)
+    )
+    routing: str = "round_robin"  # or "random", "least_loaded" (splitserve's router)
+    # splitserve's transfer mode: push streams KV layer by layer during prefill and decode
+    # picks it up at its next step boundary; pull sends it after prefill, once decode next
+    # checks between its steps (vLLM NIXL)
     transfer: TransferConfig = field(default_factory=TransferConfig)
+    link: KVLink = field(default_factory=KVLink)
     bidirectional: bool = False  # multi-turn: prefill pulls the last answer's KV back from decode
     kv_limit: bool = False  # reserve KV memory per request; capacity from GPU memory
     mem_util: float = 0.9
@@ -105,10 +106,24 @@ class SimResult:
     busy_fraction: list[float]  # per instance, while requests were arriving
     mean_batch: list[float]  # per instance: tokens emitted per step
     rejected: int
+    kv_peak: list[float]  # per instance: the largest fraction of its KV memory reserved (0: no limit)
+    kv_blocked: list[float]  # per instance: fraction of the arrival window a request waited for KV memory
+    roles: list[str]  # per instance: "both", "prefill" or "decode"
 
     def itl(self) -> np.ndarray:
         parts = [g for g in self.gaps if len(g)]
         return np.concatenate(parts) if parts else np.zeros(0)
+
+    def metric_values(self, keys: Iterable[str]) -> dict[str, np.ndarray]:
+        """Per request, the values an SLO bounds (splitserve.goodput.SLO_KEYS)."""
+        every = {
+            "ttft": lambda: self.ttft,
+            "tpot": lambda: self.tpot,
+            "gap": lambda: self.worst_gap,
+            "p99_itl": self.p99_gap,
+            "e2e": lambda: self.e2e,
+        }
+        return {k: every[k]() for k in keys}
 
     def p99_gap(self) -> np.ndarray:
         """Each request's own 99th-percentile inter-token gap."""
@@ -160,7 +175,7 @@ class _Sim:
         for e in self.engines:
             e.window_end = self.window
 
-    def _make(self, count: int, role: str, tp: int, sched: SchedulerConfig) -> list[Engine]:
+    def _make(self, count: int, role: str, tp: int, sched: InstanceConfig) -> list[Engine]:
         rl = self.dep.roofline(tp)
         if self.dep.kv_limit and sched.kv_capacity_tokens is None and role != "prefill":
             sched = replace(sched, kv_capacity_tokens=rl.kv_capacity_tokens(self.dep.mem_util))
@@ -259,20 +274,20 @@ class _Sim:
             self.wake(e, t)
 
     def _link_s(self, num_bytes: float) -> float:
-        tr = self.dep.transfer
-        return transfer_s(num_bytes, tr.link_gbps, tr.overhead_s)
+        link = self.dep.link
+        return transfer_s(num_bytes, link.gbps, link.overhead_s)
 
     def transfer_time(self, rid: int) -> float:
-        tr, model = self.dep.transfer, self.dep.model
-        if tr.fixed_s is not None:
-            return tr.fixed_s
+        link, model = self.dep.link, self.dep.model
+        if link.fixed_s is not None:
+            return link.fixed_s
         size = int(self.wl.prompt[rid]) * model.kv_bytes_per_token
-        if not tr.layerwise:
+        if self.dep.transfer.mode == "pull":
             return self._link_s(size)
         rl = self.front[0].roofline
         cached = int(self.cached[rid])
         prefill_s = rl.step_s(rl.prefill(int(self.wl.prompt[rid]) - cached, past=cached))
-        return exposed_transfer_s(size, model.layers, tr.link_gbps, prefill_s, True) + tr.overhead_s
+        return exposed_transfer_s(size, model.layers, link.gbps, prefill_s, True) + link.overhead_s
 
     def handoff(self, rid: int, t: float) -> None:
         d = min(self.back, key=lambda e: (e.outstanding(), e.index))
@@ -280,7 +295,7 @@ class _Sim:
         if cap is not None and self.wl.prompt[rid] + self.wl.output[rid] > cap:
             self.rejected[rid] = True
             return
-        if self.dep.transfer.notify == "step":
+        if self.dep.transfer.mode == "pull" and self.dep.link.fixed_s is None:
             self.push(t, _PULL, d.index, rid)
         else:
             self.push(t + self.transfer_time(rid), _KV_READY, d.index, rid)
@@ -356,6 +371,9 @@ class _Sim:
             busy_fraction=[e.busy_s / window for e in self.engines],
             mean_batch=[tokens[e.index] / max(e.n_steps, 1) for e in self.engines],
             rejected=int(self.rejected.sum()),
+            kv_peak=[e.kv_peak_fraction() for e in self.engines],
+            kv_blocked=[e.kv_blocked_s / window for e in self.engines],
+            roles=[e.role for e in self.engines],
         )
 
 

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import csv
 import json
+import random
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from splitserve.goodput import Lengths, arrival_times
 
 
 class WorkloadError(ValueError):
@@ -50,50 +53,13 @@ class Workload:
         )
 
 
-def parse_lengths(spec: str | int, n: int, rng: np.random.Generator) -> np.ndarray:
-    """'8192' (fixed), 'uniform:LO:HI', 'normal:MEAN:STD', 'exp:MEAN', 'lognormal:MEDIAN:SIGMA'."""
-    text = str(spec)
-    kind, _, rest = text.partition(":")
+def lengths(spec: str | int, n: int, rng: random.Random) -> np.ndarray:
+    """`n` draws of a length distribution (splitserve.goodput.Lengths forms)."""
     try:
-        if not rest:
-            value = int(kind)
-            out = np.full(n, value)
-        else:
-            args = [float(a) for a in rest.split(":")]
-            if kind == "uniform":
-                out = rng.integers(int(args[0]), int(args[1]) + 1, n)
-            elif kind == "normal":
-                out = np.rint(rng.normal(args[0], args[1], n))
-            elif kind == "exp":
-                out = np.rint(rng.exponential(args[0], n))
-            elif kind == "lognormal":
-                out = np.rint(args[0] * np.exp(rng.normal(0.0, args[1], n)))
-            else:
-                raise WorkloadError(f"unknown length distribution {kind!r}")
-    except (ValueError, IndexError) as exc:
-        raise WorkloadError(
-            f"bad length spec {text!r}: use N, uniform:LO:HI, normal:MEAN:STD, "
-            "exp:MEAN or lognormal:MEDIAN:SIGMA"
-        ) from exc
-    out = np.maximum(np.asarray(out, dtype=np.int64), 1)
-    if not rest and value < 1:
-        raise WorkloadError(f"length must be >= 1, got {text!r}")
-    return out
-
-
-def arrivals(rate: float, n: int, rng: np.random.Generator, burstiness: float = 1.0) -> np.ndarray:
-    """Arrival times with mean rate `rate`. burstiness = 1: Poisson; > 1: gamma inter-arrival
-    times with squared coefficient of variation `burstiness` (burstier); < 1: smoother."""
-    if rate <= 0:
-        raise WorkloadError(f"rate must be > 0, got {rate}")
-    if burstiness <= 0:
-        raise WorkloadError(f"burstiness must be > 0, got {burstiness}")
-    if burstiness == 1.0:
-        gaps = rng.exponential(1.0 / rate, n)
-    else:
-        shape = 1.0 / burstiness
-        gaps = rng.gamma(shape, 1.0 / (rate * shape), n)
-    return np.cumsum(gaps)
+        dist = Lengths.parse(spec)
+    except ValueError as exc:
+        raise WorkloadError(str(exc)) from None
+    return np.array([dist.sample(rng) for _ in range(n)], dtype=np.int64)
 
 
 def synthetic(
@@ -104,10 +70,15 @@ def synthetic(
     seed: int = 0,
     burstiness: float = 1.0,
 ) -> Workload:
-    rng = np.random.default_rng(seed)
-    return Workload.open_loop(
-        arrivals(rate, n, rng, burstiness), parse_lengths(prompt, n, rng), parse_lengths(output, n, rng)
-    )
+    """`n` open-loop requests. Arrivals are the stream `random.Random(seed)` draws (the seed's
+    own for a Poisson process; `burstiness` is the gamma shape, vLLM's convention); lengths
+    come from streams of their own, so a longer run of the same seed extends the same requests."""
+    try:
+        arrival = arrival_times(rate, n, seed, "poisson" if burstiness == 1.0 else "gamma", burstiness)
+    except ValueError as exc:
+        raise WorkloadError(str(exc)) from None
+    prompts = lengths(prompt, n, random.Random(f"prompt-{seed}"))
+    return Workload.open_loop(arrival, prompts, lengths(output, n, random.Random(f"output-{seed}")))
 
 
 def sessions(
@@ -128,8 +99,10 @@ def sessions(
         raise WorkloadError("sessions and turns must be >= 1")
     if not 0 <= stripped < answer:
         raise WorkloadError("stripped must be in [0, answer)")
-    rng = np.random.default_rng(seed)
-    starts = arrivals(rate, n_sessions, rng)
+    try:
+        starts = arrival_times(rate, n_sessions, seed)
+    except ValueError as exc:
+        raise WorkloadError(str(exc)) from None
     cols: dict[str, list] = {
         k: [] for k in ("arrival", "prompt", "output", "after", "think", "prefix", "prev")
     }

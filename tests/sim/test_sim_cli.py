@@ -58,6 +58,8 @@ def runs(tmp_path_factory) -> dict[str, tuple[int, object, str]]:
         "cuts": ["cuts"],
         "simulate": [
             "simulate",
+            "--preset",
+            "seed",
             "--rates",
             "0.2,0.4",
             "--seeds",
@@ -73,6 +75,8 @@ def runs(tmp_path_factory) -> dict[str, tuple[int, object, str]]:
         ],
         "goodput": [
             "goodput",
+            "--preset",
+            "seed",
             "--slo",
             "average",
             "--rates",
@@ -80,25 +84,38 @@ def runs(tmp_path_factory) -> dict[str, tuple[int, object, str]]:
             "--plot",
             str(tmp / "att.png"),
         ],
-        "sweep": ["sweep-chunk", "--rates", "1.0", "--budgets", "512,2048", "--seeds", "2"],
+        "sweep": [
+            "sweep-chunk",
+            "--preset",
+            "seed",
+            "--rates",
+            "1.0",
+            "--budgets",
+            "512,2048",
+            "--seeds",
+            "2",
+        ],
         "beyond": ["beyond", "--rates", "2.0", "--seeds", "2"],
         "plan": [
             "plan",
-            "--gpus",
+            "--rate",
+            "0.5",
+            "--max-gpus",
             "2",
-            "--tps",
-            "1",
             "--budgets",
             "2048",
+            "--slo",
+            "both",
             "--transfer-s",
             "0.02",
-            "--seeds",
-            "1",
             "--iters",
-            "3",
-            "--requests",
-            "60",
+            "2",
+            "--max-requests",
+            "800",
         ],
+        "seed_arrivals": ["reproduce", "--seed-arrivals"],
+        "cpu_tier": ["cpu-tier"],
+        "payload": ["payload"],
         "trace": [
             "simulate",
             "--trace",
@@ -202,10 +219,11 @@ def test_cli_simulated_figures(runs):
     beyond = {r["variant"]: r["itl_p99_s"] for r in ok(runs, "beyond")["rows"]}
     assert beyond["all of the above"] > beyond["seed's model"]
     plan = ok(runs, "plan")
-    assert plan["layouts"][0]["goodput"] > 0 and {x["layout"] for x in plan["layouts"]} == {
-        "2x collocated TP1 (budget 2048)",
-        "1P(TP1):1D(TP1)",
-    }
+    assert plan["slos"] == ["ttft=2s,tpot=30ms", "ttft=2s,gap=100ms"]  # --slo both: both judged
+    best = plan["plans"][0]
+    assert {"prefill", "decode", "collocated", "encoder"} <= best.keys()
+    assert (best["prefill"], best["decode"], best["collocated"], best["encoder"]) == (1, 1, 0, 0)
+    assert best["attainment"] >= 0.9 and best["goodput"] >= 0.5 and best["headroom"] >= 0 and best["binding"]
     records = [json.loads(line) for line in (runs["tmp"][1] / "records.jsonl").read_text().splitlines()]
     assert len(records) == 2 * 2 * 3 * 100  # rates x designs x seeds x requests
     first = records[0]
@@ -249,9 +267,9 @@ def test_cli_bad_input_exits_nonzero_with_a_message(runs):
         (["calibrate"], "give a JSON file"),
         (["goodput", "--slo", "custom", "--rates", "0.4"], "needs at least one"),
         (["simulate", "--design", "hybrid", "--rates", "0.4"], "unknown design"),
-        (["simulate", "--prompt", "weird:3", "--rates", "0.4"], "bad length spec"),
+        (["simulate", "--prompt", "weird:3", "--rates", "0.4"], "bad lengths"),
         (["simulate", "--budget", "0", "--rates", "0.4"], "--budget must be > 0"),
-        (["plan", "--gpus", "3", "--tps", "2", "--budgets", "2048"], "no layout"),
+        (["plan", "--rate", "0"], "--rate must be > 0"),
         (["cuts", "--moe-model", "Qwen2.5-7B"], "not a mixture-of-experts"),
     ],
 )

@@ -7,8 +7,10 @@ import json
 import numpy as np
 import pytest
 
-from splitserve.sim import SLO, Efficiency, Roofline, load_gpu, load_model, model_from_hf_config
+from splitserve.goodput import SLO
+from splitserve.sim import Efficiency, Roofline, load_gpu, load_model, model_from_hf_config
 from splitserve.sim.calibrate import CalibrationError, fit, parse_samples, synthetic_samples
+from splitserve.sim.metrics import met, miss_fractions
 from splitserve.sim.simulator import SimResult
 from splitserve.sim.specs import GPUS, MODELS, SpecError
 
@@ -149,14 +151,19 @@ def test_slo_definitions():
         busy_fraction=[0.5],
         mean_batch=[1.0],
         rejected=1,
+        kv_peak=[0.0],
+        kv_blocked=[0.0],
+        roles=["both"],
     )
-    assert list(SLO(ttft_s=2.0, tpot_s=0.030).met(r)) == [True, False, False]  # the average hides the stall
-    assert list(SLO(ttft_s=5.0, worst_gap_s=0.1).met(r)) == [False, True, False]
-    assert list(SLO(p99_itl_s=0.1).met(r)) == [False, True, False]
-    assert SLO(ttft_s=2.0).violations(r) == {"ttft": pytest.approx(2 / 3)}
+    assert list(met(SLO(ttft=2.0, tpot=0.030), r)) == [True, False, False]  # the average hides the stall
+    assert list(met(SLO(ttft=5.0, gap=0.1), r)) == [False, True, False]
+    assert list(met(SLO(p99_itl=0.1), r)) == [False, True, False]
+    assert miss_fractions(SLO(ttft=2.0), r) == {"ttft": pytest.approx(2 / 3)}
     assert r.itl().shape == (110,)
     with pytest.raises(ValueError):
-        SLO(ttft_s=-1)
+        SLO(ttft=-1)
+    with pytest.raises(ValueError):
+        SLO()
 
 
 def test_calibration_with_attention_and_per_sequence_terms():
