@@ -19,6 +19,7 @@ from splitserve.sim.steady import Estimate, SteadyState, estimate, search_goodpu
 
 _ITL_KEYS = ("tpot", "gap", "p99_itl")
 KV_BLOCKED = 0.05  # a pool whose requests wait for KV memory this much of the time is memory-bound
+IDLE_PREFILL = 0.6  # below this busy fraction, prefill queueing does not explain late first tokens
 
 
 class Plan(NamedTuple):
@@ -95,8 +96,10 @@ def binding_resource(dep: Deployment, e: Estimate) -> str:
         return "KV memory (decode)"
     if memory.get("both", 0.0) > KV_BLOCKED:
         return "KV memory"
-    if dep.mode == "pd" and dep.link.fixed_s is not None and e.misses.get("ttft", 0.0) >= 0.99:
-        return "KV handoff"
+    if dep.mode == "pd":
+        prefill_busy = np.mean([b for b, x in zip(r.busy_fraction, r.roles, strict=True) if x == "prefill"])
+        if prefill_busy < IDLE_PREFILL:  # first tokens late with prefill mostly idle
+            return "KV handoff (or a prompt too long for the TTFT target)"
     return "prefill compute"
 
 
