@@ -77,19 +77,17 @@ def test_plan_matches_long_direct_simulations():
 
 def test_steady_state_does_not_depend_on_run_length():
     """Runs that start empty are optimistic at high load: 200 requests say more meet the SLO
-    than the steady state does; the steady estimate agrees with a run 10x longer."""
+    than the steady state does (the issue: 91% over 200 requests, 64% over 3,000); the
+    steady estimate agrees with a run twice as long."""
     dep = replace(REALISTIC, sched=REALISTIC.sched.with_budget(512))
     slo = SLO(ttft=2.0, gap=0.1)
-    e = estimate(dep, guide, 2.3, [slo], SteadyState(), target=0.9)
+    cfg = SteadyState(max_requests=1600)
+    e = estimate(dep, guide, 1.7, [slo], cfg)
     first_200 = float(met(slo, simulate(dep, guide(1.7, 200, 0))).mean())
-    assert first_200 > e.attainment + 0.05
-    longer = long_run_attainment(dep, guide, 1.7, slo, n=max(4 * e.requests, 4000), seed=0)
+    assert first_200 > e.attainment + 0.2
+    longer = long_run_attainment(dep, guide, 1.7, slo, n=2 * e.requests, seed=0)
     assert abs(longer - e.attainment) <= e.half_width + 0.03
-    assert (
-        e.half_width <= 0.02
-        or e.requests == SteadyState().max_requests
-        or abs(e.attainment - 0.9) > e.half_width
-    )
+    assert e.half_width <= cfg.half_width or e.requests == cfg.max_requests
 
 
 def queue_goodput(servers: int, service_s: float, budget_s: float, n: int = 20_000) -> float:
