@@ -81,7 +81,7 @@ def load_samples(path: str) -> tuple[list[Sample], dict]:
 def _features(rl: Roofline, samples: list[Sample]) -> dict[str, np.ndarray]:
     """Per sample: seconds of linear (and decode attention) work at 100% of peak FLOP/s, of
     prefill attention at peak, of memory traffic at peak bandwidth; sequences in the step."""
-    cols: dict[str, list[float]] = {"lin": [], "attn": [], "bytes": [], "seqs": []}
+    cols: dict[str, list[float]] = {"lin": [], "attn": [], "bytes": [], "seqs": [], "fill": []}
     for s in samples:
         if s.kind == "prefill":
             cost = rl.prefill(s.tokens, past=s.context)
@@ -92,30 +92,46 @@ def _features(rl: Roofline, samples: list[Sample]) -> dict[str, np.ndarray]:
         cols["attn"].append(cost.prefill_attn_flops / peak_f)
         cols["bytes"].append(cost.bytes / peak_b)
         cols["seqs"].append(cost.seqs)
+        # one token's linear FLOPs at peak, per step with prefill tokens (small-chunk efficiency)
+        cols["fill"].append(2.0 * rl.model.active_layer_params / peak_f if s.kind == "prefill" else 0.0)
     return {k: np.array(v, dtype=float) for k, v in cols.items()}
 
 
 def fit(
-    rl: Roofline, samples: list[Sample], attention: bool = False, per_seq: bool = False, iters: int = 50
+    rl: Roofline,
+    samples: list[Sample],
+    attention: bool = False,
+    per_seq: bool = False,
+    small_chunk: bool = False,
+    iters: int = 50,
 ) -> Fit:
     """Fit 1/compute, 1/bandwidth and the per-step overhead (and optionally a separate
-    prefill-attention efficiency and a per-sequence overhead) on relative errors."""
+    prefill-attention efficiency, a per-sequence overhead and the small-chunk tokens) on
+    relative errors. The small-chunk term enters as k = tokens / compute on each prefill
+    step's one-token FLOPs, so the fit stays linear."""
     if len(samples) < 3:
         raise CalibrationError("need at least 3 samples")
     x = _features(rl, samples)
     t = np.array([s.step_s for s in samples])
-    free = ["c", "b", "o"] + (["a"] if attention else []) + (["s"] if per_seq else [])
+    free = (
+        ["c", "b", "o"]
+        + (["a"] if attention else [])
+        + (["s"] if per_seq else [])
+        + (["k"] if small_chunk else [])
+    )
     compute = (x["lin"] + x["attn"]) > x["bytes"]  # first guess: the side of the ridge at peak
-    coef = {"c": 2.0, "b": 1.33, "a": 2.0, "o": 0.0, "s": 0.0}
+    coef = {"c": 2.0, "b": 1.33, "a": 2.0, "o": 0.0, "s": 0.0, "k": 0.0}
     for _ in range(iters):
         coef, free = _solve(x, t, compute, free, coef)
         attn_coef = coef["a"] if "a" in free else coef["c"]
-        new = x["lin"] * coef["c"] + x["attn"] * attn_coef > x["bytes"] * coef["b"]
+        new = x["lin"] * coef["c"] + x["attn"] * attn_coef + x["fill"] * coef["k"] > x["bytes"] * coef["b"]
         if np.array_equal(new, compute):
             break
         compute = new
     attn_coef = coef["a"] if "a" in free else coef["c"]
-    pred = np.maximum(x["lin"] * coef["c"] + x["attn"] * attn_coef, x["bytes"] * coef["b"])
+    pred = np.maximum(
+        x["lin"] * coef["c"] + x["attn"] * attn_coef + x["fill"] * coef["k"], x["bytes"] * coef["b"]
+    )
     pred = pred + coef["o"] + coef["s"] * x["seqs"]
     rel = np.abs(pred - t) / t
     try:
@@ -125,6 +141,7 @@ def fit(
             overhead_s=float(coef["o"]),
             attention=float(1 / coef["a"]) if "a" in free else None,
             per_seq_overhead_s=float(coef["s"]),
+            small_chunk_tokens=float(coef["k"] / coef["c"]),
         )
     except ValueError as exc:
         raise CalibrationError(
@@ -144,21 +161,22 @@ def _solve(x: dict[str, np.ndarray], t: np.ndarray, compute: np.ndarray, free: l
         "b": np.where(compute, 0.0, x["bytes"]),
         "o": np.ones_like(t),
         "s": x["seqs"],
+        "k": np.where(compute, x["fill"], 0.0),
     }
     active = [k for k in free if np.any(col[k])]
     while True:
         a = np.stack([col[k] / t for k in active], axis=1)
         sol, *_ = np.linalg.lstsq(a, np.ones_like(t), rcond=None)
-        out = dict(prev, o=0.0 if "o" not in active else prev["o"], s=0.0 if "s" not in active else prev["s"])
+        out = dict(prev, **{k: 0.0 for k in ("o", "s", "k") if k not in active})
         out.update(zip(active, (float(v) for v in sol), strict=True))
-        bad = [k for k in active if out[k] < 0 and k in ("o", "s", "a")]
+        bad = [k for k in active if out[k] < 0 and k in ("o", "s", "k", "a")]
         if not bad:
             for k in ("c", "b", "a"):
                 if out[k] <= 0:  # an unidentifiable efficiency keeps its last value
                     out[k] = prev[k]
             return out, free
         active.remove(bad[0])
-        if bad[0] in ("o", "s"):
+        if bad[0] in ("o", "s", "k"):
             prev = dict(prev, **{bad[0]: 0.0})
         else:  # no separate attention after all: back to one compute efficiency
             free = [k for k in free if k != "a"]

@@ -260,11 +260,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--synthetic",
         default=None,
-        metavar="C,B,OVERHEAD_MS[,ATTN,PER_SEQ_MS]",
+        metavar="C,B,OVERHEAD_MS[,ATTN,PER_SEQ_MS,SMALL_CHUNK_TOKENS]",
         help="write samples a GPU at these factors would report (to stdout) instead",
     )
+    p.add_argument(
+        "--engine", default=None, metavar="URL", help="measure step times on a live engine instead"
+    )
+    p.add_argument("--save", default=None, metavar="FILE", help="with --engine: write the measured samples")
+    p.add_argument("--probe-prefill", type=_ints, default=[32, 64, 128, 256, 512, 1024], help="prompt sizes")
+    p.add_argument("--probe-batches", type=_ints, default=[1, 2, 4, 8, 16], help="decode batch sizes")
+    p.add_argument("--probe-contexts", type=_ints, default=[128, 1024], help="decode-batch prompt sizes")
+    p.add_argument("--repeats", type=int, default=3, help="with --engine: runs per shape (fastest kept)")
     p.add_argument("--fit-attention", action="store_true", help="fit prefill attention's efficiency apart")
     p.add_argument("--fit-per-seq", action="store_true", help="fit a per-sequence overhead too")
+    p.add_argument(
+        "--fit-small-chunk",
+        action="store_true",
+        help="fit the small-chunk tokens (needs prompts of several sizes)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -7,7 +7,7 @@ import argparse
 import json
 
 from splitserve.sim import analysis, calibrate
-from splitserve.sim.cmd_common import efficiency, emit, require_positive
+from splitserve.sim.cmd_common import efficiency, emit, progress, require_positive
 from splitserve.sim.kv import kv_report, required_gbps
 from splitserve.sim.roofline import Efficiency, Roofline
 from splitserve.sim.specs import load_gpu, load_model
@@ -208,26 +208,55 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             c, b, o = values[:3]
             attn = values[3] if len(values) > 3 else None
             per_seq = values[4] / 1e3 if len(values) > 4 else 0.0
-            if len(values) > 5:
+            small = values[5] if len(values) > 5 else 0.0
+            if len(values) > 6:
                 raise ValueError
         except ValueError as exc:
             raise ValueError(
-                "--synthetic takes COMPUTE,BANDWIDTH,OVERHEAD_MS[,ATTENTION,PER_SEQ_MS]"
+                "--synthetic takes COMPUTE,BANDWIDTH,OVERHEAD_MS[,ATTENTION,PER_SEQ_MS,SMALL_CHUNK_TOKENS]"
             ) from exc
-        samples = calibrate.synthetic_samples(rl, Efficiency(c, b, o / 1e3, attn, per_seq))
+        samples = calibrate.synthetic_samples(rl, Efficiency(c, b, o / 1e3, attn, per_seq, small))
         doc = {"model": model.name, "gpu": gpu.name, "samples": calibrate.samples_to_json(samples)}
         print(json.dumps(doc))
         return 0
-    if not args.input:
-        raise ValueError("give a JSON file of measured step times (or --synthetic C,B,OVERHEAD_MS)")
-    samples, _ = calibrate.load_samples(args.input)
-    res = calibrate.fit(rl, samples, attention=args.fit_attention, per_seq=args.fit_per_seq)
+    if args.engine:
+        if args.input:
+            raise ValueError("give a JSON file of step times or --engine URL, not both")
+        from splitserve.sim.engine_probe import EngineProbe, measure
+
+        with progress(
+            args,
+            len(args.probe_prefill) + len(args.probe_batches) * len(args.probe_contexts),
+            "probing the engine",
+        ) as tick:
+            samples = measure(
+                EngineProbe(args.engine),
+                args.probe_prefill,
+                args.probe_batches,
+                args.probe_contexts,
+                repeats=args.repeats,
+                tick=tick,
+            )
+        if args.save:
+            doc = {"model": model.name, "gpu": gpu.name, "samples": calibrate.samples_to_json(samples)}
+            with open(args.save, "w") as f:
+                json.dump(doc, f, indent=1)
+    elif not args.input:
+        raise ValueError(
+            "give a JSON file of measured step times, --engine URL, or --synthetic C,B,OVERHEAD_MS"
+        )
+    else:
+        samples, _ = calibrate.load_samples(args.input)
+    res = calibrate.fit(
+        rl, samples, attention=args.fit_attention, per_seq=args.fit_per_seq, small_chunk=args.fit_small_chunk
+    )
     data = {
         "compute": res.eff.compute,
         "bandwidth": res.eff.bandwidth,
         "overhead_s": res.eff.overhead_s,
         "attention": res.eff.attention,
         "per_seq_overhead_s": res.eff.per_seq_overhead_s,
+        "small_chunk_tokens": res.eff.small_chunk_tokens,
         "samples": res.samples,
         "compute_bound_samples": res.compute_bound,
         "rms_rel_error": res.rms_rel_error,
@@ -245,5 +274,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         lines.append(
             f"  per sequence         {res.eff.per_seq_overhead_s * 1e3:.3f} ms  (--per-seq-overhead-ms)"
         )
+    if args.fit_small_chunk:
+        lines.append(f"  small-chunk tokens   {res.eff.small_chunk_tokens:.0f}  (--small-chunk-tokens)")
     lines.append(f"  fit error: rms {res.rms_rel_error:.1%}, max {res.max_rel_error:.1%}")
     return emit(args, data, lines)

@@ -1,0 +1,138 @@
+"""Measure step times on a live splitserve engine (`splitserve engine`, any engine speaking
+its API) for `sim calibrate --engine URL`. Standard library only: HTTP with urllib.
+
+- Prefill: one request of N fresh tokens (`max_tokens: 1`) on an idle engine. Its step
+  time is what the engine's `/metrics` step-time histogram gained (`_sum`), kept only when
+  exactly one step ran (N within the engine's token budget).
+- Decode: B requests of C fresh tokens sent at once, `max_tokens: K` each, for each B and
+  C. A request's engine-side `mean_itl_ms` (first to last token, engine clock, no HTTP in
+  it) is the mean step time of the decode batch it rode in; the sample is the median over
+  the B requests, at batch B and mean context C + K / 2. (The first request to arrive
+  prefills alone and finishes a step early, so the others' last step runs at batch B - 1:
+  a bias of about one step in K, which the median request carries.)
+
+Each shape is measured `repeats` times and the fastest kept: a shared machine only ever
+adds time. Token IDs are drawn at random from a small range so every prompt is new to the
+engine's prefix cache.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+
+from splitserve.sim.calibrate import CalibrationError, Sample
+
+_METRIC = re.compile(r"^(splitserve_step_time_seconds_(?:sum|count)|splitserve_step_tokens_total)\s+(\S+)$")
+
+
+class EngineProbe:
+    def __init__(self, url: str, timeout_s: float = 300.0, seed: int = 0) -> None:
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
+        self._rng = random.Random(seed)
+        self._lock = threading.Lock()
+
+    def _call(self, path: str, body: dict | None = None) -> bytes:
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(
+            self.url + path, data=data, headers={"Content-Type": "application/json"} if data else {}
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                return resp.read()
+        except urllib.error.HTTPError as exc:
+            detail = exc.read().decode(errors="replace")[:200]
+            raise CalibrationError(f"{self.url}{path}: HTTP {exc.code}: {detail}") from None
+        except (urllib.error.URLError, OSError) as exc:
+            raise CalibrationError(f"{self.url}{path}: cannot reach the engine ({exc})") from None
+
+    def step_counters(self) -> dict[str, float]:
+        found = {}
+        for line in self._call("/metrics").decode().splitlines():
+            m = _METRIC.match(line.strip())
+            if m:
+                found[m.group(1)] = float(m.group(2))
+        if len(found) < 3:
+            raise CalibrationError(f"{self.url}/metrics has no splitserve step-time histogram")
+        return found
+
+    def _tokens(self, n: int) -> list[int]:
+        with self._lock:
+            return [self._rng.randrange(10, 250) for _ in range(n)]
+
+    def generate(self, prompt_tokens: int, max_tokens: int) -> dict:
+        body = {
+            "token_ids": self._tokens(prompt_tokens),
+            "sampling_params": {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True},
+        }
+        return json.loads(self._call("/inference/v1/generate", body))
+
+    def prefill_step_s(self, tokens: int) -> float | None:
+        """One prompt's prefill step time; None if it took more than one step."""
+        before = self.step_counters()
+        self.generate(tokens, 1)
+        after = self.step_counters()
+        steps = after["splitserve_step_time_seconds_count"] - before["splitserve_step_time_seconds_count"]
+        if steps != 1:
+            return None
+        return after["splitserve_step_time_seconds_sum"] - before["splitserve_step_time_seconds_sum"]
+
+    def decode_step_s(self, batch: int, context: int, max_tokens: int) -> float:
+        """Median engine-side mean ITL of `batch` requests decoding together."""
+        itls: list[float] = []
+        errors: list[BaseException] = []
+
+        def one() -> None:
+            try:
+                itl = (self.generate(context, max_tokens).get("metrics") or {}).get("mean_itl_ms")
+                if itl is None:
+                    raise CalibrationError("the engine's response carries no metrics.mean_itl_ms")
+                with self._lock:
+                    itls.append(float(itl) / 1e3)
+            except BaseException as exc:  # reported below, in the caller's thread
+                errors.append(exc)
+
+        threads = [threading.Thread(target=one) for _ in range(batch)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        itls.sort()
+        return itls[len(itls) // 2]
+
+
+def measure(
+    probe: EngineProbe,
+    prefill_tokens: Sequence[int] = (32, 64, 128, 256, 512, 1024),
+    decode_batches: Sequence[int] = (1, 2, 4, 8, 16),
+    decode_contexts: Sequence[int] = (128, 1024),
+    decode_tokens: int = 32,
+    repeats: int = 3,
+    tick: Callable[[], None] | None = None,
+) -> list[Sample]:
+    probe._call("/health")
+    probe.generate(16, 2)  # warm-up: first-call costs are not step costs
+    samples: list[Sample] = []
+    for n in prefill_tokens:
+        times = [t for t in (probe.prefill_step_s(n) for _ in range(repeats)) if t is not None]
+        if times:
+            samples.append(Sample("prefill", n, 0, min(times)))
+        if tick:
+            tick()
+    for context in decode_contexts:  # KV reads grow with the context: bandwidth vs fixed costs
+        for b in decode_batches:
+            best = min(probe.decode_step_s(b, context, decode_tokens) for _ in range(repeats))
+            samples.append(Sample("decode", b, context + decode_tokens // 2, best))
+            if tick:
+                tick()
+    if len(samples) < 3:
+        raise CalibrationError("fewer than 3 usable step shapes (prompts larger than the engine's budget?)")
+    return samples
