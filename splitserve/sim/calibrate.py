@@ -81,7 +81,7 @@ def load_samples(path: str) -> tuple[list[Sample], dict]:
 def _features(rl: Roofline, samples: list[Sample]) -> dict[str, np.ndarray]:
     """Per sample: seconds of linear (and decode attention) work at 100% of peak FLOP/s, of
     prefill attention at peak, of memory traffic at peak bandwidth; sequences in the step."""
-    cols: dict[str, list[float]] = {"lin": [], "attn": [], "bytes": [], "seqs": [], "fill": []}
+    cols: dict[str, list[float]] = {"lin": [], "attn": [], "bytes": [], "kv": [], "seqs": [], "fill": []}
     for s in samples:
         if s.kind == "prefill":
             cost = rl.prefill(s.tokens, past=s.context)
@@ -90,7 +90,8 @@ def _features(rl: Roofline, samples: list[Sample]) -> dict[str, np.ndarray]:
         peak_f, peak_b = rl.gpu.peak_flops * rl.tp, rl.gpu.mem_bw * rl.tp
         cols["lin"].append((cost.linear_flops + cost.decode_attn_flops) / peak_f)
         cols["attn"].append(cost.prefill_attn_flops / peak_f)
-        cols["bytes"].append(cost.bytes / peak_b)
+        cols["bytes"].append(cost.weight_bytes / peak_b)
+        cols["kv"].append(cost.kv_bytes / peak_b)
         cols["seqs"].append(cost.seqs)
         # one token's linear FLOPs at peak, per step with prefill tokens (small-chunk efficiency)
         cols["fill"].append(2.0 * rl.model.active_layer_params / peak_f if s.kind == "prefill" else 0.0)
@@ -103,6 +104,7 @@ def fit(
     attention: bool = False,
     per_seq: bool = False,
     small_chunk: bool = False,
+    kv_bandwidth: bool = False,
     iters: int = 50,
 ) -> Fit:
     """Fit 1/compute, 1/bandwidth and the per-step overhead (and optionally a separate
@@ -118,13 +120,17 @@ def fit(
         + (["a"] if attention else [])
         + (["s"] if per_seq else [])
         + (["k"] if small_chunk else [])
+        + (["v"] if kv_bandwidth else [])
     )
-    compute = (x["lin"] + x["attn"]) > x["bytes"]  # first guess: the side of the ridge at peak
-    coef = {"c": 2.0, "b": 1.33, "a": 2.0, "o": 0.0, "s": 0.0, "k": 0.0}
+    compute = (x["lin"] + x["attn"]) > x["bytes"] + x["kv"]  # first guess: the side of the ridge at peak
+    coef = {"c": 2.0, "b": 1.33, "a": 2.0, "o": 0.0, "s": 0.0, "k": 0.0, "v": 1.33}
     for _ in range(iters):
         coef, free = _solve(x, t, compute, free, coef)
         attn_coef = coef["a"] if "a" in free else coef["c"]
-        new = x["lin"] * coef["c"] + x["attn"] * attn_coef + x["fill"] * coef["k"] > x["bytes"] * coef["b"]
+        kv_coef = coef["v"] if "v" in free else coef["b"]
+        new = x["lin"] * coef["c"] + x["attn"] * attn_coef + x["fill"] * coef["k"] > (
+            x["bytes"] * coef["b"] + x["kv"] * kv_coef
+        )
         if np.array_equal(new, compute):
             break
         compute = new
@@ -142,6 +148,7 @@ def fit(
             attention=float(1 / coef["a"]) if "a" in free else None,
             per_seq_overhead_s=float(coef["s"]),
             small_chunk_tokens=float(coef["k"] / coef["c"]),
+            kv_bandwidth=float(1 / coef["v"]) if "v" in free else None,
         )
     except ValueError as exc:
         raise CalibrationError(
@@ -158,7 +165,8 @@ def _solve(x: dict[str, np.ndarray], t: np.ndarray, compute: np.ndarray, free: l
     col = {
         "c": np.where(compute, x["lin"] + (0.0 if "a" in free else x["attn"]), 0.0),
         "a": np.where(compute, x["attn"], 0.0),
-        "b": np.where(compute, 0.0, x["bytes"]),
+        "b": np.where(compute, 0.0, x["bytes"] + (0.0 if "v" in free else x["kv"])),
+        "v": np.where(compute, 0.0, x["kv"]),
         "o": np.ones_like(t),
         "s": x["seqs"],
         "k": np.where(compute, x["fill"], 0.0),
@@ -171,7 +179,7 @@ def _solve(x: dict[str, np.ndarray], t: np.ndarray, compute: np.ndarray, free: l
         out.update(zip(active, (float(v) for v in sol), strict=True))
         bad = [k for k in active if out[k] < 0 and k in ("o", "s", "k", "a")]
         if not bad:
-            for k in ("c", "b", "a"):
+            for k in ("c", "b", "a", "v"):
                 if out[k] <= 0:  # an unidentifiable efficiency keeps its last value
                     out[k] = prev[k]
             return out, free

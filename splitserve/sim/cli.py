@@ -22,6 +22,9 @@ def _common(
     p.add_argument("--eff-compute", type=float, default=compute, help="achieved fraction of peak FLOP/s")
     p.add_argument("--eff-bandwidth", type=float, default=0.75, help="achieved fraction of peak bandwidth")
     p.add_argument("--eff-attention", type=float, default=None, help="prefill attention's fraction of peak")
+    p.add_argument(
+        "--eff-kv-bandwidth", type=float, default=None, help="decode attention's fraction of peak bandwidth"
+    )
     p.add_argument("--overhead-ms", type=float, default=2.0, help="fixed cost per step")
     p.add_argument("--per-seq-overhead-ms", type=float, default=0.0, help="cost per sequence in a step")
     p.add_argument(
@@ -83,6 +86,12 @@ def _deployment(p: argparse.ArgumentParser) -> None:
         help="tokens per P/D prefill step (default: one whole prompt per step)",
     )
     p.add_argument("--routing", choices=["round_robin", "random", "least_loaded"], default=None)
+    p.add_argument(
+        "--step-time",
+        choices=["max", "sum"],
+        default=None,
+        help="max: one roofline per step (seed; what `sim calibrate` fits); sum: per kernel (realistic)",
+    )
     p.add_argument(
         "--link-gbps",
         type=float,
@@ -273,6 +282,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3, help="with --engine: runs per shape (fastest kept)")
     p.add_argument("--fit-attention", action="store_true", help="fit prefill attention's efficiency apart")
     p.add_argument("--fit-per-seq", action="store_true", help="fit a per-sequence overhead too")
+    p.add_argument(
+        "--fit-kv-bandwidth",
+        action="store_true",
+        help="fit decode attention's bandwidth apart (needs contexts)",
+    )
     p.add_argument(
         "--fit-small-chunk",
         action="store_true",

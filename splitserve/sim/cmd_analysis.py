@@ -248,7 +248,12 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     else:
         samples, _ = calibrate.load_samples(args.input)
     res = calibrate.fit(
-        rl, samples, attention=args.fit_attention, per_seq=args.fit_per_seq, small_chunk=args.fit_small_chunk
+        rl,
+        samples,
+        attention=args.fit_attention,
+        per_seq=args.fit_per_seq,
+        small_chunk=args.fit_small_chunk,
+        kv_bandwidth=args.fit_kv_bandwidth,
     )
     data = {
         "compute": res.eff.compute,
@@ -257,6 +262,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         "attention": res.eff.attention,
         "per_seq_overhead_s": res.eff.per_seq_overhead_s,
         "small_chunk_tokens": res.eff.small_chunk_tokens,
+        "kv_bandwidth": res.eff.kv_bandwidth,
         "samples": res.samples,
         "compute_bound_samples": res.compute_bound,
         "rms_rel_error": res.rms_rel_error,
@@ -274,6 +280,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         lines.append(
             f"  per sequence         {res.eff.per_seq_overhead_s * 1e3:.3f} ms  (--per-seq-overhead-ms)"
         )
+    if res.eff.kv_bandwidth is not None:
+        lines.append(f"  KV read bandwidth    {res.eff.kv_bandwidth:.3f}  (--eff-kv-bandwidth)")
     if args.fit_small_chunk:
         lines.append(f"  small-chunk tokens   {res.eff.small_chunk_tokens:.0f}  (--small-chunk-tokens)")
     lines.append(f"  fit error: rms {res.rms_rel_error:.1%}, max {res.max_rel_error:.1%}")

@@ -62,12 +62,13 @@ def efficiency(args: argparse.Namespace) -> Efficiency:
     if small_chunk is None:  # the realistic preset's default; the seed assumes none
         small_chunk = REALISTIC_SMALL_CHUNK_TOKENS if getattr(args, "preset", "seed") == "realistic" else 0.0
     return Efficiency(
-        args.eff_compute,
-        args.eff_bandwidth,
-        args.overhead_ms / 1e3,
-        args.eff_attention,
-        args.per_seq_overhead_ms / 1e3,
-        small_chunk,
+        compute=args.eff_compute,
+        bandwidth=args.eff_bandwidth,
+        overhead_s=args.overhead_ms / 1e3,
+        attention=args.eff_attention,
+        per_seq_overhead_s=args.per_seq_overhead_ms / 1e3,
+        small_chunk_tokens=small_chunk,
+        kv_bandwidth=args.eff_kv_bandwidth,
     )
 
 

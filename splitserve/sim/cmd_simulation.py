@@ -52,7 +52,7 @@ def base_deployment(args: argparse.Namespace) -> Deployment:
         tp_prefill=args.tp_prefill,
         tp_decode=args.tp_decode,
         eff=efficiency(args),
-        combine="sum" if realistic else "max",
+        combine=args.step_time or ("sum" if realistic else "max"),
         sched=sched,
         prefill_sched=prefill_sched,
         routing=args.routing or ("least_loaded" if realistic else "round_robin"),

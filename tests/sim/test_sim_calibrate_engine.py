@@ -19,7 +19,7 @@ from splitserve.sim import Deployment, Efficiency, InstanceConfig, Workload, loa
 TRUTH = Efficiency(
     compute=0.5, bandwidth=0.7, overhead_s=0.003, per_seq_overhead_s=0.0002, small_chunk_tokens=96
 )
-QUIET_S = 0.3  # requests keep joining a batch until none arrived for this long
+QUIET_S = 0.6  # requests keep joining a batch until none arrived for this long
 
 
 class SyntheticEngine:
