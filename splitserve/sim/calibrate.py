@@ -135,9 +135,9 @@ def fit(
             break
         compute = new
     attn_coef = coef["a"] if "a" in free else coef["c"]
-    pred = np.maximum(
-        x["lin"] * coef["c"] + x["attn"] * attn_coef + x["fill"] * coef["k"], x["bytes"] * coef["b"]
-    )
+    kv_coef = coef["v"] if "v" in free else coef["b"]
+    compute_s = x["lin"] * coef["c"] + x["attn"] * attn_coef + x["fill"] * coef["k"]
+    pred = np.maximum(compute_s, x["bytes"] * coef["b"] + x["kv"] * kv_coef)
     pred = pred + coef["o"] + coef["s"] * x["seqs"]
     rel = np.abs(pred - t) / t
     try:

@@ -9,7 +9,6 @@ import sys
 
 from splitserve.sim import cmd_analysis, cmd_checks, cmd_cpu_tier, cmd_plan, cmd_simulation, cpu_tier
 from splitserve.sim.calibrate import CalibrationError
-from splitserve.sim.cmd_common import REALISTIC_SMALL_CHUNK_TOKENS
 from splitserve.sim.specs import SpecError
 from splitserve.sim.workload import WorkloadError
 
@@ -20,19 +19,21 @@ def _common(
     p.add_argument("--model", default=model, help="built-in name or a HF config.json path/dir")
     p.add_argument("--gpu", default=gpu, help="built-in name (L40S, A100-80G, H100-SXM, H200, B200) or JSON")
     p.add_argument("--eff-compute", type=float, default=compute, help="achieved fraction of peak FLOP/s")
-    p.add_argument("--eff-bandwidth", type=float, default=0.75, help="achieved fraction of peak bandwidth")
+    p.add_argument(
+        "--eff-bandwidth", type=float, default=None, help="achieved fraction of peak bandwidth (preset's)"
+    )
     p.add_argument("--eff-attention", type=float, default=None, help="prefill attention's fraction of peak")
     p.add_argument(
         "--eff-kv-bandwidth", type=float, default=None, help="decode attention's fraction of peak bandwidth"
     )
-    p.add_argument("--overhead-ms", type=float, default=2.0, help="fixed cost per step")
+    p.add_argument("--overhead-ms", type=float, default=None, help="fixed cost per step (preset's)")
     p.add_argument("--per-seq-overhead-ms", type=float, default=0.0, help="cost per sequence in a step")
     p.add_argument(
         "--small-chunk-tokens",
         type=float,
         default=None,
         help="a prefill step computes as if it had this many more tokens (small chunks run "
-        f"below peak; default {REALISTIC_SMALL_CHUNK_TOKENS:g} with --preset realistic, 0 with seed)",
+        "below peak; the preset's by default)",
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 

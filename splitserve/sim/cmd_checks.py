@@ -7,7 +7,7 @@ import argparse
 from dataclasses import replace
 
 from splitserve.sim.cmd_common import (
-    REALISTIC_SMALL_CHUNK_TOKENS,
+    REALISTIC_EFFICIENCY,
     efficiency,
     emit,
     mean_summary,
@@ -30,10 +30,11 @@ GUIDE = {
 
 
 def beyond_variants(base: Deployment) -> list[tuple[str, Deployment]]:
-    """The seed's simulator, then each thing it leaves out, then all of them together (the
-    realistic preset)."""
+    """The seed's simulator, then each thing it leaves out, then all of them together: the
+    realistic preset, with its efficiencies re-anchored on the guide (cmd_common)."""
     multi = replace(base.sched, prompts_per_step=None)
-    small = replace(base.eff, small_chunk_tokens=REALISTIC_SMALL_CHUNK_TOKENS)
+    small = replace(base.eff, small_chunk_tokens=REALISTIC_EFFICIENCY.small_chunk_tokens)
+    slow_kv = replace(base.eff, kv_bandwidth=REALISTIC_EFFICIENCY.kv_bandwidth)
     return [
         ("seed's model", base),
         ("+ per-kernel step time", replace(base, combine="sum")),
@@ -41,9 +42,17 @@ def beyond_variants(base: Deployment) -> list[tuple[str, Deployment]]:
         ("+ KV memory limit", replace(base, kv_limit=True)),
         ("+ least-loaded routing", replace(base, routing="least_loaded")),
         ("+ small-chunk efficiency", replace(base, eff=small)),
+        (f"+ KV reads at {REALISTIC_EFFICIENCY.kv_bandwidth:.0%} of bandwidth", replace(base, eff=slow_kv)),
         (
-            "all of the above",
-            replace(base, combine="sum", sched=multi, kv_limit=True, routing="least_loaded", eff=small),
+            "all of the above (realistic preset)",
+            replace(
+                base,
+                combine="sum",
+                sched=multi,
+                kv_limit=True,
+                routing="least_loaded",
+                eff=replace(REALISTIC_EFFICIENCY, compute=base.eff.compute),
+            ),
         ),
     ]
 
@@ -66,11 +75,11 @@ def cmd_beyond(args: argparse.Namespace) -> int:
         f"collocated p99 ITL (ms) per offered load; the guide measured "
         f"{GUIDE['collocated_p99_itl_0.4'] * 1e3:.0f} ms at 0.4 and "
         f"{GUIDE['collocated_p99_itl_2.0'] * 1e3:.0f} ms at 2.0 req/s",
-        f"  {'variant':28s}" + "".join(f"{r:>8g}" for r in args.rates),
+        f"  {'variant':36s}" + "".join(f"{r:>8g}" for r in args.rates),
     ]
     for name, _ in variants:
         vals = [r["itl_p99_s"] for r in rows if r["variant"] == name]
-        lines.append(f"  {name:28s}" + "".join(f"{v * 1e3:8.0f}" for v in vals))
+        lines.append(f"  {name:36s}" + "".join(f"{v * 1e3:8.0f}" for v in vals))
     data = {"rows": rows, "guide": GUIDE}
     return emit(args, data, lines)
 

@@ -17,9 +17,19 @@ from splitserve.sim.roofline import Efficiency
 from splitserve.sim.simulator import Deployment, simulate
 from splitserve.sim.workload import Workload, WorkloadError, load_trace, sessions, synthetic
 
-# An assumption until `sim calibrate` measures it: a 512-token chunk runs at 80% of a large
-# prompt's compute efficiency, a 2,048-token one at 94%.
-REALISTIC_SMALL_CHUNK_TOKENS = 128.0
+# The realistic preset (per-kernel step times) anchored on the guide's measurements, as the
+# seed anchored its one-roofline-per-step model (compute 0.47, bandwidth 0.75, 2 ms/step) on
+# the guide's low-load medians. Per kernel, a decode step also pays its own attention, so the
+# weights stream at 85% of bandwidth with 1 ms per step (median ITL 22 ms at low load, inside
+# the guide's 21-24 ms); cached K and V are read at 30% of bandwidth (paged attention over
+# long contexts), the one value that puts the collocated p99 ITL at 2 req/s on the guide's
+# 263 ms (a fit to it, not a prediction of it); and a prefill step computes as if it had 64
+# more tokens (a 512-token chunk at 89% of a large prompt's efficiency: an assumption until
+# `sim calibrate --fit-small-chunk` measures it). `sim calibrate` replaces all of them.
+SEED_EFFICIENCY = Efficiency()
+REALISTIC_EFFICIENCY = Efficiency(
+    compute=0.47, bandwidth=0.85, overhead_s=0.001, small_chunk_tokens=64.0, kv_bandwidth=0.30
+)
 
 
 def clean(obj):
@@ -58,18 +68,19 @@ def progress(args: argparse.Namespace, total: int, what: str) -> Iterator[Callab
 
 
 def efficiency(args: argparse.Namespace) -> Efficiency:
-    small_chunk = getattr(args, "small_chunk_tokens", None)
-    if small_chunk is None:  # the realistic preset's default; the seed assumes none
-        small_chunk = REALISTIC_SMALL_CHUNK_TOKENS if getattr(args, "preset", "seed") == "realistic" else 0.0
-    return Efficiency(
-        compute=args.eff_compute,
-        bandwidth=args.eff_bandwidth,
-        overhead_s=args.overhead_ms / 1e3,
-        attention=args.eff_attention,
-        per_seq_overhead_s=args.per_seq_overhead_ms / 1e3,
-        small_chunk_tokens=small_chunk,
-        kv_bandwidth=args.eff_kv_bandwidth,
-    )
+    """The flags' efficiencies; those not given come from the preset (seed without one)."""
+    preset = REALISTIC_EFFICIENCY if getattr(args, "preset", "seed") == "realistic" else SEED_EFFICIENCY
+    overhead_ms = getattr(args, "overhead_ms", None)
+    given = {
+        "compute": args.eff_compute,
+        "bandwidth": args.eff_bandwidth,
+        "overhead_s": None if overhead_ms is None else overhead_ms / 1e3,
+        "attention": args.eff_attention,
+        "per_seq_overhead_s": args.per_seq_overhead_ms / 1e3,
+        "small_chunk_tokens": getattr(args, "small_chunk_tokens", None),
+        "kv_bandwidth": getattr(args, "eff_kv_bandwidth", None),
+    }
+    return replace(preset, **{k: v for k, v in given.items() if v is not None})
 
 
 def require_positive(**values: float) -> None:

@@ -19,7 +19,6 @@ from splitserve.sim.steady import Estimate, SteadyState, estimate, search_goodpu
 
 _ITL_KEYS = ("tpot", "gap", "p99_itl")
 KV_BLOCKED = 0.05  # a pool whose requests wait for KV memory this much of the time is memory-bound
-IDLE_PREFILL = 0.6  # below this busy fraction, prefill queueing does not explain late first tokens
 
 
 class Plan(NamedTuple):
@@ -78,9 +77,9 @@ def prefill_capacity(dep: Deployment, prompt: int) -> float:
     return count / rl.step_s(rl.prefill(prompt))
 
 
-def binding_resource(dep: Deployment, e: Estimate) -> str:
+def binding_resource(dep: Deployment, e: Estimate, ttft_bound: float | None = None) -> str:
     """Name what gives out in a run that misses the target: from which bounds are missed
-    and how the pools were loaded."""
+    and how the pools were loaded. `ttft_bound`: the tightest TTFT bound of the SLOs."""
     r = e.result
     ttft_miss = e.misses.get("ttft", 0.0)
     itl_miss = max((e.misses.get(k, 0.0) for k in _ITL_KEYS), default=0.0)
@@ -96,10 +95,11 @@ def binding_resource(dep: Deployment, e: Estimate) -> str:
         return "KV memory (decode)"
     if memory.get("both", 0.0) > KV_BLOCKED:
         return "KV memory"
-    if dep.mode == "pd":
-        prefill_busy = np.mean([b for b, x in zip(r.busy_fraction, r.roles, strict=True) if x == "prefill"])
-        if prefill_busy < IDLE_PREFILL:  # first tokens late with prefill mostly idle
-            return "KV handoff (or a prompt too long for the TTFT target)"
+    if ttft_bound is not None and np.percentile(r.ttft, 10) > ttft_bound:
+        # even the requests that hardly queued are late: the work itself is too slow
+        if dep.mode == "pd" and dep.link.fixed_s is not None:
+            return "KV handoff"
+        return "prefill compute (a prompt alone takes longer than the TTFT target)"
     return "prefill compute"
 
 
@@ -119,6 +119,8 @@ def plan_for_rate(
 ) -> list[Plan]:
     """The layouts with the fewest GPUs (up to `max_gpus`) that meet every SLO for `target`
     of requests at `rate`, best first (most headroom)."""
+    ttft_bounds = [s.ttft for s in slos if s.ttft is not None]
+    ttft_bound = min(ttft_bounds) if ttft_bounds else None
     for gpus in range(1, max_gpus + 1):
         plans = []
         for dep in layouts(base, gpus, tps, budgets):
@@ -132,7 +134,9 @@ def plan_for_rate(
                 dep, make, slos, rate, 1.2 * capacity, target, cfg, iters, tick, at_lo=at_rate
             )
             above = found.failing
-            binding = binding_resource(dep, above) if above else "none up to 1.2x prefill capacity"
+            binding = (
+                binding_resource(dep, above, ttft_bound) if above else "none up to 1.2x prefill capacity"
+            )
             plans.append(Plan(dep, at_rate, found.goodput, found.goodput / rate - 1, binding))
         if plans:
             return sorted(plans, key=lambda p: (-p.headroom, p.deployment.label()))

@@ -187,18 +187,25 @@ def test_length_distributions_and_bursty_arrivals():
         synthetic(-1.0, 10)
 
 
-def test_beyond_the_seed_moves_toward_the_guides_263_ms():
-    """The seed plateaus at 194 ms at 2 req/s where the guide measured 263 ms. Per-kernel step
-    times (decode attention is its own memory-bound kernel), several prompts per step, a KV
-    memory limit and load-unaware routing together reach ~214 ms: 19% short instead of 26%."""
+def test_beyond_the_seed_reaches_the_guides_263_ms():
+    """The seed plateaus at 194 ms at 2 req/s where the guide measured 263 ms. What grows the
+    tail with load: per-kernel step times (a mixed step's decode attention reads every
+    stream's cached K and V after the chunk's matrix multiplies), at the KV-read bandwidth the
+    realistic preset assumes (fitted to this very figure), with several prompts per step,
+    small-chunk efficiency, KV memory and least-loaded routing: within 10% of 263 ms, and
+    still within 10% of the guide's 169 ms at 0.4 req/s."""
     rows = {}
     for name, dep in beyond_variants(Deployment(MODEL, GPU)):
-        rows[name] = np.mean(
-            [simulate(dep, synthetic(2.0, 100, seed=s), seed=s).summary()["itl_p99_s"] for s in range(3)]
-        )
-    assert rows["seed's model"] == pytest.approx(0.194, abs=0.003)
-    assert rows["all of the above"] > rows["seed's model"] + 0.012
-    assert abs(rows["all of the above"] - 0.263) < abs(rows["seed's model"] - 0.263)
+        rows[name] = {
+            rate: np.mean(
+                [simulate(dep, synthetic(rate, 100, seed=s), seed=s).summary()["itl_p99_s"] for s in range(3)]
+            )
+            for rate in (0.4, 2.0)
+        }
+    assert rows["seed's model"][2.0] == pytest.approx(0.194, abs=0.003)
+    assert rows["all of the above (realistic preset)"][2.0] == pytest.approx(0.263, rel=0.10)
+    assert rows["all of the above (realistic preset)"][0.4] == pytest.approx(0.169, rel=0.10)
+    assert rows["+ per-kernel step time"][2.0] > rows["seed's model"][2.0] + 0.010
 
 
 @pytest.mark.parametrize("mode", ["collocated", "pd"])
