@@ -7,22 +7,35 @@ and the DistServe goodput. The peer is the real server, measured in that bench r
         --fit-small-chunk --fit-kv-bandwidth --json > fit.json
     splitserve bench --url URL --tokenizer DIR --rate 2,5,10 --num-requests 60 --json run.json
     python benchmarks/bench_sim_predicts_bench.py run.json fit.json DIR host.json [--replicas 1]
+    python benchmarks/bench_sim_predicts_bench.py up.json fit.json DIR host.json --pd 1:1
 
-The server is modelled as `serve` runs: one collocated engine, splitserve's default token
-budget, several prompts per step, the fitted step costs (one roofline per step, as fitted).
-What the client adds on top of the engine (HTTP, render, detokenize) is not modelled.
+The server is modelled as `serve` runs (one collocated engine) or, with `--pd P:D`, as `up`
+runs (P prefill and D decode engines, KV pushed layer by layer over the host's memory):
+splitserve's default token budget, several prompts per step, the fitted step costs (one
+roofline per step, as fitted). What the client adds on top of the engines (HTTP, render,
+detokenize, the proxy's hops) is not modelled.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 
 import numpy as np
 
 from splitserve.config import SchedulerConfig
 from splitserve.goodput import SLO, distserve_goodput
-from splitserve.sim import Deployment, Efficiency, InstanceConfig, Workload, load_gpu, load_model, simulate
+from splitserve.sim import (
+    Deployment,
+    Efficiency,
+    InstanceConfig,
+    KVLink,
+    Workload,
+    load_gpu,
+    load_model,
+    simulate,
+)
 from splitserve.sim.metrics import met
 from splitserve.sim.workload import synthetic
 
@@ -35,6 +48,7 @@ def main() -> None:
     p.add_argument("gpu")
     p.add_argument("--replicas", type=int, default=1)
     p.add_argument("--budget", type=int, default=SchedulerConfig().max_num_batched_tokens)
+    p.add_argument("--pd", default=None, metavar="P:D", help="model `splitserve up` with P prefill, D decode")
     args = p.parse_args()
     with open(args.bench_json) as f:
         run = json.load(f)
@@ -49,14 +63,21 @@ def main() -> None:
         small_chunk_tokens=fit["small_chunk_tokens"],
         kv_bandwidth=fit["kv_bandwidth"],
     )
+    sched = InstanceConfig(SchedulerConfig(max_num_batched_tokens=args.budget))
     dep = Deployment(
         load_model(args.model),
         load_gpu(args.gpu),
         replicas=args.replicas,
         eff=eff,
-        sched=InstanceConfig(SchedulerConfig(max_num_batched_tokens=args.budget)),
+        sched=sched,
+        prefill_sched=sched,
         routing="least_loaded",
     )
+    if args.pd:
+        prefills, decodes = (int(x) for x in args.pd.split(":"))
+        gpu = dep.gpu  # KV moves through shared memory: the host's copy bandwidth
+        link = KVLink(gbps=gpu.mem_bw * 8 / 1e9)
+        dep = replace(dep, mode="pd", prefill_instances=prefills, decode_instances=decodes, link=link)
     slos = [SLO.parse(s) for s in run["slos"]]
     rows, errors = [], []
     att_pred: dict[str, list[float]] = {s.name: [] for s in slos}
