@@ -52,6 +52,9 @@ class EngineProbe:
         except (urllib.error.URLError, OSError) as exc:
             raise CalibrationError(f"{self.url}{path}: cannot reach the engine ({exc})") from None
 
+    def health(self) -> None:
+        self._call("/health")
+
     def step_counters(self) -> dict[str, float]:
         found = {}
         for line in self._call("/metrics").decode().splitlines():
@@ -118,7 +121,7 @@ def measure(
     repeats: int = 3,
     tick: Callable[[], None] | None = None,
 ) -> list[Sample]:
-    probe._call("/health")
+    probe.health()
     probe.generate(16, 2)  # warm-up: first-call costs are not step costs
     samples: list[Sample] = []
     for n in prefill_tokens:
