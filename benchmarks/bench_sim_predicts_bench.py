@@ -115,9 +115,8 @@ def main() -> None:
         )
     print("\n".join(rows))
     within = sum(e <= 0.10 for e in errors)
-    print(
-        f"predictions within 10% (of those measured non-zero): {within}/{len(errors)}; median |error| {np.median(errors):.1%}"
-    )
+    median = np.median(errors)
+    print(f"predictions within 10% (measured non-zero): {within}/{len(errors)}; median |error| {median:.1%}")
 
 
 if __name__ == "__main__":
