@@ -67,7 +67,7 @@ class Engine:
         self.n_steps = 0
         self.waiting: deque[list] = deque()  # [rid, tokens done, prompt tokens, reserved?]
         self.ready: deque[int] = deque()  # decode role: KV arrived, waiting to join
-        self.pulls: list[int] = []  # decode role, notify=step: transfers to start at a boundary
+        self.pulls: list[int] = []  # decode role, pull mode: transfers to start at its next step boundary
         self.run_ids: list[int] = []
         self.run_left: list[int] = []
         self.run_ctx: list[int] = []

@@ -200,7 +200,7 @@ class _Sim:
                 self.push(end, _STEP_END, e.index, e.version)
 
     def start(self, e: Engine, t: float) -> None:
-        for rid in e.pulls:  # notify=step: the transfer starts when decode checks
+        for rid in e.pulls:  # pull mode: the transfer starts when decode next checks
             self.push(t + self.transfer_time(rid), _KV_READY, e.index, rid)
         e.pulls = []
 
