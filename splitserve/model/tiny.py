@@ -29,6 +29,7 @@ ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "qwen2_vl": ("Qwen2VLForConditionalGeneration", "qwen2_vl"),  # written by tiny_vl.py
 }
 DEMO_MODEL_VERSION = "v1"
 
@@ -132,6 +133,38 @@ def chat_template() -> str:
     return resources.files("splitserve.model").joinpath("chatml_template.jinja").read_text()
 
 
+def write_tokenizer(
+    out: Path, tokenizer, added_tokens: tuple[str, ...], template: str, max_position: int
+) -> None:
+    """tokenizer.json and a tokenizer_config.json declaring `added_tokens` (all special
+    except the MARKUP_TOKENS) and the chat template."""
+    tokenizer.save(str(out / "tokenizer.json"))
+    added = {}
+    for token in added_tokens:
+        added[str(tokenizer.token_to_id(token))] = {
+            "content": token,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "single_word": False,
+            "special": token not in MARKUP_TOKENS,
+        }
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "added_tokens_decoder": added,
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
+        "model_max_length": max_position,
+        "clean_up_tokenization_spaces": False,
+        "split_special_tokens": False,
+        "chat_template": template,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2, ensure_ascii=False))
+
+
 def _config(spec: TinyModelSpec, eos_id: int, pad_id: int) -> dict:
     architecture, model_type = ARCHITECTURES[spec.arch]
     config = {
@@ -218,36 +251,15 @@ def write_tiny_model(directory: str | os.PathLike[str], spec: TinyModelSpec = Ti
         raise ValueError("vocab must be at least 512 (256 bytes + specials + merges)")
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
+    if spec.arch == "qwen2_vl":
+        from splitserve.model.tiny_vl import write_tiny_qwen2_vl
+
+        return write_tiny_qwen2_vl(out, spec)
 
     tokenizer = build_tokenizer(spec.vocab, spec.seed)
     eos_id = tokenizer.token_to_id("<|im_end|>")
     pad_id = tokenizer.token_to_id("<|endoftext|>")
-    tokenizer.save(str(out / "tokenizer.json"))
-
-    added = {}
-    for token in SPECIAL_TOKENS + MARKUP_TOKENS:
-        added[str(tokenizer.token_to_id(token))] = {
-            "content": token,
-            "lstrip": False,
-            "rstrip": False,
-            "normalized": False,
-            "single_word": False,
-            "special": token in SPECIAL_TOKENS,
-        }
-    tokenizer_config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "added_tokens_decoder": added,
-        "bos_token": None,
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
-        "unk_token": None,
-        "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
-        "model_max_length": spec.max_position,
-        "clean_up_tokenization_spaces": False,
-        "split_special_tokens": False,
-        "chat_template": chat_template(),
-    }
-    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2, ensure_ascii=False))
+    write_tokenizer(out, tokenizer, SPECIAL_TOKENS + MARKUP_TOKENS, chat_template(), spec.max_position)
     (out / "config.json").write_text(json.dumps(_config(spec, eos_id, pad_id), indent=2))
     generation_config = {
         "bos_token_id": pad_id,
