@@ -7,6 +7,7 @@ from typing import Any, NamedTuple
 
 from splitserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.multimodal import ImageInput
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.kv.connector import KVConnector
 
@@ -61,8 +62,10 @@ class LLM:
         *,
         kv_transfer_params: Sequence[dict | None] | None = None,
         cache_salt: str | None = None,
+        images: Sequence[list[ImageInput] | None] | None = None,
     ) -> list[CompletionResult]:
-        """Run every prompt (token IDs) to completion, batched; results in prompt order."""
+        """Run every prompt (token IDs) to completion, batched; results in prompt order.
+        `images`: per prompt, its images (a vision-language model's), or None."""
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -72,12 +75,20 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError("one SamplingParams per prompt, or a single one for all")
         transfer = list(kv_transfer_params) if kv_transfer_params is not None else [None] * len(prompts)
+        prompt_images = list(images) if images is not None else [None] * len(prompts)
         ids = []
-        for prompt, param, kv_params in zip(prompts, params, transfer, strict=True):
+        for prompt, param, kv_params, image_inputs in zip(
+            prompts, params, transfer, prompt_images, strict=True
+        ):
             self._counter += 1
             request_id = f"llm-{self._counter}"
             self.engine.add_request(
-                request_id, list(prompt), param, cache_salt=cache_salt, kv_transfer_params=kv_params
+                request_id,
+                list(prompt),
+                param,
+                cache_salt=cache_salt,
+                kv_transfer_params=kv_params,
+                images=image_inputs,
             )
             ids.append(request_id)
         tokens: dict[str, list[int]] = {i: [] for i in ids}

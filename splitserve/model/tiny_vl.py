@@ -173,7 +173,9 @@ def write_tiny_qwen2_vl(out: Path, spec: TinyModelSpec, vision: TinyVisionSpec =
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in VISION_TOKENS])
     token_ids = {t: tokenizer.token_to_id(t) for t in SPECIAL_TOKENS + VISION_TOKENS}
     template = qwen2_vl_template()
-    write_tokenizer(out, tokenizer, SPECIAL_TOKENS + VISION_TOKENS + MARKUP_TOKENS, template, spec.max_position)
+    write_tokenizer(
+        out, tokenizer, SPECIAL_TOKENS + VISION_TOKENS + MARKUP_TOKENS, template, spec.max_position
+    )
     (out / "chat_template.json").write_text(json.dumps({"chat_template": template}, indent=2))
     (out / "preprocessor_config.json").write_text(json.dumps(_preprocessor_config(vision), indent=2))
     (out / "config.json").write_text(json.dumps(_config(spec, vision, token_ids), indent=2))

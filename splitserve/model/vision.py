@@ -173,7 +173,13 @@ class VisionTransformer(nn.Module):
         """Fill from HF names under `visual.` (prefix removed). Raises ValueError for
         unknown names, wrong shapes and missing weights."""
         params = dict(self.named_parameters())
-        renames = {"patch_embed.proj.": "patch_embed.", "attn.qkv.": "qkv.", "attn.proj.": "proj.", "mlp.fc1.": "fc1.", "mlp.fc2.": "fc2."}
+        renames = {
+            "patch_embed.proj.": "patch_embed.",
+            "attn.qkv.": "qkv.",
+            "attn.proj.": "proj.",
+            "mlp.fc1.": "fc1.",
+            "mlp.fc2.": "fc2.",
+        }
         renames |= {"merger.mlp.0.": "merger.fc1.", "merger.mlp.2.": "merger.fc2."}
         loaded = set()
         for name, tensor in weights:
