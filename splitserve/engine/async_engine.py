@@ -19,6 +19,7 @@ from splitserve.config import EngineConfig
 from splitserve.engine.errors import InvalidRequestError
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.model_runner import KVCacheAllocator
+from splitserve.engine.multimodal import ImageInput
 from splitserve.engine.outputs import EngineStats, RequestOutput
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.kv.connector import KVConnector
@@ -49,6 +50,7 @@ class _AddCommand(NamedTuple):
     cache_salt: str | None
     kv_transfer_params: dict | None
     arrival_time: float
+    images: list[ImageInput] | None
 
 
 class AsyncEngine:
@@ -109,9 +111,10 @@ class AsyncEngine:
         sampling_params: SamplingParams,
         cache_salt: str | None = None,
         kv_transfer_params: dict | None = None,
+        images: list[ImageInput] | None = None,
     ) -> None:
         self.engine.validate_request(
-            request_id, prompt_token_ids, sampling_params, cache_salt, kv_transfer_params
+            request_id, prompt_token_ids, sampling_params, cache_salt, kv_transfer_params, images
         )
 
     async def generate(
@@ -122,13 +125,16 @@ class AsyncEngine:
         *,
         cache_salt: str | None = None,
         kv_transfer_params: dict | None = None,
+        images: list[ImageInput] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs (deltas) until one is finished. Invalid requests
         raise at the first `__anext__`, before any output. Closing or cancelling the
         iterator early aborts the request and frees its blocks."""
         if not self.is_running:
             raise RuntimeError("AsyncEngine is not running; call start()")
-        self.validate_request(request_id, prompt_token_ids, sampling_params, cache_salt, kv_transfer_params)
+        self.validate_request(
+            request_id, prompt_token_ids, sampling_params, cache_salt, kv_transfer_params, images
+        )
         stream = _Stream(asyncio.get_running_loop())
         with self._lock:
             if request_id in self._streams:
@@ -143,6 +149,7 @@ class AsyncEngine:
                     cache_salt,
                     kv_transfer_params,
                     time.monotonic(),
+                    images,
                 )
             )
         self._wake.set()
@@ -202,6 +209,7 @@ class AsyncEngine:
                         cache_salt=command.cache_salt,
                         kv_transfer_params=command.kv_transfer_params,
                         arrival_time=command.arrival_time,
+                        images=command.images,
                     )
                 except Exception as exc:  # validated already; a race or an engine bug
                     self._deliver(command.stream, [exc])

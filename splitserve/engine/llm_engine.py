@@ -149,6 +149,7 @@ class LLMEngine:
         sampling_params: SamplingParams,
         cache_salt: str | None = None,
         kv_transfer_params: dict | None = None,
+        images: list[ImageInput] | None = None,
     ) -> None:
         """Raise InvalidRequestError / PromptTooLongError; reads only immutable state."""
         if not isinstance(request_id, str) or not request_id:
@@ -180,6 +181,7 @@ class LLMEngine:
             raise InvalidRequestError("cache_salt must be a string", param="cache_salt")
         if kv_transfer_params is not None and not isinstance(kv_transfer_params, dict):
             raise InvalidRequestError("kv_transfer_params must be an object", param="kv_transfer_params")
+        self._multimodal_inputs(prompt_token_ids, images)
 
     def add_request(
         self,
@@ -192,7 +194,9 @@ class LLMEngine:
         arrival_time: float | None = None,
         images: list[ImageInput] | None = None,
     ) -> None:
-        self.validate_request(request_id, prompt_token_ids, sampling_params, cache_salt, kv_transfer_params)
+        self.validate_request(
+            request_id, prompt_token_ids, sampling_params, cache_salt, kv_transfer_params, images
+        )
         multimodal = self._multimodal_inputs(prompt_token_ids, images)
         if request_id in self.requests or request_id in self.delayed_free:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use", param="request_id")

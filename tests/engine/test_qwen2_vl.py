@@ -172,3 +172,26 @@ def test_inconsistent_images_are_refused(vl_model, tiny_model):
     text_llm = LLM(tiny_model, num_blocks=16)
     with pytest.raises(InvalidRequestError, match="takes no images"):
         text_llm.engine.add_request("img", [1, 2, 3], GREEDY, images=case.images)
+
+
+def test_async_engine_takes_images(vl_model, vl_cases):
+    """The serving path's engine: images go through AsyncEngine.generate; bad ones raise
+    at the first __anext__, before any output, and the engine keeps serving."""
+    import asyncio
+
+    from splitserve.config import CacheConfig, EngineConfig, ModelConfig
+    from splitserve.engine.async_engine import AsyncEngine
+
+    cases, expected = vl_cases
+    case = cases[1]
+
+    async def run(engine: AsyncEngine, request_id: str, images) -> list[int]:
+        tokens = []
+        async for out in engine.generate(request_id, case.token_ids, GREEDY, images=images):
+            tokens += out.new_token_ids
+        return tokens
+
+    with AsyncEngine(EngineConfig(ModelConfig(vl_model), CacheConfig(num_blocks=64))) as engine:
+        with pytest.raises(InvalidRequestError, match="image token"):
+            asyncio.run(run(engine, "bad", None))
+        assert asyncio.run(run(engine, "good", case.images)) == expected[1]
