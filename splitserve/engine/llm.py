@@ -10,6 +10,7 @@ from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.multimodal import ImageInput
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.kv.connector import KVConnector
+from splitserve.kv.ec_connector import ECConnector
 
 _MODEL_KEYS = ("dtype", "device", "seed")
 _CACHE_KEYS = ("block_size", "kv_cache_memory_bytes", "num_blocks", "enable_prefix_caching")
@@ -46,13 +47,14 @@ class LLM:
         *,
         config: EngineConfig | None = None,
         connector: KVConnector | None = None,
+        ec_connector: ECConnector | None = None,
         **engine_kwargs: Any,
     ) -> None:
         if config is None:
             from splitserve.model.tiny import resolve_model
 
             config = engine_config_from_kwargs(resolve_model(model), **engine_kwargs)
-        self.engine = LLMEngine(config, connector)
+        self.engine = LLMEngine(config, connector, ec_connector=ec_connector)
         self._counter = 0
 
     def generate(

@@ -34,6 +34,7 @@ from splitserve.engine.request import Request, RequestStatus
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.scheduler import Scheduler, SchedulerOutput
 from splitserve.kv.connector import KVConnector
+from splitserve.kv.ec_connector import ECConnector
 from splitserve.model.decoder import load_model
 from splitserve.model.loader import load_decoder_config
 from splitserve.model.qwen2_vl import is_qwen2_vl, load_qwen2_vl, load_qwen2_vl_config
@@ -82,9 +83,11 @@ class LLMEngine:
         config: EngineConfig,
         connector: KVConnector | None = None,
         kv_cache_allocator: KVCacheAllocator | None = None,
+        ec_connector: ECConnector | None = None,  # visual embeddings from encoder workers
     ) -> None:
         self.config = config
         self.connector = connector
+        self.ec_connector = ec_connector
         # a vision-language model: its language model is the decoder the engine pages
         self.vl_config = load_qwen2_vl_config(config.model.model) if is_qwen2_vl(config.model.model) else None
         self.decoder_config = (
@@ -118,7 +121,7 @@ class LLMEngine:
             self.model = load_model(config.model.model, dc, self.dtype, self.device)
         else:
             self.model = load_qwen2_vl(config.model.model, self.vl_config, self.dtype, self.device)
-            self.multimodal = MultiModalRunner(self.model, EncoderCache())
+            self.multimodal = MultiModalRunner(self.model, EncoderCache(), ec_connector)
         allocator = (
             kv_cache_allocator or (connector.kv_cache_allocator() if connector else None) or torch.zeros
         )
@@ -230,7 +233,7 @@ class LLMEngine:
             return None
         if not images and self.vl_config.image_token_id not in prompt:
             return None
-        return build_multimodal_inputs(prompt, images or [], self.vl_config)
+        return build_multimodal_inputs(prompt, images or [], self.vl_config, self.ec_connector)
 
     def abort_request(self, request_ids: str | list[str]) -> list[str]:
         """Abort requests; returns the IDs that were found. Their final outputs
@@ -406,3 +409,5 @@ class LLMEngine:
     def shutdown(self) -> None:
         if self.connector is not None:
             self.connector.shutdown()
+        if self.ec_connector is not None:
+            self.ec_connector.shutdown()

@@ -14,12 +14,14 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from splitserve.engine.errors import InvalidRequestError
 from splitserve.kv.block_hash import MultiModalSpan
+from splitserve.kv.ec_connector import IMAGE_HASH_PATTERN, ECConnector
 from splitserve.model.qwen2_vl import ImagePlacement, Qwen2VLConfig, Qwen2VLModel, mrope_positions
 
 if TYPE_CHECKING:
@@ -36,8 +38,8 @@ class ImageInput:
     offset: int  # prompt index of its first visual (<|image_pad|>) token
     grid_thw: tuple[int, int, int]  # patches along time, height, width
     # float [t*h*w, channels*temporal*patch*patch] (numpy or torch); None when the
-    # embeddings must come from the encoder cache (filled by an encoder worker)
-    pixel_values: Any = None
+    # embeddings come from the encoder-cache connector (filled by an encoder worker)
+    pixel_values: np.ndarray | torch.Tensor | None = None
 
     def num_tokens(self, merge: int) -> int:
         t, h, w = self.grid_thw
@@ -69,15 +71,21 @@ class MultiModalInputs:
 
 
 def build_multimodal_inputs(
-    prompt: Sequence[int], images: Sequence[ImageInput], config: Qwen2VLConfig
+    prompt: Sequence[int],
+    images: Sequence[ImageInput],
+    config: Qwen2VLConfig,
+    ec_connector: ECConnector | None = None,
 ) -> MultiModalInputs:
-    """Check that the images and the prompt's image tokens agree; raise InvalidRequestError."""
+    """Check that the images and the prompt's image tokens agree, and that an image sent
+    without pixels is in the encoder cache; raise InvalidRequestError."""
     merge = config.vision.spatial_merge_size
     ordered = sorted(images, key=lambda image: image.offset)
     lengths, index = [], 0
     for image in ordered:
-        if not isinstance(image, ImageInput) or not isinstance(image.image_hash, str) or not image.image_hash:
-            raise InvalidRequestError("each image needs an image_hash string", param="images")
+        if not isinstance(image, ImageInput) or not IMAGE_HASH_PATTERN.match(str(image.image_hash)):
+            raise InvalidRequestError(
+                "each image needs an image_hash of 16 to 128 hex digits", param="images"
+            )
         grid = image.grid_thw
         if (
             len(grid) != 3
@@ -101,7 +109,13 @@ def build_multimodal_inputs(
                 f"{config.image_token_id}",
                 param="images",
             )
-        if image.pixel_values is not None:
+        if image.pixel_values is None:
+            if ec_connector is None or not ec_connector.has_cache(image.image_hash):
+                raise InvalidRequestError(
+                    f"image {image.image_hash[:16]}... has no pixels and is in no encoder cache",
+                    param="images",
+                )
+        else:
             expected = (grid[0] * grid[1] * grid[2], config.vision.patch_input_size)
             if tuple(image.pixel_values.shape) != expected:
                 raise InvalidRequestError(
@@ -148,10 +162,14 @@ class EncoderCache:
 class MultiModalRunner:
     """Builds a step's M-RoPE positions and input embeddings, encoding images on demand."""
 
-    def __init__(self, model: Qwen2VLModel, cache: EncoderCache) -> None:
+    def __init__(
+        self, model: Qwen2VLModel, cache: EncoderCache, ec_connector: ECConnector | None = None
+    ) -> None:
         self.model = model
         self.cache = cache
-        self.num_images_encoded = 0
+        self.ec_connector = ec_connector
+        self.num_images_encoded = 0  # by this engine's vision tower
+        self.num_images_loaded = 0  # from the encoder-cache connector
 
     def step_inputs(
         self, ordered: Sequence[ScheduledRequest], input_ids: torch.Tensor, positions: torch.Tensor
@@ -192,6 +210,11 @@ class MultiModalRunner:
             if image.image_hash in found or image.image_hash in missing:
                 continue
             cached = self.cache.get(image.image_hash)
+            if cached is None and self.ec_connector is not None:
+                cached = self.ec_connector.load_cache(image.image_hash, self.model.embed_tokens.weight.device)
+                if cached is not None:
+                    self.cache.put(image.image_hash, cached)
+                    self.num_images_loaded += 1
             if cached is not None:
                 found[image.image_hash] = cached
             elif image.pixel_values is None:
@@ -207,5 +230,7 @@ class MultiModalRunner:
             for image_hash, embeddings in zip(missing, encoded.split(sizes), strict=True):
                 self.cache.put(image_hash, embeddings)
                 found[image_hash] = embeddings
+                if self.ec_connector is not None:  # the next engine finds it
+                    self.ec_connector.save_cache(image_hash, embeddings)
             self.num_images_encoded += len(missing)
         return found

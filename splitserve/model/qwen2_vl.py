@@ -129,6 +129,11 @@ def mrope_positions(
     return positions, delta
 
 
+def hub_weight_name(name: str) -> str:
+    """The Hub checkpoints' name of a weight saved as `model.language_model.*` or `model.visual.*`."""
+    return name.replace("model.language_model.", "model.").replace("model.visual.", "visual.")
+
+
 def mrope_column_axis(section: tuple[int, int, int]) -> torch.Tensor:
     """For each rotary column of a head, the axis (0 time, 1 height, 2 width) whose
     position turns it: the sections in order, the same for both halves of the head."""
@@ -182,7 +187,7 @@ class Qwen2VLModel(nn.Module):
 
         def text_weights() -> Iterator[tuple[str, torch.Tensor]]:
             for name, tensor in weights:
-                name = name.replace("model.language_model.", "model.").replace("model.visual.", "visual.")
+                name = hub_weight_name(name)
                 if name.startswith("visual."):
                     vision.append((name.removeprefix("visual."), tensor))
                 else:
@@ -204,3 +209,16 @@ def load_qwen2_vl(
     text.column_axis = mrope_column_axis(config.mrope_section).to(device)
     model.load_weights(iter_safetensors(model_dir))
     return model.eval()
+
+
+def load_vision_tower(
+    model_dir: str, config: Qwen2VLConfig, dtype: torch.dtype, device: torch.device
+) -> VisionTransformer:
+    """Only the vision tower (an encoder worker's model): the language model's weights
+    are never read."""
+    with torch.device("meta"):
+        tower = VisionTransformer(config.vision)
+    tower = tower.to_empty(device=device).to(dtype)
+    weights = iter_safetensors(model_dir, keep=lambda name: hub_weight_name(name).startswith("visual."))
+    tower.load_weights((hub_weight_name(name).removeprefix("visual."), tensor) for name, tensor in weights)
+    return tower.eval()

@@ -4,99 +4,13 @@ miss; image hashes keep different images out of each other's prefix blocks."""
 
 from __future__ import annotations
 
-import random
-
-import numpy as np
 import pytest
-import torch
-from PIL import Image
 
 from splitserve.engine.errors import InvalidRequestError
 from splitserve.engine.llm import LLM
 from splitserve.engine.multimodal import ImageInput
-from splitserve.engine.sampling_params import SamplingParams
 from splitserve.frontend.image_processor import ImageProcessorConfig, process_image
-from splitserve.model.qwen2_vl import load_qwen2_vl_config
-
-MAX_TOKENS = 10
-GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-
-
-def picture(width: int, height: int, seed: int) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    yy, xx = np.mgrid[0:height, 0:width]
-    base = np.stack([xx * 255 // width, yy * 255 // height, (xx ^ yy) & 255], -1).astype(np.float64)
-    return Image.fromarray(np.clip(base + rng.normal(0, 30, base.shape), 0, 255).astype(np.uint8))
-
-
-class VLCase:
-    """A prompt of text and images: token IDs with one <|image_pad|> per visual token."""
-
-    def __init__(self, model_dir: str, sizes: list[tuple[int, int]], seed: int) -> None:
-        config = load_qwen2_vl_config(model_dir)
-        processor = ImageProcessorConfig.from_model_dir(model_dir)
-        rng = random.Random(seed)
-        self.pictures = [picture(w, h, seed * 10 + i) for i, (w, h) in enumerate(sizes)]
-        self.token_ids: list[int] = [rng.randrange(10, 1500) for _ in range(rng.randrange(3, 20))]
-        self.images: list[ImageInput] = []
-        for image in self.pictures:
-            processed = process_image(image, processor)
-            self.token_ids.append(config.vision_start_token_id)
-            self.images.append(
-                ImageInput(
-                    processed.image_hash, len(self.token_ids), processed.grid_thw, processed.pixel_values
-                )
-            )
-            self.token_ids += [config.image_token_id] * processed.num_visual_tokens
-            self.token_ids.append(config.vision_end_token_id)
-            self.token_ids += [rng.randrange(10, 1500) for _ in range(rng.randrange(1, 12))]
-
-
-def transformers_greedy(model_dir: str, cases: list[VLCase]) -> list[list[int]]:
-    """The oracle: transformers' model and its own image processor."""
-    from transformers import AutoImageProcessor, Qwen2VLForConditionalGeneration
-
-    model = Qwen2VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
-    image_processor = AutoImageProcessor.from_pretrained(model_dir)
-    outputs = []
-    with torch.inference_mode():
-        for case in cases:
-            ids = torch.tensor([case.token_ids])
-            kwargs = {}
-            if case.pictures:
-                pixels = image_processor(images=case.pictures, return_tensors="pt")
-                kwargs = {
-                    "pixel_values": pixels["pixel_values"],
-                    "image_grid_thw": pixels["image_grid_thw"],
-                    "mm_token_type_ids": (ids == model.config.image_token_id).int(),
-                }
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=MAX_TOKENS,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-                **kwargs,
-            )
-            outputs.append(out[0, ids.shape[1] :].tolist())
-    return outputs
-
-
-@pytest.fixture(scope="module")
-def vl_model(tiny_model_factory) -> str:
-    return tiny_model_factory(arch="qwen2_vl")
-
-
-@pytest.fixture(scope="module")
-def vl_cases(vl_model):
-    cases = [
-        VLCase(vl_model, [(90, 130)], seed=1),
-        VLCase(vl_model, [(200, 120), (56, 56)], seed=2),
-        VLCase(vl_model, [(64, 300), (150, 150), (57, 90), (260, 70)], seed=3),
-        VLCase(vl_model, [], seed=4),  # text only
-    ]
-    return cases, transformers_greedy(vl_model, cases)
+from tests.engine.vl_helpers import GREEDY, VLCase, picture, transformers_greedy
 
 
 @pytest.mark.parametrize("max_num_batched_tokens", [2048, 16])

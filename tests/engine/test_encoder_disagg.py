@@ -1,0 +1,80 @@
+"""Encoder disaggregation without the HTTP layer: an encoder worker (vision tower only)
+publishes embeddings through the shared-memory encoder-cache connector; an engine given
+only image hashes loads them and its greedy tokens equal transformers'. A repeated image
+is encoded once; a miss or an unreadable entry makes the engine encode it itself."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from splitserve.engine.encoder_worker import EncoderJob, EncoderWorker
+from splitserve.engine.errors import InvalidRequestError
+from splitserve.engine.llm import LLM
+from splitserve.kv.ec_connector import SharedMemoryECConnector
+from tests.engine.vl_helpers import GREEDY
+
+
+def jobs_of(cases) -> list[EncoderJob]:
+    return [EncoderJob(i.image_hash, i.grid_thw, i.pixel_values) for case in cases for i in case.images]
+
+
+def without_pixels(case):
+    return [dataclasses.replace(image, pixel_values=None) for image in case.images] or None
+
+
+def test_engine_loads_what_the_encoder_worker_encoded(vl_model, vl_cases, tmp_path):
+    cases, expected = vl_cases
+    encoder = EncoderWorker(vl_model, SharedMemoryECConnector(tmp_path), dtype="float32")
+    jobs = jobs_of(cases) + jobs_of(cases[:1])  # the first case's image twice
+    results = encoder.encode(jobs)
+    assert encoder.num_images_encoded == 7 and encoder.num_cache_hits == 1
+    assert [r.cached for r in results] == [False] * 7 + [True]
+    assert [r.num_tokens for r in results[:7]] == [n for case in cases for n in case.num_visual_tokens]
+    assert encoder.encode(jobs_of(cases[1:2]))[0].cached  # later requests: no encoder work
+    assert encoder.num_images_encoded == 7
+
+    # prefill/decode gets hashes and placements only, no pixels
+    llm = LLM(vl_model, num_blocks=128, ec_connector=SharedMemoryECConnector(tmp_path))
+    results = llm.generate([c.token_ids for c in cases], GREEDY, images=[without_pixels(c) for c in cases])
+    assert [r.token_ids for r in results] == expected
+    assert llm.engine.multimodal.num_images_encoded == 0
+    assert llm.engine.multimodal.num_images_loaded == 7
+
+
+def test_a_miss_is_encoded_by_the_engine_and_published(vl_model, vl_cases, tmp_path):
+    cases, expected = vl_cases
+    connector = SharedMemoryECConnector(tmp_path)
+    llm = LLM(vl_model, num_blocks=128, ec_connector=connector)
+    with pytest.raises(InvalidRequestError, match="no pixels and is in no encoder cache"):
+        llm.engine.add_request("lost", cases[0].token_ids, GREEDY, images=without_pixels(cases[0]))
+    # with pixels: the engine encodes the image itself (slower, never lost) and publishes it
+    assert llm.generate([cases[0].token_ids], GREEDY, images=[cases[0].images])[0].token_ids == expected[0]
+    assert llm.engine.multimodal.num_images_encoded == 1
+    assert connector.has_cache(cases[0].images[0].image_hash)
+
+    # an unreadable entry is a miss too: a fresh engine falls back to its own encoder
+    for image in cases[1].images:
+        (tmp_path / f"{image.image_hash}.ec").write_bytes(b"\x05\x00\x00\x00garbage")
+    fresh = LLM(vl_model, num_blocks=128, ec_connector=connector)
+    assert fresh.generate([cases[1].token_ids], GREEDY, images=[cases[1].images])[0].token_ids == expected[1]
+    assert fresh.engine.multimodal.num_images_encoded == 2 and fresh.engine.multimodal.num_images_loaded == 0
+    for image in cases[1].images:  # replaced by the recomputed embeddings
+        assert connector.load_cache(image.image_hash, fresh.engine.device) is not None
+
+
+def test_image_hashes_never_name_paths(vl_model, vl_cases, tmp_path):
+    cases, _ = vl_cases
+    connector = SharedMemoryECConnector(tmp_path / "ec")
+    with pytest.raises(ValueError, match="hex"):
+        connector.has_cache("../../etc/passwd")
+    encoder = EncoderWorker(vl_model, connector, dtype="float32")
+    image = cases[0].images[0]
+    with pytest.raises(InvalidRequestError) as error:
+        encoder.encode([EncoderJob("../" + image.image_hash, image.grid_thw, image.pixel_values)])
+    assert error.value.param == "image_hash"
+    with pytest.raises(InvalidRequestError) as error:
+        encoder.encode([EncoderJob(image.image_hash, (1, 2, 2), image.pixel_values)])
+    assert error.value.param == "pixel_values"
+    assert encoder.num_images_encoded == 0 and not any((tmp_path / "ec").iterdir())
