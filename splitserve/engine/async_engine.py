@@ -19,10 +19,10 @@ from splitserve.config import EngineConfig
 from splitserve.engine.errors import InvalidRequestError
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.model_runner import KVCacheAllocator
-from splitserve.engine.multimodal import ImageInput
 from splitserve.engine.outputs import EngineStats, RequestOutput
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.kv.connector import KVConnector
+from splitserve.protocol.multimodal import ImageInput
 
 logger = logging.getLogger(__name__)
 

@@ -7,10 +7,10 @@ from typing import Any, NamedTuple
 
 from splitserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from splitserve.engine.llm_engine import LLMEngine
-from splitserve.engine.multimodal import ImageInput
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.kv.connector import KVConnector
 from splitserve.kv.ec_connector import ECConnector
+from splitserve.protocol.multimodal import ImageInput
 
 _MODEL_KEYS = ("dtype", "device", "seed")
 _CACHE_KEYS = ("block_size", "kv_cache_memory_bytes", "num_blocks", "enable_prefix_caching")

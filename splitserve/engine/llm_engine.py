@@ -24,7 +24,6 @@ from splitserve.engine.model_runner import (
 )
 from splitserve.engine.multimodal import (
     EncoderCache,
-    ImageInput,
     MultiModalInputs,
     MultiModalRunner,
     build_multimodal_inputs,
@@ -38,6 +37,7 @@ from splitserve.kv.ec_connector import ECConnector
 from splitserve.model.decoder import load_model
 from splitserve.model.loader import load_decoder_config
 from splitserve.model.qwen2_vl import is_qwen2_vl, load_qwen2_vl, load_qwen2_vl_config
+from splitserve.protocol.multimodal import ImageInput
 
 logger = logging.getLogger(__name__)
 

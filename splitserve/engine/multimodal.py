@@ -1,12 +1,13 @@
 """Images in the engine: per-request placements, the encoder cache, and each step's
 M-RoPE positions and merged input embeddings for a vision-language model.
 
-A request carries its images as `ImageInput`s (hash, where its visual tokens sit in the
-prompt, grid, and the render tier's patches). The vision tower runs when a step first
-needs an image's visual tokens; its output is kept in the `EncoderCache` under the image
-hash, so a repeated image (in this request, a later one, or a chunk after the first) is
-encoded once. The image hashes also enter the block hashes of every block that covers
-visual tokens, so two images with the same placeholder count never share prefix blocks.
+A request carries its images as `ImageInput`s (splitserve.protocol.multimodal: hash,
+where its visual tokens sit in the prompt, grid, and the render tier's patches). The
+vision tower runs when a step first needs an image's visual tokens; its output is kept in
+the `EncoderCache` under the image hash, so a repeated image (in this request, a later
+one, or a chunk after the first) is encoded once. The image hashes also enter the block
+hashes of every block that covers visual tokens, so two images with the same placeholder
+count never share prefix blocks.
 """
 
 from __future__ import annotations
@@ -16,34 +17,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from splitserve.engine.errors import InvalidRequestError
 from splitserve.kv.block_hash import MultiModalSpan
 from splitserve.kv.ec_connector import IMAGE_HASH_PATTERN, ECConnector
 from splitserve.model.qwen2_vl import ImagePlacement, Qwen2VLConfig, Qwen2VLModel, mrope_positions
+from splitserve.protocol.multimodal import ImageInput
 
 if TYPE_CHECKING:
     from splitserve.engine.scheduler import ScheduledRequest
 
 DEFAULT_ENCODER_CACHE_BYTES = 512 * 2**20
-
-
-@dataclass(frozen=True)
-class ImageInput:
-    """One image of a prompt, as the render tier sends it."""
-
-    image_hash: str
-    offset: int  # prompt index of its first visual (<|image_pad|>) token
-    grid_thw: tuple[int, int, int]  # patches along time, height, width
-    # float [t*h*w, channels*temporal*patch*patch] (numpy or torch); None when the
-    # embeddings come from the encoder-cache connector (filled by an encoder worker)
-    pixel_values: np.ndarray | torch.Tensor | None = None
-
-    def num_tokens(self, merge: int) -> int:
-        t, h, w = self.grid_thw
-        return t * h * w // (merge * merge)
 
 
 @dataclass(frozen=True)

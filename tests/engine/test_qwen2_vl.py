@@ -8,8 +8,8 @@ import pytest
 
 from splitserve.engine.errors import InvalidRequestError
 from splitserve.engine.llm import LLM
-from splitserve.engine.multimodal import ImageInput
 from splitserve.frontend.image_processor import ImageProcessorConfig, process_image
+from splitserve.protocol.multimodal import ImageInput
 from tests.engine.vl_helpers import GREEDY, VLCase, picture, transformers_greedy
 
 
