@@ -4,7 +4,10 @@ miss; image hashes keep different images out of each other's prefix blocks."""
 
 from __future__ import annotations
 
+import io
+
 import pytest
+from PIL import Image
 
 from splitserve.engine.errors import InvalidRequestError
 from splitserve.engine.llm import LLM
@@ -109,3 +112,39 @@ def test_async_engine_takes_images(vl_model, vl_cases):
         with pytest.raises(InvalidRequestError, match="image token"):
             asyncio.run(run(engine, "bad", None))
         assert asyncio.run(run(engine, "good", case.images)) == expected[1]
+
+
+def test_rendered_chat_through_the_wire_equals_transformers(vl_model):
+    """Render tier → JSON features → engine: the token IDs and pixels the renderer makes
+    from a chat request give transformers' greedy tokens."""
+    import json
+
+    from splitserve.frontend.protocol import ChatCompletionRequest
+    from splitserve.frontend.render import RenderConfig, Renderer
+    from splitserve.protocol.multimodal import features_from_wire
+    from tests.frontend.test_render_images import data_url, png
+
+    encoded = [png(150, 100, 21), png(70, 70, 22, "JPEG")]
+    request = ChatCompletionRequest.model_validate(
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "first"},
+                        {"type": "image_url", "image_url": {"url": data_url(encoded[0])}},
+                        {"type": "image_url", "image_url": {"url": data_url(encoded[1], "image/jpeg")}},
+                    ],
+                }
+            ]
+        }
+    )
+    body = json.loads(json.dumps(Renderer(RenderConfig(model=vl_model)).render_chat(request)))
+    images = features_from_wire(body["features"], max_pixel_bytes=2**30)
+
+    case = VLCase(vl_model, [], seed=0)
+    case.token_ids, case.images = body["token_ids"], images
+    case.pictures = [Image.open(io.BytesIO(data)).convert("RGB") for data in encoded]
+    expected = transformers_greedy(vl_model, [case])
+    result = LLM(vl_model, num_blocks=64).generate([body["token_ids"]], GREEDY, images=[images])[0]
+    assert result.token_ids == expected[0]
