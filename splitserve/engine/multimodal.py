@@ -12,10 +12,11 @@ count never share prefix blocks.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -144,6 +145,14 @@ class EncoderCache:
             self.num_bytes -= evicted.numel() * evicted.element_size()
 
 
+class MultiModalStats(NamedTuple):
+    images_encoded: int  # by this engine's vision tower
+    images_loaded: int  # from the encoder-cache connector (an encoder worker's output)
+    encoder_cache_hits: int  # this engine's own cache
+    encoder_cache_misses: int
+    encode_seconds: float
+
+
 class MultiModalRunner:
     """Builds a step's M-RoPE positions and input embeddings, encoding images on demand."""
 
@@ -155,6 +164,7 @@ class MultiModalRunner:
         self.ec_connector = ec_connector
         self.num_images_encoded = 0  # by this engine's vision tower
         self.num_images_loaded = 0  # from the encoder-cache connector
+        self.encode_seconds = 0.0
 
     def step_inputs(
         self, ordered: Sequence[ScheduledRequest], input_ids: torch.Tensor, positions: torch.Tensor
@@ -207,6 +217,7 @@ class MultiModalRunner:
             else:
                 missing[image.image_hash] = image
         if missing:
+            start = time.perf_counter()
             device = self.model.embed_tokens.weight.device
             pixels = torch.cat([torch.as_tensor(image.pixel_values) for image in missing.values()]).to(device)
             grids = [image.grid_thw for image in missing.values()]
@@ -218,4 +229,14 @@ class MultiModalRunner:
                 if self.ec_connector is not None:  # the next engine finds it
                     self.ec_connector.save_cache(image_hash, embeddings)
             self.num_images_encoded += len(missing)
+            self.encode_seconds += time.perf_counter() - start
         return found
+
+    def stats(self) -> MultiModalStats:
+        return MultiModalStats(
+            self.num_images_encoded,
+            self.num_images_loaded,
+            self.cache.hits,
+            self.cache.misses,
+            self.encode_seconds,
+        )

@@ -33,7 +33,9 @@ def test_greedy_equals_transformers(vl_model, vl_cases, max_num_batched_tokens):
     again = llm.generate(prompts, GREEDY, images=images)
     assert [r.token_ids for r in again] == expected
     assert [r.num_cached_tokens for r in again] == [(len(p) - 1) // 16 * 16 for p in prompts]
-    assert llm.engine.multimodal.num_images_encoded == encoded
+    stats = llm.engine.multimodal.stats()
+    assert stats.images_encoded == encoded and stats.images_loaded == 0
+    assert stats.encoder_cache_hits > 0 and stats.encode_seconds > 0
     llm.engine.check_integrity()
 
 
