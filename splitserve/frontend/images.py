@@ -3,8 +3,9 @@
 The chat template puts one `<|image_pad|>` where each image goes; after tokenizing, each
 becomes as many image tokens as the image has visual tokens (as transformers' processor
 does), and the image's hash and placement travel with the token IDs. Image URLs are
-`data:` URLs, or `file://` URLs under the operator's `allowed_media_path`; remote URLs
-are refused. Every refusal is a RequestError: 400, or 413 for a size limit.
+`data:` URLs, `file://` URLs under the operator's `allowed_media_path`, or http(s) URLs
+on the operator's `allowed_media_domains` (see media_fetch.py). Every refusal is a
+RequestError: 400, or 413 for a size limit.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from splitserve.frontend.image_processor import (
     decode_data_url,
     process_image_bytes,
 )
+from splitserve.frontend.media_fetch import FetchPolicy, fetch_image
 from splitserve.frontend.protocol import RequestError
 from splitserve.protocol.multimodal import PIXEL_DTYPES, ImageInput
 
@@ -28,6 +30,9 @@ from splitserve.protocol.multimodal import PIXEL_DTYPES, ImageInput
 @dataclass(frozen=True)
 class MediaConfig:
     allowed_media_path: str | None = None  # file:// URLs only below this directory
+    allowed_media_domains: tuple[str, ...] = ()  # http(s) image hosts; none: remote URLs refused
+    fetch_timeout_s: float = 10.0
+    allow_private_media_addresses: bool = False  # image servers inside the deployment
     max_images_per_request: int = 8
     # processed pixels of one request, as sent on to the engine or the encoder pool
     max_pixel_bytes_per_request: int = 64 * 2**20
@@ -74,7 +79,15 @@ def load_image_bytes(url: str, media: MediaConfig) -> bytes:
         with open(path, "rb") as handle:
             return handle.read(media.limits.max_encoded_bytes + 1)
     if parsed.scheme in ("http", "https"):
-        raise RequestError("remote image URLs are not enabled; send a data: URL", param="messages")
+        if not media.allowed_media_domains:
+            raise RequestError("remote image URLs are not enabled; send a data: URL", param="messages")
+        policy = FetchPolicy(
+            tuple(domain.lower() for domain in media.allowed_media_domains),
+            media.limits.max_encoded_bytes,
+            media.fetch_timeout_s,
+            media.allow_private_media_addresses,
+        )
+        return fetch_image(url, policy)
     raise RequestError(f"unsupported image URL scheme {parsed.scheme!r}", param="messages")
 
 

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import base64
 import io
+import time
 
 import numpy as np
 import pytest
 from PIL import Image
 
+from splitserve.frontend.image_processor import ImageLimits
 from splitserve.frontend.images import MediaConfig
 from splitserve.frontend.protocol import ChatCompletionRequest, RequestError
 from splitserve.frontend.render import RenderConfig, Renderer
@@ -157,3 +159,79 @@ def test_text_model_refuses_images(tiny_model):
     with pytest.raises(RequestError, match="takes no images") as error:
         renderer.render_chat(image_chat(data_url(png(40, 40, 11))))
     assert error.value.status == 400
+
+
+class _ImageServer:
+    """A local HTTP server: /cat.png, /big (over the limit), /moved (a redirect), /slow."""
+
+    def __init__(self, body: bytes) -> None:
+        import http.server
+        import threading
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                if self.path == "/moved":
+                    self.send_response(302)
+                    self.send_header("Location", "http://169.254.169.254/")
+                    self.end_headers()
+                    return
+                if self.path == "/slow":
+                    self.send_response(200)
+                    self.end_headers()
+                    for _ in range(30):
+                        self.wfile.write(b"x")
+                        self.wfile.flush()
+                        time.sleep(0.05)
+                    return
+                payload = {"/cat.png": body, "/big": b"\0" * 30_000}.get(self.path)
+                self.send_response(200 if payload is not None else 404)
+                self.end_headers()
+                self.wfile.write(payload or b"")
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_remote_images_only_from_allowed_public_hosts(vl_model):
+    cat = png(64, 64, 12)
+    server = _ImageServer(cat)
+    base = f"http://localhost:{server.port}"
+    try:
+        closed = Renderer(
+            RenderConfig(model=vl_model, media=MediaConfig(allowed_media_domains=("localhost",)))
+        )
+        with pytest.raises(RequestError, match="private address"):  # localhost is not public
+            closed.render_chat(image_chat(f"{base}/cat.png"))
+        media = MediaConfig(
+            allowed_media_domains=("localhost",),
+            allow_private_media_addresses=True,
+            fetch_timeout_s=1.0,
+            limits=ImageLimits(max_encoded_bytes=20_000),
+        )
+        opened = Renderer(RenderConfig(model=vl_model, media=media))
+        body = opened.render_chat(image_chat(f"{base}/cat.png"))
+        assert (
+            body["features"]["mm_hashes"]
+            == opened.render_chat(image_chat(data_url(cat)))["features"]["mm_hashes"]
+        )
+        cases = [
+            (f"http://127.0.0.1:{server.port}/cat.png", 400, "not an allowed media domain"),
+            (f"{base}/big", 413, "max_encoded_bytes"),
+            (f"{base}/moved", 400, "HTTP 302"),
+            (f"{base}/missing", 400, "HTTP 404"),
+            (f"{base}/slow", 400, "took over"),
+        ]
+        for url, status, message in cases:
+            with pytest.raises(RequestError, match=message) as error:
+                opened.render_chat(image_chat(url))
+            assert error.value.status == status, url
+    finally:
+        server.close()
