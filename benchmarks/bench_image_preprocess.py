@@ -5,7 +5,9 @@ encoded, at three sizes. Per image, best of `--repeats` (the machine is shared):
   - splitserve: `process_image_bytes` (decode, smart-resize, rescale, normalize, patchify,
     hash), what the render tier does per image;
   - the peer: transformers' Qwen2-VL image processor (PIL backend, what vLLM's render tier
-    calls for Qwen2-VL) on the same bytes, decoded by PIL; it does not hash.
+    calls for Qwen2-VL) on the same bytes, decoded by PIL; it does not hash. (`vllm launch
+    render` itself cannot load Qwen2-VL here: its model inspection imports torchvision,
+    which does not install beside this torch; see PEERS.md.)
 Both produce identical float32 patches (checked here). Then the seed's table of payload
 per hop for its 1920x1080 photo: JPEG, processed pixels (float32 / float16, and as the
 JSON features the render tier sends), the visual tokens' embeddings (bf16, hidden 3584)
