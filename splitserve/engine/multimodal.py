@@ -12,6 +12,7 @@ count never share prefix blocks.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -28,6 +29,8 @@ from splitserve.protocol.multimodal import ImageInput
 
 if TYPE_CHECKING:
     from splitserve.engine.scheduler import ScheduledRequest
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_ENCODER_CACHE_BYTES = 512 * 2**20
 
@@ -65,10 +68,12 @@ def build_multimodal_inputs(
     """Check that the images and the prompt's image tokens agree, and that an image sent
     without pixels is in the encoder cache; raise InvalidRequestError."""
     merge = config.vision.spatial_merge_size
+    if any(not isinstance(image, ImageInput) or not isinstance(image.offset, int) for image in images):
+        raise InvalidRequestError("images must be ImageInputs with integer offsets", param="images")
     ordered = sorted(images, key=lambda image: image.offset)
     lengths, index = [], 0
     for image in ordered:
-        if not isinstance(image, ImageInput) or not IMAGE_HASH_PATTERN.match(str(image.image_hash)):
+        if not IMAGE_HASH_PATTERN.match(str(image.image_hash)):
             raise InvalidRequestError(
                 "each image needs an image_hash of 16 to 128 hex digits", param="images"
             )
@@ -206,10 +211,7 @@ class MultiModalRunner:
                 continue
             cached = self.cache.get(image.image_hash)
             if cached is None and self.ec_connector is not None:
-                cached = self.ec_connector.load_cache(image.image_hash, self.model.embed_tokens.weight.device)
-                if cached is not None:
-                    self.cache.put(image.image_hash, cached)
-                    self.num_images_loaded += 1
+                cached = self._load(image)
             if cached is not None:
                 found[image.image_hash] = cached
             elif image.pixel_values is None:
@@ -227,10 +229,35 @@ class MultiModalRunner:
                 self.cache.put(image_hash, embeddings)
                 found[image_hash] = embeddings
                 if self.ec_connector is not None:  # the next engine finds it
-                    self.ec_connector.save_cache(image_hash, embeddings)
+                    try:
+                        self.ec_connector.save_cache(image_hash, embeddings)
+                    except OSError as exc:  # publishing is best effort
+                        logger.warning("cannot publish image %s: %s", image_hash[:16], exc)
             self.num_images_encoded += len(missing)
             self.encode_seconds += time.perf_counter() - start
         return found
+
+    def _load(self, image: ImageInput) -> torch.Tensor | None:
+        """The image's embeddings from the EC connector, if there and of the right shape."""
+        assert self.ec_connector is not None
+        embeddings = self.ec_connector.load_cache(image.image_hash, self.model.embed_tokens.weight.device)
+        if embeddings is None:
+            return None
+        expected = (
+            image.num_tokens(self.model.config.vision.spatial_merge_size),
+            self.model.embed_tokens.embedding_dim,
+        )
+        if tuple(embeddings.shape) != expected:
+            logger.warning(
+                "encoder cache entry %s has shape %s, expected %s; ignoring it",
+                image.image_hash[:16],
+                tuple(embeddings.shape),
+                expected,
+            )
+            return None
+        self.cache.put(image.image_hash, embeddings)
+        self.num_images_loaded += 1
+        return embeddings
 
     def stats(self) -> MultiModalStats:
         return MultiModalStats(

@@ -72,8 +72,8 @@ def default_shm_directory(name: str = "default") -> Path:
 class SharedMemoryECConnector(ECConnector):
     """One file per image hash in a tmpfs directory shared by the processes of one host:
     a 4-byte header length, a JSON header {dtype, shape}, then the raw tensor bytes.
-    Files appear atomically (written aside, then renamed), so a reader sees a whole
-    entry or none."""
+    Files appear and are replaced atomically (written aside, then renamed), so a reader
+    sees a whole entry or none."""
 
     def __init__(self, directory: str | Path) -> None:
         self.directory = Path(directory)
@@ -98,14 +98,11 @@ class SharedMemoryECConnector(ECConnector):
             return None
         except (ValueError, KeyError, RuntimeError, struct.error) as exc:
             logger.warning("encoder cache entry %s is unreadable (%s); recomputing", image_hash[:16], exc)
-            self._path(image_hash).unlink(missing_ok=True)  # so the recomputed one replaces it
             return None
         return tensor.to(device)
 
     def save_cache(self, image_hash: str, embeddings: torch.Tensor) -> None:
-        path = self._path(image_hash)
-        if path.is_file():
-            return
+        path = self._path(image_hash)  # replaced if there: a recomputed entry fixes a bad one
         tensor = embeddings.detach().contiguous().cpu()
         dtype = str(tensor.dtype).removeprefix("torch.")
         header = json.dumps({"dtype": dtype, "shape": list(tensor.shape)}).encode()

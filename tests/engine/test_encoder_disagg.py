@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from splitserve.engine.encoder_worker import EncoderJob, EncoderWorker
 from splitserve.engine.errors import InvalidRequestError
@@ -54,9 +55,11 @@ def test_a_miss_is_encoded_by_the_engine_and_published(vl_model, vl_cases, tmp_p
     assert llm.engine.multimodal.num_images_encoded == 1
     assert connector.has_cache(cases[0].images[0].image_hash)
 
-    # an unreadable entry is a miss too: a fresh engine falls back to its own encoder
-    for image in cases[1].images:
-        (tmp_path / f"{image.image_hash}.ec").write_bytes(b"\x05\x00\x00\x00garbage")
+    # an unreadable entry, or one of the wrong shape, is a miss too: a fresh engine falls
+    # back to its own encoder and its result replaces the bad entry
+    broken, wrong_shape = cases[1].images
+    (tmp_path / f"{broken.image_hash}.ec").write_bytes(b"\x05\x00\x00\x00garbage")
+    connector.save_cache(wrong_shape.image_hash, torch.zeros(3, 5))
     fresh = LLM(vl_model, num_blocks=128, ec_connector=connector)
     assert fresh.generate([cases[1].token_ids], GREEDY, images=[cases[1].images])[0].token_ids == expected[1]
     assert fresh.engine.multimodal.num_images_encoded == 2 and fresh.engine.multimodal.num_images_loaded == 0
