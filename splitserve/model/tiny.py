@@ -18,8 +18,12 @@ import tempfile
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from splitserve.model.tiny_vl import TinyVisionSpec
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 # Added but not special, as in Qwen3: they survive skip_special_tokens, so the
@@ -237,7 +241,11 @@ def random_weights(spec: TinyModelSpec) -> dict[str, np.ndarray]:
     return weights
 
 
-def write_tiny_model(directory: str | os.PathLike[str], spec: TinyModelSpec = TinyModelSpec()) -> Path:
+def write_tiny_model(
+    directory: str | os.PathLike[str],
+    spec: TinyModelSpec = TinyModelSpec(),
+    vision: TinyVisionSpec | None = None,  # qwen2_vl's vision tower; None: TinyVisionSpec()
+) -> Path:
     import torch
     from safetensors.torch import save_file
 
@@ -252,9 +260,9 @@ def write_tiny_model(directory: str | os.PathLike[str], spec: TinyModelSpec = Ti
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     if spec.arch == "qwen2_vl":
-        from splitserve.model.tiny_vl import write_tiny_qwen2_vl
+        from splitserve.model.tiny_vl import TinyVisionSpec, write_tiny_qwen2_vl
 
-        return write_tiny_qwen2_vl(out, spec)
+        return write_tiny_qwen2_vl(out, spec, vision or TinyVisionSpec())
 
     tokenizer = build_tokenizer(spec.vocab, spec.seed)
     eos_id = tokenizer.token_to_id("<|im_end|>")
@@ -314,6 +322,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab", type=int, default=defaults.vocab)
     parser.add_argument("--max-position", type=int, default=defaults.max_position)
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=defaults.dtype)
+    vision = parser.add_argument_group("qwen2_vl's vision tower")
+    vision.add_argument("--vision-depth", type=int, default=None, help="blocks (default 2)")
+    vision.add_argument("--vision-dim", type=int, default=None, help="embedding width (default 32)")
+    vision.add_argument("--vision-heads", type=int, default=None, help="attention heads (default 2)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -333,8 +345,16 @@ def run(args: argparse.Namespace) -> int:
         max_position=args.max_position,
         dtype=args.dtype,
     )
+    vision = None
+    vision_args = {"depth": args.vision_depth, "embed_dim": args.vision_dim, "heads": args.vision_heads}
+    if any(value is not None for value in vision_args.values()):
+        if spec.arch != "qwen2_vl":
+            raise SystemExit("splitserve tiny-model: --vision-* options need --arch qwen2_vl")
+        from splitserve.model.tiny_vl import TinyVisionSpec
+
+        vision = TinyVisionSpec(**{k: v for k, v in vision_args.items() if v is not None})
     try:
-        out = write_tiny_model(args.directory, spec)
+        out = write_tiny_model(args.directory, spec, vision)
     except ValueError as exc:
         raise SystemExit(f"splitserve tiny-model: {exc}") from exc
     print(

@@ -50,12 +50,15 @@ def test_cli_writes_what_transformers_loads(tmp_path):
             "qwen2_vl",
             "--layers",
             "1",
+            *("--vision-depth", "3", "--vision-dim", "48", "--vision-heads", "3"),
         ],
         check=True,
         capture_output=True,
     )
     model = Qwen2VLForConditionalGeneration.from_pretrained(out)
     assert model.config.text_config.num_hidden_layers == 1
+    vision = model.config.vision_config
+    assert (vision.depth, vision.embed_dim, vision.num_heads) == (3, 48, 3)
     tokenizer = AutoTokenizer.from_pretrained(out)
     for token in VISION_TOKENS:
         assert tokenizer.encode(token, add_special_tokens=False) == [tokenizer.convert_tokens_to_ids(token)]
