@@ -81,3 +81,48 @@ def test_image_hashes_never_name_paths(vl_model, vl_cases, tmp_path):
         encoder.encode([EncoderJob(image.image_hash, (1, 2, 2), image.pixel_values)])
     assert error.value.param == "pixel_values"
     assert encoder.num_images_encoded == 0 and not any((tmp_path / "ec").iterdir())
+
+
+def test_encoder_cache_across_hosts_over_tcp(vl_model, vl_cases, tmp_path):
+    """The encoder host serves its cache (token-protected); a worker elsewhere publishes
+    into it and an engine elsewhere loads from it; a wrong token or a dead server is a miss."""
+    from splitserve.kv.ec_tcp import ECServer, TcpECConnector
+
+    cases, expected = vl_cases
+    server = ECServer(SharedMemoryECConnector(tmp_path), token="internal-secret")
+    try:
+        remote = TcpECConnector("127.0.0.1", server.port, token="internal-secret")
+        encoder = EncoderWorker(vl_model, remote, dtype="float32")
+        encoder.encode(jobs_of(cases[:3]))
+        assert encoder.num_images_encoded == 7
+        assert all((tmp_path / f"{image.image_hash}.ec").is_file() for case in cases for image in case.images)
+
+        llm = LLM(
+            vl_model, num_blocks=128, ec_connector=TcpECConnector("127.0.0.1", server.port, "internal-secret")
+        )
+        results = llm.generate(
+            [c.token_ids for c in cases], GREEDY, images=[without_pixels(c) for c in cases]
+        )
+        assert [r.token_ids for r in results] == expected
+        assert llm.engine.multimodal.num_images_loaded == 7 and llm.engine.multimodal.num_images_encoded == 0
+
+        intruder = TcpECConnector("127.0.0.1", server.port, token="guess")
+        assert not intruder.has_cache(cases[0].images[0].image_hash)
+        assert intruder.load_cache(cases[0].images[0].image_hash, torch.device("cpu")) is None
+        with pytest.raises(OSError, match="did not store"):
+            intruder.save_cache("ee" * 32, torch.zeros(2, 2))
+        assert not (tmp_path / f"{'ee' * 32}.ec").exists()
+        for connector in (remote, intruder):
+            connector.shutdown()
+        llm.engine.shutdown()
+    finally:
+        server.close()
+
+    # the server is gone: a miss after the timeout; with pixels the engine encodes itself
+    dead = TcpECConnector("127.0.0.1", server.port, "internal-secret", timeout_s=0.2)
+    fallback = LLM(vl_model, num_blocks=128, ec_connector=dead)
+    assert (
+        fallback.generate([cases[0].token_ids], GREEDY, images=[cases[0].images])[0].token_ids == expected[0]
+    )
+    assert fallback.engine.multimodal.num_images_encoded == 1
+    fallback.engine.shutdown()
