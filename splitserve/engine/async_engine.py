@@ -22,6 +22,7 @@ from splitserve.engine.model_runner import KVCacheAllocator
 from splitserve.engine.outputs import EngineStats, RequestOutput
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.kv.connector import KVConnector
+from splitserve.kv.ec_connector import ECConnector
 from splitserve.protocol.multimodal import ImageInput
 
 logger = logging.getLogger(__name__)
@@ -59,8 +60,9 @@ class AsyncEngine:
         config: EngineConfig,
         connector: KVConnector | None = None,
         kv_cache_allocator: KVCacheAllocator | None = None,
+        ec_connector: ECConnector | None = None,  # visual embeddings from encoder workers
     ) -> None:
-        self.engine = LLMEngine(config, connector, kv_cache_allocator)
+        self.engine = LLMEngine(config, connector, kv_cache_allocator, ec_connector)
         self.model_config = self.engine.model_config
         self._lock = threading.Lock()
         self._wake = threading.Event()

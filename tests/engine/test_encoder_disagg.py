@@ -126,3 +126,65 @@ def test_encoder_cache_across_hosts_over_tcp(vl_model, vl_cases, tmp_path):
     )
     assert fallback.engine.multimodal.num_images_encoded == 1
     fallback.engine.shutdown()
+
+
+def test_encoder_prefill_decode(vl_model, vl_cases, tmp_path):
+    """`up --encoder 1 --prefill 1 --decode 1` without HTTP: the proxy's flow sends each
+    request's images to the encoder worker, then the request with hashes and placements
+    only to decode (reserving blocks) and prefill (pushing KV layer by layer); decode's
+    greedy tokens equal transformers', and neither engine runs the vision tower."""
+    import asyncio
+
+    from splitserve.config import CacheConfig, EngineConfig, ModelConfig, TransferConfig
+    from splitserve.engine.async_engine import AsyncEngine
+    from splitserve.kv.pd_connector import PDConnector
+
+    cases, expected = vl_cases
+    EncoderWorker(vl_model, SharedMemoryECConnector(tmp_path), dtype="float32").encode(jobs_of(cases))
+
+    def start(role: str) -> tuple[AsyncEngine, PDConnector]:
+        config = EngineConfig(ModelConfig(vl_model), CacheConfig(num_blocks=128), role=role)
+        connector = PDConnector(role, TransferConfig())
+        engine = AsyncEngine(config, connector=connector, ec_connector=SharedMemoryECConnector(tmp_path))
+        return engine.start(), connector
+
+    async def collect(outputs) -> list[int]:
+        return [token async for output in outputs for token in output.new_token_ids]
+
+    async def pd_generate(request_id: str, case) -> list[int]:
+        images = without_pixels(case)
+        decoding = asyncio.ensure_future(
+            collect(
+                decode.generate(
+                    request_id,
+                    case.token_ids,
+                    GREEDY,
+                    kv_transfer_params={"do_remote_prefill": True},
+                    images=images,
+                )
+            )
+        )
+        reservation = await asyncio.to_thread(decode_connector.reservations.wait, request_id, 30)
+        kv = {
+            "do_remote_decode": True,
+            "transfer_mode": "push",
+            "remote_request_id": request_id,
+            "remote_block_ids": reservation.block_ids,
+            "remote_first_block": reservation.first_block,
+            **decode_connector.kv_address(),
+        }
+        await collect(
+            prefill.generate(request_id + "-p", case.token_ids, GREEDY, kv_transfer_params=kv, images=images)
+        )
+        return await decoding
+
+    (prefill, _), (decode, decode_connector) = start("prefill"), start("decode")
+    try:
+        outputs = [asyncio.run(pd_generate(f"r{i}", case)) for i, case in enumerate(cases)]
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+    assert outputs == expected
+    for engine in (prefill, decode):
+        assert engine.engine.multimodal.num_images_encoded == 0
+    assert prefill.engine.multimodal.num_images_loaded == 7
