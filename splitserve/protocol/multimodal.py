@@ -130,3 +130,13 @@ def _decode_pixels(encoded: Any, budget: int) -> tuple[np.ndarray, int]:
     if len(raw) != size:
         raise FeaturesError(f"pixel_values data has {len(raw)} bytes; shape and dtype say {size}")
     return np.frombuffer(raw, dtype=dtype).reshape(shape).astype(np.float32), size
+
+
+def features_without_pixels(features: dict[str, Any]) -> dict[str, Any]:
+    """What a prefill/decode worker behind an encoder pool gets: hashes, placements and
+    grids, every `pixel_values` null (the proxy sends the pixels to the encoder only)."""
+    kwargs = (features.get("kwargs_data") or {}).get("image") or []
+    return {
+        **features,
+        "kwargs_data": {"image": [{**item, "pixel_values": None} for item in kwargs]},
+    }

@@ -7,7 +7,13 @@ import json
 import numpy as np
 import pytest
 
-from splitserve.protocol.multimodal import FeaturesError, ImageInput, features_from_wire, features_to_wire
+from splitserve.protocol.multimodal import (
+    FeaturesError,
+    ImageInput,
+    features_from_wire,
+    features_to_wire,
+    features_without_pixels,
+)
 
 PIXELS = np.random.default_rng(0).standard_normal((16, 1176)).astype(np.float32)
 IMAGES = [ImageInput("ab" * 32, 5, (1, 4, 4), PIXELS), ImageInput("cd" * 32, 30, (1, 2, 2), None)]
@@ -54,3 +60,14 @@ def test_malformed_features_are_400(mutate):
     with pytest.raises(FeaturesError) as error:
         features_from_wire(wire, max_pixel_bytes=2**30)
     assert not error.value.too_large
+
+
+def test_features_without_pixels_keep_hashes_and_placements():
+    wire = features_to_wire(IMAGES, merge=2)
+    stripped = features_without_pixels(wire)
+    assert wire["kwargs_data"]["image"][0]["pixel_values"] is not None  # the original is untouched
+    back = features_from_wire(json.loads(json.dumps(stripped)), max_pixel_bytes=0)
+    assert [(i.image_hash, i.offset, i.grid_thw, i.pixel_values) for i in back] == [
+        (i.image_hash, i.offset, i.grid_thw, None) for i in IMAGES
+    ]
+    assert len(json.dumps(stripped)) < 1000
