@@ -13,7 +13,13 @@ from splitserve.kv.ec_connector import ECConnector
 from splitserve.protocol.multimodal import ImageInput
 
 _MODEL_KEYS = ("dtype", "device", "seed")
-_CACHE_KEYS = ("block_size", "kv_cache_memory_bytes", "num_blocks", "enable_prefix_caching")
+_CACHE_KEYS = (
+    "block_size",
+    "kv_cache_memory_bytes",
+    "num_blocks",
+    "enable_prefix_caching",
+    "encoder_cache_bytes",
+)
 _SCHEDULER_KEYS = ("max_num_batched_tokens", "max_num_seqs", "max_model_len")
 
 

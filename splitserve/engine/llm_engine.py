@@ -121,7 +121,8 @@ class LLMEngine:
             self.model = load_model(config.model.model, dc, self.dtype, self.device)
         else:
             self.model = load_qwen2_vl(config.model.model, self.vl_config, self.dtype, self.device)
-            self.multimodal = MultiModalRunner(self.model, EncoderCache(), ec_connector)
+            encoder_cache = EncoderCache(config.cache.encoder_cache_bytes)
+            self.multimodal = MultiModalRunner(self.model, encoder_cache, ec_connector)
         allocator = (
             kv_cache_allocator or (connector.kv_cache_allocator() if connector else None) or torch.zeros
         )

@@ -32,8 +32,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_ENCODER_CACHE_BYTES = 512 * 2**20
-
 
 @dataclass(frozen=True)
 class MultiModalInputs:
@@ -125,7 +123,7 @@ def build_multimodal_inputs(
 class EncoderCache:
     """Visual-token embeddings by image hash, least recently used evicted past max_bytes."""
 
-    def __init__(self, max_bytes: int = DEFAULT_ENCODER_CACHE_BYTES) -> None:
+    def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self.entries: OrderedDict[str, torch.Tensor] = OrderedDict()
         self.num_bytes = 0

@@ -150,3 +150,21 @@ def test_rendered_chat_through_the_wire_equals_transformers(vl_model):
     expected = transformers_greedy(vl_model, [case])
     result = LLM(vl_model, num_blocks=64).generate([body["token_ids"]], GREEDY, images=[images])[0]
     assert result.token_ids == expected[0]
+
+
+def test_tiny_encoder_cache_reencodes_and_stays_exact(vl_model, vl_cases):
+    """An encoder cache that holds one image: a second round (no prefix cache) finds every
+    image evicted by the next one, encodes it again, and the output does not change."""
+    cases, expected = vl_cases
+    llm = LLM(
+        vl_model,
+        num_blocks=128,
+        max_num_batched_tokens=16,
+        encoder_cache_bytes=1,
+        enable_prefix_caching=False,
+    )
+    prompts, images = [c.token_ids for c in cases], [c.images or None for c in cases]
+    assert [r.token_ids for r in llm.generate(prompts, GREEDY, images=images)] == expected
+    assert [r.token_ids for r in llm.generate(prompts, GREEDY, images=images)] == expected
+    assert llm.engine.multimodal.stats().images_encoded == 14
+    assert len(llm.engine.multimodal.cache.entries) == 1
