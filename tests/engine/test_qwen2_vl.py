@@ -39,6 +39,16 @@ def test_greedy_equals_transformers(vl_model, vl_cases, max_num_batched_tokens):
     llm.engine.check_integrity()
 
 
+def test_preempted_requests_with_images_equal_transformers(vl_model, vl_cases):
+    """Too few blocks: a request is preempted and recomputed, its images included."""
+    cases, expected = vl_cases
+    llm = LLM(vl_model, num_blocks=14, max_num_batched_tokens=64)
+    results = llm.generate([c.token_ids for c in cases], GREEDY, images=[c.images or None for c in cases])
+    assert [r.token_ids for r in results] == expected
+    assert llm.engine.stats().num_preemptions > 0
+    llm.engine.check_integrity()
+
+
 def test_different_images_never_share_prefix_blocks(vl_model):
     """Same token IDs (same placeholder count), different pixels: the blocks covering the
     image differ in hash, so the second request reuses only the blocks before the image."""
