@@ -22,12 +22,7 @@ from splitserve.engine.model_runner import (
     kv_cache_shape,
     resolve_dtype,
 )
-from splitserve.engine.multimodal import (
-    EncoderCache,
-    MultiModalInputs,
-    MultiModalRunner,
-    build_multimodal_inputs,
-)
+from splitserve.engine.multimodal import EncoderCache, MultiModalInputs, MultiModalRunner
 from splitserve.engine.outputs import EngineStats, RequestOutput
 from splitserve.engine.request import Request, RequestStatus
 from splitserve.engine.sampling_params import SamplingParams
@@ -228,13 +223,11 @@ class LLMEngine:
         self, prompt: list[int], images: list[ImageInput] | None
     ) -> MultiModalInputs | None:
         """The request's images checked against its prompt (None for a text-only prompt)."""
-        if self.vl_config is None:
+        if self.multimodal is None:
             if images:
                 raise InvalidRequestError("this model takes no images", param="images")
             return None
-        if not images and self.vl_config.image_token_id not in prompt:
-            return None
-        return build_multimodal_inputs(prompt, images or [], self.vl_config, self.ec_connector)
+        return self.multimodal.request_inputs(prompt, images or [])
 
     def abort_request(self, request_ids: str | list[str]) -> list[str]:
         """Abort requests; returns the IDs that were found. Their final outputs

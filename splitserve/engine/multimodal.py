@@ -169,6 +169,13 @@ class MultiModalRunner:
         self.num_images_loaded = 0  # from the encoder-cache connector
         self.encode_seconds = 0.0
 
+    def request_inputs(self, prompt: Sequence[int], images: Sequence[ImageInput]) -> MultiModalInputs | None:
+        """A request's images checked against its prompt; None for a text-only prompt."""
+        config = self.model.config
+        if not images and config.image_token_id not in prompt:
+            return None
+        return build_multimodal_inputs(prompt, images, config, self.ec_connector)
+
     def step_inputs(
         self, ordered: Sequence[ScheduledRequest], input_ids: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
