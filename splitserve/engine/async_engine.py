@@ -22,6 +22,8 @@ from splitserve.engine.model_runner import KVCacheAllocator
 from splitserve.engine.outputs import EngineStats, RequestOutput
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.kv.connector import KVConnector
+from splitserve.kv.ec_connector import ECConnector
+from splitserve.protocol.multimodal import ImageInput
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +51,7 @@ class _AddCommand(NamedTuple):
     cache_salt: str | None
     kv_transfer_params: dict | None
     arrival_time: float
+    images: list[ImageInput] | None
 
 
 class AsyncEngine:
@@ -57,8 +60,9 @@ class AsyncEngine:
         config: EngineConfig,
         connector: KVConnector | None = None,
         kv_cache_allocator: KVCacheAllocator | None = None,
+        ec_connector: ECConnector | None = None,  # visual embeddings from encoder workers
     ) -> None:
-        self.engine = LLMEngine(config, connector, kv_cache_allocator)
+        self.engine = LLMEngine(config, connector, kv_cache_allocator, ec_connector)
         self.model_config = self.engine.model_config
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -109,9 +113,10 @@ class AsyncEngine:
         sampling_params: SamplingParams,
         cache_salt: str | None = None,
         kv_transfer_params: dict | None = None,
+        images: list[ImageInput] | None = None,
     ) -> None:
         self.engine.validate_request(
-            request_id, prompt_token_ids, sampling_params, cache_salt, kv_transfer_params
+            request_id, prompt_token_ids, sampling_params, cache_salt, kv_transfer_params, images
         )
 
     async def generate(
@@ -122,13 +127,16 @@ class AsyncEngine:
         *,
         cache_salt: str | None = None,
         kv_transfer_params: dict | None = None,
+        images: list[ImageInput] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs (deltas) until one is finished. Invalid requests
         raise at the first `__anext__`, before any output. Closing or cancelling the
         iterator early aborts the request and frees its blocks."""
         if not self.is_running:
             raise RuntimeError("AsyncEngine is not running; call start()")
-        self.validate_request(request_id, prompt_token_ids, sampling_params, cache_salt, kv_transfer_params)
+        self.validate_request(
+            request_id, prompt_token_ids, sampling_params, cache_salt, kv_transfer_params, images
+        )
         stream = _Stream(asyncio.get_running_loop())
         with self._lock:
             if request_id in self._streams:
@@ -143,6 +151,7 @@ class AsyncEngine:
                     cache_salt,
                     kv_transfer_params,
                     time.monotonic(),
+                    images,
                 )
             )
         self._wake.set()
@@ -202,6 +211,7 @@ class AsyncEngine:
                         cache_salt=command.cache_salt,
                         kv_transfer_params=command.kv_transfer_params,
                         arrival_time=command.arrival_time,
+                        images=command.images,
                     )
                 except Exception as exc:  # validated already; a race or an engine bug
                     self._deliver(command.stream, [exc])

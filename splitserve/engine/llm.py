@@ -9,9 +9,17 @@ from splitserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerC
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.kv.connector import KVConnector
+from splitserve.kv.ec_connector import ECConnector
+from splitserve.protocol.multimodal import ImageInput
 
 _MODEL_KEYS = ("dtype", "device", "seed")
-_CACHE_KEYS = ("block_size", "kv_cache_memory_bytes", "num_blocks", "enable_prefix_caching")
+_CACHE_KEYS = (
+    "block_size",
+    "kv_cache_memory_bytes",
+    "num_blocks",
+    "enable_prefix_caching",
+    "encoder_cache_bytes",
+)
 _SCHEDULER_KEYS = ("max_num_batched_tokens", "max_num_seqs", "max_model_len")
 
 
@@ -45,13 +53,14 @@ class LLM:
         *,
         config: EngineConfig | None = None,
         connector: KVConnector | None = None,
+        ec_connector: ECConnector | None = None,
         **engine_kwargs: Any,
     ) -> None:
         if config is None:
             from splitserve.model.tiny import resolve_model
 
             config = engine_config_from_kwargs(resolve_model(model), **engine_kwargs)
-        self.engine = LLMEngine(config, connector)
+        self.engine = LLMEngine(config, connector, ec_connector=ec_connector)
         self._counter = 0
 
     def generate(
@@ -61,8 +70,10 @@ class LLM:
         *,
         kv_transfer_params: Sequence[dict | None] | None = None,
         cache_salt: str | None = None,
+        images: Sequence[list[ImageInput] | None] | None = None,
     ) -> list[CompletionResult]:
-        """Run every prompt (token IDs) to completion, batched; results in prompt order."""
+        """Run every prompt (token IDs) to completion, batched; results in prompt order.
+        `images`: per prompt, its images (a vision-language model's), or None."""
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -72,12 +83,20 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError("one SamplingParams per prompt, or a single one for all")
         transfer = list(kv_transfer_params) if kv_transfer_params is not None else [None] * len(prompts)
+        prompt_images = list(images) if images is not None else [None] * len(prompts)
         ids = []
-        for prompt, param, kv_params in zip(prompts, params, transfer, strict=True):
+        for prompt, param, kv_params, image_inputs in zip(
+            prompts, params, transfer, prompt_images, strict=True
+        ):
             self._counter += 1
             request_id = f"llm-{self._counter}"
             self.engine.add_request(
-                request_id, list(prompt), param, cache_salt=cache_salt, kv_transfer_params=kv_params
+                request_id,
+                list(prompt),
+                param,
+                cache_salt=cache_salt,
+                kv_transfer_params=kv_params,
+                images=image_inputs,
             )
             ids.append(request_id)
         tokens: dict[str, list[int]] = {i: [] for i in ids}

@@ -22,13 +22,17 @@ from splitserve.engine.model_runner import (
     kv_cache_shape,
     resolve_dtype,
 )
+from splitserve.engine.multimodal import EncoderCache, MultiModalInputs, MultiModalRunner
 from splitserve.engine.outputs import EngineStats, RequestOutput
 from splitserve.engine.request import Request, RequestStatus
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.scheduler import Scheduler, SchedulerOutput
 from splitserve.kv.connector import KVConnector
+from splitserve.kv.ec_connector import ECConnector
 from splitserve.model.decoder import load_model
 from splitserve.model.loader import load_decoder_config
+from splitserve.model.qwen2_vl import is_qwen2_vl, load_qwen2_vl, load_qwen2_vl_config
+from splitserve.protocol.multimodal import ImageInput
 
 logger = logging.getLogger(__name__)
 
@@ -74,10 +78,16 @@ class LLMEngine:
         config: EngineConfig,
         connector: KVConnector | None = None,
         kv_cache_allocator: KVCacheAllocator | None = None,
+        ec_connector: ECConnector | None = None,  # visual embeddings from encoder workers
     ) -> None:
         self.config = config
         self.connector = connector
-        self.decoder_config = load_decoder_config(config.model.model)
+        self.ec_connector = ec_connector
+        # a vision-language model: its language model is the decoder the engine pages
+        self.vl_config = load_qwen2_vl_config(config.model.model) if is_qwen2_vl(config.model.model) else None
+        self.decoder_config = (
+            self.vl_config.text if self.vl_config else load_decoder_config(config.model.model)
+        )
         dc = self.decoder_config
         self.device = torch.device(config.model.device) if config.model.device else _default_device()
         self.dtype = choose_dtype(config.model.dtype, dc.dtype, self.device)
@@ -101,7 +111,13 @@ class LLMEngine:
             dtype=str(self.dtype).removeprefix("torch."),
             device=str(self.device),
         )
-        self.model = load_model(config.model.model, dc, self.dtype, self.device)
+        self.multimodal: MultiModalRunner | None = None
+        if self.vl_config is None:
+            self.model = load_model(config.model.model, dc, self.dtype, self.device)
+        else:
+            self.model = load_qwen2_vl(config.model.model, self.vl_config, self.dtype, self.device)
+            encoder_cache = EncoderCache(config.cache.encoder_cache_bytes)
+            self.multimodal = MultiModalRunner(self.model, encoder_cache, ec_connector)
         allocator = (
             kv_cache_allocator or (connector.kv_cache_allocator() if connector else None) or torch.zeros
         )
@@ -112,7 +128,7 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, max_model_len, connector)
         self.runner = ModelRunner(
-            self.model, self.kv_cache, block_size, self.device, config.model.seed, connector
+            self.model, self.kv_cache, block_size, self.device, config.model.seed, connector, self.multimodal
         )
         if connector is not None:
             connector.register_kv_cache(self.kv_cache, block_size)
@@ -132,6 +148,7 @@ class LLMEngine:
         sampling_params: SamplingParams,
         cache_salt: str | None = None,
         kv_transfer_params: dict | None = None,
+        images: list[ImageInput] | None = None,
     ) -> None:
         """Raise InvalidRequestError / PromptTooLongError; reads only immutable state."""
         if not isinstance(request_id, str) or not request_id:
@@ -163,6 +180,7 @@ class LLMEngine:
             raise InvalidRequestError("cache_salt must be a string", param="cache_salt")
         if kv_transfer_params is not None and not isinstance(kv_transfer_params, dict):
             raise InvalidRequestError("kv_transfer_params must be an object", param="kv_transfer_params")
+        self._multimodal_inputs(prompt_token_ids, images)
 
     def add_request(
         self,
@@ -173,8 +191,12 @@ class LLMEngine:
         cache_salt: str | None = None,
         kv_transfer_params: dict | None = None,
         arrival_time: float | None = None,
+        images: list[ImageInput] | None = None,
     ) -> None:
-        self.validate_request(request_id, prompt_token_ids, sampling_params, cache_salt, kv_transfer_params)
+        self.validate_request(
+            request_id, prompt_token_ids, sampling_params, cache_salt, kv_transfer_params, images
+        )
+        multimodal = self._multimodal_inputs(prompt_token_ids, images)
         if request_id in self.requests or request_id in self.delayed_free:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use", param="request_id")
         if self.config.role == "prefill" and sampling_params.max_tokens != 1:
@@ -188,6 +210,7 @@ class LLMEngine:
             cache_salt=cache_salt,
             kv_transfer_params=kv_transfer_params,
             arrival_time=arrival_time,
+            multimodal=multimodal,
         )
         if sampling_params.seed is not None:
             generator = torch.Generator(device=self.device)
@@ -195,6 +218,16 @@ class LLMEngine:
             request.generator = generator
         self.requests[request_id] = request
         self.scheduler.add(request)
+
+    def _multimodal_inputs(
+        self, prompt: list[int], images: list[ImageInput] | None
+    ) -> MultiModalInputs | None:
+        """The request's images checked against its prompt (None for a text-only prompt)."""
+        if self.multimodal is None:
+            if images:
+                raise InvalidRequestError("this model takes no images", param="images")
+            return None
+        return self.multimodal.request_inputs(prompt, images or [])
 
     def abort_request(self, request_ids: str | list[str]) -> list[str]:
         """Abort requests; returns the IDs that were found. Their final outputs
@@ -370,3 +403,5 @@ class LLMEngine:
     def shutdown(self) -> None:
         if self.connector is not None:
             self.connector.shutdown()
+        if self.ec_connector is not None:
+            self.ec_connector.shutdown()

@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import torch
 
+from splitserve.engine.multimodal import MultiModalRunner
 from splitserve.engine.request import Request
 from splitserve.engine.scheduler import ScheduledRequest
 from splitserve.kv.connector import KVConnector, RequestSlots, StepKVInfo
@@ -57,8 +58,10 @@ class ModelRunner:
         device: torch.device,
         seed: int = 0,
         connector: KVConnector | None = None,
+        multimodal: MultiModalRunner | None = None,  # for a vision-language model
     ) -> None:
         self.model = model
+        self.multimodal = multimodal
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = device
@@ -138,14 +141,20 @@ class ModelRunner:
             def after_layer(i: int, kv_layer: torch.Tensor) -> None:
                 connector.save_kv_layer(i, kv_layer, info)
 
+        input_ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        positions_t = torch.tensor(positions, dtype=torch.long, device=self.device)
+        inputs_embeds = None
+        if self.multimodal is not None:  # M-RoPE positions [3, T]; image embeddings merged in
+            positions_t, inputs_embeds = self.multimodal.step_inputs(ordered, input_ids_t, positions_t)
         logits = self.model(
-            torch.tensor(input_ids, dtype=torch.long, device=self.device),
-            torch.tensor(positions, dtype=torch.long, device=self.device),
+            input_ids_t,
+            positions_t,
             self.kv_cache,
             meta,
             torch.tensor(sample_rows, dtype=torch.long, device=self.device),
             before_layer,
             after_layer,
+            inputs_embeds=inputs_embeds,
         )
         if self.connector is not None:
             self.connector.wait_for_save()

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.kv.block_hash import BlockHash, compute_block_hashes
+
+if TYPE_CHECKING:
+    from splitserve.engine.multimodal import MultiModalInputs
 
 
 class RequestStatus(enum.Enum):
@@ -32,8 +35,10 @@ class Request:
         cache_salt: str | None = None,
         kv_transfer_params: dict | None = None,
         arrival_time: float | None = None,
+        multimodal: MultiModalInputs | None = None,
     ) -> None:
         self.request_id = request_id
+        self.multimodal = multimodal  # images: their placements, hashes, M-RoPE positions
         self.prompt_token_ids = list(prompt_token_ids)
         self.all_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -90,7 +95,11 @@ class Request:
 
     def update_block_hashes(self) -> None:
         self.block_hashes = compute_block_hashes(
-            self.all_token_ids, self.block_size, cache_salt=self.cache_salt, parent_hashes=self.block_hashes
+            self.all_token_ids,
+            self.block_size,
+            cache_salt=self.cache_salt,
+            mm_spans=self.multimodal.spans if self.multimodal is not None else (),
+            parent_hashes=self.block_hashes,
         )
 
     def __repr__(self) -> str:

@@ -3,13 +3,14 @@
 Anything a client can get wrong is rejected here with a message naming the field, so the
 template, tokenizer and engine only ever see well-formed requests. Unknown top-level fields
 are ignored (as vLLM and OpenAI do); unsupported features that would change the output
-(guided decoding, penalties, images) are refused rather than silently dropped.
+(guided decoding, penalties) are refused rather than silently dropped. Images come as
+`image_url` content parts of user messages (the renderer loads and checks them).
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -42,6 +43,19 @@ class TextPart(_Strict):
     text: str
 
 
+class ImageUrl(_Strict):
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImageUrlPart(_Strict):
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+ContentPart = Annotated[TextPart | ImageUrlPart, Field(discriminator="type")]
+
+
 class FunctionCall(BaseModel):
     model_config = ConfigDict(extra="ignore")
     name: str
@@ -58,7 +72,7 @@ class ToolCall(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
@@ -67,12 +81,14 @@ class ChatMessage(BaseModel):
 
     @field_validator("content", mode="before")
     @classmethod
-    def _only_text_parts(cls, value: Any) -> Any:
+    def _known_parts(cls, value: Any) -> Any:
         if isinstance(value, list):
             for part in value:
                 kind = part.get("type") if isinstance(part, dict) else None
-                if kind != "text":
-                    raise ValueError(f"content part type {kind!r} is not supported (only 'text')")
+                if kind not in ("text", "image_url"):
+                    raise ValueError(
+                        f"content part type {kind!r} is not supported (only 'text', 'image_url')"
+                    )
         return value
 
     @model_validator(mode="after")
@@ -81,6 +97,8 @@ class ChatMessage(BaseModel):
             raise ValueError(f"a {self.role} message needs content")
         if self.role != "assistant" and self.tool_calls:
             raise ValueError("only assistant messages may carry tool_calls")
+        if self.role != "user" and self.image_urls():
+            raise ValueError("only user messages may carry images")
         return self
 
     def text(self) -> str:
@@ -88,7 +106,13 @@ class ChatMessage(BaseModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text for part in self.content if isinstance(part, TextPart))
+
+    def image_urls(self) -> list[str]:
+        """The URLs of the message's image parts, in order."""
+        if not isinstance(self.content, list):
+            return []
+        return [part.image_url.url for part in self.content if isinstance(part, ImageUrlPart)]
 
 
 def _check_schema(schema: Any, path: str) -> None:

@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from splitserve.frontend.chat_template import ChatTemplateCache, TemplateError, load_chat_template
 from splitserve.frontend.choice_decoder import model_has_reasoning, prompt_opens_reasoning, vocab_id
+from splitserve.frontend.images import MediaConfig, VisionModel, render_images
 from splitserve.frontend.protocol import ChatCompletionRequest, CompletionRequest, RequestError
 from splitserve.frontend.tokenizer import Tokenizer
-from splitserve.kv.block_hash import compute_block_hashes
+from splitserve.kv.block_hash import MultiModalSpan, compute_block_hashes
+from splitserve.protocol.multimodal import ImageInput, features_to_wire
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,7 @@ class RenderConfig:
     # A template sent in a request runs sandboxed but can still burn CPU and memory: off
     # unless the operator trusts the clients (as vLLM's --trust-request-chat-template).
     trust_request_chat_template: bool = False
+    media: MediaConfig = field(default_factory=MediaConfig)  # images: sources and limits
 
 
 def _read_max_position(model_dir: str) -> int:
@@ -53,6 +56,7 @@ class Renderer:
         self.reasoning = model_has_reasoning(self.tokenizer) if config.reasoning is None else config.reasoning
         has_tool_tag = vocab_id(self.tokenizer, "<tool_call>") is not None
         self.tools = has_tool_tag if config.tools is None else config.tools
+        self.vision = VisionModel.from_model_dir(config.model)  # None: the model takes no images
 
     # --- chat ---
 
@@ -86,10 +90,23 @@ class Renderer:
     def render_chat(self, request: ChatCompletionRequest, *, request_id: str | None = None) -> dict[str, Any]:
         """The generate request for one chat choice (n > 1 is fanned out by the caller)."""
         self.check_model(request.model)
-        token_ids = self.chat_token_ids(request)
+        token_ids, images = self.chat_token_ids_and_images(request)
         max_tokens = self.max_tokens_for(len(token_ids), request.max_output_tokens())
         rid = request_id or request.request_id or f"chatcmpl-{uuid.uuid4().hex}"
-        return self._generate_request(rid, token_ids, request, max_tokens, logprobs=_chat_logprobs(request))
+        return self._generate_request(
+            rid, token_ids, request, max_tokens, logprobs=_chat_logprobs(request), images=images
+        )
+
+    def chat_token_ids_and_images(self, request: ChatCompletionRequest) -> tuple[list[int], list[ImageInput]]:
+        """The prompt's token IDs, each image's placeholder expanded to its visual tokens,
+        and the images (hash, placement, processed pixels)."""
+        token_ids = self.chat_token_ids(request)
+        urls = [url for message in request.messages for url in message.image_urls()]
+        if not urls:
+            return token_ids, []
+        if self.vision is None:
+            raise RequestError(f"the model {self.model_name!r} takes no images", param="messages")
+        return render_images(token_ids, urls, self.vision, self.config.media)
 
     def starts_in_reasoning(self, prompt_token_ids: list[int]) -> bool:
         return self.reasoning and prompt_opens_reasoning(self.tokenizer, prompt_token_ids)
@@ -153,8 +170,17 @@ class Renderer:
             )
         return requested
 
-    def block_hashes(self, token_ids: list[int], cache_salt: str | None) -> list[str]:
-        hashes = compute_block_hashes(token_ids, self.config.block_size, cache_salt=cache_salt)
+    def block_hashes(
+        self, token_ids: list[int], cache_salt: str | None, images: list[ImageInput] | None = None
+    ) -> list[str]:
+        """Block hashes as the engine computes them: images' hashes in the blocks they cover."""
+        spans = []
+        if images and self.vision is not None:
+            merge = self.vision.processor.merge_size
+            spans = [MultiModalSpan(i.offset, i.num_tokens(merge), i.image_hash) for i in images]
+        hashes = compute_block_hashes(
+            token_ids, self.config.block_size, cache_salt=cache_salt, mm_spans=spans
+        )
         return [h.hex() for h in hashes]
 
     def _generate_request(
@@ -165,6 +191,7 @@ class Renderer:
         max_tokens: int,
         *,
         logprobs: int | None,
+        images: list[ImageInput] | None = None,
     ) -> dict[str, Any]:
         sampling_params = {
             "max_tokens": max_tokens,
@@ -180,8 +207,8 @@ class Renderer:
             "request_id": request_id,
             "token_ids": token_ids,
             "sampling_params": sampling_params,
-            "block_hashes": self.block_hashes(token_ids, request.cache_salt),
-            "features": None,
+            "block_hashes": self.block_hashes(token_ids, request.cache_salt, images),
+            "features": self._features(images),
             "model": self.model_name,
             "stream": request.stream,
             "cache_salt": request.cache_salt,
@@ -191,6 +218,11 @@ class Renderer:
         if request.return_token_ids:
             body["return_token_ids"] = True
         return body
+
+    def _features(self, images: list[ImageInput] | None) -> dict[str, Any] | None:
+        if not images or self.vision is None:
+            return None
+        return features_to_wire(images, self.vision.processor.merge_size, self.config.media.pixel_dtype)
 
 
 def _chat_logprobs(request: ChatCompletionRequest) -> int | None:

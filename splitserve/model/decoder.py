@@ -171,9 +171,11 @@ class DecoderModel(nn.Module):
         logits_indices: torch.Tensor,  # rows whose next token is sampled
         before_layer: Callable[[int], None] | None = None,
         after_layer: LayerHook | None = None,
+        inputs_embeds: torch.Tensor | None = None,  # [T, hidden]: replaces embed_tokens(input_ids)
     ) -> torch.Tensor:
-        """Returns float32 logits [len(logits_indices), vocab]."""
-        hidden = self.embed_tokens(input_ids)
+        """Returns float32 logits [len(logits_indices), vocab]. `positions` is [T], or [3, T]
+        for a model whose rope() takes M-RoPE positions (Qwen2-VL)."""
+        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         cos, sin = self.rope(positions, hidden.dtype)
         residual = hidden
         for i, layer in enumerate(self.layers):

@@ -4,7 +4,7 @@ safetensors weights (single file or sharded via model.safetensors.index.json).""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -102,8 +102,11 @@ def load_decoder_config(model_dir: str | Path) -> DecoderConfig:
     )
 
 
-def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every (name, tensor) of the checkpoint, shard by shard."""
+def iter_safetensors(
+    model_dir: str | Path, keep: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every (name, tensor) of the checkpoint, shard by shard; with `keep`, only the
+    names it accepts (the others are never read from disk)."""
     from safetensors import safe_open
 
     model_dir = Path(model_dir)
@@ -119,4 +122,5 @@ def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]
     for name in files:
         with safe_open(str(model_dir / name), framework="pt") as handle:
             for key in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
-                yield key, handle.get_tensor(key)
+                if keep is None or keep(key):
+                    yield key, handle.get_tensor(key)

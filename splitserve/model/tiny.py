@@ -18,8 +18,12 @@ import tempfile
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from splitserve.model.tiny_vl import TinyVisionSpec
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 # Added but not special, as in Qwen3: they survive skip_special_tokens, so the
@@ -29,6 +33,7 @@ ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "qwen2_vl": ("Qwen2VLForConditionalGeneration", "qwen2_vl"),  # written by tiny_vl.py
 }
 DEMO_MODEL_VERSION = "v1"
 
@@ -132,6 +137,38 @@ def chat_template() -> str:
     return resources.files("splitserve.model").joinpath("chatml_template.jinja").read_text()
 
 
+def write_tokenizer(
+    out: Path, tokenizer, added_tokens: tuple[str, ...], template: str, max_position: int
+) -> None:
+    """tokenizer.json and a tokenizer_config.json declaring `added_tokens` (all special
+    except the MARKUP_TOKENS) and the chat template."""
+    tokenizer.save(str(out / "tokenizer.json"))
+    added = {}
+    for token in added_tokens:
+        added[str(tokenizer.token_to_id(token))] = {
+            "content": token,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "single_word": False,
+            "special": token not in MARKUP_TOKENS,
+        }
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "added_tokens_decoder": added,
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
+        "model_max_length": max_position,
+        "clean_up_tokenization_spaces": False,
+        "split_special_tokens": False,
+        "chat_template": template,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2, ensure_ascii=False))
+
+
 def _config(spec: TinyModelSpec, eos_id: int, pad_id: int) -> dict:
     architecture, model_type = ARCHITECTURES[spec.arch]
     config = {
@@ -204,7 +241,11 @@ def random_weights(spec: TinyModelSpec) -> dict[str, np.ndarray]:
     return weights
 
 
-def write_tiny_model(directory: str | os.PathLike[str], spec: TinyModelSpec = TinyModelSpec()) -> Path:
+def write_tiny_model(
+    directory: str | os.PathLike[str],
+    spec: TinyModelSpec = TinyModelSpec(),
+    vision: TinyVisionSpec | None = None,  # qwen2_vl's vision tower; None: TinyVisionSpec()
+) -> Path:
     import torch
     from safetensors.torch import save_file
 
@@ -218,36 +259,15 @@ def write_tiny_model(directory: str | os.PathLike[str], spec: TinyModelSpec = Ti
         raise ValueError("vocab must be at least 512 (256 bytes + specials + merges)")
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
+    if spec.arch == "qwen2_vl":
+        from splitserve.model.tiny_vl import TinyVisionSpec, write_tiny_qwen2_vl
+
+        return write_tiny_qwen2_vl(out, spec, vision or TinyVisionSpec())
 
     tokenizer = build_tokenizer(spec.vocab, spec.seed)
     eos_id = tokenizer.token_to_id("<|im_end|>")
     pad_id = tokenizer.token_to_id("<|endoftext|>")
-    tokenizer.save(str(out / "tokenizer.json"))
-
-    added = {}
-    for token in SPECIAL_TOKENS + MARKUP_TOKENS:
-        added[str(tokenizer.token_to_id(token))] = {
-            "content": token,
-            "lstrip": False,
-            "rstrip": False,
-            "normalized": False,
-            "single_word": False,
-            "special": token in SPECIAL_TOKENS,
-        }
-    tokenizer_config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "added_tokens_decoder": added,
-        "bos_token": None,
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
-        "unk_token": None,
-        "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
-        "model_max_length": spec.max_position,
-        "clean_up_tokenization_spaces": False,
-        "split_special_tokens": False,
-        "chat_template": chat_template(),
-    }
-    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2, ensure_ascii=False))
+    write_tokenizer(out, tokenizer, SPECIAL_TOKENS + MARKUP_TOKENS, chat_template(), spec.max_position)
     (out / "config.json").write_text(json.dumps(_config(spec, eos_id, pad_id), indent=2))
     generation_config = {
         "bos_token_id": pad_id,
@@ -302,6 +322,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab", type=int, default=defaults.vocab)
     parser.add_argument("--max-position", type=int, default=defaults.max_position)
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=defaults.dtype)
+    vision = parser.add_argument_group("qwen2_vl's vision tower")
+    vision.add_argument("--vision-depth", type=int, default=None, help="blocks (default 2)")
+    vision.add_argument("--vision-dim", type=int, default=None, help="embedding width (default 32)")
+    vision.add_argument("--vision-heads", type=int, default=None, help="attention heads (default 2)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -321,8 +345,16 @@ def run(args: argparse.Namespace) -> int:
         max_position=args.max_position,
         dtype=args.dtype,
     )
+    vision = None
+    vision_args = {"depth": args.vision_depth, "embed_dim": args.vision_dim, "heads": args.vision_heads}
+    if any(value is not None for value in vision_args.values()):
+        if spec.arch != "qwen2_vl":
+            raise SystemExit("splitserve tiny-model: --vision-* options need --arch qwen2_vl")
+        from splitserve.model.tiny_vl import TinyVisionSpec
+
+        vision = TinyVisionSpec(**{k: v for k, v in vision_args.items() if v is not None})
     try:
-        out = write_tiny_model(args.directory, spec)
+        out = write_tiny_model(args.directory, spec, vision)
     except ValueError as exc:
         raise SystemExit(f"splitserve tiny-model: {exc}") from exc
     print(

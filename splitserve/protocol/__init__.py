@@ -1,0 +1,1 @@
+"""Torch-free wire shapes shared by every tier."""
