@@ -16,12 +16,12 @@ from collections.abc import AsyncIterator, Callable
 from typing import NamedTuple
 
 from splitserve.config import EngineConfig
-from splitserve.engine.errors import InvalidRequestError
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.model_runner import KVCacheAllocator
 from splitserve.engine.outputs import EngineStats, RequestOutput
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.kv.connector import KVConnector
+from splitserve.protocol.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,6 @@ import torch
 
 from splitserve.config import EngineConfig
 from splitserve.engine.block_manager import BlockManager, cdiv
-from splitserve.engine.errors import InvalidRequestError, PromptTooLongError
 from splitserve.engine.model_runner import (
     KVCacheAllocator,
     ModelRunner,
@@ -29,6 +28,7 @@ from splitserve.engine.scheduler import Scheduler, SchedulerOutput
 from splitserve.kv.connector import KVConnector
 from splitserve.model.decoder import load_model
 from splitserve.model.loader import load_decoder_config
+from splitserve.protocol.errors import InvalidRequestError, PromptTooLongError
 
 logger = logging.getLogger(__name__)
 

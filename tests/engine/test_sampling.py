@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from splitserve.engine.errors import InvalidRequestError
 from splitserve.engine.llm import LLM
 from splitserve.engine.sampling_params import SamplingParams
+from splitserve.protocol.errors import InvalidRequestError
 from tests.engine.helpers import make_prompts, oracle_log_softmax
 
 PROMPTS = make_prompts(2048, seed=3)[:4]

@@ -9,8 +9,8 @@ import time
 import httpx
 import pytest
 
+from splitserve.engine.api.app import create_engine_app
 from splitserve.engine.async_engine import AsyncEngine
-from splitserve.server.engine_app import create_engine_app
 from tests.server.engine_api_helpers import (
     ABORT,
     GENERATE,

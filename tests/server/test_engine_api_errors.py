@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from splitserve.engine.api.app import create_engine_app
 from splitserve.engine.async_engine import AsyncEngine
-from splitserve.server.engine_app import create_engine_app
 from tests.conftest import free_port, running_server
 from tests.server.engine_api_helpers import (
     BLOCK_SIZE,

@@ -12,11 +12,11 @@ import httpx
 import pytest
 
 from splitserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from splitserve.engine.api.local_client import LocalEngineClient
 from splitserve.engine.async_engine import AsyncEngine
-from splitserve.server.engine_client import EngineClient
-from splitserve.server.errors import APIError
-from splitserve.server.http_engine_client import HTTPEngineClient
-from splitserve.server.local_engine_client import LocalEngineClient
+from splitserve.protocol.engine_client import EngineClient
+from splitserve.protocol.errors import APIError
+from splitserve.protocol.http_engine_client import HTTPEngineClient
 from tests.conftest import free_port, running_server
 
 VOCAB = 2048
@@ -231,7 +231,7 @@ def test_http_client_unreachable_engine() -> None:
 
 
 def test_stopped_engine_answers_503(tiny_model: str) -> None:
-    from splitserve.server.engine_app import create_engine_app
+    from splitserve.engine.api.app import create_engine_app
 
     stopped = AsyncEngine(EngineConfig(model=ModelConfig(model=tiny_model), cache=CacheConfig(num_blocks=8)))
     try:

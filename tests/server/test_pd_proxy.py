@@ -16,10 +16,10 @@ import httpx
 import openai
 import pytest
 
+from splitserve.protocol.errors import APIError
+from splitserve.router.pd_engine_client import PDEngineClient
 from splitserve.router.pd_policy import PDPolicy
 from splitserve.router.workers import Worker, WorkerPool
-from splitserve.server.errors import APIError
-from splitserve.server.pd_client import PDEngineClient
 from tests.conftest import free_port, running_server
 
 WORDS = "the of and to in is that for it as was with be by on not this are or from at prefill decode".split()
@@ -128,7 +128,7 @@ def test_up_push_over_shm_streams_through_the_openai_client(tiny_model, collocat
         assert metric(proxy_metrics, "splitserve_proxy_prefill_failures_total") == 0
         # bad input gets a clear 4xx and the proxy keeps serving
         assert httpx.post(f"{base}/v1/chat/completions", content=b"{nope").status_code == 400
-        bad_n = httpx.post(f"{base}/v1/chat/completions", json={"messages": messages[0], "n": 2})
+        bad_n = httpx.post(f"{base}/v1/chat/completions", json={"messages": messages[0], "n": 99})
         assert bad_n.status_code == 400 and bad_n.json()["error"]["param"] == "n"
         assert httpx.post(f"{base}/v1/chat/completions", json={"messages": "x"}).status_code == 400
         assert asyncio.run(chat_token_ids(base, messages[:1])) == expected[:1]

@@ -32,10 +32,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from splitserve.router.app import create_proxy_app
+    from splitserve.router.pd_engine_client import PDEngineClient
     from splitserve.router.pd_policy import PDPolicy
     from splitserve.router.workers import WorkerPool
-    from splitserve.server.pd_client import PDEngineClient
-    from splitserve.server.proxy_app import create_proxy_app
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -17,12 +17,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from splitserve.engine.api.local_client import LocalEngineClient
+from splitserve.engine.api.metrics import EngineMetrics
 from splitserve.engine.async_engine import AsyncEngine
-from splitserve.server.engine_protocol import merge_chunks
-from splitserve.server.errors import APIError, install_error_handlers
-from splitserve.server.local_engine_client import LocalEngineClient
-from splitserve.server.metrics import EngineMetrics
-from splitserve.server.request_body import read_json_body
+from splitserve.protocol.engine_api import merge_chunks
+from splitserve.protocol.errors import APIError
+from splitserve.protocol.http_edge import install_error_handlers, read_json_body
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
 

@@ -1,7 +1,8 @@
 """`splitserve serve [MODEL]`: the collocated OpenAI-compatible server.
 
-One process: the renderer, an `AsyncEngine` (its own thread) behind a `LocalEngineClient`,
-and the OpenAI routes. Takes the engine's flags (`splitserve engine --help`) plus the
+One process: the OpenAI service (the same as the P/D proxy's) wired to an in-process
+frontend (`LocalFrontendClient`) and an `AsyncEngine` (its own thread) behind a
+`LocalEngineClient`. Takes the engine's flags (`splitserve engine --help`) plus the
 frontend's (chat template, parsers, body limit).
 """
 
@@ -11,7 +12,8 @@ import argparse
 import logging
 import sys
 
-from splitserve.server import engine_cli, render_cli
+from splitserve.engine.api import cli as engine_cli
+from splitserve.frontend import cli as render_cli
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,12 +25,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from splitserve.engine.api.local_client import LocalEngineClient
     from splitserve.engine.async_engine import AsyncEngine
     from splitserve.frontend.chat_template import TemplateError
+    from splitserve.frontend.local_client import LocalFrontendClient
     from splitserve.frontend.render import Renderer
     from splitserve.model.tiny import resolve_model
-    from splitserve.server.local_engine_client import LocalEngineClient
-    from splitserve.server.openai_app import create_openai_app
+    from splitserve.service.app import create_openai_app
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -49,13 +52,19 @@ def run(args: argparse.Namespace) -> int:
         engine.shutdown()
         print(f"splitserve serve: {exc}", file=sys.stderr)
         return 2
-    client = LocalEngineClient(engine, max_model_len=max_model_len)
+
+    async def start() -> None:
+        engine.start()
+
+    async def stop() -> None:
+        engine.shutdown()
+
     app = create_openai_app(
-        renderer,
-        client,
+        LocalFrontendClient(renderer),
+        LocalEngineClient(engine, max_model_len=max_model_len),
         max_body_bytes=args.max_body_bytes,
-        on_startup=engine.start,
-        on_shutdown=engine.shutdown,
+        on_startup=start,
+        on_shutdown=stop,
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     return 0

@@ -8,18 +8,12 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+from splitserve.engine.api.generate import ChunkBuilder, GenerateRequest, parse_generate_request
+from splitserve.engine.api.metrics import EngineMetrics
 from splitserve.engine.async_engine import AsyncEngine
-from splitserve.engine.errors import InvalidRequestError, PromptTooLongError
 from splitserve.engine.outputs import RequestOutput
-from splitserve.server.engine_client import EngineClient
-from splitserve.server.engine_protocol import ChunkBuilder, GenerateRequest, parse_generate_request
-from splitserve.server.errors import APIError
-from splitserve.server.metrics import EngineMetrics
-
-
-def _api_error(exc: InvalidRequestError) -> APIError:
-    status = 413 if isinstance(exc, PromptTooLongError) else 400
-    return APIError(status, str(exc), param=getattr(exc, "param", None))
+from splitserve.protocol.engine_client import EngineClient
+from splitserve.protocol.errors import APIError
 
 
 class LocalEngineClient(EngineClient):
@@ -75,10 +69,9 @@ class LocalEngineClient(EngineClient):
         try:
             try:
                 first = await outputs.__anext__()
-            except InvalidRequestError as exc:
-                error = _api_error(exc)
-                self._count_rejected(error.status)
-                raise error from exc
+            except APIError as exc:  # the engine refused it (413, out of vocabulary, ...)
+                self._count_rejected(exc.status)
+                raise
             except StopAsyncIteration:
                 first = None
             output: RequestOutput | None = first

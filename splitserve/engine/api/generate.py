@@ -14,10 +14,9 @@ from __future__ import annotations
 import uuid
 from typing import Any, NamedTuple
 
-from splitserve.engine.errors import InvalidRequestError
 from splitserve.engine.outputs import RequestOutput
 from splitserve.engine.sampling_params import SamplingParams
-from splitserve.server.errors import APIError
+from splitserve.protocol.errors import APIError, InvalidRequestError
 
 _REQUEST_FIELDS = frozenset(
     {
@@ -319,35 +318,3 @@ class ChunkBuilder:
             chunk["kv_transfer_params"] = output.kv_transfer_params
             chunk["metrics"] = request_metrics(output.metrics, self.num_output_tokens)
         return chunk
-
-
-def merge_chunks(chunks: list[dict]) -> dict:
-    """Join a request's stream chunks into the non-streaming response shape."""
-    if not chunks:
-        raise ValueError("no chunks to merge")
-    last = chunks[-1]
-    token_ids: list[int] = []
-    content: list[dict] | None = None
-    for chunk in chunks:
-        for choice in chunk.get("choices") or []:
-            token_ids.extend(choice.get("token_ids") or [])
-            logprobs = choice.get("logprobs")
-            if logprobs is not None:
-                content = (content or []) + list(logprobs.get("content") or [])
-    final_choice = next((c for c in reversed([c for ch in chunks for c in ch.get("choices") or []])), {})
-    choice: dict[str, Any] = {
-        "index": 0,
-        "token_ids": token_ids,
-        "finish_reason": final_choice.get("finish_reason"),
-        "stop_reason": final_choice.get("stop_reason"),
-        "logprobs": {"content": content} if content is not None else None,
-    }
-    response: dict[str, Any] = {"request_id": last.get("request_id"), "choices": [choice]}
-    for name in ("prompt_token_ids",):
-        for chunk in chunks:
-            if name in chunk:
-                response[name] = chunk[name]
-    response["usage"] = next((c["usage"] for c in reversed(chunks) if c.get("usage")), None)
-    response["kv_transfer_params"] = last.get("kv_transfer_params")
-    response["metrics"] = last.get("metrics")
-    return response

@@ -7,7 +7,7 @@ import logging
 import sys
 
 from splitserve.frontend.stream_state import STATE_KEY_ENV, resolve_state_key
-from splitserve.server.request_body import DEFAULT_MAX_BODY_BYTES
+from splitserve.protocol.http_edge import DEFAULT_MAX_BODY_BYTES
 
 logger = logging.getLogger("splitserve.render")
 
@@ -80,10 +80,10 @@ def render_config(args: argparse.Namespace, model_dir: str, max_model_len: int |
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from splitserve.frontend.app import create_render_app
     from splitserve.frontend.chat_template import TemplateError
     from splitserve.frontend.render import Renderer
     from splitserve.model.tiny import resolve_model
-    from splitserve.server.render_app import create_render_app
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

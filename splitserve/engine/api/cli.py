@@ -7,7 +7,7 @@ import logging
 import re
 
 from splitserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from splitserve.server import pd_engine
+from splitserve.engine.api import kv_routes
 
 _SIZE_UNITS = {
     "": 1,
@@ -78,7 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
-    pd_engine.add_kv_arguments(parser)  # P/D roles: transport, mode, timeouts
+    kv_routes.add_kv_arguments(parser)  # P/D roles: transport, mode, timeouts
 
 
 def engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
@@ -101,29 +101,29 @@ def engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
             max_model_len=args.max_model_len,
         ),
         role=args.role,
-        transfer=pd_engine.transfer_config(args),
+        transfer=kv_routes.transfer_config(args),
     )
 
 
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from splitserve.engine.api.app import create_engine_app
     from splitserve.engine.async_engine import AsyncEngine
     from splitserve.model.tiny import resolve_model
-    from splitserve.server.engine_app import create_engine_app
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     config = engine_config(args, resolve_model(args.model))
     kv_host = args.kv_host or args.host
-    connector = pd_engine.make_connector(config.role, config.transfer, kv_host, args.kv_port)
+    connector = kv_routes.make_connector(config.role, config.transfer, kv_host, args.kv_port)
     try:
         engine = AsyncEngine(config, connector=connector)
     except ValueError as exc:  # a configuration the model or the memory budget cannot take
         raise SystemExit(f"splitserve engine: {exc}") from exc
     app = create_engine_app(engine, manage_engine=True)
     if connector is not None:
-        pd_engine.install_kv_routes(app, connector)
+        kv_routes.install_kv_routes(app, connector)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     return 0

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from splitserve.frontend.protocol import ChatCompletionRequest
+from splitserve.protocol.openai_api import ChatCompletionRequest
 
 
 class GenerateLogprob(BaseModel):
@@ -83,3 +83,33 @@ class DerenderChatStreamRequest(BaseModel):
     chat_request: ChatCompletionRequest | None = None
     prompt_token_ids: list[int] | None = None
     prompt_tokens: int | None = Field(default=None, ge=0)
+
+
+MAX_PIECES = 1024
+
+
+class DerenderPieceBody(BaseModel):
+    """One choice's new engine output (`FrontendClient.derender` over HTTP)."""
+
+    model_config = ConfigDict(extra="forbid")
+    state: str  # signed: from render (`?derender_state=true`) or the previous derender
+    index: int = Field(default=0, ge=0)
+    token_ids: list[int] = Field(default_factory=list)
+    logprobs: list[GenerateLogprobEntry] | None = None
+    finish_reason: str | None = None
+    final: bool = False
+
+    def all_token_ids(self) -> list[int]:
+        ids = list(self.token_ids)
+        for entry in self.logprobs or []:
+            ids.append(entry.token_id)
+            ids.extend(candidate.token_id for candidate in entry.top_logprobs)
+        return ids
+
+
+class DerenderPiecesRequest(BaseModel):
+    """`POST /v1/derender/pieces`: several choices' new tokens in one call."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    pieces: list[DerenderPieceBody] = Field(max_length=MAX_PIECES)

@@ -1,4 +1,5 @@
-"""Several engine streams (the n choices of one request) read concurrently as one."""
+"""Several engine streams (the n choices of one request) read concurrently as one, in
+batches: what arrived while the reader was busy comes together."""
 
 from __future__ import annotations
 
@@ -56,11 +57,24 @@ class MergedStreams:
         """Stop reading one stream (its engine request is aborted)."""
         self._tasks[index].cancel()
 
-    async def __aiter__(self) -> AsyncIterator[tuple[int, dict]]:
-        while self._head:
-            yield self._head.pop(0)
-        while (item := await self._next()) is not None:
-            yield item
+    async def next_batch(self) -> list[tuple[int, dict]]:
+        """Every chunk that has arrived, waiting for one if none has; [] at the end. While
+        the caller works on one batch (a derender call), the next one accumulates."""
+        batch, self._head = self._head, []
+        if not batch:
+            first = await self._next()
+            if first is None:
+                return []
+            batch.append(first)
+        while self._remaining and not self._queue.empty():
+            index, item = self._queue.get_nowait()
+            if item is _DONE:
+                self._remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                batch.append((index, item))
+        return batch
 
     async def close(self) -> None:
         for task in self._tasks:

@@ -24,8 +24,8 @@ from fastapi.responses import JSONResponse
 
 from splitserve.config import EngineRole, TransferConfig
 from splitserve.kv.handoff_metrics import ForwardRegistry
-from splitserve.server.errors import APIError
-from splitserve.server.request_body import read_json_body
+from splitserve.protocol.errors import APIError
+from splitserve.protocol.http_edge import read_json_body
 
 if TYPE_CHECKING:
     from splitserve.kv.pd_connector import PDConnector

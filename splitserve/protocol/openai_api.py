@@ -22,17 +22,6 @@ _JSON_SCHEMA_TYPES = {"object", "array", "string", "number", "integer", "boolean
 _RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "add_generation_prompt", "continue_final_message"}
 
 
-class RequestError(ValueError):
-    """A client error found while rendering or derendering; the HTTP layer answers `status`
-    with an OpenAI-style body."""
-
-    def __init__(self, message: str, *, param: str | None = None, status: int = 400) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.status = status
-
-
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 

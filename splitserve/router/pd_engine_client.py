@@ -23,12 +23,12 @@ from collections.abc import AsyncIterator
 
 import httpx
 
+from splitserve.protocol.engine_client import EngineClient
+from splitserve.protocol.errors import APIError
+from splitserve.protocol.http_engine_client import HTTPEngineClient
 from splitserve.router.metrics import ProxyMetrics
 from splitserve.router.pd_policy import PDPolicy
 from splitserve.router.workers import Worker, WorkerPool
-from splitserve.server.engine_client import EngineClient
-from splitserve.server.errors import APIError
-from splitserve.server.http_engine_client import HTTPEngineClient
 
 logger = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ from collections.abc import AsyncIterator
 
 import httpx
 
-from splitserve.server.engine_client import EngineClient
-from splitserve.server.errors import APIError
+from splitserve.protocol.engine_client import EngineClient
+from splitserve.protocol.errors import APIError
 
 
 async def _api_error(response: httpx.Response) -> APIError:

@@ -1,0 +1,80 @@
+"""The HTTP `FrontendClient`: a `splitserve render` tier, over one pooled keep-alive
+connection pool. The chat request crosses once (render, with `?derender_state=true`);
+derender calls carry only new tokens and each choice's signed state."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+from splitserve.protocol.errors import APIError
+from splitserve.protocol.frontend_client import (
+    DerenderedPiece,
+    DerenderPiece,
+    FrontendClient,
+    RenderedPrompt,
+)
+from splitserve.protocol.openai_api import ChatCompletionRequest, CompletionRequest
+from splitserve.protocol.openai_chunks import delta_from_wire
+
+
+class HTTPFrontendClient(FrontendClient):
+    def __init__(self, base_url: str, *, max_connections: int = 64) -> None:
+        self.base_url = base_url.rstrip("/")
+        # Keep-alive: a derender call per engine chunk must not pay a TCP handshake.
+        self._http = httpx.AsyncClient(
+            timeout=httpx.Timeout(60.0, connect=10.0),
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+        )
+
+    async def _call(self, method: str, path: str, body: Any = None) -> Any:
+        try:
+            response = await self._http.request(method, f"{self.base_url}{path}", json=body)
+        except httpx.HTTPError as exc:
+            raise APIError(503, f"render tier at {self.base_url} is unreachable: {exc}") from exc
+        try:
+            payload = response.json()
+        except ValueError:
+            payload = response.text
+        if response.status_code != 200:
+            raise APIError.from_body(response.status_code, payload, f"render tier at {self.base_url}")
+        return payload
+
+    async def models(self) -> dict[str, Any]:
+        return await self._call("GET", "/v1/models")
+
+    async def render_chat(self, request: ChatCompletionRequest) -> RenderedPrompt:
+        body = request.model_dump(mode="json", exclude_unset=True)
+        generate = await self._call("POST", "/v1/chat/completions/render?derender_state=true", body)
+        return RenderedPrompt(generate, generate.pop("derender_state"))
+
+    async def render_completion(self, request: CompletionRequest) -> list[RenderedPrompt]:
+        body = request.model_dump(mode="json", exclude_unset=True)
+        generates = await self._call("POST", "/v1/completions/render?derender_state=true", body)
+        return [RenderedPrompt(generate, generate.pop("derender_state")) for generate in generates]
+
+    async def derender(self, pieces: list[DerenderPiece]) -> list[DerenderedPiece]:
+        body = {
+            "pieces": [
+                {
+                    "state": piece.state,
+                    "index": piece.index,
+                    "token_ids": piece.token_ids,
+                    "logprobs": piece.logprobs,
+                    "finish_reason": piece.finish_reason,
+                    "final": piece.final,
+                }
+                for piece in pieces
+            ]
+        }
+        answer = await self._call("POST", "/v1/derender/pieces", body)
+        return [
+            DerenderedPiece(
+                item["state"], delta_from_wire(item["delta"]), item["finish_reason"], item["stopped"]
+            )
+            for item in answer["pieces"]
+        ]
+
+    async def close(self) -> None:
+        await self._http.aclose()
