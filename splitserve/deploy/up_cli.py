@@ -21,6 +21,7 @@ from typing import NamedTuple
 import httpx
 
 from splitserve.frontend.stream_state import STATE_KEY_ENV
+from splitserve.protocol.http_edge import DEFAULT_MAX_BODY_BYTES
 
 _POLL_S = 0.2
 
@@ -60,6 +61,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument("--kv-timeout", type=float, default=None)
     parser.add_argument("--kv-reservation-ttl", type=float, default=None)
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="request body limit (proxy, render)",
+    )
+    parser.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="let requests carry a chat_template (render; sandboxed, but it costs CPU and memory)",
+    )
     parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for every part")
     parser.add_argument(
         "--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"]
@@ -146,8 +158,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         render_port = _free_port(host)
         render = ["render", model, "--host", host, "--port", str(render_port), "--log-level", args.log_level]
+        render += ["--max-body-bytes", str(args.max_body_bytes)]
         if args.max_model_len:
             render += ["--max-model-len", str(args.max_model_len)]
+        if args.trust_request_chat_template:
+            render.append("--trust-request-chat-template")
         # One render replica: a fresh signing key for its stream states, unless one is set.
         render_env = {STATE_KEY_ENV: secrets.token_hex(32), **os.environ}
         parts.append(_start("render", render, host, render_port, render_env))
@@ -171,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
             proxy = [
                 "proxy", "--render", parts[0].url, "--host", host, "--port", str(args.port),
                 "--mode", args.mode, "--min-prefill-tokens", str(args.min_prefill_tokens),
-                "--log-level", args.log_level,
+                "--log-level", args.log_level, "--max-body-bytes", str(args.max_body_bytes),
                 "--prefill", *[p.url for p in parts if p.name.startswith("prefill")],
                 "--decode", *[p.url for p in parts if p.name.startswith("decode")],
             ]  # fmt: skip

@@ -6,6 +6,8 @@ import argparse
 import logging
 import sys
 
+from splitserve.protocol.http_edge import DEFAULT_MAX_BODY_BYTES
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--render", required=True, help="render tier base URL")
@@ -23,6 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--health-interval", type=float, default=2.0, help="seconds between health checks")
     parser.add_argument(
         "--reserve-timeout", type=float, default=30.0, help="seconds to wait for a reservation"
+    )
+    parser.add_argument(
+        "--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="request body limit"
     )
     parser.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
@@ -49,6 +54,11 @@ def run(args: argparse.Namespace) -> int:
     if args.health_interval <= 0:
         print("splitserve proxy: --health-interval must be positive", file=sys.stderr)
         return 2
-    app = create_proxy_app(args.render, PDEngineClient(pool, policy), health_interval_s=args.health_interval)
+    app = create_proxy_app(
+        args.render,
+        PDEngineClient(pool, policy),
+        health_interval_s=args.health_interval,
+        max_body_bytes=args.max_body_bytes,
+    )
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     return 0

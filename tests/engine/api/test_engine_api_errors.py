@@ -13,7 +13,7 @@ import pytest
 from splitserve.engine.api.app import create_engine_app
 from splitserve.engine.async_engine import AsyncEngine
 from tests.conftest import free_port, running_server
-from tests.server.engine_api_helpers import (
+from tests.engine.api.helpers import (
     BLOCK_SIZE,
     GENERATE,
     MAX_MODEL_LEN,

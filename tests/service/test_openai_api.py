@@ -1,4 +1,6 @@
-"""The official openai client against `splitserve serve` (render → engine → derender in one process)."""
+"""The official openai client against the one OpenAI service, run two ways: `serve`
+(render → engine → derender in one process) and `up` (the P/D proxy in front of a render
+tier, a prefill and a decode engine). Same assertions, same greedy tokens."""
 
 from __future__ import annotations
 
@@ -9,25 +11,25 @@ import pytest
 from tests.conftest import free_port, running_server
 
 MAX_BODY = 200_000
+LIMITS = ["--max-model-len", "512", "--num-blocks", "256", "--max-body-bytes", str(MAX_BODY)]
+# `up`: prompts of 16 tokens or more go through the prefill worker and a KV transfer
+STACKS = {
+    "serve": ["serve", *LIMITS, "--trust-request-chat-template"],
+    "up": ["up", *LIMITS, "--trust-request-chat-template", "--min-prefill-tokens", "16"],
+}
+GREEDY: dict[str, list] = {}  # per stack: the greedy outputs of test_greedy_tokens_agree
+
+
+@pytest.fixture(scope="module", params=list(STACKS))
+def stack(request) -> str:
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model):
+def server(tiny_model, stack):
     port = free_port()
-    args = [
-        "serve",
-        tiny_model,
-        "--port",
-        str(port),
-        "--max-model-len",
-        "512",
-        "--num-blocks",
-        "256",
-        "--max-body-bytes",
-        str(MAX_BODY),
-        "--trust-request-chat-template",
-    ]
-    with running_server(args, port) as base:
+    command, *flags = STACKS[stack]
+    with running_server([command, tiny_model, "--port", str(port), *flags], port, timeout=180) as base:
         yield base
 
 
@@ -196,3 +198,28 @@ def test_unknown_model_too_large_body_and_still_serving(client, model, server):
     assert raw.status_code == 400 and raw.json()["error"]["type"] == "invalid_request_error"
     ok = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=3)
     assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+def test_greedy_tokens_agree(client, model, stack):
+    """Greedy token IDs, streaming and not, chat and completions; the second stack must
+    produce exactly what the first did."""
+    chat = client.chat.completions.create(
+        model=model, messages=MESSAGES, max_tokens=10, temperature=0, extra_body={"return_token_ids": True}
+    )
+    events = client.chat.completions.create(
+        model=model,
+        messages=MESSAGES,
+        max_tokens=10,
+        temperature=0,
+        stream=True,
+        extra_body={"return_token_ids": True},
+    )
+    streamed = [t for e in events for c in e.choices for t in (getattr(c, "token_ids", None) or [])]
+    assert streamed == chat.choices[0].token_ids
+    completion = client.completions.create(
+        model=model, prompt="The cache", max_tokens=6, temperature=0, extra_body={"return_token_ids": True}
+    )
+    outputs = [chat.choices[0].token_ids, chat.choices[0].message.content, completion.choices[0].token_ids]
+    for other, expected in GREEDY.items():
+        assert outputs == expected, f"{stack} and {other} disagree"
+    GREEDY[stack] = outputs

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 
 from splitserve.engine.async_engine import AsyncEngine
-from tests.server.engine_api_helpers import engine_config
+from tests.engine.api.helpers import engine_config
 
 
 @pytest.fixture(scope="module")

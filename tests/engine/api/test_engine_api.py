@@ -11,7 +11,7 @@ import pytest
 
 from splitserve.engine.api.app import create_engine_app
 from splitserve.engine.async_engine import AsyncEngine
-from tests.server.engine_api_helpers import (
+from tests.engine.api.helpers import (
     ABORT,
     GENERATE,
     MAX_MODEL_LEN,
