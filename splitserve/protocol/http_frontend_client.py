@@ -1,6 +1,7 @@
 """The HTTP `FrontendClient`: a `splitserve render` tier, over one pooled keep-alive
 connection pool. The chat request crosses once (render, with `?derender_state=true`);
-derender calls carry only new tokens and each choice's signed state."""
+derender calls carry only new tokens and each choice's signed state, and the derender
+pieces of concurrent requests share calls (`CallBatcher`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from typing import Any
 
 import httpx
 
+from splitserve.protocol.call_batcher import CallBatcher
+from splitserve.protocol.derender_api import MAX_PIECES
 from splitserve.protocol.errors import APIError
 from splitserve.protocol.frontend_client import (
     DerenderedPiece,
@@ -20,12 +23,18 @@ from splitserve.protocol.openai_chunks import delta_from_wire
 
 
 class HTTPFrontendClient(FrontendClient):
-    def __init__(self, base_url: str, *, max_connections: int = 64) -> None:
+    def __init__(
+        self, base_url: str, *, max_connections: int = 8, client: httpx.AsyncClient | None = None
+    ) -> None:
         self.base_url = base_url.rstrip("/")
+        self._owns_client = client is None
         # Keep-alive: a derender call per engine chunk must not pay a TCP handshake.
-        self._http = httpx.AsyncClient(
+        self._http = client or httpx.AsyncClient(
             timeout=httpx.Timeout(60.0, connect=10.0),
             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+        )
+        self._derender_calls: CallBatcher[DerenderPiece, DerenderedPiece] = CallBatcher(
+            self._derender_call, max_items=MAX_PIECES
         )
 
     async def _call(self, method: str, path: str, body: Any = None) -> Any:
@@ -55,6 +64,9 @@ class HTTPFrontendClient(FrontendClient):
         return [RenderedPrompt(generate, generate.pop("derender_state")) for generate in generates]
 
     async def derender(self, pieces: list[DerenderPiece]) -> list[DerenderedPiece]:
+        return await self._derender_calls.call(pieces)
+
+    async def _derender_call(self, pieces: list[DerenderPiece]) -> list[DerenderedPiece]:
         body = {
             "pieces": [
                 {
@@ -77,4 +89,6 @@ class HTTPFrontendClient(FrontendClient):
         ]
 
     async def close(self) -> None:
-        await self._http.aclose()
+        await self._derender_calls.close()
+        if self._owns_client:
+            await self._http.aclose()

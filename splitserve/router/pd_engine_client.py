@@ -42,6 +42,9 @@ class PDEngineClient(EngineClient):
         self.pool = pool
         self.policy = policy
         self.metrics = metrics or ProxyMetrics()
+        # Control calls (reservations, health) get their own small pool: httpcore scans a
+        # whole pool on every request, so the hundreds of long-lived generate streams live
+        # in one pool per worker.
         self._http = httpx.AsyncClient(
             timeout=httpx.Timeout(None, connect=10.0), limits=httpx.Limits(max_connections=None)
         )
@@ -51,7 +54,7 @@ class PDEngineClient(EngineClient):
     def _client(self, worker: Worker) -> HTTPEngineClient:
         client = self._clients.get(worker.url)
         if client is None:
-            client = self._clients[worker.url] = HTTPEngineClient(worker.url, client=self._http)
+            client = self._clients[worker.url] = HTTPEngineClient(worker.url)
         return client
 
     # ---- EngineClient ---------------------------------------------------------------
@@ -67,6 +70,8 @@ class PDEngineClient(EngineClient):
         return self.pool.pick("decode") is not None
 
     async def close(self) -> None:
+        for client in self._clients.values():
+            await client.close()
         await self._http.aclose()
 
     async def check_worker(self, worker: Worker) -> bool:
