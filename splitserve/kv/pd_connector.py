@@ -30,7 +30,8 @@ from splitserve.kv.handoff_metrics import HandoffMetrics
 from splitserve.kv.layer_push import LayerPusher
 from splitserve.kv.pd_params import KVParamsError, block_list, cdiv, peer_from_params
 from splitserve.kv.reservations import HoldTable, Reservation, ReservationTable
-from splitserve.kv.transport import KVTransport, PeerInfo, TransferError, TransferResult, make_transport
+from splitserve.kv.transport import KVTransport, PeerInfo, TransferError, TransferResult
+from splitserve.kv.transport_factory import make_transport
 
 if TYPE_CHECKING:
     import torch
@@ -244,7 +245,7 @@ class PDConnector(KVConnector):
             logger.warning("KV transfer for %s failed: %s", request_id, result.error)
             self.metrics.transfers.labels("decode", "failed").inc()
             self.metrics.failures.labels("decode").inc()
-            if result.first_arrival is None and "TTL" in (result.error or ""):
+            if result.expired:
                 self.metrics.reservations_expired.inc()
             if not load.orphaned:
                 self.metrics.fallbacks.labels("fail" if fail_request else "recompute").inc()

@@ -17,24 +17,6 @@ from splitserve.protocol.engine_client import EngineClient
 from splitserve.protocol.errors import APIError
 
 
-async def _api_error(response: httpx.Response) -> APIError:
-    body = await response.aread()
-    try:
-        error = json.loads(body)["error"]
-        if isinstance(error, dict):  # OpenAI style: {"error": {message, type, param, code}}
-            code = error.get("code")
-            return APIError(
-                response.status_code,
-                str(error.get("message")),
-                error.get("param"),
-                code if isinstance(code, str) else None,
-            )
-        return APIError(response.status_code, str(error))
-    except (ValueError, KeyError, TypeError):
-        text = body.decode(errors="replace")[:500]
-        return APIError(response.status_code, f"engine answered {response.status_code}: {text}")
-
-
 class HTTPEngineClient(EngineClient):
     def __init__(
         self, base_url: str, *, timeout: float | None = None, client: httpx.AsyncClient | None = None
@@ -61,7 +43,7 @@ class HTTPEngineClient(EngineClient):
                 "POST", f"{self.base_url}/inference/v1/generate", json=body
             ) as response:
                 if response.status_code != 200:
-                    raise await _api_error(response)
+                    raise APIError.from_body(response.status_code, await _json_or_text(response), "engine")
                 held: dict | None = None  # the finishing chunk, until usage has arrived
                 async for chunk in _sse_events(response):
                     if held is not None:
@@ -72,15 +54,8 @@ class HTTPEngineClient(EngineClient):
                             continue
                         yield held
                         held = None
-                    if "error" in chunk:
-                        error = (
-                            chunk["error"]
-                            if isinstance(chunk["error"], dict)
-                            else {"message": chunk["error"]}
-                        )
-                        raise APIError(
-                            int(error.get("code") or 500), str(error.get("message")), error.get("param")
-                        )
+                    if "error" in chunk:  # the engine failed after the stream started
+                        raise APIError.from_body(502, chunk, "engine")
                     if any(c.get("finish_reason") is not None for c in chunk.get("choices") or []):
                         held = chunk
                     elif chunk.get("choices"):
@@ -125,3 +100,11 @@ async def _sse_events(response: httpx.Response) -> AsyncIterator[dict]:
                 yield json.loads(payload)
             except json.JSONDecodeError as exc:
                 raise APIError(502, f"engine sent a malformed event: {payload[:200]!r}") from exc
+
+
+async def _json_or_text(response: httpx.Response) -> object:
+    body = await response.aread()
+    try:
+        return json.loads(body)
+    except ValueError:
+        return body.decode(errors="replace")

@@ -8,7 +8,7 @@ import threading
 import torch
 
 from splitserve.config import TransferConfig
-from splitserve.kv.transport import make_transport
+from splitserve.kv.transport_factory import make_transport
 
 SHAPE = (3, 2, 8, 4, 2, 5)  # layers, k/v, blocks, block size, kv heads, head dim
 
