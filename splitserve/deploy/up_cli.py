@@ -44,7 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--prefill", type=int, default=1, help="prefill engines (0: decode prefills everything)"
     )
     parser.add_argument("--decode", type=int, default=1, help="decode engines")
-    parser.add_argument("--transport", choices=["shm", "tcp"], default="shm")
+    parser.add_argument(
+        "--transport", choices=["shm", "tcp"], default=None, help="KV transport (default: the engines')"
+    )
     parser.add_argument("--mode", choices=["push", "pull"], default="push")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000, help="the proxy's (OpenAI API) port")
@@ -79,15 +81,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _engine_args(args: argparse.Namespace) -> list[str]:
-    extra: list[str] = [
-        "--kv-transport",
-        args.transport,
-        "--kv-mode",
-        args.mode,
-        "--log-level",
-        args.log_level,
-    ]
+    extra: list[str] = ["--kv-mode", args.mode, "--log-level", args.log_level]
     for flag, value in (
+        ("--kv-transport", args.transport),
         ("--num-blocks", args.num_blocks),
         ("--kv-cache-memory", args.kv_cache_memory),
         ("--max-model-len", args.max_model_len),
@@ -197,7 +193,8 @@ def run(args: argparse.Namespace) -> int:
             return 1
         if stop_requested:
             return 0
-        print(f"splitserve up: {args.prefill} prefill + {args.decode} decode, {args.transport}/{args.mode}")
+        transport = args.transport or "default"
+        print(f"splitserve up: {args.prefill} prefill + {args.decode} decode, {transport}/{args.mode}")
         for part in parts:
             print(f"  {part.name:<10} {part.url}  (pid {part.process.pid})")
         print(f"OpenAI API: {parts[-1].url}/v1  (Ctrl-C stops everything)", flush=True)

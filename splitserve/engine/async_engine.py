@@ -59,7 +59,7 @@ class AsyncEngine:
         kv_cache_allocator: KVCacheAllocator | None = None,
     ) -> None:
         self.engine = LLMEngine(config, connector, kv_cache_allocator)
-        self.model_config = self.engine.model_config
+        self.model_info = self.engine.model_info
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._commands: list[_AddCommand | str] = []  # a str is a request ID to abort

@@ -64,7 +64,8 @@ def choose_dtype(requested: str | None, config_dtype: str, device: torch.device)
     return dtype
 
 
-def _default_device() -> torch.device:
+def default_device() -> torch.device:
+    """cuda when present, else cpu (ModelConfig.device None)."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
@@ -79,7 +80,7 @@ class LLMEngine:
         self.connector = connector
         self.decoder_config = load_decoder_config(config.model.model)
         dc = self.decoder_config
-        self.device = torch.device(config.model.device) if config.model.device else _default_device()
+        self.device = torch.device(config.model.device) if config.model.device else default_device()
         self.dtype = choose_dtype(config.model.dtype, dc.dtype, self.device)
         block_size = config.cache.block_size
         if block_size <= 0:
@@ -92,7 +93,7 @@ class LLMEngine:
         max_model_len = min(
             config.scheduler.max_model_len or dc.max_position_embeddings, dc.max_position_embeddings
         )
-        self.model_config = ModelInfo(
+        self.model_info = ModelInfo(
             vocab_size=dc.vocab_size,
             max_model_len=max_model_len,
             eos_token_ids=dc.eos_token_ids,
@@ -140,16 +141,16 @@ class LLMEngine:
             raise InvalidRequestError("sampling_params must be a SamplingParams", param="sampling_params")
         if not isinstance(prompt_token_ids, (list, tuple)) or not prompt_token_ids:
             raise InvalidRequestError("token_ids must be a non-empty list of integers", param="token_ids")
-        vocab = self.model_config.vocab_size
+        vocab = self.model_info.vocab_size
         for token in prompt_token_ids:
             if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab:
                 raise InvalidRequestError(
                     f"token_ids must be integers in [0, {vocab}); got {token!r}", param="token_ids"
                 )
         n = len(prompt_token_ids)
-        if n >= self.model_config.max_model_len:
+        if n >= self.model_info.max_model_len:
             raise PromptTooLongError(
-                f"prompt has {n} tokens; the maximum context length is {self.model_config.max_model_len} "
+                f"prompt has {n} tokens; the maximum context length is {self.model_info.max_model_len} "
                 "(prompt plus at least one generated token)",
                 param="token_ids",
             )
@@ -287,7 +288,7 @@ class LLMEngine:
             reason = "stop"
         elif (
             request.num_output_tokens >= request.sampling_params.max_tokens
-            or request.num_tokens >= self.model_config.max_model_len
+            or request.num_tokens >= self.model_info.max_model_len
         ):
             reason = "length"
         if reason is None:

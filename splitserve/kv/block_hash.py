@@ -1,7 +1,7 @@
 """Chained cryptographic block hashes for the prefix cache (pure Python, no torch).
 
-A block's hash is H(parent hash, the block's token IDs, extra keys). Extra keys are the
-cache_salt (first block only) and the hashes of multimodal items overlapping the block.
+A block's hash is H(parent hash, the block's token IDs, extra keys). The extra key is the
+cache_salt (first block only); multimodal item hashes will join it with image support.
 H is blake2b, so hashes can cross process and tenant boundaries: the render tier and the
 router compute the same values as the engine. Only full blocks are hashed.
 """
@@ -11,19 +11,15 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Sequence
-from typing import NamedTuple
 
 BlockHash = bytes  # 16-byte blake2b digest; use .hex() on the wire
 
 _ROOT = b"splitserve-block-hash-v1"
 
 
-class MultiModalSpan(NamedTuple):
-    """A multimodal item occupying prompt positions [offset, offset + length)."""
-
-    offset: int
-    length: int
-    item_hash: str
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division: the number of b-sized blocks that cover a tokens."""
+    return -(-a // b)
 
 
 def hash_block_tokens(
@@ -39,17 +35,8 @@ def hash_block_tokens(
     return h.digest()
 
 
-def block_extra_keys(
-    block_index: int, block_size: int, cache_salt: str | None, mm_spans: Sequence[MultiModalSpan] = ()
-) -> tuple[str, ...]:
-    start, end = block_index * block_size, (block_index + 1) * block_size
-    keys: list[str] = []
-    if block_index == 0 and cache_salt:
-        keys.append("salt:" + cache_salt)
-    for span in mm_spans:
-        if span.offset < end and span.offset + span.length > start:
-            keys.append("mm:" + span.item_hash)
-    return tuple(keys)
+def block_extra_keys(block_index: int, cache_salt: str | None) -> tuple[str, ...]:
+    return ("salt:" + cache_salt,) if block_index == 0 and cache_salt else ()
 
 
 def compute_block_hashes(
@@ -57,7 +44,6 @@ def compute_block_hashes(
     block_size: int,
     *,
     cache_salt: str | None = None,
-    mm_spans: Sequence[MultiModalSpan] = (),
     parent_hashes: Sequence[BlockHash] = (),
 ) -> list[BlockHash]:
     """Hashes of every full block of `token_ids`. `parent_hashes` are hashes already
@@ -66,6 +52,6 @@ def compute_block_hashes(
     for index in range(len(hashes), len(token_ids) // block_size):
         parent = hashes[-1] if hashes else None
         block = token_ids[index * block_size : (index + 1) * block_size]
-        extra = block_extra_keys(index, block_size, cache_salt, mm_spans)
+        extra = block_extra_keys(index, cache_salt)
         hashes.append(hash_block_tokens(parent, block, extra))
     return hashes

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -26,6 +27,7 @@ import httpx
 from splitserve.protocol.engine_client import EngineClient
 from splitserve.protocol.errors import APIError
 from splitserve.protocol.http_engine_client import HTTPEngineClient
+from splitserve.protocol.kv_transfer import KVParamsError, KVTransferParams
 from splitserve.router.metrics import ProxyMetrics
 from splitserve.router.pd_policy import PDPolicy
 from splitserve.router.workers import Worker, WorkerPool
@@ -148,17 +150,17 @@ class PDEngineClient(EngineClient):
         finally:
             await stream.aclose()
 
-    def _prefill_body(self, body: dict, kv_transfer_params: dict) -> dict:
+    def _prefill_body(self, body: dict, kv_transfer_params: KVTransferParams) -> dict:
         sampling = dict(body.get("sampling_params") or {})
         sampling["max_tokens"] = 1
         return {
             **body,
             "request_id": f"{body['request_id']}-prefill",
             "sampling_params": sampling,
-            "kv_transfer_params": kv_transfer_params,
+            "kv_transfer_params": kv_transfer_params.to_wire(),
         }
 
-    async def _run_prefill(self, prefill: Worker, body: dict) -> dict:
+    async def _run_prefill(self, prefill: Worker, body: dict) -> KVTransferParams:
         """Run the prefill request; its kv_transfer_params, or PrefillFailed."""
         started = time.monotonic()
         final: dict = {}
@@ -170,30 +172,30 @@ class PDEngineClient(EngineClient):
                 if exc.status >= 500:
                     self.pool.report_failure(prefill, exc.message)
                 raise PrefillFailed(f"prefill on {prefill.url} failed: {exc.message}") from exc
-        params = final.get("kv_transfer_params") or {}
-        if params.get("kv_transfer_error"):
-            raise PrefillFailed(
-                f"prefill on {prefill.url} could not ship its KV: {params['kv_transfer_error']}"
-            )
+        params = KVTransferParams.from_wire(final.get("kv_transfer_params"))
+        if params.kv_transfer_error:
+            raise PrefillFailed(f"prefill on {prefill.url} could not ship its KV: {params.kv_transfer_error}")
         self.metrics.prefill_time.observe(time.monotonic() - started)
         return params
 
     async def _push(self, decode: Worker, prefill: Worker, body: dict) -> AsyncIterator[dict]:
         request_id = body["request_id"]
-        stream = self._client(decode).generate({**body, "kv_transfer_params": {"do_remote_prefill": True}})
+        wait_for_kv = KVTransferParams(do_remote_prefill=True).to_wire()
+        stream = self._client(decode).generate({**body, "kv_transfer_params": wait_for_kv})
         first_task = asyncio.ensure_future(anext(stream))
         prefill_task: asyncio.Future | None = None
         prefill_done_at: list[float] = []
-        prefill_params: dict = {}
+        prefill_report: dict = {}
         try:
             reservation = await self._reserve(decode, request_id, first_task)
-            if reservation is not None and reservation.get("remote_block_ids"):
-                kv = {
-                    "do_remote_decode": True,
-                    "transfer_mode": "push",
-                    "remote_request_id": request_id,
-                    **{k: reservation[k] for k in _RESERVATION_KEYS},
-                }
+            if reservation is not None:
+                kv = KVTransferParams(
+                    do_remote_decode=True,
+                    transfer_mode="push",
+                    remote_request_id=request_id,
+                    remote_block_ids=reservation.remote_block_ids,
+                    remote_first_block=reservation.remote_first_block,
+                ).with_address(reservation.remote_address())
                 prefill_task = asyncio.ensure_future(
                     self._push_prefill(
                         decode,
@@ -201,15 +203,15 @@ class PDEngineClient(EngineClient):
                         self._prefill_body(body, kv),
                         request_id,
                         prefill_done_at,
-                        prefill_params,
+                        prefill_report,
                     )
                 )
             first = await first_task
             if prefill_done_at:
                 self.metrics.handoff_time.observe(max(0.0, time.monotonic() - prefill_done_at[0]))
-            yield _with_prefill(first, prefill_params)
+            yield _with_prefill(first, prefill_report)
             async for chunk in stream:
-                yield _with_prefill(chunk, prefill_params)
+                yield _with_prefill(chunk, prefill_report)
         finally:
             for task in (first_task, prefill_task):
                 if task is not None and not task.done():
@@ -219,8 +221,12 @@ class PDEngineClient(EngineClient):
             )
             await stream.aclose()
 
-    async def _reserve(self, decode: Worker, request_id: str, first_task: asyncio.Future) -> dict | None:
-        """Decode's reservation; if the decode request ends first, its error surfaces."""
+    async def _reserve(
+        self, decode: Worker, request_id: str, first_task: asyncio.Future
+    ) -> KVTransferParams | None:
+        """Where prefill must push; None when nothing is to be pushed (decode holds the
+        whole prompt, or reserved nothing). If the decode request ends first, its error
+        surfaces."""
         reserve_task = asyncio.ensure_future(
             self._http.post(
                 f"{decode.url}/inference/v1/kv/reserve",
@@ -241,7 +247,16 @@ class PDEngineClient(EngineClient):
                 self.metrics.fallbacks.labels("no_reservation").inc()
                 logger.warning("no reservation from %s: %s", decode.url, response.text[:200])
                 return None
-            return response.json()
+            reservation = KVTransferParams.from_wire(response.json())
+            if not reservation.remote_block_ids:
+                return None  # decode's prefix cache already holds the prompt
+            try:
+                reservation.remote_address()
+            except KVParamsError as exc:
+                self.metrics.fallbacks.labels("no_reservation").inc()
+                logger.warning("unusable reservation from %s: %s", decode.url, exc)
+                return None
+            return reservation
         finally:
             if not reserve_task.done():
                 reserve_task.cancel()
@@ -257,7 +272,7 @@ class PDEngineClient(EngineClient):
         params_out: dict,
     ) -> None:
         try:
-            params_out.update(await self._run_prefill(prefill, body))
+            params_out.update((await self._run_prefill(prefill, body)).to_wire())
             done_at.append(time.monotonic())
         except PrefillFailed as exc:
             self.metrics.prefill_failures.inc()
@@ -271,27 +286,27 @@ class PDEngineClient(EngineClient):
                 )
 
     async def _pull(self, decode: Worker, prefill: Worker, body: dict) -> AsyncIterator[dict]:
-        kv: dict | None = None
+        kv: KVTransferParams | None = None
         prefill_done = 0.0
         try:
-            kv = await self._run_prefill(
-                prefill, self._prefill_body(body, {"do_remote_decode": True, "transfer_mode": "pull"})
-            )
+            hold = KVTransferParams(do_remote_decode=True, transfer_mode="pull")
+            kv = await self._run_prefill(prefill, self._prefill_body(body, hold))
             prefill_done = time.monotonic()
-            if not kv.get("remote_block_ids"):
+            if not kv.remote_block_ids:
                 raise PrefillFailed(f"prefill on {prefill.url} returned no blocks to pull")
         except PrefillFailed as exc:
             self.metrics.prefill_failures.inc()
             self.metrics.fallbacks.labels("prefill_failed").inc()
             logger.warning("%s; decode %s computes the prompt", exc, decode.url)
             kv = None
-        decode_body = {**body, "kv_transfer_params": kv} if kv else body
+        decode_body = {**body, "kv_transfer_params": kv.to_wire()} if kv else body
+        report = dataclasses.replace(kv, prompt_token_ids=None).to_wire() if kv else {}
         first = True
         async for chunk in self._client(decode).generate(decode_body):
             if first and prefill_done:
                 self.metrics.handoff_time.observe(time.monotonic() - prefill_done)
             first = False
-            yield _with_prefill(chunk, {k: v for k, v in (kv or {}).items() if k != "prompt_token_ids"})
+            yield _with_prefill(chunk, report)
 
 
 def _raise_if_transfer_failed(chunk: dict) -> None:
@@ -304,27 +319,17 @@ def _raise_if_transfer_failed(chunk: dict) -> None:
         or choices[0].get("token_ids")
     ):
         return
-    handoff = (chunk.get("kv_transfer_params") or {}).get("handoff") or {}
+    handoff = KVTransferParams.from_wire(chunk.get("kv_transfer_params")).handoff or {}
     if handoff.get("error"):
         raise APIError(
             502, f"the KV transfer failed and the decode worker's policy is fail: {handoff['error']}"
         )
 
 
-def _with_prefill(chunk: dict, prefill_params: dict) -> dict:
+def _with_prefill(chunk: dict, prefill_report: dict) -> dict:
     """The final chunk also carries what the prefill worker reported (where TTFT went)."""
-    if prefill_params and any(c.get("finish_reason") is not None for c in chunk.get("choices") or []):
-        chunk = {
-            **chunk,
-            "kv_transfer_params": {**(chunk.get("kv_transfer_params") or {}), "prefill": prefill_params},
-        }
+    if prefill_report and any(c.get("finish_reason") is not None for c in chunk.get("choices") or []):
+        decode_params = KVTransferParams.from_wire(chunk.get("kv_transfer_params"))
+        reported = dataclasses.replace(decode_params, prefill=prefill_report)
+        chunk = {**chunk, "kv_transfer_params": reported.to_wire()}
     return chunk
-
-
-_RESERVATION_KEYS = (
-    "remote_block_ids",
-    "remote_first_block",
-    "remote_engine_id",
-    "remote_host",
-    "remote_port",
-)

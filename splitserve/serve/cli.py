@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"splitserve serve: {exc}", file=sys.stderr)
         return 2
-    max_model_len = engine.model_config.max_model_len  # the engine's bound is the one that holds
+    max_model_len = engine.model_info.max_model_len  # the engine's bound is the one that holds
     try:
         renderer = Renderer(render_cli.render_config(args, model_dir, max_model_len))
     except (OSError, TemplateError, ValueError) as exc:

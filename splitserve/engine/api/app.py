@@ -79,7 +79,7 @@ def create_engine_app(
     """The engine API over a started `AsyncEngine`. With `manage_engine`, the app starts
     the engine on startup and shuts it down on shutdown (the CLI); otherwise the caller
     owns its life (tests, the collocated server)."""
-    max_model_len = max_model_len or engine.model_config.max_model_len
+    max_model_len = max_model_len or engine.model_info.max_model_len
     metrics = metrics or EngineMetrics(engine.stats)
     engine.add_step_listener(metrics.on_step)
     client = LocalEngineClient(engine, metrics, max_model_len=max_model_len)

@@ -82,11 +82,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
+    """The engine's config; the device and, when not named, the KV transport are decided
+    here: shm for a CPU KV cache, tcp for a GPU one (ValueError for shm on a GPU)."""
+    from splitserve.engine.llm_engine import default_device  # torch: only engines pay for it
+
+    device = args.device or str(default_device())
     return EngineConfig(
         model=ModelConfig(
             model=model_dir,
             dtype=None if args.dtype == "auto" else args.dtype,
-            device=args.device,
+            device=device,
             seed=args.seed,
         ),
         cache=CacheConfig(
@@ -101,7 +106,7 @@ def engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
             max_model_len=args.max_model_len,
         ),
         role=args.role,
-        transfer=kv_routes.transfer_config(args),
+        transfer=kv_routes.transfer_config(args, device),
     )
 
 
@@ -115,7 +120,10 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    config = engine_config(args, resolve_model(args.model))
+    try:
+        config = engine_config(args, resolve_model(args.model))
+    except ValueError as exc:
+        raise SystemExit(f"splitserve engine: {exc}") from exc
     kv_host = args.kv_host or args.host
     connector = kv_routes.make_connector(config.role, config.transfer, kv_host, args.kv_port)
     try:

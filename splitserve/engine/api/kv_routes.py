@@ -26,6 +26,7 @@ from splitserve.config import EngineRole, TransferConfig
 from splitserve.kv.handoff_metrics import ForwardRegistry
 from splitserve.protocol.errors import APIError
 from splitserve.protocol.http_edge import read_json_body
+from splitserve.protocol.kv_transfer import KVTransferParams
 
 if TYPE_CHECKING:
     from splitserve.kv.pd_connector import PDConnector
@@ -36,7 +37,12 @@ MAX_RESERVE_WAIT_S = 120.0
 def add_kv_arguments(parser: argparse.ArgumentParser) -> None:
     transfer = TransferConfig()
     group = parser.add_argument_group("KV transfer (--role prefill|decode)")
-    group.add_argument("--kv-transport", choices=["shm", "tcp"], default=transfer.transport)
+    group.add_argument(
+        "--kv-transport",
+        choices=["shm", "tcp"],
+        default=None,
+        help="default: shm when the KV cache is in CPU memory, tcp on a GPU",
+    )
     group.add_argument("--kv-mode", choices=["push", "pull"], default=transfer.mode)
     group.add_argument("--kv-port", type=int, default=0, help="KV socket port (default: a free one)")
     group.add_argument(
@@ -54,9 +60,9 @@ def add_kv_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def transfer_config(args: argparse.Namespace) -> TransferConfig:
+def transfer_config(args: argparse.Namespace, device: str) -> TransferConfig:
     return TransferConfig(
-        transport=args.kv_transport,
+        transport=args.kv_transport or ("shm" if device.startswith("cpu") else "tcp"),
         mode=args.kv_mode,
         timeout_s=args.kv_timeout,
         failure_policy=args.kv_failure_policy,
@@ -135,17 +141,15 @@ def install_kv_routes(app: FastAPI, connector: PDConnector) -> None:
             raise APIError(
                 404, f"request {request_id!r} reserved no blocks within {timeout}s", param="request_id"
             )
-        return JSONResponse(
-            {
-                "request_id": request_id,
-                "transfer_mode": "push",
-                "remote_block_ids": reservation.block_ids,
-                "remote_first_block": reservation.first_block,
-                "num_cached_tokens": reservation.num_cached_tokens,
-                "remote_num_tokens": reservation.num_tokens,
-                **connector.kv_address(),
-            }
-        )
+        where = KVTransferParams(
+            transfer_mode="push",
+            remote_request_id=request_id,
+            remote_block_ids=tuple(reservation.block_ids),
+            remote_first_block=reservation.first_block,
+            remote_num_tokens=reservation.num_tokens,
+        ).with_address(connector.kv_address())
+        cached = reservation.num_cached_tokens
+        return JSONResponse({"request_id": request_id, **where.to_wire(), "num_cached_tokens": cached})
 
     @app.post("/inference/v1/kv/transfer_failed")
     async def transfer_failed(raw: Request) -> JSONResponse:
@@ -162,6 +166,6 @@ def install_kv_routes(app: FastAPI, connector: PDConnector) -> None:
                 "mode": connector.config.mode,
                 "failure_policy": connector.config.failure_policy,
                 "pid": os.getpid(),
-                **connector.kv_address(),
+                **KVTransferParams().with_address(connector.kv_address()).to_wire(),
             }
         )
