@@ -12,7 +12,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import NamedTuple
 
 from splitserve.config import EngineConfig
@@ -44,7 +44,7 @@ class _Stream:
 class _AddCommand(NamedTuple):
     stream: _Stream
     request_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: Sequence[int]
     sampling_params: SamplingParams
     cache_salt: str | None
     kv_transfer_params: dict | None
@@ -117,7 +117,7 @@ class AsyncEngine:
     async def generate(
         self,
         request_id: str,
-        prompt_token_ids: list[int],
+        prompt_token_ids: Sequence[int],
         sampling_params: SamplingParams,
         *,
         cache_salt: str | None = None,
@@ -138,7 +138,7 @@ class AsyncEngine:
                 _AddCommand(
                     stream,
                     request_id,
-                    list(prompt_token_ids),
+                    prompt_token_ids,  # immutable from the API edge; the Request copies it once
                     sampling_params,
                     cache_salt,
                     kv_transfer_params,
@@ -195,7 +195,7 @@ class AsyncEngine:
                     self._route(engine.take_pending_outputs())
                     continue
                 try:
-                    engine.add_request(
+                    engine.add_validated_request(
                         command.request_id,
                         command.prompt_token_ids,
                         command.sampling_params,

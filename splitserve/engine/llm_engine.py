@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -176,6 +177,27 @@ class LLMEngine:
         arrival_time: float | None = None,
     ) -> None:
         self.validate_request(request_id, prompt_token_ids, sampling_params, cache_salt, kv_transfer_params)
+        self.add_validated_request(
+            request_id,
+            prompt_token_ids,
+            sampling_params,
+            cache_salt=cache_salt,
+            kv_transfer_params=kv_transfer_params,
+            arrival_time=arrival_time,
+        )
+
+    def add_validated_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling_params: SamplingParams,
+        *,
+        cache_salt: str | None = None,
+        kv_transfer_params: dict | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """`add_request` for a request `validate_request` has accepted (the async engine
+        validates on the caller's thread; its engine thread does not validate again)."""
         if request_id in self.requests or request_id in self.delayed_free:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use", param="request_id")
         if self.config.role == "prefill" and sampling_params.max_tokens != 1:

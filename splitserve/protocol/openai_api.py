@@ -157,7 +157,7 @@ class ResponseFormat(BaseModel):
 class _SamplingFields(BaseModel):
     """Fields the chat and completions requests share."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", frozen=True)  # validated once at the edge, then read-only
     model: str | None = None
     n: int = Field(default=1, ge=1, le=MAX_N)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)

@@ -83,7 +83,7 @@ MAX_CACHE_SALT_LENGTH = 1024
 
 class GenerateRequest(NamedTuple):
     request_id: str
-    token_ids: list[int]
+    token_ids: tuple[int, ...]  # immutable: the engine takes it without copying
     sampling_params: SamplingParams
     stream: bool
     include_usage: bool
@@ -136,7 +136,7 @@ def _parse_sampling_params(raw: Any, prompt_len: int, max_model_len: int | None)
         raise APIError(400, str(exc), param=param or "sampling_params") from exc
 
 
-def _parse_token_ids(raw: Any) -> list[int]:
+def _parse_token_ids(raw: Any) -> tuple[int, ...]:
     if not isinstance(raw, list):
         raise APIError(400, "token_ids must be a list of integers", param="token_ids")
     if not raw:
@@ -146,7 +146,7 @@ def _parse_token_ids(raw: Any) -> list[int]:
             raise APIError(400, f"token_ids[{i}] is not an integer: {token!r}", param="token_ids")
         if token < 0:
             raise APIError(400, f"token_ids[{i}] is negative: {token}", param="token_ids")
-    return raw
+    return tuple(raw)
 
 
 def _optional_bool(body: dict, name: str, param: str | None = None) -> bool:
@@ -309,7 +309,7 @@ class ChunkBuilder:
             choice["logprobs"] = _logprobs(output.new_logprobs or [])
         chunk: dict[str, Any] = {"request_id": self.request.request_id, "choices": [choice]}
         if self.request.return_token_ids and not self._sent_prompt_ids:
-            chunk["prompt_token_ids"] = list(self.request.token_ids)
+            chunk["prompt_token_ids"] = self.request.token_ids
             self._sent_prompt_ids = True
         wants_usage = force_usage or self.request.include_usage
         if self.request.continuous_usage or (finished and wants_usage):
