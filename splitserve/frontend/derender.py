@@ -15,11 +15,12 @@ from typing import Any
 from splitserve.frontend.choice_decoder import ChoiceDecoder
 from splitserve.frontend.render import Renderer
 from splitserve.frontend.stream_state import StreamStateCodec, StreamStateError
-from splitserve.frontend.way_back import chat_options, final_finish_reason
+from splitserve.frontend.way_back import DecoderSeed, chat_options, feed
 from splitserve.protocol.engine_api import choice_logprobs
 from splitserve.protocol.errors import InvalidRequestError
+from splitserve.protocol.frontend_client import DerenderPiece
 from splitserve.protocol.openai_api import ChatCompletionRequest
-from splitserve.protocol.openai_chunks import MessageAssembler, chunk_choice, merge_deltas, usage_dict
+from splitserve.protocol.openai_chunks import MessageAssembler, chunk_choice, usage_dict
 
 
 def chat_id(request_id: str) -> str:
@@ -57,22 +58,18 @@ class Derenderer:
         choices = []
         completion_tokens = 0
         return_ids = bool(request and request.return_token_ids)
+        seed = DecoderSeed(str(generate_response.get("request_id")), options, starts_in_reasoning)
         for raw in generate_response.get("choices") or []:
-            decoder = ChoiceDecoder(
-                self.tokenizer,
-                options,
-                starts_in_reasoning=starts_in_reasoning,
-                tool_id_salt=f"{generate_response.get('request_id')}:{raw.get('index', 0)}",
-            )
-            assembler = MessageAssembler()
+            index = int(raw.get("index", 0))
             token_ids = raw.get("token_ids") or []
-            assembler.add(decoder.feed(token_ids, choice_logprobs(raw)))
-            assembler.add(decoder.finish())
-            completion_tokens += decoder.num_tokens
-            reason = final_finish_reason(raw.get("finish_reason"), decoder)
-            choices.append(
-                assembler.choice(int(raw.get("index", 0)), reason, token_ids if return_ids else None)
-            )
+            engine_reason = raw.get("finish_reason")
+            piece = DerenderPiece(seed, index, token_ids, choice_logprobs(raw), engine_reason, True)
+            result = feed(self.renderer, seed, piece)
+            assembler = MessageAssembler()
+            assembler.add(result.delta)
+            completion_tokens += result.delta.num_tokens
+            reason = result.finish_reason or "stop"
+            choices.append(assembler.choice(index, reason, token_ids if return_ids else None))
         prompt_count = _prompt_count(generate_response, prompt_token_ids, prompt_tokens)
         response: dict[str, Any] = {
             "id": chat_id(str(generate_response.get("request_id") or "derender")),
@@ -122,13 +119,8 @@ class Derenderer:
             if saved is not None and saved["fin"]:
                 continue  # finished by a stop string: the engine's trailing tokens are dropped
             try:
-                decoder = (
-                    ChoiceDecoder(
-                        self.tokenizer,
-                        options,
-                        starts_in_reasoning=state["sir"],
-                        tool_id_salt=f"{request_id}:{index}",
-                    )
+                start = (
+                    DecoderSeed(request_id, options, state["sir"])
                     if saved is None
                     else ChoiceDecoder.from_state(self.tokenizer, options, saved["dec"])
                 )
@@ -137,11 +129,9 @@ class Derenderer:
                     "stream_state does not match this request's options", param="stream_state"
                 ) from exc
             token_ids = raw.get("token_ids") or []
-            delta = decoder.feed(token_ids, choice_logprobs(raw))
-            finish_reason = None
-            if decoder.stopped or raw.get("finish_reason") is not None:
-                delta = merge_deltas(delta, decoder.finish())
-                finish_reason = final_finish_reason(raw.get("finish_reason"), decoder)
+            engine_reason = raw.get("finish_reason")
+            piece = DerenderPiece(start, index, token_ids, choice_logprobs(raw), engine_reason, False)
+            decoder, delta, finish_reason, _ = feed(self.renderer, start, piece)
             choices.append(
                 chunk_choice(
                     index,

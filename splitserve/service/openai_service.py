@@ -172,7 +172,7 @@ class OpenAIService:
         prompt = await self.frontend.render_chat(request)
         choices = fan_out([prompt], request.n, request.seed)
         streams = await self._start(choices.bodies)
-        return self._chat_events(request, prompt.generate, choices, streams)
+        return _sse_stream(self._chat_events(request, prompt.generate, choices, streams), streams)
 
     async def _chat_events(
         self,
@@ -180,7 +180,7 @@ class OpenAIService:
         generate: dict[str, Any],
         choices: Choices,
         streams: MergedStreams,
-    ) -> AsyncIterator[str]:
+    ) -> AsyncIterator[dict[str, Any]]:
         role_sent = [False] * len(choices.bodies)
         num_tokens = 0
         include_usage = request.include_usage()
@@ -191,35 +191,28 @@ class OpenAIService:
             "model": generate["model"],
         }
         first_chunk = True
-        try:
-            async for index, token_ids, delta, reason in self._decoded(choices.states, streams):
-                num_tokens += delta.num_tokens
-                empty = not (delta.reasoning or delta.content or delta.tool_calls or delta.logprobs)
-                if empty and role_sent[index] and reason is None:
-                    continue
-                choice = chunk_choice(
-                    index,
-                    delta,
-                    role=not role_sent[index],
-                    finish_reason=reason,
-                    token_ids=token_ids if request.return_token_ids else None,
-                )
-                event: dict[str, Any] = {**base, "choices": [choice]}
-                role_sent[index] = True
-                if first_chunk and request.return_token_ids:
-                    event["prompt_token_ids"] = generate["token_ids"]
-                first_chunk = False
-                if include_usage:
-                    event["usage"] = None
-                yield sse_event(event)
+        async for index, token_ids, delta, reason in self._decoded(choices.states, streams):
+            num_tokens += delta.num_tokens
+            empty = not (delta.reasoning or delta.content or delta.tool_calls or delta.logprobs)
+            if empty and role_sent[index] and reason is None:
+                continue
+            choice = chunk_choice(
+                index,
+                delta,
+                role=not role_sent[index],
+                finish_reason=reason,
+                token_ids=token_ids if request.return_token_ids else None,
+            )
+            event: dict[str, Any] = {**base, "choices": [choice]}
+            role_sent[index] = True
+            if first_chunk and request.return_token_ids:
+                event["prompt_token_ids"] = generate["token_ids"]
+            first_chunk = False
             if include_usage:
-                usage = usage_dict(len(generate["token_ids"]), num_tokens)
-                yield sse_event({**base, "choices": [], "usage": usage})
-        except APIError as exc:
-            yield sse_event(exc.body())
-        finally:
-            await streams.close()
-        yield SSE_DONE
+                event["usage"] = None
+            yield event
+        if include_usage:
+            yield {**base, "choices": [], "usage": usage_dict(len(generate["token_ids"]), num_tokens)}
 
     # --- completions ---
 
@@ -253,7 +246,7 @@ class OpenAIService:
         prompts = await self.frontend.render_completion(request)
         choices = fan_out(prompts, request.n, request.seed)
         streams = await self._start(choices.bodies)
-        return self._completion_events(request, prompts, choices, streams)
+        return _sse_stream(self._completion_events(request, prompts, choices, streams), streams)
 
     async def _completion_events(
         self,
@@ -261,7 +254,7 @@ class OpenAIService:
         prompts: list[RenderedPrompt],
         choices: Choices,
         streams: MergedStreams,
-    ) -> AsyncIterator[str]:
+    ) -> AsyncIterator[dict[str, Any]]:
         num_tokens = 0
         base = {
             "id": prompts[0].generate["request_id"],
@@ -269,34 +262,39 @@ class OpenAIService:
             "created": int(time.time()),
             "model": prompts[0].generate["model"],
         }
-        try:
-            async for index, token_ids, delta, reason in self._decoded(choices.states, streams):
-                num_tokens += delta.num_tokens
-                if not delta.content and reason is None:
-                    continue
-                choice: dict[str, Any] = {
-                    "index": index,
-                    "text": delta.content,
-                    "finish_reason": reason,
-                    "logprobs": (
-                        completion_logprobs(delta.logprobs or []) if request.logprobs is not None else None
-                    ),
-                }
-                if request.return_token_ids:
-                    choice["token_ids"] = token_ids
-                event = {**base, "choices": [choice]}
-                if request.include_usage():
-                    event["usage"] = None
-                yield sse_event(event)
+        async for index, token_ids, delta, reason in self._decoded(choices.states, streams):
+            num_tokens += delta.num_tokens
+            if not delta.content and reason is None:
+                continue
+            choice: dict[str, Any] = {
+                "index": index,
+                "text": delta.content,
+                "finish_reason": reason,
+                "logprobs": None if request.logprobs is None else completion_logprobs(delta.logprobs or []),
+            }
+            if request.return_token_ids:
+                choice["token_ids"] = token_ids
+            event = {**base, "choices": [choice]}
             if request.include_usage():
-                usage = usage_dict(sum(len(ids) for ids in choices.prompt_token_ids), num_tokens)
-                yield sse_event({**base, "choices": [], "usage": usage})
-        except APIError as exc:
-            yield sse_event(exc.body())
-        finally:
-            await streams.close()
-        yield SSE_DONE
+                event["usage"] = None
+            yield event
+        if request.include_usage():
+            usage = usage_dict(sum(len(ids) for ids in choices.prompt_token_ids), num_tokens)
+            yield {**base, "choices": [], "usage": usage}
 
 
 def _usage(collected: list[CollectedChoice], prompt_tokens: int) -> dict[str, int]:
     return usage_dict(prompt_tokens, sum(d.num_tokens for result in collected for d in result.deltas))
+
+
+async def _sse_stream(events: AsyncIterator[dict[str, Any]], streams: MergedStreams) -> AsyncIterator[str]:
+    """Events as SSE; an error after the stream started becomes an error event. The engine
+    requests end with the stream, however it ends."""
+    try:
+        async for event in events:
+            yield sse_event(event)
+    except APIError as exc:
+        yield sse_event(exc.body())
+    finally:
+        await streams.close()
+    yield SSE_DONE
