@@ -25,13 +25,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from splitserve.config import EngineRole, TransferConfig
+from splitserve.kv.arrivals import TransferResult
 from splitserve.kv.block_hash import cdiv
 from splitserve.kv.connector import KVCacheAllocator, KVConnector, StepKVInfo
 from splitserve.kv.handoff_metrics import HandoffMetrics
 from splitserve.kv.layer_push import LayerPusher
 from splitserve.kv.reservations import HoldTable, Reservation, ReservationTable
-from splitserve.kv.transport import KVTransport, PeerInfo, TransferError, TransferResult
+from splitserve.kv.transport import KVTransport
 from splitserve.kv.transport_factory import make_transport
+from splitserve.kv.transport_types import PeerInfo, TransferError
 from splitserve.protocol.kv_transfer import KVParamsError, KVTransferParams, RemoteAddress
 
 if TYPE_CHECKING:

@@ -18,8 +18,8 @@ import torch
 import zmq
 
 from splitserve.kv.block_copy import copy_blocks
-from splitserve.kv.transport import (
-    KVTransport,
+from splitserve.kv.transport import KVTransport
+from splitserve.kv.transport_types import (
     PeerInfo,
     PoolLayout,
     PullJob,

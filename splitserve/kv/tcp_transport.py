@@ -12,14 +12,8 @@ import torch
 import zmq
 
 from splitserve.kv.block_copy import copy_blocks, gather_blocks
-from splitserve.kv.transport import (
-    CallbackJob,
-    KVTransport,
-    PeerInfo,
-    PullJob,
-    PushJob,
-    TransferError,
-)
+from splitserve.kv.transport import KVTransport
+from splitserve.kv.transport_types import CallbackJob, PeerInfo, PullJob, PushJob, TransferError
 
 
 class TcpTransport(KVTransport):

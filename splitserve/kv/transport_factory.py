@@ -4,7 +4,8 @@ transports themselves import)."""
 from __future__ import annotations
 
 from splitserve.config import TransferConfig
-from splitserve.kv.transport import KVTransport, TransferError
+from splitserve.kv.transport import KVTransport
+from splitserve.kv.transport_types import TransferError
 
 
 def make_transport(
