@@ -2,7 +2,8 @@
 engines) against `splitserve serve` (one process), on the same CPU cores and tiny model.
 
 1. Wall time of N concurrent streaming chats of T tokens each (default 256 x 32, greedy,
-   ignore_eos, prompts long enough to go through the prefill worker).
+   ignore_eos, prompts long enough to go through the prefill worker); the fastest of
+   --repeats rounds per server, as the cores may be shared.
 2. Bytes the proxy sends per derender call (`POST /v1/derender/pieces`) at turn 1 and
    turn 40 of one long chat, against what the vLLM-shaped streaming derender
    (`/v1/chat/completions/derender`, the chat request in every call) would send.
@@ -28,6 +29,7 @@ from bench_render import free_port, served
 
 from splitserve.protocol.frontend_client import DerenderPiece
 from splitserve.protocol.http_frontend_client import HTTPFrontendClient
+from splitserve.protocol.http_pool import pooled_client
 from splitserve.protocol.openai_api import ChatCompletionRequest
 
 QUESTION = "Tell me about the cache, the prefill and the decode of this request, in a few words please."
@@ -62,16 +64,18 @@ async def one_stream(client: httpx.AsyncClient, base: str, tokens: int) -> int:
     return completion_tokens
 
 
-async def load(base: str, streams: int, tokens: int) -> float:
-    limits = httpx.Limits(max_connections=streams + 8)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+async def load(base: str, streams: int, tokens: int, repeats: int) -> list[float]:
+    """Wall time of each of `repeats` rounds of `streams` concurrent streams."""
+    times = []
+    async with pooled_client(read_timeout_s=600, keepalive=streams + 8) as client:
         await one_stream(client, base, tokens)  # warm-up
-        start = time.perf_counter()
-        counts = await asyncio.gather(*(one_stream(client, base, tokens) for _ in range(streams)))
-        elapsed = time.perf_counter() - start
-    if any(count != tokens for count in counts):
-        raise SystemExit(f"a stream ended early: {sorted(set(counts))} tokens")
-    return elapsed
+        for _ in range(repeats):
+            start = time.perf_counter()
+            counts = await asyncio.gather(*(one_stream(client, base, tokens) for _ in range(streams)))
+            times.append(time.perf_counter() - start)
+            if any(count != tokens for count in counts):
+                raise SystemExit(f"a stream ended early: {sorted(set(counts))} tokens")
+    return times
 
 
 def conversation(turns: int) -> list[dict]:
@@ -119,6 +123,7 @@ def main() -> int:
     parser.add_argument("--model", default=None, help="model directory (default: a tiny random model)")
     parser.add_argument("--streams", type=int, default=256)
     parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3, help="rounds per server; the fastest counts")
     args = parser.parse_args()
     model = tiny_model(args.model)
     cli = [sys.executable, "-m", "splitserve.cli"]
@@ -127,14 +132,18 @@ def main() -> int:
     port = free_port()
     serve = [*cli, "serve", model, "--port", str(port), *engine_flags, "--log-level", "warning"]
     with served(serve, port, "serve") as base:
-        serve_s = asyncio.run(load(base, args.streams, args.tokens))
-    print(f"serve: {args.streams} streams x {args.tokens} tokens in {serve_s:.2f} s", flush=True)
+        serve_times = asyncio.run(load(base, args.streams, args.tokens, args.repeats))
+    serve_s = min(serve_times)
+    rounds = " ".join(f"{t:.2f}" for t in serve_times)
+    print(f"serve: {args.streams} streams x {args.tokens} tokens in {serve_s:.2f} s (rounds: {rounds})")
 
     port = free_port()
     up = [*cli, "up", model, "--port", str(port), "--num-blocks", "4096", "--min-prefill-tokens", "16"]
     with served(up, port, "up") as base:
-        up_s = asyncio.run(load(base, args.streams, args.tokens))
-    print(f"up:    {args.streams} streams x {args.tokens} tokens in {up_s:.2f} s", flush=True)
+        up_times = asyncio.run(load(base, args.streams, args.tokens, args.repeats))
+    up_s = min(up_times)
+    rounds = " ".join(f"{t:.2f}" for t in up_times)
+    print(f"up:    {args.streams} streams x {args.tokens} tokens in {up_s:.2f} s (rounds: {rounds})")
 
     port = free_port()
     render = [*cli, "render", model, "--port", str(port), "--log-level", "warning"]

@@ -15,6 +15,7 @@ import httpx
 
 from splitserve.protocol.engine_client import EngineClient
 from splitserve.protocol.errors import APIError
+from splitserve.protocol.http_pool import pooled_client
 
 
 class HTTPEngineClient(EngineClient):
@@ -24,9 +25,7 @@ class HTTPEngineClient(EngineClient):
         self.base_url = base_url.rstrip("/")
         self._owns_client = client is None
         # No read timeout by default: a long generation may be silent while queued.
-        self._client = client or httpx.AsyncClient(
-            timeout=httpx.Timeout(timeout, connect=10.0), limits=httpx.Limits(max_connections=None)
-        )
+        self._client = client or pooled_client(read_timeout_s=timeout)
 
     def generate(self, request: dict) -> AsyncIterator[dict]:
         return self._generate(request)

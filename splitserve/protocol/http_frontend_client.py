@@ -18,6 +18,7 @@ from splitserve.protocol.frontend_client import (
     FrontendClient,
     RenderedPrompt,
 )
+from splitserve.protocol.http_pool import pooled_client
 from splitserve.protocol.openai_api import ChatCompletionRequest, CompletionRequest
 from splitserve.protocol.openai_chunks import delta_from_wire
 
@@ -29,9 +30,8 @@ class HTTPFrontendClient(FrontendClient):
         self.base_url = base_url.rstrip("/")
         self._owns_client = client is None
         # Keep-alive: a derender call per engine chunk must not pay a TCP handshake.
-        self._http = client or httpx.AsyncClient(
-            timeout=httpx.Timeout(60.0, connect=10.0),
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+        self._http = client or pooled_client(
+            read_timeout_s=60.0, max_connections=max_connections, keepalive=max_connections
         )
         self._derender_calls: CallBatcher[DerenderPiece, DerenderedPiece] = CallBatcher(
             self._derender_call, max_items=MAX_PIECES

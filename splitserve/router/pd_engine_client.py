@@ -27,6 +27,7 @@ import httpx
 from splitserve.protocol.engine_client import EngineClient
 from splitserve.protocol.errors import APIError
 from splitserve.protocol.http_engine_client import HTTPEngineClient
+from splitserve.protocol.http_pool import pooled_client
 from splitserve.protocol.kv_transfer import KVParamsError, KVTransferParams
 from splitserve.router.metrics import ProxyMetrics
 from splitserve.router.pd_policy import PDPolicy
@@ -47,9 +48,7 @@ class PDEngineClient(EngineClient):
         # Control calls (reservations, health) get their own small pool: httpcore scans a
         # whole pool on every request, so the hundreds of long-lived generate streams live
         # in one pool per worker.
-        self._http = httpx.AsyncClient(
-            timeout=httpx.Timeout(None, connect=10.0), limits=httpx.Limits(max_connections=None)
-        )
+        self._http = pooled_client(read_timeout_s=None)
         self._clients: dict[str, HTTPEngineClient] = {}
         self._role_checked: set[str] = set()
 
