@@ -117,6 +117,17 @@ async def derender_bytes(render: str, turns: int, tokens: int) -> tuple[float, f
     return sum(sizes) / len(sizes), sum(vllm_sizes) / len(vllm_sizes)
 
 
+def fastest(args: argparse.Namespace, name: str, command: list[str]) -> float:
+    """Start the server, run the load --repeats times, print the rounds; the fastest."""
+    port = free_port()
+    with served([*command, "--port", str(port)], port, name) as base:
+        times = asyncio.run(load(base, args.streams, args.tokens, args.repeats))
+    rounds = " ".join(f"{t:.2f}" for t in times)
+    load_text = f"{args.streams} streams x {args.tokens} tokens"
+    print(f"{name + ':':<6} {load_text} in {min(times):.2f} s (rounds: {rounds})", flush=True)
+    return min(times)
+
+
 def main() -> int:
     formatter = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
@@ -129,21 +140,8 @@ def main() -> int:
     cli = [sys.executable, "-m", "splitserve.cli"]
     engine_flags = ["--num-blocks", "4096", "--max-num-seqs", str(args.streams)]
 
-    port = free_port()
-    serve = [*cli, "serve", model, "--port", str(port), *engine_flags, "--log-level", "warning"]
-    with served(serve, port, "serve") as base:
-        serve_times = asyncio.run(load(base, args.streams, args.tokens, args.repeats))
-    serve_s = min(serve_times)
-    rounds = " ".join(f"{t:.2f}" for t in serve_times)
-    print(f"serve: {args.streams} streams x {args.tokens} tokens in {serve_s:.2f} s (rounds: {rounds})")
-
-    port = free_port()
-    up = [*cli, "up", model, "--port", str(port), "--num-blocks", "4096", "--min-prefill-tokens", "16"]
-    with served(up, port, "up") as base:
-        up_times = asyncio.run(load(base, args.streams, args.tokens, args.repeats))
-    up_s = min(up_times)
-    rounds = " ".join(f"{t:.2f}" for t in up_times)
-    print(f"up:    {args.streams} streams x {args.tokens} tokens in {up_s:.2f} s (rounds: {rounds})")
+    serve_s = fastest(args, "serve", [*cli, "serve", model, *engine_flags, "--log-level", "warning"])
+    up_s = fastest(args, "up", [*cli, "up", model, "--num-blocks", "4096", "--min-prefill-tokens", "16"])
 
     port = free_port()
     render = [*cli, "render", model, "--port", str(port), "--log-level", "warning"]

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 from splitserve.engine.outputs import RequestOutput
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.protocol.errors import APIError, InvalidRequestError
+from splitserve.protocol.openai_chunks import usage_dict
 
 _REQUEST_FIELDS = frozenset(
     {
@@ -224,11 +225,7 @@ def parse_generate_request(body: Any, *, max_model_len: int | None = None) -> Ge
 def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int | None) -> dict:
     """vLLM's UsageInfo, with the cached count both where OpenAI puts it
     (`prompt_tokens_details.cached_tokens`) and flat (`cached_tokens`)."""
-    result: dict[str, Any] = {
-        "prompt_tokens": num_prompt_tokens,
-        "completion_tokens": num_completion_tokens,
-        "total_tokens": num_prompt_tokens + num_completion_tokens,
-    }
+    result: dict[str, Any] = usage_dict(num_prompt_tokens, num_completion_tokens)
     if num_cached_tokens is not None:
         result["cached_tokens"] = num_cached_tokens
         result["prompt_tokens_details"] = {"cached_tokens": num_cached_tokens}
