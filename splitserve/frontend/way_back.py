@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 
 from splitserve.frontend.choice_decoder import ChoiceDecoder, DecodeOptions
 from splitserve.frontend.render import Renderer
-from splitserve.frontend.stream_state import StreamStateCodec
+from splitserve.frontend.stream_state import StreamStateCodec, StreamStateError
 from splitserve.protocol.errors import InvalidRequestError
 from splitserve.protocol.frontend_client import DerenderedPiece, DerenderPiece
 from splitserve.protocol.openai_api import ChatCompletionRequest, CompletionRequest
@@ -103,14 +103,17 @@ class SignedStates:
         return self.codec.encode({"rid": seed.request_id, "opt": options, "sir": seed.starts_in_reasoning})
 
     def decode(self, token: str, index: int) -> DecoderSeed | ChoiceDecoder:
-        state = self.codec.decode(token)  # StreamStateError (a 400) when forged or foreign
+        try:
+            state = self.codec.decode(token)
+        except StreamStateError as exc:  # forged, or signed by a replica with another key
+            raise InvalidRequestError(str(exc), f"pieces[{index}].state") from exc
         try:
             options = DecodeOptions(**{**state["opt"], "stop": tuple(state["opt"]["stop"])})
             if state.get("dec") is None:
                 return DecoderSeed(str(state["rid"]), options, bool(state["sir"]))
             return ChoiceDecoder.from_state(self.renderer.tokenizer, options, state["dec"])
         except (KeyError, TypeError, ValueError) as exc:
-            raise InvalidRequestError(f"pieces[{index}].state is not a derender state", "state") from exc
+            raise InvalidRequestError("not a derender state", f"pieces[{index}].state") from exc
 
     def encode(self, decoder: ChoiceDecoder) -> str:
         options = {**asdict(decoder.options), "stop": list(decoder.options.stop)}

@@ -225,3 +225,58 @@ def test_cli_refuses_a_short_state_key(tiny_model, capsys):
 
     assert main(["render", tiny_model, "--state-key", "short"]) == 2
     assert "at least 8 bytes" in capsys.readouterr().err
+
+
+def derender_pieces(bases: list[str], state: str, ids: list[int]) -> tuple[list[dict], list[int]]:
+    """The proxy's way back: one token per call, the i-th call to bases[i % len(bases)];
+    the answers and the request bytes of each call."""
+    answers, sizes = [], []
+    for i, token in enumerate(ids):
+        last = i == len(ids) - 1
+        reason = "stop" if last else None
+        piece = {"state": state, "token_ids": [token], "finish_reason": reason, "final": last}
+        body = json.dumps({"pieces": [piece]})
+        sizes.append(len(body))
+        response = httpx.post(
+            bases[i % len(bases)] + "/v1/derender/pieces",
+            content=body,
+            headers={"content-type": "application/json"},
+            timeout=30,
+        )
+        assert response.status_code == 200, response.text
+        (answer,) = response.json()["pieces"]
+        state = answer["state"]
+        answers.append(answer)
+    return answers, sizes
+
+
+def render_with_state(base: str, chat: dict) -> tuple[dict, str]:
+    response = httpx.post(base + "/v1/chat/completions/render?derender_state=true", json=chat, timeout=30)
+    assert response.status_code == 200, response.text
+    generate = response.json()
+    return generate, generate.pop("derender_state")
+
+
+def test_derender_pieces_carry_new_tokens_and_a_signed_state_only(servers, output_ids):
+    generate, state = render_with_state(servers[0], CHAT)
+    plain = post(servers[0], "/v1/chat/completions/render", CHAT).json()
+    assert {k: v for k, v in generate.items() if k != "request_id"} == {
+        k: v for k, v in plain.items() if k != "request_id"
+    }
+    answers, sizes = derender_pieces(servers[:2], state, output_ids)
+    deltas = [a["delta"] for a in answers]
+    reasoning = "".join(d["reasoning"] for d in deltas)
+    arguments = "".join(call["arguments"] for d in deltas for call in d["tool_calls"])
+    assert reasoning == "Need the weather for Paris."
+    assert json.loads(arguments) == {"city": "Paris", "note": "x </tool_call> y"}
+    assert answers[-1]["finish_reason"] == "tool_calls" and not any(a["stopped"] for a in answers)
+    assert sum(d["num_tokens"] for d in deltas) == len(output_ids)
+    # the conversation never travels again: a 40-turn chat costs what a 1-turn chat does
+    turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i} " * 5} for i in range(79)]
+    _, long_state = render_with_state(servers[0], {**CHAT, "messages": turns, "max_tokens": 8})
+    _, long_sizes = derender_pieces(servers[:1], long_state, output_ids[:8])
+    assert max(long_sizes) <= max(sizes[:8]) + 16
+    # a state signed with another key, or forged, is refused naming it
+    for bad in (state, "s1.x.y"):
+        response = post(servers[2], "/v1/derender/pieces", {"pieces": [{"state": bad, "token_ids": [1]}]})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "pieces[0].state"
