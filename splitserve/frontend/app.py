@@ -8,7 +8,9 @@
 - POST /v1/completions/render: completions request → a list of generate requests.
 - POST /v1/derender/pieces (splitserve's own, used by the proxy): `{pieces: [{state,
   index, token_ids, logprobs?, finish_reason?, final?}]}` → `{pieces: [{state, delta,
-  finish_reason, stopped}]}`: several choices' new tokens in one call, O(new tokens).
+  finish_reason, stopped}]}`: several choices' new tokens in one call, O(new tokens). A
+  piece with a null state continues the piece before it (the same choice's next engine
+  chunk); its answer's state is null too, except for the last piece of such a run.
 - POST /v1/chat/completions/derender: `{generate_response, chat_request}` → chat.completion;
   with `stream: true`, `{generate_chunk, stream_state, chat_request}` → `{chunk,
   stream_state}`. The state is an opaque signed string: pass back the one returned by the
@@ -94,25 +96,24 @@ def create_render_app(
     async def derender_pieces(raw: Request) -> JSONResponse:
         request = parse_model(DerenderPiecesRequest, await read_json_body(raw, max_body_bytes))
         renderer.check_model(request.model)
+        pieces = request.pieces
+        if pieces and pieces[0].state is None:
+            raise InvalidRequestError("the first piece needs a state", "pieces[0].state")
         answers = []
-        for i, body in enumerate(request.pieces):
+        decoder = None
+        for i, body in enumerate(pieces):
             _check_token_ids(body.all_token_ids(), vocab, f"pieces[{i}]")
+            start = decoder if body.state is None else states.decode(body.state, i)
             logprobs = None if body.logprobs is None else [e.model_dump() for e in body.logprobs]
-            piece = DerenderPiece(
-                states.decode(body.state, i),
-                body.index,
-                body.token_ids,
-                logprobs,
-                body.finish_reason,
-                body.final,
-            )
-            result = feed(renderer, piece.state, piece)
+            piece = DerenderPiece(start, body.index, body.token_ids, logprobs, body.finish_reason, body.final)
+            decoder, delta, finish_reason, stopped = feed(renderer, start, piece)
+            continued = i + 1 < len(pieces) and pieces[i + 1].state is None
             answers.append(
                 {
-                    "state": states.encode(result.state),
-                    "delta": delta_to_wire(result.delta),
-                    "finish_reason": result.finish_reason,
-                    "stopped": result.stopped,
+                    "state": None if continued else states.encode(decoder),  # signed once per run
+                    "delta": delta_to_wire(delta),
+                    "finish_reason": finish_reason,
+                    "stopped": stopped,
                 }
             )
         return JSONResponse({"pieces": answers})

@@ -49,4 +49,8 @@ class LocalFrontendClient(FrontendClient):
         return [RenderedPrompt(generate, completion_seed(request, generate)) for generate in generates]
 
     async def derender(self, pieces: list[DerenderPiece]) -> list[DerenderedPiece]:
-        return [feed(self.renderer, piece.state, piece) for piece in pieces]
+        results: list[DerenderedPiece] = []
+        for piece in pieces:
+            state = results[-1].state if piece.state is None else piece.state
+            results.append(feed(self.renderer, state, piece))
+        return results

@@ -92,7 +92,9 @@ class DerenderPieceBody(BaseModel):
     """One choice's new engine output (`FrontendClient.derender` over HTTP)."""
 
     model_config = ConfigDict(extra="forbid")
-    state: str  # signed: from render (`?derender_state=true`) or the previous derender
+    # signed: from render (`?derender_state=true`) or the previous derender; null: this
+    # piece continues the one before it in the same call
+    state: str | None = None
     index: int = Field(default=0, ge=0)
     token_ids: list[int] = Field(default_factory=list)
     logprobs: list[GenerateLogprobEntry] | None = None

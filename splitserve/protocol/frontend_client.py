@@ -24,7 +24,9 @@ class RenderedPrompt(NamedTuple):
 class DerenderPiece(NamedTuple):
     """New engine output of one choice, to be turned into a delta."""
 
-    state: Any  # from render, or from this choice's previous derender
+    # From render, or this choice's last derender; None: this piece continues the piece
+    # just before it in the same call (the same choice's earlier engine chunk).
+    state: Any
     index: int  # the choice
     token_ids: list[int]
     logprobs: list[dict] | None  # the engine's logprob entries for token_ids
@@ -33,7 +35,7 @@ class DerenderPiece(NamedTuple):
 
 
 class DerenderedPiece(NamedTuple):
-    state: Any  # pass it with this choice's next piece
+    state: Any  # pass it with this choice's next piece (None when the next piece continues it)
     delta: ChoiceDelta  # num_tokens: engine tokens consumed (none after a stop string)
     finish_reason: str | None  # set when the choice ended (engine finish, or a stop string)
     stopped: bool  # a stop string ended the choice: its engine request can be aborted
@@ -54,7 +56,8 @@ class FrontendClient(ABC):
 
     @abstractmethod
     async def derender(self, pieces: list[DerenderPiece]) -> list[DerenderedPiece]:
-        """Decode new tokens of several choices at once, in order."""
+        """Decode new tokens of several choices at once, in order: one result per piece,
+        so each engine chunk stays its own delta (and its own stream event)."""
 
     async def close(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
         """Release connections held by the client."""

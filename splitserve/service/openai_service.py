@@ -68,24 +68,21 @@ def fan_out(prompts: list[RenderedPrompt], n: int, seed: int | None) -> Choices:
 
 
 def _pieces(batch: list[tuple[int, dict]], states: list[Any], done: list[bool]) -> list[DerenderPiece]:
-    """A batch of engine chunks → one piece per choice with everything new for it."""
-    merged: dict[int, DerenderPiece] = {}
+    """A batch of engine chunks → one piece per chunk, grouped by choice in arrival order;
+    a choice's later pieces continue its first (state None), so one derender call serves
+    the whole batch while each chunk keeps its own delta."""
+    by_choice: dict[int, list[DerenderPiece]] = {}
     for index, chunk in batch:
         for raw in chunk.get("choices") or []:
-            if done[index]:
-                continue
             token_ids = list(raw.get("token_ids") or [])
-            logprobs = choice_logprobs(raw)
             reason = raw.get("finish_reason")
-            previous = merged.get(index)
-            if previous is not None:
-                token_ids = previous.token_ids + token_ids
-                if previous.logprobs is not None or logprobs is not None:
-                    logprobs = (previous.logprobs or []) + (logprobs or [])
-            if token_ids or reason is not None:
-                final = reason is not None
-                merged[index] = DerenderPiece(states[index], index, token_ids, logprobs, reason, final)
-    return list(merged.values())
+            if done[index] or not (token_ids or reason is not None):
+                continue
+            run = by_choice.setdefault(index, [])
+            state = None if run else states[index]
+            final = reason is not None
+            run.append(DerenderPiece(state, index, token_ids, choice_logprobs(raw), reason, final))
+    return [piece for run in by_choice.values() for piece in run]
 
 
 class OpenAIService:
@@ -113,7 +110,10 @@ class OpenAIService:
             if not pieces:
                 continue
             for piece, result in zip(pieces, await self.frontend.derender(pieces), strict=True):
-                states[piece.index] = result.state
+                if done[piece.index]:
+                    continue  # ended by a stop string in an earlier chunk of this batch
+                if result.state is not None:
+                    states[piece.index] = result.state
                 if result.finish_reason is not None:
                     done[piece.index] = True
                     if result.stopped:

@@ -276,6 +276,14 @@ def test_derender_pieces_carry_new_tokens_and_a_signed_state_only(servers, outpu
     _, long_state = render_with_state(servers[0], {**CHAT, "messages": turns, "max_tokens": 8})
     _, long_sizes = derender_pieces(servers[:1], long_state, output_ids[:8])
     assert max(long_sizes) <= max(sizes[:8]) + 16
+    # one call, one piece per engine chunk: later pieces continue the first (state null)
+    pieces = [{"state": state if i == 0 else None, "token_ids": [t]} for i, t in enumerate(output_ids)]
+    pieces[-1] = {**pieces[-1], "finish_reason": "stop", "final": True}
+    together = post(servers[1], "/v1/derender/pieces", {"pieces": pieces}).json()["pieces"]
+    assert [a["delta"] for a in together] == deltas
+    assert [a["state"] is None for a in together] == [True] * (len(pieces) - 1) + [False]
+    first_null = post(servers[0], "/v1/derender/pieces", {"pieces": [{"state": None, "token_ids": [1]}]})
+    assert first_null.status_code == 400 and first_null.json()["error"]["param"] == "pieces[0].state"
     # a state signed with another key, or forged, is refused naming it
     for bad in (state, "s1.x.y"):
         response = post(servers[2], "/v1/derender/pieces", {"pieces": [{"state": bad, "token_ids": [1]}]})
