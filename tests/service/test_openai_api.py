@@ -17,7 +17,6 @@ STACKS = {
     "serve": ["serve", *LIMITS, "--trust-request-chat-template"],
     "up": ["up", *LIMITS, "--trust-request-chat-template", "--min-prefill-tokens", "16"],
 }
-GREEDY: dict[str, list] = {}  # per stack: the greedy outputs of test_greedy_tokens_agree
 
 
 @pytest.fixture(scope="module", params=list(STACKS))
@@ -200,7 +199,13 @@ def test_unknown_model_too_large_body_and_still_serving(client, model, server):
     assert ok.choices[0].finish_reason in ("stop", "length")
 
 
-def test_greedy_tokens_agree(client, model, stack):
+@pytest.fixture(scope="session")
+def greedy_outputs() -> dict[str, list]:
+    """Per stack: the greedy outputs test_greedy_tokens_agree saw."""
+    return {}
+
+
+def test_greedy_tokens_agree(client, model, stack, greedy_outputs):
     """Greedy token IDs, streaming and not, chat and completions; the second stack must
     produce exactly what the first did."""
     chat = client.chat.completions.create(
@@ -220,6 +225,6 @@ def test_greedy_tokens_agree(client, model, stack):
         model=model, prompt="The cache", max_tokens=6, temperature=0, extra_body={"return_token_ids": True}
     )
     outputs = [chat.choices[0].token_ids, chat.choices[0].message.content, completion.choices[0].token_ids]
-    for other, expected in GREEDY.items():
+    for other, expected in greedy_outputs.items():
         assert outputs == expected, f"{stack} and {other} disagree"
-    GREEDY[stack] = outputs
+    greedy_outputs[stack] = outputs
