@@ -99,7 +99,7 @@ class SignedStates:
         self.codec = codec
 
     def seed(self, seed: DecoderSeed) -> str:
-        options = {**asdict(seed.options), "stop": list(seed.options.stop)}
+        options = _options_to_wire(seed.options)
         return self.codec.encode({"rid": seed.request_id, "opt": options, "sir": seed.starts_in_reasoning})
 
     def decode(self, token: str, index: int) -> DecoderSeed | ChoiceDecoder:
@@ -116,5 +116,8 @@ class SignedStates:
             raise InvalidRequestError("not a derender state", f"pieces[{index}].state") from exc
 
     def encode(self, decoder: ChoiceDecoder) -> str:
-        options = {**asdict(decoder.options), "stop": list(decoder.options.stop)}
-        return self.codec.encode({"opt": options, "dec": decoder.state()})
+        return self.codec.encode({"opt": _options_to_wire(decoder.options), "dec": decoder.state()})
+
+
+def _options_to_wire(options: DecodeOptions) -> dict[str, Any]:
+    return {**asdict(options), "stop": list(options.stop)}
