@@ -43,10 +43,10 @@ from typing import NamedTuple
 import httpx
 from bench_model import DEFAULT_MODEL_DIR, compute_dtype, ensure_bench_model
 
+from splitserve.protocol.http_engine_client import HTTPEngineClient
+from splitserve.router.pd_engine_client import PDEngineClient
 from splitserve.router.pd_policy import PDPolicy
 from splitserve.router.workers import WorkerPool
-from splitserve.server.http_engine_client import HTTPEngineClient
-from splitserve.server.pd_client import PDEngineClient
 
 VOCAB = 32768
 

@@ -13,11 +13,11 @@ import sys
 # command name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "tiny-model": ("splitserve.model.tiny", "write a random-weight Hugging Face model directory"),
-    "engine": ("splitserve.server.engine_cli", "serve the token-in/token-out engine API"),
-    "render": ("splitserve.server.render_cli", "serve the CPU render/derender tier"),
-    "serve": ("splitserve.server.openai_cli", "serve the collocated OpenAI-compatible API"),
-    "proxy": ("splitserve.server.proxy_cli", "serve the P/D proxy in front of the tiers"),
-    "up": ("splitserve.server.up_cli", "start the whole disaggregated stack locally"),
+    "engine": ("splitserve.engine.api.cli", "serve the token-in/token-out engine API"),
+    "render": ("splitserve.frontend.cli", "serve the CPU render/derender tier"),
+    "serve": ("splitserve.serve.cli", "serve the collocated OpenAI-compatible API"),
+    "proxy": ("splitserve.router.cli", "serve the P/D proxy in front of the tiers"),
+    "up": ("splitserve.deploy.up_cli", "start the whole disaggregated stack locally"),
     "sim": ("splitserve.sim.cli", "simulate and plan deployments (roofline, goodput)"),
     "bench": ("splitserve.bench.cli", "goodput benchmark for any OpenAI-compatible server"),
 }

@@ -50,3 +50,12 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     role: EngineRole = "both"
     transfer: TransferConfig = field(default_factory=TransferConfig)
+
+    def __post_init__(self) -> None:
+        # shm maps decode's KV pool as a shared-memory file: it needs the pool in CPU memory
+        device = self.model.device or "cpu"
+        if self.role != "both" and self.transfer.transport == "shm" and not device.startswith("cpu"):
+            raise ValueError(
+                f"the shm KV transport needs the KV cache in CPU memory, but the device is {device}: "
+                "use --kv-transport tcp"
+            )

@@ -1,9 +1,13 @@
+import ast
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "splitserve"
+# The tiers that run on CPU-only hosts: no torch, and nothing of the engine or the model.
+CPU_TIERS = ("protocol", "frontend", "router", "service", "deploy", "sim", "bench")
 
 
 def test_ruff_clean():
@@ -14,13 +18,83 @@ def test_ruff_clean():
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-def test_frontend_router_sim_do_not_import_torch():
+def test_cpu_tiers_do_not_import_torch_or_the_engine():
+    packages = ", ".join(f"splitserve.{name}" for name in CPU_TIERS)
     code = (
-        "import sys, splitserve.frontend, splitserve.router, splitserve.sim, splitserve.bench;"
-        "import pkgutil, importlib\n"
-        "for pkg in (splitserve.frontend, splitserve.router, splitserve.sim, splitserve.bench):\n"
+        f"import sys, pkgutil, importlib, {packages}\n"
+        f"for pkg in ({packages},):\n"
         "    for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + '.'):\n"
         "        importlib.import_module(m.name)\n"
         "assert 'torch' not in sys.modules, 'a CPU tier imported torch'\n"
+        "bad = sorted(m for m in sys.modules if m.startswith(('splitserve.engine', 'splitserve.model')))\n"
+        "assert not bad, f'a CPU tier imported the engine: {bad}'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(tree: ast.AST) -> list[ast.ImportFrom | ast.Import]:
+    """Every import statement, at any depth, except those under `if TYPE_CHECKING:`."""
+    found: list[ast.ImportFrom | ast.Import] = []
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            return
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            found.append(node)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def _import_graph() -> tuple[dict[str, set[str]], list[str]]:
+    """splitserve module -> the splitserve modules it imports; and private names imported
+    across modules."""
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    private: list[str] = []
+    for name, path in modules.items():
+        for node in _imports(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif node.module and node.module.startswith("splitserve"):
+                targets = []
+                for alias in node.names:
+                    submodule = f"{node.module}.{alias.name}"
+                    targets.append(submodule if submodule in modules else node.module)
+                    is_private = alias.name.startswith("_") and not alias.name.startswith("__")
+                    if is_private and submodule not in modules:
+                        private.append(f"{name} imports {node.module}.{alias.name}")
+            else:
+                targets = []
+            graph[name] |= {t for t in targets if t in modules and t != name}
+    return graph, private
+
+
+def test_no_import_cycles_and_no_private_names_across_modules():
+    graph, private = _import_graph()
+    assert not private, private
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(name: str) -> None:
+        state[name] = 1
+        path.append(name)
+        for target in sorted(graph[name]):
+            if state.get(target) == 1:
+                cycle = [*path[path.index(target) :], target]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if target not in state:
+                visit(target)
+        path.pop()
+        state[name] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name)

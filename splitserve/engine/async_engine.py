@@ -12,17 +12,17 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import NamedTuple
 
 from splitserve.config import EngineConfig
-from splitserve.engine.errors import InvalidRequestError
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.model_runner import KVCacheAllocator
 from splitserve.engine.outputs import EngineStats, RequestOutput
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.kv.connector import KVConnector
 from splitserve.kv.ec_connector import ECConnector
+from splitserve.protocol.errors import InvalidRequestError
 from splitserve.protocol.multimodal import ImageInput
 
 logger = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ class _Stream:
 class _AddCommand(NamedTuple):
     stream: _Stream
     request_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: Sequence[int]
     sampling_params: SamplingParams
     cache_salt: str | None
     kv_transfer_params: dict | None
@@ -63,7 +63,7 @@ class AsyncEngine:
         ec_connector: ECConnector | None = None,  # visual embeddings from encoder workers
     ) -> None:
         self.engine = LLMEngine(config, connector, kv_cache_allocator, ec_connector)
-        self.model_config = self.engine.model_config
+        self.model_info = self.engine.model_info
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._commands: list[_AddCommand | str] = []  # a str is a request ID to abort
@@ -122,7 +122,7 @@ class AsyncEngine:
     async def generate(
         self,
         request_id: str,
-        prompt_token_ids: list[int],
+        prompt_token_ids: Sequence[int],
         sampling_params: SamplingParams,
         *,
         cache_salt: str | None = None,
@@ -146,7 +146,7 @@ class AsyncEngine:
                 _AddCommand(
                     stream,
                     request_id,
-                    list(prompt_token_ids),
+                    prompt_token_ids,  # immutable from the API edge; the Request copies it once
                     sampling_params,
                     cache_salt,
                     kv_transfer_params,
@@ -204,7 +204,7 @@ class AsyncEngine:
                     self._route(engine.take_pending_outputs())
                     continue
                 try:
-                    engine.add_request(
+                    engine.add_validated_request(
                         command.request_id,
                         command.prompt_token_ids,
                         command.sampling_params,

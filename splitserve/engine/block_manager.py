@@ -11,11 +11,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 
 from splitserve.engine.request import Request
-from splitserve.kv.block_hash import BlockHash
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from splitserve.kv.block_hash import BlockHash, cdiv
 
 
 class BlockManager:

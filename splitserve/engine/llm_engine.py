@@ -8,13 +8,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 
 from splitserve.config import EngineConfig
 from splitserve.engine.block_manager import BlockManager, cdiv
-from splitserve.engine.errors import InvalidRequestError, PromptTooLongError
 from splitserve.engine.model_runner import (
     KVCacheAllocator,
     ModelRunner,
@@ -32,6 +32,7 @@ from splitserve.kv.ec_connector import ECConnector
 from splitserve.model.decoder import load_model
 from splitserve.model.loader import load_decoder_config
 from splitserve.model.qwen2_vl import is_qwen2_vl, load_qwen2_vl, load_qwen2_vl_config
+from splitserve.protocol.errors import InvalidRequestError, PromptTooLongError
 from splitserve.protocol.multimodal import ImageInput
 
 logger = logging.getLogger(__name__)
@@ -68,7 +69,8 @@ def choose_dtype(requested: str | None, config_dtype: str, device: torch.device)
     return dtype
 
 
-def _default_device() -> torch.device:
+def default_device() -> torch.device:
+    """cuda when present, else cpu (ModelConfig.device None)."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
@@ -89,7 +91,7 @@ class LLMEngine:
             self.vl_config.text if self.vl_config else load_decoder_config(config.model.model)
         )
         dc = self.decoder_config
-        self.device = torch.device(config.model.device) if config.model.device else _default_device()
+        self.device = torch.device(config.model.device) if config.model.device else default_device()
         self.dtype = choose_dtype(config.model.dtype, dc.dtype, self.device)
         block_size = config.cache.block_size
         if block_size <= 0:
@@ -102,7 +104,7 @@ class LLMEngine:
         max_model_len = min(
             config.scheduler.max_model_len or dc.max_position_embeddings, dc.max_position_embeddings
         )
-        self.model_config = ModelInfo(
+        self.model_info = ModelInfo(
             vocab_size=dc.vocab_size,
             max_model_len=max_model_len,
             eos_token_ids=dc.eos_token_ids,
@@ -157,16 +159,16 @@ class LLMEngine:
             raise InvalidRequestError("sampling_params must be a SamplingParams", param="sampling_params")
         if not isinstance(prompt_token_ids, (list, tuple)) or not prompt_token_ids:
             raise InvalidRequestError("token_ids must be a non-empty list of integers", param="token_ids")
-        vocab = self.model_config.vocab_size
+        vocab = self.model_info.vocab_size
         for token in prompt_token_ids:
             if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab:
                 raise InvalidRequestError(
                     f"token_ids must be integers in [0, {vocab}); got {token!r}", param="token_ids"
                 )
         n = len(prompt_token_ids)
-        if n >= self.model_config.max_model_len:
+        if n >= self.model_info.max_model_len:
             raise PromptTooLongError(
-                f"prompt has {n} tokens; the maximum context length is {self.model_config.max_model_len} "
+                f"prompt has {n} tokens; the maximum context length is {self.model_info.max_model_len} "
                 "(prompt plus at least one generated token)",
                 param="token_ids",
             )
@@ -196,7 +198,30 @@ class LLMEngine:
         self.validate_request(
             request_id, prompt_token_ids, sampling_params, cache_salt, kv_transfer_params, images
         )
-        multimodal = self._multimodal_inputs(prompt_token_ids, images)
+        self.add_validated_request(
+            request_id,
+            prompt_token_ids,
+            sampling_params,
+            cache_salt=cache_salt,
+            kv_transfer_params=kv_transfer_params,
+            arrival_time=arrival_time,
+            images=images,
+        )
+
+    def add_validated_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling_params: SamplingParams,
+        *,
+        cache_salt: str | None = None,
+        kv_transfer_params: dict | None = None,
+        arrival_time: float | None = None,
+        images: list[ImageInput] | None = None,
+    ) -> None:
+        """`add_request` for a request `validate_request` has accepted (the async engine
+        validates on the caller's thread; its engine thread does not validate again)."""
+        multimodal = self._multimodal_inputs(list(prompt_token_ids), images)
         if request_id in self.requests or request_id in self.delayed_free:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use", param="request_id")
         if self.config.role == "prefill" and sampling_params.max_tokens != 1:
@@ -320,7 +345,7 @@ class LLMEngine:
             reason = "stop"
         elif (
             request.num_output_tokens >= request.sampling_params.max_tokens
-            or request.num_tokens >= self.model_config.max_model_len
+            or request.num_tokens >= self.model_info.max_model_len
         ):
             reason = "length"
         if reason is None:

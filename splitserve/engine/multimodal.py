@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from splitserve.engine.errors import InvalidRequestError
 from splitserve.kv.block_hash import MultiModalSpan
 from splitserve.kv.ec_connector import IMAGE_HASH_PATTERN, ECConnector
 from splitserve.model.qwen2_vl import ImagePlacement, Qwen2VLConfig, Qwen2VLModel, mrope_positions
+from splitserve.protocol.errors import InvalidRequestError
 from splitserve.protocol.multimodal import ImageInput
 
 if TYPE_CHECKING:

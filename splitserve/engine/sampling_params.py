@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
-from splitserve.engine.errors import InvalidRequestError
+from splitserve.protocol.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
 

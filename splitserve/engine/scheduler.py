@@ -53,9 +53,6 @@ class Scheduler:
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.waiting_for_remote)
-
     def has_runnable(self) -> bool:
         return bool(self.waiting or self.running)
 

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 from splitserve.frontend.detokenizer import IncrementalDetokenizer
 from splitserve.frontend.reasoning_parser import ReasoningParser
 from splitserve.frontend.tokenizer import Tokenizer
-from splitserve.frontend.tool_parser import HermesToolParser, ToolCallDelta
+from splitserve.frontend.tool_parser import HermesToolParser
+from splitserve.protocol.openai_chunks import ChoiceDelta, ToolCallDelta
 
 THINK_START = "<think>"
 THINK_END = "</think>"
@@ -32,14 +33,6 @@ class DecodeOptions:
     tools: bool = False  # parse Hermes <tool_call> blocks into tool_calls
     logprobs: bool = False
     top_logprobs: int = 0
-
-
-class ChoiceDelta(NamedTuple):
-    reasoning: str
-    content: str
-    tool_calls: list[ToolCallDelta]
-    logprobs: list[dict] | None  # OpenAI chat logprobs entries for the tokens consumed
-    num_tokens: int  # tokens consumed (tokens after a stop string are not)
 
 
 def token_entry(tokenizer: Tokenizer, token_id: int, logprob: float) -> dict[str, Any]:

@@ -5,7 +5,7 @@ becomes as many image tokens as the image has visual tokens (as transformers' pr
 does), and the image's hash and placement travel with the token IDs. Image URLs are
 `data:` URLs, `file://` URLs under the operator's `allowed_media_path`, or http(s) URLs
 on the operator's `allowed_media_domains` (see media_fetch.py). Every refusal is a
-RequestError: 400, or 413 for a size limit.
+InvalidRequestError: 400, or 413 for a size limit.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from splitserve.frontend.image_processor import (
     process_image_bytes,
 )
 from splitserve.frontend.media_fetch import FetchPolicy, fetch_image
-from splitserve.frontend.protocol import RequestError
+from splitserve.protocol.errors import InvalidRequestError
 from splitserve.protocol.multimodal import PIXEL_DTYPES, ImageInput
 
 
@@ -63,15 +63,17 @@ def load_image_bytes(url: str, media: MediaConfig) -> bytes:
     parsed = urlparse(url)
     if parsed.scheme == "file":
         if media.allowed_media_path is None:
-            raise RequestError("file:// image URLs are disabled (no allowed media path)", param="messages")
+            raise InvalidRequestError(
+                "file:// image URLs are disabled (no allowed media path)", param="messages"
+            )
         root = Path(media.allowed_media_path).resolve()
         path = Path(unquote(parsed.path)).resolve()  # symlinks resolved: no escaping the root
         if not path.is_relative_to(root) or not path.is_file():
-            raise RequestError(
+            raise InvalidRequestError(
                 f"image file {url!r} is not a file under the allowed media path", param="messages"
             )
         if path.stat().st_size > media.limits.max_encoded_bytes:
-            raise RequestError(
+            raise InvalidRequestError(
                 f"image file is over max_encoded_bytes ({media.limits.max_encoded_bytes})",
                 param="messages",
                 status=413,
@@ -80,7 +82,7 @@ def load_image_bytes(url: str, media: MediaConfig) -> bytes:
             return handle.read(media.limits.max_encoded_bytes + 1)
     if parsed.scheme in ("http", "https"):
         if not media.allowed_media_domains:
-            raise RequestError("remote image URLs are not enabled; send a data: URL", param="messages")
+            raise InvalidRequestError("remote image URLs are not enabled; send a data: URL", param="messages")
         policy = FetchPolicy(
             tuple(domain.lower() for domain in media.allowed_media_domains),
             media.limits.max_encoded_bytes,
@@ -88,7 +90,7 @@ def load_image_bytes(url: str, media: MediaConfig) -> bytes:
             media.allow_private_media_addresses,
         )
         return fetch_image(url, policy)
-    raise RequestError(f"unsupported image URL scheme {parsed.scheme!r}", param="messages")
+    raise InvalidRequestError(f"unsupported image URL scheme {parsed.scheme!r}", param="messages")
 
 
 def render_images(
@@ -97,13 +99,13 @@ def render_images(
     """Preprocess the images and expand each image token of the prompt (one per image, in
     order) into the image's visual tokens; returns the new token IDs and the images."""
     if len(urls) > media.max_images_per_request:
-        raise RequestError(
+        raise InvalidRequestError(
             f"{len(urls)} images; max_images_per_request is {media.max_images_per_request}",
             param="messages",
         )
     positions = [i for i, token in enumerate(token_ids) if token == vision.image_token_id]
     if len(positions) != len(urls):
-        raise RequestError(
+        raise InvalidRequestError(
             f"the prompt has {len(positions)} image placeholders for {len(urls)} images", param="messages"
         )
     itemsize = PIXEL_DTYPES[media.pixel_dtype]().itemsize
@@ -114,12 +116,16 @@ def render_images(
         try:
             processed = process_image_bytes(load_image_bytes(url, media), vision.processor, media.limits)
         except ImageError as exc:
-            raise RequestError(f"image {index}: {exc}", param="messages", status=exc.status_code) from exc
+            raise InvalidRequestError(
+                f"image {index}: {exc}", param="messages", status=exc.status_code
+            ) from exc
         except OSError as exc:
-            raise RequestError(f"image {index}: cannot read it: {exc.strerror}", param="messages") from exc
+            raise InvalidRequestError(
+                f"image {index}: cannot read it: {exc.strerror}", param="messages"
+            ) from exc
         pixel_bytes += processed.pixel_values.size * itemsize
         if pixel_bytes > media.max_pixel_bytes_per_request:
-            raise RequestError(
+            raise InvalidRequestError(
                 f"the images' processed pixels are over max_pixel_bytes_per_request "
                 f"({media.max_pixel_bytes_per_request} bytes)",
                 param="messages",

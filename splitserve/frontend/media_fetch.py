@@ -18,7 +18,7 @@ from urllib.parse import urlparse
 
 import httpx
 
-from splitserve.frontend.protocol import RequestError
+from splitserve.protocol.errors import InvalidRequestError
 
 
 @dataclass(frozen=True)
@@ -33,22 +33,22 @@ def _public_address(host: str, port: int, policy: FetchPolicy) -> str:
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as exc:
-        raise RequestError(f"cannot resolve image host {host!r}", param="messages") from exc
+        raise InvalidRequestError(f"cannot resolve image host {host!r}", param="messages") from exc
     addresses = [ipaddress.ip_address(info[4][0]) for info in infos]
     if not policy.allow_private_addresses and any(not a.is_global for a in addresses):
-        raise RequestError(f"image host {host!r} resolves to a private address", param="messages")
+        raise InvalidRequestError(f"image host {host!r} resolves to a private address", param="messages")
     # IPv4 first: a dual-stack name whose server listens on IPv4 only still works
     return str(sorted(addresses, key=lambda a: a.version)[0])
 
 
 def fetch_image(url: str, policy: FetchPolicy) -> bytes:
-    """The body of an http(s) image URL; RequestError (400, or 413 past max_bytes)."""
+    """The body of an http(s) image URL; InvalidRequestError (400, or 413 past max_bytes)."""
     parsed = urlparse(url)
     host = (parsed.hostname or "").lower()
     if parsed.scheme not in ("http", "https") or not host:
-        raise RequestError(f"unsupported image URL {url[:80]!r}", param="messages")
+        raise InvalidRequestError(f"unsupported image URL {url[:80]!r}", param="messages")
     if host not in policy.allowed_domains:
-        raise RequestError(f"image host {host!r} is not an allowed media domain", param="messages")
+        raise InvalidRequestError(f"image host {host!r} is not an allowed media domain", param="messages")
     port = parsed.port or (443 if parsed.scheme == "https" else 80)
     address = _public_address(host, port, policy)
     netloc = f"[{address}]" if ":" in address else address
@@ -60,7 +60,7 @@ def fetch_image(url: str, policy: FetchPolicy) -> bytes:
             client.stream("GET", pinned, headers=headers, extensions={"sni_hostname": host}) as response,
         ):
             if response.status_code != 200:
-                raise RequestError(
+                raise InvalidRequestError(
                     f"fetching the image returned HTTP {response.status_code}", param="messages"
                 )
             body = bytearray()
@@ -68,15 +68,15 @@ def fetch_image(url: str, policy: FetchPolicy) -> bytes:
             for chunk in response.iter_bytes():
                 body += chunk
                 if time.monotonic() > deadline:  # a server dripping bytes
-                    raise RequestError(
+                    raise InvalidRequestError(
                         f"fetching the image took over {policy.timeout_s:g} s", param="messages"
                     )
                 if len(body) > policy.max_bytes:
-                    raise RequestError(
+                    raise InvalidRequestError(
                         f"remote image is over max_encoded_bytes ({policy.max_bytes})",
                         param="messages",
                         status=413,
                     )
             return bytes(body)
     except httpx.HTTPError as exc:
-        raise RequestError(f"cannot fetch the image: {type(exc).__name__}", param="messages") from exc
+        raise InvalidRequestError(f"cannot fetch the image: {type(exc).__name__}", param="messages") from exc

@@ -16,10 +16,11 @@ from typing import Any
 from splitserve.frontend.chat_template import ChatTemplateCache, TemplateError, load_chat_template
 from splitserve.frontend.choice_decoder import model_has_reasoning, prompt_opens_reasoning, vocab_id
 from splitserve.frontend.images import MediaConfig, VisionModel, render_images
-from splitserve.frontend.protocol import ChatCompletionRequest, CompletionRequest, RequestError
 from splitserve.frontend.tokenizer import Tokenizer
 from splitserve.kv.block_hash import MultiModalSpan, compute_block_hashes
+from splitserve.protocol.errors import InvalidRequestError, check_model
 from splitserve.protocol.multimodal import ImageInput, features_to_wire
+from splitserve.protocol.openai_api import ChatCompletionRequest, CompletionRequest
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ class Renderer:
             template = self.chat_template
             if request.chat_template is not None:
                 if not self.config.trust_request_chat_template:
-                    raise RequestError(
+                    raise InvalidRequestError(
                         "chat_template in requests is disabled (start with --trust-request-chat-template)",
                         param="chat_template",
                     )
@@ -79,12 +80,12 @@ class Renderer:
                 **(request.chat_template_kwargs or {}),
             )
         except TemplateError as exc:
-            raise RequestError(f"chat template error: {exc}", param="messages") from exc
+            raise InvalidRequestError(f"chat template error: {exc}", param="messages") from exc
 
     def chat_token_ids(self, request: ChatCompletionRequest) -> list[int]:
         token_ids = self.tokenizer.encode(self.chat_prompt(request))
         if not token_ids:
-            raise RequestError("the rendered prompt is empty", param="messages")
+            raise InvalidRequestError("the rendered prompt is empty", param="messages")
         return token_ids
 
     def render_chat(self, request: ChatCompletionRequest, *, request_id: str | None = None) -> dict[str, Any]:
@@ -105,7 +106,7 @@ class Renderer:
         if not urls:
             return token_ids, []
         if self.vision is None:
-            raise RequestError(f"the model {self.model_name!r} takes no images", param="messages")
+            raise InvalidRequestError(f"the model {self.model_name!r} takes no images", param="messages")
         return render_images(token_ids, urls, self.vision, self.config.media)
 
     def starts_in_reasoning(self, prompt_token_ids: list[int]) -> bool:
@@ -119,12 +120,12 @@ class Renderer:
             if isinstance(prompt, str):
                 token_ids = self.tokenizer.encode(prompt)
                 if not token_ids:
-                    raise RequestError("the prompt is empty", param="prompt")
+                    raise InvalidRequestError("the prompt is empty", param="prompt")
             else:
                 vocab = self.tokenizer.vocab_size
                 bad = next((t for t in prompt if t >= vocab), None)
                 if bad is not None:
-                    raise RequestError(
+                    raise InvalidRequestError(
                         f"prompt[{index}] has token ID {bad} >= vocab size {vocab}", param="prompt"
                     )
                 token_ids = list(prompt)
@@ -150,20 +151,19 @@ class Renderer:
     # --- shared ---
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise RequestError(f"the model {model!r} does not exist", param="model", status=404)
+        check_model(model, self.model_name)
 
     def max_tokens_for(self, prompt_len: int, requested: int | None) -> int:
         limit = self.max_model_len
         if prompt_len >= limit:
-            raise RequestError(
+            raise InvalidRequestError(
                 f"this model's maximum context length is {limit} tokens; the prompt has {prompt_len}",
                 param="messages",
             )
         if requested is None:
             return limit - prompt_len
         if prompt_len + requested > limit:
-            raise RequestError(
+            raise InvalidRequestError(
                 f"this model's maximum context length is {limit} tokens; you requested "
                 f"{prompt_len + requested} ({prompt_len} in the prompt, {requested} for the output)",
                 param="max_tokens",

@@ -21,13 +21,15 @@ import secrets
 import zlib
 from typing import Any
 
+from splitserve.protocol.errors import InvalidRequestError
+
 STATE_KEY_ENV = "SPLITSERVE_STATE_KEY"
 _VERSION = "s1"
 # A state is a few hundred bytes; anything far larger is not one of ours.
 MAX_STATE_CHARS = 64 * 1024
 
 
-class StreamStateError(ValueError):
+class StreamStateError(InvalidRequestError):
     """The stream_state is malformed, tampered with, or signed with another key (HTTP 400)."""
 
 

@@ -92,7 +92,8 @@ class ToolCallScanner:
                     if c == '"':
                         self.vstr = True
                         continue
-                    if c == "\\":
+                    if c == "\\":  # not JSON: what came before it was sent when streamed
+                        self._take(text[seg:j], args)
                         return ScanResult(j, "broken", "".join(args))
                     self.vdepth += 1 if c in "{[" else -1
                     if self.vdepth > 0:

@@ -30,6 +30,7 @@ import hashlib
 from typing import Any, NamedTuple
 
 from splitserve.frontend.tool_call_scanner import ToolCallScanner
+from splitserve.protocol.openai_chunks import ToolCallDelta
 
 OPEN_TAG = "<tool_call>"
 CLOSE_TAG = "</tool_call>"
@@ -39,13 +40,6 @@ _MODES = ("content", "call", "close")
 
 class ContentDelta(NamedTuple):
     text: str
-
-
-class ToolCallDelta(NamedTuple):
-    index: int
-    id: str | None
-    name: str | None
-    arguments: str
 
 
 class ToolCall(NamedTuple):

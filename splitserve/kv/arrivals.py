@@ -25,6 +25,7 @@ class TransferResult(NamedTuple):
     first_arrival: float | None
     last_arrival: float | None
     sender_ready_at: float | None  # sender's wall clock when the last layer it sent was computed
+    expired: bool  # nothing arrived within the reservation TTL
 
 
 @dataclass
@@ -103,21 +104,20 @@ class ArrivalTracker:
 
     def check_deadlines(self) -> None:
         now = time.monotonic()
-        expired: list[tuple[str, str]] = []
+        expired: list[tuple[str, str, bool]] = []
         with self._lock:
             for transfer_id, expectation in self._expectations.items():
                 if expectation.first_arrival is None and now > expectation.ttl_deadline:
-                    expired.append((transfer_id, "no KV arrived within the reservation TTL"))
+                    expired.append((transfer_id, "no KV arrived within the reservation TTL", True))
                 elif (
                     expectation.first_arrival is not None and now - expectation.last_progress > self.timeout_s
                 ):
-                    expired.append(
-                        (transfer_id, f"KV transfer stalled for {self.timeout_s:.1f}s (sender gone?)")
-                    )
-        for transfer_id, error in expired:
-            self.finish(transfer_id, error)
+                    stalled = f"KV transfer stalled for {self.timeout_s:.1f}s (sender gone?)"
+                    expired.append((transfer_id, stalled, False))
+        for transfer_id, error, ttl_passed in expired:
+            self.finish(transfer_id, error, expired=ttl_passed)
 
-    def finish(self, transfer_id: str, error: str | None) -> None:
+    def finish(self, transfer_id: str, error: str | None, *, expired: bool = False) -> None:
         with self._lock:
             expectation = self._expectations.pop(transfer_id, None)
         if expectation is None:
@@ -131,6 +131,7 @@ class ArrivalTracker:
             first_arrival=expectation.first_arrival,
             last_arrival=expectation.last_arrival,
             sender_ready_at=expectation.sender_ready_at,
+            expired=expired,
         )
         with contextlib.suppress(Exception):
             expectation.on_done(result)

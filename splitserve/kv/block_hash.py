@@ -18,6 +18,11 @@ BlockHash = bytes  # 16-byte blake2b digest; use .hex() on the wire
 _ROOT = b"splitserve-block-hash-v1"
 
 
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division: the number of b-sized blocks that cover a tokens."""
+    return -(-a // b)
+
+
 class MultiModalSpan(NamedTuple):
     """A multimodal item occupying prompt positions [offset, offset + length)."""
 

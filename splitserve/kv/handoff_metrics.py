@@ -1,6 +1,6 @@
 """Prometheus metrics of P/D handoffs, one registry per connector (no module globals).
 
-The engine app forwards this registry into its own `/metrics` (see `server/pd_engine.py`).
+The engine app forwards this registry into its own `/metrics` (see `engine/api/kv_routes.py`).
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from splitserve.kv.connector import KVConnector, StepKVInfo
+from splitserve.protocol.kv_transfer import KVTransferParams
 
 if TYPE_CHECKING:
     from splitserve.engine.request import Request
@@ -103,10 +104,10 @@ class InProcessConnector(KVConnector):
 
     # ---- scheduler half -----------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        params = request.kv_transfer_params or {}
-        if not params.get("do_remote_prefill"):
+        params = KVTransferParams.from_wire(request.kv_transfer_params)
+        if not params.do_remote_prefill:
             return 0, False
-        entry = self.store.get(str(params.get("remote_request_id")))
+        entry = self.store.get(str(params.remote_request_id))
         if entry is None:
             return 0, False
         common = 0
@@ -120,8 +121,8 @@ class InProcessConnector(KVConnector):
     def update_state_after_alloc(
         self, request: Request, block_ids: list[int], num_external_tokens: int
     ) -> None:
-        params = request.kv_transfer_params or {}
-        if params.get("do_remote_decode"):
+        params = KVTransferParams.from_wire(request.kv_transfer_params)
+        if params.do_remote_decode:
             assert self.kv_cache is not None
             layers, _, _, _, kv_heads, head_dim = self.kv_cache.shape
             kv = self.kv_cache.new_zeros((layers, 2, request.num_prompt_tokens, kv_heads, head_dim))
@@ -132,7 +133,7 @@ class InProcessConnector(KVConnector):
         if num_external_tokens > 0:
             load = _Load(
                 request.request_id,
-                str(params["remote_request_id"]),
+                str(params.remote_request_id),
                 list(block_ids),
                 request.num_computed_tokens,
                 num_external_tokens,
@@ -145,27 +146,27 @@ class InProcessConnector(KVConnector):
                 self._pending_loads.append(load)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
-        params = request.kv_transfer_params or {}
+        params = KVTransferParams.from_wire(request.kv_transfer_params)
         with self._lock:
             if request.request_id in self._loading:  # the loader still writes into its blocks
                 self._orphaned.add(request.request_id)
                 return True, None
-        if params.get("do_remote_prefill"):  # consumed, or not needed (nothing to load)
-            self.store.pop(str(params.get("remote_request_id")))
+        if params.do_remote_prefill:  # consumed, or not needed (nothing to load)
+            self.store.pop(str(params.remote_request_id))
         kv = self._saving.pop(request.request_id, None)
         if kv is None or request.finish_reason in ("abort", "error"):
             return False, None
         self.store.put(request.request_id, _Entry(list(request.prompt_token_ids), kv))
-        return False, {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "remote_engine_id": self.engine_id,
-            "remote_request_id": request.request_id,
-            "remote_block_ids": list(block_ids),
-            "remote_num_tokens": request.num_prompt_tokens,
-            "transfer_mode": "pull",
-            "prompt_token_ids": list(request.prompt_token_ids),
-        }
+        held = KVTransferParams(
+            do_remote_prefill=True,
+            transfer_mode="pull",
+            remote_engine_id=self.engine_id,
+            remote_request_id=request.request_id,
+            remote_block_ids=tuple(block_ids),
+            remote_num_tokens=request.num_prompt_tokens,
+            prompt_token_ids=tuple(request.prompt_token_ids),
+        )
+        return False, held.to_wire()
 
     def get_finished_loading(self) -> set[str]:
         with self._lock:

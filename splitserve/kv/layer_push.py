@@ -13,9 +13,11 @@ import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from splitserve.kv.block_hash import cdiv
 from splitserve.kv.connector import StepKVInfo
-from splitserve.kv.pd_params import KVParamsError, block_list, cdiv, peer_from_params
-from splitserve.kv.transport import KVTransport, PeerInfo, TransferError
+from splitserve.kv.transport import KVTransport
+from splitserve.kv.transport_types import PeerInfo, TransferError
+from splitserve.protocol.kv_transfer import KVParamsError, KVTransferParams
 
 logger = logging.getLogger(__name__)
 
@@ -48,18 +50,18 @@ class LayerPusher:
         self._plans: dict[str, _PushPlan] = {}
         self._pushed_this_step = False
 
-    def plan(self, request_id: str, num_prompt_tokens: int, params: dict) -> None:
+    def plan(self, request_id: str, num_prompt_tokens: int, params: KVTransferParams) -> None:
         """Remember where a request's blocks go (idempotent: admission may be retried)."""
         if request_id in self._plans:
             return
         try:
-            peer = peer_from_params(params)
-            dst = block_list(params, "remote_block_ids")
-            first = int(params.get("remote_first_block", 0))
-        except (KVParamsError, TypeError, ValueError) as exc:
+            peer = PeerInfo(*params.remote_address())
+            dst = list(params.block_ids())
+        except KVParamsError as exc:
             logger.warning("request %s cannot push its KV: %s", request_id, exc)
             return
-        transfer_id = str(params.get("remote_request_id") or request_id)
+        first = params.remote_first_block or 0
+        transfer_id = params.remote_request_id or request_id
         plan = _PushPlan(peer, transfer_id, dst, first, num_prompt_tokens, first)
         needed_blocks = cdiv(num_prompt_tokens - 1, self.block_size) - first
         if needed_blocks != len(dst):

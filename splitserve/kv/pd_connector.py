@@ -25,12 +25,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from splitserve.config import EngineRole, TransferConfig
+from splitserve.kv.arrivals import TransferResult
+from splitserve.kv.block_hash import cdiv
 from splitserve.kv.connector import KVCacheAllocator, KVConnector, StepKVInfo
 from splitserve.kv.handoff_metrics import HandoffMetrics
 from splitserve.kv.layer_push import LayerPusher
-from splitserve.kv.pd_params import KVParamsError, block_list, cdiv, peer_from_params
 from splitserve.kv.reservations import HoldTable, Reservation, ReservationTable
-from splitserve.kv.transport import KVTransport, PeerInfo, TransferError, TransferResult, make_transport
+from splitserve.kv.transport import KVTransport
+from splitserve.kv.transport_factory import make_transport
+from splitserve.kv.transport_types import PeerInfo, TransferError
+from splitserve.protocol.kv_transfer import KVParamsError, KVTransferParams, RemoteAddress
 
 if TYPE_CHECKING:
     import torch
@@ -119,14 +123,10 @@ class PDConnector(KVConnector):
         e.g. `AsyncEngine.abort`). Without it, failed loads always recompute."""
         self._abort = abort
 
-    def kv_address(self) -> dict:
-        """This worker's KV endpoint, as kv_transfer_params spell it."""
+    def kv_address(self) -> RemoteAddress:
+        """This worker's KV endpoint (remote_engine_id/host/port in kv_transfer_params)."""
         assert self.peer is not None
-        return {
-            "remote_engine_id": self.peer.engine_id,
-            "remote_host": self.peer.host,
-            "remote_port": self.peer.port,
-        }
+        return RemoteAddress(self.peer.engine_id, self.peer.host, self.peer.port)
 
     def _gauges(self) -> dict[str, tuple[str, float]]:
         return {
@@ -150,25 +150,22 @@ class PDConnector(KVConnector):
 
     # ---- scheduler half ---------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        params = request.kv_transfer_params or {}
-        if params.get("do_remote_decode"):
-            if params.get("transfer_mode", self.config.mode) == "push":
-                self.pusher.plan(request.request_id, request.num_prompt_tokens, params)
-            return 0, False
-        if not params.get("do_remote_prefill"):
+        """Side-effect free (vLLM's contract): it may be asked again for the same request."""
+        params = KVTransferParams.from_wire(request.kv_transfer_params)
+        if not params.do_remote_prefill or params.do_remote_decode:
             return 0, False
         external = request.num_prompt_tokens - 1 - num_computed_tokens
         if external <= 0:
             return 0, False
-        if params.get("transfer_mode", self.config.mode) == "pull":
+        if params.mode(self.config.mode) == "pull":
             try:
-                peer_from_params(params)
-                block_list(params, "remote_block_ids")
+                params.remote_address()
+                params.block_ids()
             except KVParamsError as exc:
                 logger.warning("request %s computes its prompt itself: %s", request.request_id, exc)
                 return 0, False
-        prefill_ids = params.get("prompt_token_ids")
-        if prefill_ids is not None and prefill_ids != request.prompt_token_ids:
+        prefill_ids = params.prompt_token_ids
+        if prefill_ids is not None and list(prefill_ids) != request.prompt_token_ids:
             # KV computed for other tokens must never be attended to (the seed's midnight case)
             logger.warning("request %s: prefill computed other token IDs; recomputing", request.request_id)
             self.metrics.fallbacks.labels("token_mismatch").inc()
@@ -178,8 +175,12 @@ class PDConnector(KVConnector):
     def update_state_after_alloc(
         self, request: Request, block_ids: list[int], num_external_tokens: int
     ) -> None:
-        params = request.kv_transfer_params or {}
-        if not params.get("do_remote_prefill"):
+        params = KVTransferParams.from_wire(request.kv_transfer_params)
+        if params.do_remote_decode:
+            if params.mode(self.config.mode) == "push":
+                self.pusher.plan(request.request_id, request.num_prompt_tokens, params)
+            return
+        if not params.do_remote_prefill:
             return
         request_id, bs = request.request_id, self.block_size
         needed = request.num_prompt_tokens - 1
@@ -192,11 +193,11 @@ class PDConnector(KVConnector):
         hit = request.num_computed_tokens
         first, last = hit // bs, cdiv(hit + num_external_tokens, bs)
         dst = list(block_ids[first:last])
-        mode = params.get("transfer_mode", self.config.mode)
-        transfer_id = request_id if mode == "push" else str(params.get("remote_request_id", request_id))
+        mode = params.mode(self.config.mode)
+        transfer_id = request_id if mode == "push" else params.remote_request_id or request_id
         load = _Load(transfer_id, mode, time.monotonic())
-        if mode == "pull" and params.get("prefill_done_at") is not None:
-            load.ready_mono = _wall_to_monotonic(float(params["prefill_done_at"]))
+        if mode == "pull" and params.prefill_done_at is not None:
+            load.ready_mono = _wall_to_monotonic(params.prefill_done_at)
         with self._lock:
             self._loads[request_id] = load
             self._request_of_transfer[transfer_id] = request_id
@@ -207,11 +208,11 @@ class PDConnector(KVConnector):
             )
             self.reservations.add(reservation)
             return
-        src = params["remote_block_ids"][first:last]
+        src = params.block_ids()[first:last]
         if len(src) != len(dst):
             self.transport.fail(transfer_id, f"prefill holds {len(src)} of the {len(dst)} blocks needed")
             return
-        self.transport.pull(peer_from_params(params), transfer_id, src, dst)
+        self.transport.pull(PeerInfo(*params.remote_address()), transfer_id, list(src), dst)
 
     def _on_transfer_done(self, result: TransferResult) -> None:
         """Transport thread: the last layer arrived, or the transfer failed."""
@@ -244,7 +245,7 @@ class PDConnector(KVConnector):
             logger.warning("KV transfer for %s failed: %s", request_id, result.error)
             self.metrics.transfers.labels("decode", "failed").inc()
             self.metrics.failures.labels("decode").inc()
-            if result.first_arrival is None and "TTL" in (result.error or ""):
+            if result.expired:
                 self.metrics.reservations_expired.inc()
             if not load.orphaned:
                 self.metrics.fallbacks.labels("fail" if fail_request else "recompute").inc()
@@ -284,10 +285,10 @@ class PDConnector(KVConnector):
         return True
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
-        params = request.kv_transfer_params or {}
-        if params.get("do_remote_decode"):
+        params = KVTransferParams.from_wire(request.kv_transfer_params)
+        if params.do_remote_decode:
             return self._prefill_finished(request, block_ids, params)
-        if not params.get("do_remote_prefill"):
+        if not params.do_remote_prefill:
             return False, None
         request_id = request.request_id
         with self._lock:
@@ -299,7 +300,8 @@ class PDConnector(KVConnector):
         reservation = self.reservations.remove(request_id)
         if load is None:
             cached = reservation.num_cached_tokens if reservation else request.num_cached_tokens
-            return False, {"handoff": {"transferred": False, "num_cached_tokens": cached}}
+            handoff = {"transferred": False, "num_cached_tokens": cached}
+            return False, KVTransferParams(handoff=handoff).to_wire()
         handoff: dict = {
             "transferred": load.ok,
             "mode": load.mode,
@@ -318,7 +320,7 @@ class PDConnector(KVConnector):
                 exposed = max(0.0, first_token - load.ready_mono)
                 handoff["exposed_handoff_s"] = exposed
                 self.metrics.exposed_handoff.observe(exposed)
-        return False, {"handoff": handoff}
+        return False, KVTransferParams(handoff=handoff).to_wire()
 
     # ---- prefill side -----------------------------------------------------------------
     def save_kv_layer(self, layer_idx: int, kv_layer: torch.Tensor, step: StepKVInfo) -> None:
@@ -328,18 +330,15 @@ class PDConnector(KVConnector):
         self.pusher.wait()
 
     def _prefill_finished(
-        self, request: Request, block_ids: list[int], params: dict
+        self, request: Request, block_ids: list[int], params: KVTransferParams
     ) -> tuple[bool, dict | None]:
         done_at = time.time()
         address = self.kv_address()
-        if params.get("transfer_mode", self.config.mode) == "push":
+        if params.mode(self.config.mode) == "push":
             outcome = self.pusher.finish(request.request_id, request.finish_reason)
             if outcome is None:
-                return False, {
-                    "transfer_mode": "push",
-                    "kv_transfer_error": "no usable push target",
-                    **address,
-                }
+                failed = KVTransferParams(transfer_mode="push", kv_transfer_error="no usable push target")
+                return False, failed.with_address(address).to_wire()
             if outcome.error is not None:
                 self.metrics.failures.labels("prefill").inc()
                 self.metrics.transfers.labels("prefill", "failed").inc()
@@ -347,29 +346,27 @@ class PDConnector(KVConnector):
                 self.metrics.transfers.labels("prefill", "ok").inc()
                 self.metrics.send_time.observe(outcome.send_s)
             self.metrics.bytes.labels("sent").inc(outcome.num_bytes)
-            result = {
-                "transfer_mode": "push",
-                "prefill_done_at": done_at,
-                "kv_bytes": outcome.num_bytes,
-                "send_s": outcome.send_s,
-            }
-            if outcome.error is not None:
-                result["kv_transfer_error"] = outcome.error
-            return False, {**result, **address}
+            pushed = KVTransferParams(
+                transfer_mode="push",
+                prefill_done_at=done_at,
+                kv_bytes=outcome.num_bytes,
+                send_s=outcome.send_s,
+                kv_transfer_error=outcome.error,
+            )
+            return False, pushed.with_address(address).to_wire()
         if request.finish_reason not in ("stop", "length") or not block_ids:
             return False, None
         self.holds.hold(request.request_id)
-        return True, {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "transfer_mode": "pull",
-            "remote_request_id": request.request_id,
-            "remote_block_ids": list(block_ids),
-            "remote_num_tokens": request.num_prompt_tokens,
-            "prompt_token_ids": list(request.prompt_token_ids),
-            "prefill_done_at": done_at,
-            **address,
-        }
+        held = KVTransferParams(
+            do_remote_prefill=True,
+            transfer_mode="pull",
+            remote_request_id=request.request_id,
+            remote_block_ids=tuple(block_ids),
+            remote_num_tokens=request.num_prompt_tokens,
+            prompt_token_ids=tuple(request.prompt_token_ids),
+            prefill_done_at=done_at,
+        )
+        return True, held.with_address(address).to_wire()
 
     def _on_hold_released(self, request_id: str, expired: bool) -> None:
         with self._lock:

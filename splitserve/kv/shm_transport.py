@@ -18,13 +18,13 @@ import torch
 import zmq
 
 from splitserve.kv.block_copy import copy_blocks
-from splitserve.kv.transport import (
-    KVTransport,
+from splitserve.kv.transport import KVTransport
+from splitserve.kv.transport_types import (
     PeerInfo,
     PoolLayout,
+    PullJob,
+    PushJob,
     TransferError,
-    _PullJob,
-    _PushJob,
     dtype_from_name,
 )
 
@@ -91,7 +91,7 @@ class ShmTransport(KVTransport):
             layout.shm_path, layout.shape, dtype_from_name(layout.dtype)
         )
 
-    def _send_push(self, socket: zmq.Socket, job: _PushJob) -> int:
+    def _send_push(self, socket: zmq.Socket, job: PushJob) -> int:
         assert self.pool is not None
         target = self._peer_pools[f"{job.peer.host}:{job.peer.port}"]
         num_bytes = copy_blocks(target[job.layer], job.dst_block_ids, self.pool[job.layer], job.src_block_ids)
@@ -108,7 +108,7 @@ class ShmTransport(KVTransport):
     def _on_push(self, header: dict, frames: list[zmq.Frame]) -> int:
         return int(header.get("bytes", 0))  # the sender already wrote into our pool
 
-    def _do_pull(self, socket: zmq.Socket, job: _PullJob) -> None:
+    def _do_pull(self, socket: zmq.Socket, job: PullJob) -> None:
         assert self.pool is not None
         source = self._peer_pools[f"{job.peer.host}:{job.peer.port}"]
         # Held before and after the read means held throughout: the blocks were not reused.

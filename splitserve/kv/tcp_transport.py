@@ -12,14 +12,8 @@ import torch
 import zmq
 
 from splitserve.kv.block_copy import copy_blocks, gather_blocks
-from splitserve.kv.transport import (
-    KVTransport,
-    PeerInfo,
-    TransferError,
-    _Callback,
-    _PullJob,
-    _PushJob,
-)
+from splitserve.kv.transport import KVTransport
+from splitserve.kv.transport_types import CallbackJob, PeerInfo, PullJob, PushJob, TransferError
 
 
 class TcpTransport(KVTransport):
@@ -29,7 +23,7 @@ class TcpTransport(KVTransport):
         self.pool = torch.zeros(tuple(shape), dtype=dtype, device=device)
         return self.pool
 
-    def _send_push(self, socket: zmq.Socket, job: _PushJob) -> int:
+    def _send_push(self, socket: zmq.Socket, job: PushJob) -> int:
         assert self.pool is not None
         data = gather_blocks(self.pool[job.layer], job.src_block_ids).cpu()
         payload = data.view(torch.uint8).numpy()
@@ -55,7 +49,7 @@ class TcpTransport(KVTransport):
         copy_blocks(layer_pool, header["dst"], data.to(self.pool.device), list(range(len(header["dst"]))))
         return raw.numel()
 
-    def _do_pull(self, socket: zmq.Socket, job: _PullJob) -> None:
+    def _do_pull(self, socket: zmq.Socket, job: PullJob) -> None:
         me = self.peer_info()
         header = {
             "transfer_id": job.transfer_id,
@@ -76,4 +70,4 @@ class TcpTransport(KVTransport):
             self.push_layer(peer, transfer_id, layer, header["src"], header["dst"], ready_at=None)
         release = self.on_release
         if release is not None:
-            self._put(_Callback(transfer_id, lambda: release(transfer_id)))
+            self._put(CallbackJob(transfer_id, lambda: release(transfer_id)))

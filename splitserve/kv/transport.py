@@ -29,85 +29,29 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import NamedTuple
 
 import torch
 import zmq
 
 from splitserve.config import TransferConfig
 from splitserve.kv.arrivals import ArrivalTracker, TransferResult
+from splitserve.kv.transport_types import (
+    Barrier,
+    CallbackJob,
+    ControlJob,
+    PeerInfo,
+    PoolLayout,
+    PullJob,
+    PushJob,
+    TransferError,
+    dtype_name,
+)
 
-__all__ = ["KVTransport", "PeerInfo", "PoolLayout", "TransferError", "TransferResult", "make_transport"]
+__all__ = ["KVTransport"]
 
 logger = logging.getLogger(__name__)
 
 _POLL_MS = 20
-
-
-class PeerInfo(NamedTuple):
-    """Where a transport listens; travels in kv_transfer_params as remote_engine_id/host/port."""
-
-    engine_id: str
-    host: str
-    port: int
-
-
-class PoolLayout(NamedTuple):
-    """What a peer must know to write into (or read from) a pool; exchanged at connection set-up."""
-
-    shape: tuple[int, ...]
-    dtype: str
-    shm_path: str | None
-
-    @property
-    def num_layers(self) -> int:
-        return self.shape[0]
-
-
-class TransferError(RuntimeError):
-    """A transfer could not be set up or did not complete in time."""
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise TransferError(f"unknown KV dtype {name!r}")
-    return dtype
-
-
-class _PushJob(NamedTuple):
-    peer: PeerInfo
-    transfer_id: str
-    layer: int
-    src_block_ids: list[int]
-    dst_block_ids: list[int]
-    ready_at: float
-
-
-class _PullJob(NamedTuple):
-    peer: PeerInfo
-    transfer_id: str
-    src_block_ids: list[int]
-    dst_block_ids: list[int]
-
-
-class _ControlJob(NamedTuple):
-    peer: PeerInfo
-    kind: bytes
-    header: dict
-
-
-class _Barrier(NamedTuple):
-    event: threading.Event
-
-
-class _Callback(NamedTuple):
-    transfer_id: str
-    fn: Callable[[], None]
 
 
 class KVTransport(ABC):
@@ -233,7 +177,7 @@ class KVTransport(ABC):
         full; raises TransferError after `timeout_s`."""
         if len(src_block_ids) != len(dst_block_ids):
             raise TransferError("source and destination block lists differ in length")
-        job = _PushJob(
+        job = PushJob(
             peer, transfer_id, layer, list(src_block_ids), list(dst_block_ids), ready_at or time.time()
         )
         self._put(job)
@@ -243,14 +187,14 @@ class KVTransport(ABC):
     ) -> None:
         """Fetch every layer of the peer's `src_block_ids` into our `dst_block_ids`; completion
         is reported to the expectation registered for `transfer_id`."""
-        self._put(_PullJob(peer, transfer_id, list(src_block_ids), list(dst_block_ids)))
+        self._put(PullJob(peer, transfer_id, list(src_block_ids), list(dst_block_ids)))
 
     def send_failure(self, peer: PeerInfo, transfer_id: str, error: str) -> None:
-        self._put(_ControlJob(peer, b"FAIL", {"transfer_id": transfer_id, "error": error}))
+        self._put(ControlJob(peer, b"FAIL", {"transfer_id": transfer_id, "error": error}))
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until every queued job has been written (shm) or handed to the socket (tcp)."""
-        barrier = _Barrier(threading.Event())
+        barrier = Barrier(threading.Event())
         try:
             self._put(barrier, timeout_s)
         except TransferError:
@@ -280,11 +224,11 @@ class KVTransport(ABC):
 
     # ---- subclass hooks ------------------------------------------------------------------
     @abstractmethod
-    def _send_push(self, socket: zmq.Socket, job: _PushJob) -> int:
+    def _send_push(self, socket: zmq.Socket, job: PushJob) -> int:
         """Move one layer to the peer; returns the bytes moved."""
 
     @abstractmethod
-    def _do_pull(self, socket: zmq.Socket, job: _PullJob) -> None:
+    def _do_pull(self, socket: zmq.Socket, job: PullJob) -> None:
         """Fetch the blocks of a pull job (runs on the sender thread)."""
 
     @abstractmethod
@@ -303,20 +247,20 @@ class KVTransport(ABC):
                 job = self._jobs.get(timeout=_POLL_MS / 1000)
             except queue.Empty:
                 continue
-            if isinstance(job, _Barrier):
+            if isinstance(job, Barrier):
                 job.event.set()
                 continue
-            if isinstance(job, _Callback):
+            if isinstance(job, CallbackJob):
                 with contextlib.suppress(Exception):
                     job.fn()
                 continue
             try:
                 socket = self._socket_for(sockets, job.peer)
-                if isinstance(job, _PushJob):
+                if isinstance(job, PushJob):
                     started = time.perf_counter()
                     num_bytes = self._send_push(socket, job)
                     self._note_sent(job.transfer_id, time.perf_counter() - started, num_bytes)
-                elif isinstance(job, _PullJob):
+                elif isinstance(job, PullJob):
                     self._do_pull(socket, job)
                 else:
                     self._send_control(socket, job.kind, job.header)
@@ -325,7 +269,7 @@ class KVTransport(ABC):
                 logger.warning("KV %s transfer %s failed: %s", self.name, transfer_id, exc)
                 with self._lock:
                     self._send_errors[transfer_id] = str(exc)
-                if isinstance(job, _PullJob):
+                if isinstance(job, PullJob):
                     self.arrivals.finish(job.transfer_id, f"pull from {job.peer.engine_id} failed: {exc}")
         for socket in sockets.values():
             socket.close(linger=0)
@@ -428,18 +372,3 @@ class KVTransport(ABC):
             self.arrivals.finish(header["transfer_id"], f"sender failed: {header.get('error')}")
         else:
             logger.warning("unknown KV message %r", kind)
-
-
-def make_transport(
-    engine_id: str, config: TransferConfig, host: str = "127.0.0.1", port: int = 0, max_queued_jobs: int = 64
-) -> KVTransport:
-    """The transport `config.transport` names."""
-    if config.transport == "shm":
-        from splitserve.kv.shm_transport import ShmTransport
-
-        return ShmTransport(engine_id, config, host, port, max_queued_jobs)
-    if config.transport == "tcp":
-        from splitserve.kv.tcp_transport import TcpTransport
-
-        return TcpTransport(engine_id, config, host, port, max_queued_jobs)
-    raise TransferError(f"unknown KV transport {config.transport!r} (shm or tcp)")

@@ -12,8 +12,8 @@ from tests.bench.conftest import splitserve_bench
 from tests.conftest import free_port, running_server
 
 pytestmark = pytest.mark.skipif(
-    not importlib.util.find_spec("splitserve.server.openai_app"),
-    reason="`splitserve serve` (splitserve.server.openai_app) is not in this build",
+    not importlib.util.find_spec("splitserve.service.app"),
+    reason="`splitserve serve` (splitserve.service.app) is not in this build",
 )
 
 

@@ -9,9 +9,9 @@ import pytest
 
 from splitserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from splitserve.engine.async_engine import AsyncEngine
-from splitserve.engine.errors import InvalidRequestError, PromptTooLongError
 from splitserve.engine.llm import LLM
 from splitserve.engine.sampling_params import SamplingParams
+from splitserve.protocol.errors import InvalidRequestError, PromptTooLongError
 from tests.engine.helpers import make_prompts
 
 PROMPTS = make_prompts(2048, seed=4)

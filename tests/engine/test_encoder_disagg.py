@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from splitserve.engine.encoder_worker import EncoderJob, EncoderWorker
-from splitserve.engine.errors import InvalidRequestError
 from splitserve.engine.llm import LLM
 from splitserve.kv.ec_connector import SharedMemoryECConnector
+from splitserve.protocol.errors import InvalidRequestError
 from tests.engine.vl_helpers import GREEDY
 
 

@@ -75,7 +75,7 @@ def test_half_precision_checkpoints(tiny_model_factory):
     prompts = make_prompts(2048, seed=8)[:3]
     default = LLM(model_dir, num_blocks=32)
     # config.json's dtype unless told otherwise
-    assert default.engine.model_config.dtype == "bfloat16"
+    assert default.engine.model_info.dtype == "bfloat16"
     assert default.engine.kv_cache.dtype == torch.bfloat16
     # float32 over bf16 weights is exact: it equals transformers loading them as float32
     as_fp32 = LLM(model_dir, num_blocks=32, dtype="float32")
@@ -104,9 +104,9 @@ def test_kv_cache_allocator_hook_places_the_pool_in_a_shared_file(tiny_model, tm
     engine = LLMEngine(
         EngineConfig(ModelConfig(tiny_model), CacheConfig(num_blocks=16)), kv_cache_allocator=shared_allocator
     )
-    layers = engine.model_config.num_layers
+    layers = engine.model_info.num_layers
     assert calls and calls[0][0][:4] == (layers, 2, 16, 16)
-    assert engine.kv_cache.shape[2] == 16 and engine.kv_cache.shape[3] == engine.model_config.block_size
+    assert engine.kv_cache.shape[2] == 16 and engine.kv_cache.shape[3] == engine.model_info.block_size
     prompt = make_prompts(2048, seed=9)[1]
     engine.add_request("r", prompt, GREEDY)
     tokens = []

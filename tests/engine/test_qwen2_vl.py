@@ -9,9 +9,9 @@ import io
 import pytest
 from PIL import Image
 
-from splitserve.engine.errors import InvalidRequestError
 from splitserve.engine.llm import LLM
 from splitserve.frontend.image_processor import ImageProcessorConfig, process_image
+from splitserve.protocol.errors import InvalidRequestError
 from splitserve.protocol.multimodal import ImageInput
 from tests.engine.vl_helpers import GREEDY, VLCase, picture, transformers_greedy
 
@@ -131,9 +131,9 @@ def test_rendered_chat_through_the_wire_equals_transformers(vl_model):
     from a chat request give transformers' greedy tokens."""
     import json
 
-    from splitserve.frontend.protocol import ChatCompletionRequest
     from splitserve.frontend.render import RenderConfig, Renderer
     from splitserve.protocol.multimodal import features_from_wire
+    from splitserve.protocol.openai_api import ChatCompletionRequest
     from tests.frontend.test_render_images import data_url, png
 
     encoded = [png(150, 100, 21), png(70, 70, 22, "JPEG")]

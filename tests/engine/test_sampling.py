@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from splitserve.engine.errors import InvalidRequestError
 from splitserve.engine.llm import LLM
 from splitserve.engine.sampling_params import SamplingParams
+from splitserve.protocol.errors import InvalidRequestError
 from tests.engine.helpers import make_prompts, oracle_log_softmax
 
 PROMPTS = make_prompts(2048, seed=3)[:4]
@@ -95,7 +95,7 @@ def eos_model(tiny_model, tmp_path_factory):
 def test_eos_stops_unless_ignored(eos_model):
     model_dir, eos, probe = eos_model
     llm = LLM(model_dir, num_blocks=64)
-    assert eos in llm.engine.model_config.eos_token_ids
+    assert eos in llm.engine.model_info.eos_token_ids
     stopped = llm.generate([PROMPTS[3]], SamplingParams(max_tokens=12, temperature=0.0))[0]
     assert stopped.token_ids == probe[: probe.index(eos) + 1]
     assert stopped.finish_reason == "stop"

@@ -8,9 +8,9 @@ import random
 import pytest
 
 from splitserve.frontend.derender import Derenderer
-from splitserve.frontend.protocol import ChatCompletionRequest
 from splitserve.frontend.render import RenderConfig, Renderer
 from splitserve.frontend.stream_state import StreamStateCodec
+from splitserve.protocol.openai_api import ChatCompletionRequest
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
 SEARCH = {"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}}

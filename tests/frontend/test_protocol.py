@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from splitserve.frontend.protocol import ChatCompletionRequest, CompletionRequest
+from splitserve.protocol.openai_api import ChatCompletionRequest, CompletionRequest
 
 USER = [{"role": "user", "content": "hi"}]
 WEATHER = {

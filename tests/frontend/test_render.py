@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from splitserve.frontend.protocol import ChatCompletionRequest, CompletionRequest, RequestError
 from splitserve.frontend.render import RenderConfig, Renderer
 from splitserve.kv.block_hash import compute_block_hashes
+from splitserve.protocol.errors import InvalidRequestError
+from splitserve.protocol.openai_api import ChatCompletionRequest, CompletionRequest
 
 WEATHER = {
     "type": "function",
@@ -110,23 +111,23 @@ def test_options_that_change_the_prompt(renderer):
 def test_length_limits_and_defaults(renderer):
     prompt_len = len(renderer.render_chat(chat())["token_ids"])
     assert renderer.render_chat(chat())["sampling_params"]["max_tokens"] == 512 - prompt_len
-    with pytest.raises(RequestError, match="maximum context length"):
+    with pytest.raises(InvalidRequestError, match="maximum context length"):
         renderer.render_chat(chat(max_tokens=512))
-    with pytest.raises(RequestError, match="maximum context length"):
+    with pytest.raises(InvalidRequestError, match="maximum context length"):
         renderer.render_chat(chat(messages=[{"role": "user", "content": "word " * 600}]))
-    with pytest.raises(RequestError) as info:
+    with pytest.raises(InvalidRequestError) as info:
         renderer.render_chat(chat(model="other-model"))
     assert info.value.status == 404
 
 
 def test_template_errors_become_request_errors(renderer):
     bad = chat(chat_template="{{ raise_exception('no way') }}")
-    with pytest.raises(RequestError, match="no way"):
+    with pytest.raises(InvalidRequestError, match="no way"):
         renderer.render_chat(bad)
-    with pytest.raises(RequestError, match="template"):
+    with pytest.raises(InvalidRequestError, match="template"):
         renderer.render_chat(chat(chat_template="{% for %}"))
     untrusting = Renderer(RenderConfig(model=renderer.config.model))
-    with pytest.raises(RequestError, match="trust-request-chat-template"):
+    with pytest.raises(InvalidRequestError, match="trust-request-chat-template"):
         untrusting.render_chat(chat(chat_template="{{ messages }}"))
 
 
@@ -141,5 +142,5 @@ def test_render_completion(renderer):
     )
     assert [g["token_ids"] for g in batch] == [[1, 2, 3], [4, 5]]
     assert batch[0]["request_id"] != batch[1]["request_id"] and batch[0]["sampling_params"]["logprobs"] == 2
-    with pytest.raises(RequestError, match="vocab"):
+    with pytest.raises(InvalidRequestError, match="vocab"):
         renderer.render_completion(CompletionRequest.model_validate({"prompt": [10**7]}))

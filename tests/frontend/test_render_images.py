@@ -14,9 +14,10 @@ from PIL import Image
 
 from splitserve.frontend.image_processor import ImageLimits
 from splitserve.frontend.images import MediaConfig
-from splitserve.frontend.protocol import ChatCompletionRequest, RequestError
 from splitserve.frontend.render import RenderConfig, Renderer
+from splitserve.protocol.errors import InvalidRequestError
 from splitserve.protocol.multimodal import features_from_wire
+from splitserve.protocol.openai_api import ChatCompletionRequest
 from tests.frontend.test_image_processor import png_header_only
 
 
@@ -109,7 +110,7 @@ def test_local_files_only_under_the_allowed_path(vl_model, tmp_path):
     (allowed / "cat.png").write_bytes(png(80, 80, 5))
     (tmp_path / "secret.png").write_bytes(png(80, 80, 6))
     closed = Renderer(RenderConfig(model=vl_model))
-    with pytest.raises(RequestError, match="disabled"):
+    with pytest.raises(InvalidRequestError, match="disabled"):
         closed.render_chat(image_chat(f"file://{allowed}/cat.png"))
     opened = Renderer(RenderConfig(model=vl_model, media=MediaConfig(allowed_media_path=str(allowed))))
     body = opened.render_chat(image_chat(f"file://{allowed}/cat.png"))
@@ -122,7 +123,7 @@ def test_local_files_only_under_the_allowed_path(vl_model, tmp_path):
         f"file://{tmp_path}/secret.png",
         f"file://{allowed}/none.png",
     ):
-        with pytest.raises(RequestError, match="not a file under the allowed media path"):
+        with pytest.raises(InvalidRequestError, match="not a file under the allowed media path"):
             opened.render_chat(image_chat(url))
 
 
@@ -138,25 +139,25 @@ def test_local_files_only_under_the_allowed_path(vl_model, tmp_path):
     ],
 )
 def test_bad_images_are_client_errors(renderer, urls, status, message):
-    with pytest.raises(RequestError, match=message) as error:
+    with pytest.raises(InvalidRequestError, match=message) as error:
         renderer.render_chat(image_chat(*urls))
     assert error.value.status == status and error.value.param == "messages"
 
 
 def test_size_limits_are_413(vl_model):
     tight = Renderer(RenderConfig(model=vl_model, media=MediaConfig(max_pixel_bytes_per_request=100_000)))
-    with pytest.raises(RequestError, match="max_pixel_bytes_per_request") as error:
+    with pytest.raises(InvalidRequestError, match="max_pixel_bytes_per_request") as error:
         tight.render_chat(image_chat(data_url(png(300, 300, 10))))
     assert error.value.status == 413
     renderer = Renderer(RenderConfig(model=vl_model))
-    with pytest.raises(RequestError, match="max_source_pixels") as error:  # a decompression bomb
+    with pytest.raises(InvalidRequestError, match="max_source_pixels") as error:  # a decompression bomb
         renderer.render_chat(image_chat(data_url(png_header_only(20_000, 20_000))))
     assert error.value.status == 413
 
 
 def test_text_model_refuses_images(tiny_model):
     renderer = Renderer(RenderConfig(model=tiny_model))
-    with pytest.raises(RequestError, match="takes no images") as error:
+    with pytest.raises(InvalidRequestError, match="takes no images") as error:
         renderer.render_chat(image_chat(data_url(png(40, 40, 11))))
     assert error.value.status == 400
 
@@ -208,7 +209,7 @@ def test_remote_images_only_from_allowed_public_hosts(vl_model):
         closed = Renderer(
             RenderConfig(model=vl_model, media=MediaConfig(allowed_media_domains=("localhost",)))
         )
-        with pytest.raises(RequestError, match="private address"):  # localhost is not public
+        with pytest.raises(InvalidRequestError, match="private address"):  # localhost is not public
             closed.render_chat(image_chat(f"{base}/cat.png"))
         media = MediaConfig(
             allowed_media_domains=("localhost",),
@@ -230,7 +231,7 @@ def test_remote_images_only_from_allowed_public_hosts(vl_model):
             (f"{base}/slow", 400, "took over"),
         ]
         for url, status, message in cases:
-            with pytest.raises(RequestError, match=message) as error:
+            with pytest.raises(InvalidRequestError, match=message) as error:
                 opened.render_chat(image_chat(url))
             assert error.value.status == status, url
     finally:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from splitserve.frontend.derender import Derenderer
-from splitserve.frontend.protocol import ChatCompletionRequest, RequestError
 from splitserve.frontend.render import RenderConfig, Renderer
 from splitserve.frontend.stream_state import StreamStateCodec, StreamStateError, resolve_state_key
+from splitserve.protocol.errors import InvalidRequestError
+from splitserve.protocol.openai_api import ChatCompletionRequest
 
 KEY = b"test-key-0123456789"
 
@@ -53,11 +54,11 @@ def derenderer(tiny_model) -> Derenderer:
 def test_state_is_bound_to_its_request(derenderer):
     request = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}]})
     out = derenderer.chat_stream_chunk({"request_id": "a", "choices": [{"token_ids": [300]}]}, None, request)
-    with pytest.raises(RequestError, match="another request"):
+    with pytest.raises(InvalidRequestError, match="another request"):
         derenderer.chat_stream_chunk(
             {"request_id": "b", "choices": [{"token_ids": [301]}]}, out["stream_state"], request
         )
-    with pytest.raises(RequestError, match="signature"):
+    with pytest.raises(InvalidRequestError, match="signature"):
         derenderer.chat_stream_chunk(
             {"request_id": "a", "choices": [{"token_ids": [301]}]}, out["stream_state"][:-3] + "abc", request
         )

@@ -14,6 +14,7 @@ from splitserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerC
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.kv.pd_connector import PDConnector
+from splitserve.protocol.kv_transfer import KVTransferParams
 
 VOCAB = 2048
 BLOCK = 16
@@ -64,7 +65,7 @@ async def pd_generate(prefill, decode, request_id: str, tokens: list[int], mode:
                 "remote_request_id": request_id,
                 "remote_block_ids": reservation.block_ids,
                 "remote_first_block": reservation.first_block,
-                **dconn.kv_address(),
+                **KVTransferParams().with_address(dconn.kv_address()).to_wire(),
             }
             _, prefill_out = await collect(
                 prefill[0].generate(request_id + "-p", tokens, params, kv_transfer_params=kv)

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from splitserve.config import TransferConfig
-from splitserve.kv.transport import PeerInfo, TransferError, make_transport
+from splitserve.kv.transport_factory import make_transport
+from splitserve.kv.transport_types import PeerInfo, TransferError
 from tests.kv.transport_peer import SHAPE, dying_sender, filled_pool, pattern, pull_source, receiver
 
 CTX = multiprocessing.get_context("spawn")

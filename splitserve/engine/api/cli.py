@@ -1,0 +1,137 @@
+"""`splitserve engine [MODEL]`: serve the token-in/token-out engine API with uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+
+from splitserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from splitserve.engine.api import kv_routes
+
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "kib": 1024,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "mib": 1024**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "gib": 1024**3,
+}
+
+
+def parse_memory_size(text: str) -> int:
+    """'512MiB', '2GiB', '1.5G', '1000000' -> bytes."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _SIZE_UNITS:
+        raise argparse.ArgumentTypeError(f"not a memory size: {text!r} (e.g. 512MiB, 2GiB)")
+    size = int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"memory size must be positive: {text!r}")
+    return size
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    cache, scheduler = CacheConfig(), SchedulerConfig()
+    parser.add_argument(
+        "model", nargs="?", default=None, help="model directory (default: the built-in demo model)"
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8100)
+    parser.add_argument("--role", choices=["both", "prefill", "decode"], default="both")
+    parser.add_argument("--block-size", type=_positive_int, default=cache.block_size)
+    parser.add_argument(
+        "--kv-cache-memory",
+        type=parse_memory_size,
+        default=cache.kv_cache_memory_bytes,
+        help="KV cache budget, e.g. 512MiB or 2GiB (default 512MiB)",
+    )
+    parser.add_argument("--num-blocks", type=_positive_int, default=None, help="overrides --kv-cache-memory")
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument(
+        "--max-num-batched-tokens", type=_positive_int, default=scheduler.max_num_batched_tokens
+    )
+    parser.add_argument("--max-num-seqs", type=_positive_int, default=scheduler.max_num_seqs)
+    parser.add_argument(
+        "--max-model-len",
+        type=_positive_int,
+        default=None,
+        help="default: the model's max_position_embeddings",
+    )
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+    )
+    kv_routes.add_kv_arguments(parser)  # P/D roles: transport, mode, timeouts
+
+
+def engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
+    """The engine's config; the device and, when not named, the KV transport are decided
+    here: shm for a CPU KV cache, tcp for a GPU one (ValueError for shm on a GPU)."""
+    from splitserve.engine.llm_engine import default_device  # torch: only engines pay for it
+
+    device = args.device or str(default_device())
+    return EngineConfig(
+        model=ModelConfig(
+            model=model_dir,
+            dtype=None if args.dtype == "auto" else args.dtype,
+            device=device,
+            seed=args.seed,
+        ),
+        cache=CacheConfig(
+            block_size=args.block_size,
+            kv_cache_memory_bytes=args.kv_cache_memory,
+            num_blocks=args.num_blocks,
+            enable_prefix_caching=not args.no_prefix_caching,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=args.max_model_len,
+        ),
+        role=args.role,
+        transfer=kv_routes.transfer_config(args, device),
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from splitserve.engine.api.app import create_engine_app
+    from splitserve.engine.async_engine import AsyncEngine
+    from splitserve.model.tiny import resolve_model
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        config = engine_config(args, resolve_model(args.model))
+    except ValueError as exc:
+        raise SystemExit(f"splitserve engine: {exc}") from exc
+    kv_host = args.kv_host or args.host
+    connector = kv_routes.make_connector(config.role, config.transfer, kv_host, args.kv_port)
+    try:
+        engine = AsyncEngine(config, connector=connector)
+    except ValueError as exc:  # a configuration the model or the memory budget cannot take
+        raise SystemExit(f"splitserve engine: {exc}") from exc
+    app = create_engine_app(engine, manage_engine=True)
+    if connector is not None:
+        kv_routes.install_kv_routes(app, connector)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    return 0

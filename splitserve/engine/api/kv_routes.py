@@ -1,0 +1,171 @@
+"""What a prefill or decode engine adds to the engine API for P/D: its KV connector, the
+KV flags, the reservation and transfer-failure endpoints, and the handoff metrics.
+
+- `POST /inference/v1/kv/reserve` `{request_id, timeout_s?}` (decode): waits until the
+  request (sent to `/inference/v1/generate` with `kv_transfer_params.do_remote_prefill`)
+  has reserved its blocks, then returns where a prefill worker must push:
+  `{request_id, remote_engine_id, remote_host, remote_port, remote_block_ids,
+  remote_first_block, num_cached_tokens, remote_num_tokens, transfer_mode: "push"}`.
+  An empty `remote_block_ids` means decode's prefix cache already holds the prompt.
+- `POST /inference/v1/kv/transfer_failed` `{request_id, error?}` (decode): stop waiting for
+  that request's KV now (its prefill failed); it recomputes (or fails, by policy).
+- `GET /inference/v1/kv/info`: role, transport, mode and the KV address.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+from typing import TYPE_CHECKING
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from splitserve.config import EngineRole, TransferConfig
+from splitserve.kv.handoff_metrics import ForwardRegistry
+from splitserve.protocol.errors import APIError
+from splitserve.protocol.http_edge import read_json_body
+from splitserve.protocol.kv_transfer import KVTransferParams
+
+if TYPE_CHECKING:
+    from splitserve.kv.pd_connector import PDConnector
+
+MAX_RESERVE_WAIT_S = 120.0
+
+
+def add_kv_arguments(parser: argparse.ArgumentParser) -> None:
+    transfer = TransferConfig()
+    group = parser.add_argument_group("KV transfer (--role prefill|decode)")
+    group.add_argument(
+        "--kv-transport",
+        choices=["shm", "tcp"],
+        default=None,
+        help="default: shm when the KV cache is in CPU memory, tcp on a GPU",
+    )
+    group.add_argument("--kv-mode", choices=["push", "pull"], default=transfer.mode)
+    group.add_argument("--kv-port", type=int, default=0, help="KV socket port (default: a free one)")
+    group.add_argument(
+        "--kv-host", default=None, help="address the KV socket binds and peers dial (default: --host)"
+    )
+    group.add_argument(
+        "--kv-timeout", type=float, default=transfer.timeout_s, help="seconds without progress"
+    )
+    group.add_argument("--kv-failure-policy", choices=["recompute", "fail"], default=transfer.failure_policy)
+    group.add_argument(
+        "--kv-reservation-ttl",
+        type=float,
+        default=transfer.reservation_ttl_s,
+        help="seconds a reservation waits",
+    )
+
+
+def transfer_config(args: argparse.Namespace, device: str) -> TransferConfig:
+    return TransferConfig(
+        transport=args.kv_transport or ("shm" if device.startswith("cpu") else "tcp"),
+        mode=args.kv_mode,
+        timeout_s=args.kv_timeout,
+        failure_policy=args.kv_failure_policy,
+        reservation_ttl_s=args.kv_reservation_ttl,
+    )
+
+
+def make_connector(
+    role: EngineRole, transfer: TransferConfig, host: str, kv_port: int = 0
+) -> PDConnector | None:
+    """The P/D connector for a prefill or decode engine; None for a collocated one."""
+    if role == "both":
+        return None
+    from splitserve.kv.pd_connector import PDConnector  # torch: only engines pay for it
+
+    return PDConnector(role, transfer, host=host, port=kv_port)
+
+
+async def _wait_reserved(connector: PDConnector, request_id: str, timeout_s: float):
+    """The request's reservation, awaited on the event loop (the engine thread adds it)."""
+    found = connector.reservations.get(request_id)
+    if found is not None:
+        return found
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future = loop.create_future()
+
+    def reserved(reservation) -> None:
+        loop.call_soon_threadsafe(lambda: future.done() or future.set_result(reservation))
+
+    connector.reservations.on_reserved(request_id, reserved)
+    try:
+        return await asyncio.wait_for(future, timeout_s)
+    except asyncio.TimeoutError:
+        return None
+    finally:
+        connector.reservations.forget_callbacks(request_id)
+
+
+def install_kv_routes(app: FastAPI, connector: PDConnector) -> None:
+    """Add the KV endpoints and forward the handoff metrics into the app's `/metrics`."""
+    metrics = getattr(app.state, "metrics", None)
+    if metrics is not None:
+        metrics.registry.register(ForwardRegistry(connector.metrics.registry))
+    app.state.kv_connector = connector
+    engine = getattr(app.state, "engine", None)
+    if engine is not None:
+        connector.set_abort(engine.abort)  # failure_policy "fail" ends the request
+
+    async def request_id_of(raw: Request) -> tuple[str, dict]:
+        body = await read_json_body(raw, 64 * 1024)
+        if not isinstance(body, dict):
+            raise APIError(400, "request body must be a JSON object")
+        request_id = body.get("request_id")
+        if not isinstance(request_id, str) or not request_id:
+            raise APIError(400, "request_id must be a non-empty string", param="request_id")
+        return request_id, body
+
+    @app.post("/inference/v1/kv/reserve")
+    async def reserve(raw: Request) -> JSONResponse:
+        if connector.role != "decode":
+            raise APIError(
+                400, f"this engine's role is {connector.role}; reservations live on decode workers"
+            )
+        request_id, body = await request_id_of(raw)
+        timeout = body.get("timeout_s", 30.0)
+        if (
+            not isinstance(timeout, (int, float))
+            or isinstance(timeout, bool)
+            or not 0 <= timeout <= MAX_RESERVE_WAIT_S
+        ):
+            raise APIError(
+                400, f"timeout_s must be a number in [0, {MAX_RESERVE_WAIT_S:.0f}]", param="timeout_s"
+            )
+        reservation = await _wait_reserved(connector, request_id, float(timeout))
+        if reservation is None:
+            raise APIError(
+                404, f"request {request_id!r} reserved no blocks within {timeout}s", param="request_id"
+            )
+        where = KVTransferParams(
+            transfer_mode="push",
+            remote_request_id=request_id,
+            remote_block_ids=tuple(reservation.block_ids),
+            remote_first_block=reservation.first_block,
+            remote_num_tokens=reservation.num_tokens,
+        ).with_address(connector.kv_address())
+        cached = reservation.num_cached_tokens
+        return JSONResponse({"request_id": request_id, **where.to_wire(), "num_cached_tokens": cached})
+
+    @app.post("/inference/v1/kv/transfer_failed")
+    async def transfer_failed(raw: Request) -> JSONResponse:
+        request_id, body = await request_id_of(raw)
+        error = str(body.get("error") or "the prefill worker reported a failure")
+        return JSONResponse({"request_id": request_id, "failed": connector.fail_transfer(request_id, error)})
+
+    @app.get("/inference/v1/kv/info")
+    async def info() -> JSONResponse:
+        return JSONResponse(
+            {
+                "role": connector.role,
+                "transport": connector.config.transport,
+                "mode": connector.config.mode,
+                "failure_policy": connector.config.failure_policy,
+                "pid": os.getpid(),
+                **KVTransferParams().with_address(connector.kv_address()).to_wire(),
+            }
+        )

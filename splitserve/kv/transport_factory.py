@@ -1,0 +1,23 @@
+"""Building the transport a `TransferConfig` names (kept out of transport.py, which the
+transports themselves import)."""
+
+from __future__ import annotations
+
+from splitserve.config import TransferConfig
+from splitserve.kv.transport import KVTransport
+from splitserve.kv.transport_types import TransferError
+
+
+def make_transport(
+    engine_id: str, config: TransferConfig, host: str = "127.0.0.1", port: int = 0, max_queued_jobs: int = 64
+) -> KVTransport:
+    """The transport `config.transport` names."""
+    if config.transport == "shm":
+        from splitserve.kv.shm_transport import ShmTransport
+
+        return ShmTransport(engine_id, config, host, port, max_queued_jobs)
+    if config.transport == "tcp":
+        from splitserve.kv.tcp_transport import TcpTransport
+
+        return TcpTransport(engine_id, config, host, port, max_queued_jobs)
+    raise TransferError(f"unknown KV transport {config.transport!r} (shm or tcp)")

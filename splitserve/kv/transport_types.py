@@ -1,0 +1,80 @@
+"""The values KV transports exchange: peer addresses, pool layouts, errors, and the sender
+thread's jobs (a transport implements the data plane of PushJob and PullJob)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+
+class PeerInfo(NamedTuple):
+    """Where a transport listens; travels in kv_transfer_params as remote_engine_id/host/port."""
+
+    engine_id: str
+    host: str
+    port: int
+
+
+class PoolLayout(NamedTuple):
+    """What a peer must know to write into (or read from) a pool; exchanged at connection set-up."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    shm_path: str | None
+
+    @property
+    def num_layers(self) -> int:
+        return self.shape[0]
+
+
+class TransferError(RuntimeError):
+    """A transfer could not be set up or did not complete in time."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise TransferError(f"unknown KV dtype {name!r}")
+    return dtype
+
+
+# The sender thread's queue items; a transport subclass implements the data plane of
+# PushJob (`_send_push`) and PullJob (`_do_pull`).
+
+
+class PushJob(NamedTuple):
+    peer: PeerInfo
+    transfer_id: str
+    layer: int
+    src_block_ids: list[int]
+    dst_block_ids: list[int]
+    ready_at: float
+
+
+class PullJob(NamedTuple):
+    peer: PeerInfo
+    transfer_id: str
+    src_block_ids: list[int]
+    dst_block_ids: list[int]
+
+
+class ControlJob(NamedTuple):
+    peer: PeerInfo
+    kind: bytes
+    header: dict
+
+
+class Barrier(NamedTuple):
+    event: threading.Event
+
+
+class CallbackJob(NamedTuple):
+    transfer_id: str
+    fn: Callable[[], None]

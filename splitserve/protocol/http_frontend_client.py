@@ -1,0 +1,94 @@
+"""The HTTP `FrontendClient`: a `splitserve render` tier, over one pooled keep-alive
+connection pool. The chat request crosses once (render, with `?derender_state=true`);
+derender calls carry only new tokens and each choice's signed state, and the derender
+pieces of concurrent requests share calls (`CallBatcher`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+from splitserve.protocol.call_batcher import CallBatcher
+from splitserve.protocol.derender_api import MAX_PIECES
+from splitserve.protocol.errors import APIError
+from splitserve.protocol.frontend_client import (
+    DerenderedPiece,
+    DerenderPiece,
+    FrontendClient,
+    RenderedPrompt,
+)
+from splitserve.protocol.http_pool import pooled_client
+from splitserve.protocol.openai_api import ChatCompletionRequest, CompletionRequest
+from splitserve.protocol.openai_chunks import delta_from_wire
+
+
+class HTTPFrontendClient(FrontendClient):
+    def __init__(
+        self, base_url: str, *, max_connections: int = 8, client: httpx.AsyncClient | None = None
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._owns_client = client is None
+        # Keep-alive: a derender call per engine chunk must not pay a TCP handshake.
+        self._http = client or pooled_client(
+            read_timeout_s=60.0, max_connections=max_connections, keepalive=max_connections
+        )
+        self._derender_calls: CallBatcher[DerenderPiece, DerenderedPiece] = CallBatcher(
+            self._derender_call, max_items=MAX_PIECES
+        )
+
+    async def _call(self, method: str, path: str, body: Any = None) -> Any:
+        try:
+            response = await self._http.request(method, f"{self.base_url}{path}", json=body)
+        except httpx.HTTPError as exc:
+            raise APIError(503, f"render tier at {self.base_url} is unreachable: {exc}") from exc
+        try:
+            payload = response.json()
+        except ValueError:
+            payload = response.text
+        if response.status_code != 200:
+            raise APIError.from_body(response.status_code, payload, f"render tier at {self.base_url}")
+        return payload
+
+    async def models(self) -> dict[str, Any]:
+        return await self._call("GET", "/v1/models")
+
+    async def render_chat(self, request: ChatCompletionRequest) -> RenderedPrompt:
+        body = request.model_dump(mode="json", exclude_unset=True)
+        generate = await self._call("POST", "/v1/chat/completions/render?derender_state=true", body)
+        return RenderedPrompt(generate, generate.pop("derender_state"))
+
+    async def render_completion(self, request: CompletionRequest) -> list[RenderedPrompt]:
+        body = request.model_dump(mode="json", exclude_unset=True)
+        generates = await self._call("POST", "/v1/completions/render?derender_state=true", body)
+        return [RenderedPrompt(generate, generate.pop("derender_state")) for generate in generates]
+
+    async def derender(self, pieces: list[DerenderPiece]) -> list[DerenderedPiece]:
+        return await self._derender_calls.call(pieces)
+
+    async def _derender_call(self, pieces: list[DerenderPiece]) -> list[DerenderedPiece]:
+        body = {
+            "pieces": [
+                {
+                    "state": piece.state,
+                    "index": piece.index,
+                    "token_ids": piece.token_ids,
+                    "logprobs": piece.logprobs,
+                    "finish_reason": piece.finish_reason,
+                    "final": piece.final,
+                }
+                for piece in pieces
+            ]
+        }
+        answer = await self._call("POST", "/v1/derender/pieces", body)
+        return [
+            DerenderedPiece(
+                item["state"], delta_from_wire(item["delta"]), item["finish_reason"], item["stopped"]
+            )
+            for item in answer["pieces"]
+        ]
+
+    async def close(self) -> None:
+        await self._derender_calls.close()
+        if self._owns_client:
+            await self._http.aclose()

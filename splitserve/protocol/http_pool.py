@@ -1,0 +1,25 @@
+"""The one way tiers open HTTP connection pools to each other."""
+
+from __future__ import annotations
+
+import httpx
+
+# uvicorn closes a keep-alive connection after 5 idle seconds. A client that reuses one
+# at that moment reads a reset (httpx.ReadError) instead of an answer: drop them sooner.
+KEEPALIVE_EXPIRY_S = 2.0
+
+
+def pooled_client(
+    *, read_timeout_s: float | None, max_connections: int | None = None, keepalive: int = 20
+) -> httpx.AsyncClient:
+    """An AsyncClient for another tier: keep-alive connections that expire before the
+    server's, `keepalive` of them kept idle (httpcore scans its whole pool on every
+    request, so keep pools small)."""
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(read_timeout_s, connect=10.0),
+        limits=httpx.Limits(
+            max_connections=max_connections,
+            max_keepalive_connections=keepalive,
+            keepalive_expiry=KEEPALIVE_EXPIRY_S,
+        ),
+    )

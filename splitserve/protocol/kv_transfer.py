@@ -1,0 +1,138 @@
+"""`kv_transfer_params`: the one typed form of the P/D handshake, and its one wire form.
+
+On the wire it is a JSON object with vLLM's key names (`do_remote_prefill`,
+`do_remote_decode`, `remote_engine_id`, `remote_host`, `remote_port`,
+`remote_request_id`, `remote_block_ids`, `remote_num_tokens`, plus splitserve's
+`transfer_mode`, `remote_first_block`, `prompt_token_ids`, `prefill_done_at`); a finished
+request reports `kv_bytes`, `send_s`, `kv_transfer_error`, `handoff` and, through the
+proxy, `prefill`. The engine keeps the object as it arrived (as vLLM's Request does);
+every tier reads and writes it only through `KVTransferParams`.
+
+Reading is lenient by design: a field that cannot describe a transfer leaves the flags
+readable and makes `remote_address()`/`block_ids()` raise `KVParamsError`, so the engine
+computes the prompt itself instead of failing the request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal, NamedTuple
+
+TransferMode = Literal["push", "pull"]
+
+
+class KVParamsError(ValueError):
+    """kv_transfer_params that cannot describe a transfer."""
+
+
+class RemoteAddress(NamedTuple):
+    """Where a worker's KV transport listens."""
+
+    engine_id: str
+    host: str
+    port: int
+
+
+def _int_list(value: Any) -> tuple[int, ...] | None:
+    if isinstance(value, (list, tuple)) and all(type(v) is int for v in value):
+        return tuple(value)
+    return None
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+@dataclass(frozen=True)
+class KVTransferParams:
+    do_remote_prefill: bool = False  # decode: the prompt's KV comes from a prefill worker
+    do_remote_decode: bool = False  # prefill: ship the prompt's KV to a decode worker
+    transfer_mode: TransferMode | None = None  # None: the engine's configured mode
+    remote_request_id: str | None = None
+    remote_engine_id: str | None = None
+    remote_host: str | None = None
+    remote_port: int | None = None
+    remote_block_ids: tuple[int, ...] | None = None
+    remote_first_block: int | None = None  # push: the first block decode reserved (None: 0)
+    remote_num_tokens: int | None = None
+    prompt_token_ids: tuple[int, ...] | None = None  # pull: what prefill computed
+    prefill_done_at: float | None = None  # wall clock when prefill's last layer was computed
+    # what a finished request reports
+    kv_bytes: int | None = None
+    send_s: float | None = None
+    kv_transfer_error: str | None = None
+    handoff: dict[str, Any] | None = None  # decode: where the TTFT went
+    prefill: dict[str, Any] | None = None  # through the proxy: what prefill reported
+    # why the transfer fields cannot describe a transfer (read leniently), if they cannot
+    invalid: str | None = None
+
+    @classmethod
+    def from_wire(cls, data: Any) -> KVTransferParams:
+        if not isinstance(data, dict):
+            return cls()
+        problems: list[str] = []
+
+        def take(name: str, parsed: Any) -> Any:
+            if data.get(name) is not None and parsed is None:
+                problems.append(f"kv_transfer_params.{name} is not valid: {data[name]!r}")
+            return parsed
+
+        port = data.get("remote_port")
+        mode = data.get("transfer_mode")
+        return cls(
+            do_remote_prefill=data.get("do_remote_prefill") is True,
+            do_remote_decode=data.get("do_remote_decode") is True,
+            transfer_mode=take("transfer_mode", mode if mode in ("push", "pull") else None),
+            remote_request_id=take("remote_request_id", _text(data.get("remote_request_id"))),
+            remote_engine_id=take("remote_engine_id", _text(data.get("remote_engine_id"))),
+            remote_host=take("remote_host", _text(data.get("remote_host"))),
+            remote_port=take("remote_port", port if type(port) is int and 0 < port < 65536 else None),
+            remote_block_ids=take("remote_block_ids", _int_list(data.get("remote_block_ids"))),
+            remote_first_block=take("remote_first_block", _count(data.get("remote_first_block"))),
+            remote_num_tokens=take("remote_num_tokens", _count(data.get("remote_num_tokens"))),
+            prompt_token_ids=take("prompt_token_ids", _int_list(data.get("prompt_token_ids"))),
+            prefill_done_at=take("prefill_done_at", _number(data.get("prefill_done_at"))),
+            kv_bytes=_count(data.get("kv_bytes")),
+            send_s=_number(data.get("send_s")),
+            kv_transfer_error=_text(data.get("kv_transfer_error")),
+            handoff=data.get("handoff") if isinstance(data.get("handoff"), dict) else None,
+            prefill=data.get("prefill") if isinstance(data.get("prefill"), dict) else None,
+            invalid="; ".join(problems) or None,
+        )
+
+    def to_wire(self) -> dict[str, Any]:
+        """The JSON object: set fields only (flags when true), lists for tuples."""
+        wire: dict[str, Any] = {}
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.name == "invalid" or value is None or value is False:
+                continue
+            wire[field.name] = list(value) if isinstance(value, tuple) else value
+        return wire
+
+    def mode(self, default: TransferMode) -> TransferMode:
+        return self.transfer_mode or default
+
+    def remote_address(self) -> RemoteAddress:
+        if self.remote_engine_id is None or self.remote_host is None or self.remote_port is None:
+            raise KVParamsError(self.invalid or "kv_transfer_params lack a remote engine address")
+        return RemoteAddress(self.remote_engine_id, self.remote_host, self.remote_port)
+
+    def block_ids(self) -> tuple[int, ...]:
+        if self.remote_block_ids is None:
+            raise KVParamsError(self.invalid or "kv_transfer_params.remote_block_ids is missing")
+        return self.remote_block_ids
+
+    def with_address(self, address: RemoteAddress) -> KVTransferParams:
+        return dataclasses.replace(
+            self, remote_engine_id=address.engine_id, remote_host=address.host, remote_port=address.port
+        )
+
+
+def _text(value: Any) -> str | None:
+    return value if isinstance(value, str) and value else None
+
+
+def _count(value: Any) -> int | None:
+    return value if type(value) is int and value >= 0 else None

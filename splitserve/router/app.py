@@ -1,0 +1,59 @@
+"""The P/D proxy: the OpenAI service in front of a render tier and prefill/decode pools.
+
+The same `OpenAIService` as `serve`, wired to the render tier over HTTP
+(`HTTPFrontendClient`: one render per request, batched derender calls on pooled
+keep-alive connections) and to `PDEngineClient` (prefill worker → KV transfer → decode
+worker, chosen least loaded). Adds `/workers` and the proxy's `/metrics`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+
+from splitserve.protocol.http_edge import DEFAULT_MAX_BODY_BYTES
+from splitserve.protocol.http_frontend_client import HTTPFrontendClient
+from splitserve.router.pd_engine_client import PDEngineClient
+from splitserve.router.workers import health_loop
+from splitserve.service.app import create_openai_app
+
+
+def create_proxy_app(
+    render_url: str,
+    engine: PDEngineClient,
+    *,
+    health_interval_s: float = 2.0,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> FastAPI:
+    checker: list[asyncio.Future] = []  # the health loop, while the app runs
+
+    async def start() -> None:
+        loop = health_loop(engine.pool, engine.check_worker, health_interval_s)
+        checker.append(asyncio.ensure_future(loop))
+
+    async def stop() -> None:
+        for task in checker:
+            task.cancel()
+        await asyncio.gather(*checker, return_exceptions=True)
+
+    app = create_openai_app(
+        HTTPFrontendClient(render_url),
+        engine,
+        title="splitserve P/D proxy",
+        max_body_bytes=max_body_bytes,
+        on_startup=start,
+        on_shutdown=stop,
+    )
+    app.state.engine = engine
+
+    @app.get("/workers")
+    async def workers() -> JSONResponse:
+        return JSONResponse({"workers": engine.pool.snapshot(), "policy": engine.policy.__dict__})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(engine.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app

@@ -1,0 +1,64 @@
+"""`splitserve proxy --render URL --prefill URL... --decode URL...`: the P/D proxy."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from splitserve.protocol.http_edge import DEFAULT_MAX_BODY_BYTES
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--render", required=True, help="render tier base URL")
+    parser.add_argument("--prefill", nargs="*", default=[], help="prefill worker base URLs")
+    parser.add_argument("--decode", nargs="+", required=True, help="decode worker base URLs")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--mode", choices=["push", "pull"], default="push", help="KV transfer mode")
+    parser.add_argument(
+        "--min-prefill-tokens",
+        type=int,
+        default=64,
+        help="prompts shorter than this skip the prefill pool (prefilled on decode)",
+    )
+    parser.add_argument("--health-interval", type=float, default=2.0, help="seconds between health checks")
+    parser.add_argument(
+        "--reserve-timeout", type=float, default=30.0, help="seconds to wait for a reservation"
+    )
+    parser.add_argument(
+        "--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="request body limit"
+    )
+    parser.add_argument(
+        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from splitserve.router.app import create_proxy_app
+    from splitserve.router.pd_engine_client import PDEngineClient
+    from splitserve.router.pd_policy import PDPolicy
+    from splitserve.router.workers import WorkerPool
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        policy = PDPolicy(args.min_prefill_tokens, args.mode, args.reserve_timeout)
+        pool = WorkerPool(args.prefill, args.decode)
+    except ValueError as exc:
+        print(f"splitserve proxy: {exc}", file=sys.stderr)
+        return 2
+    if args.health_interval <= 0:
+        print("splitserve proxy: --health-interval must be positive", file=sys.stderr)
+        return 2
+    app = create_proxy_app(
+        args.render,
+        PDEngineClient(pool, policy),
+        health_interval_s=args.health_interval,
+        max_body_bytes=args.max_body_bytes,
+    )
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    return 0

@@ -1,0 +1,334 @@
+"""The P/D `EngineClient`: one generate request run across a prefill and a decode worker.
+
+Push (default): the decode request goes first; the proxy reads decode's reservation (its
+prefix-cache match already subtracted) and sends the prefill request with the decode
+block IDs; prefill ships KV layer by layer while decode waits and streams as soon as the
+last layer lands. Pull: prefill runs, holds its blocks and answers where they are; decode
+then reads them.
+
+Both workers see the same token IDs (rendered once by the proxy). A prefill that fails
+makes decode compute the prompt itself (told at once in push mode); a decode worker that
+fails before anything was streamed is taken out of rotation and the request is retried
+on another one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import httpx
+
+from splitserve.protocol.engine_client import EngineClient
+from splitserve.protocol.errors import APIError
+from splitserve.protocol.http_engine_client import HTTPEngineClient
+from splitserve.protocol.http_pool import pooled_client
+from splitserve.protocol.kv_transfer import KVParamsError, KVTransferParams
+from splitserve.router.metrics import ProxyMetrics
+from splitserve.router.pd_policy import PDPolicy
+from splitserve.router.workers import Worker, WorkerPool
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillFailed(RuntimeError):
+    pass
+
+
+class PDEngineClient(EngineClient):
+    def __init__(self, pool: WorkerPool, policy: PDPolicy, metrics: ProxyMetrics | None = None):
+        self.pool = pool
+        self.policy = policy
+        self.metrics = metrics or ProxyMetrics()
+        # Control calls (reservations, health) get their own small pool: httpcore scans a
+        # whole pool on every request, so the hundreds of long-lived generate streams live
+        # in one pool per worker.
+        self._http = pooled_client(read_timeout_s=None)
+        self._clients: dict[str, HTTPEngineClient] = {}
+        self._role_checked: set[str] = set()
+
+    def _client(self, worker: Worker) -> HTTPEngineClient:
+        client = self._clients.get(worker.url)
+        if client is None:
+            client = self._clients[worker.url] = HTTPEngineClient(worker.url)
+        return client
+
+    # ---- EngineClient ---------------------------------------------------------------
+    def generate(self, request: dict) -> AsyncIterator[dict]:
+        return self._generate(request)
+
+    async def abort(self, request_ids: list[str]) -> None:
+        for worker in self.pool.workers():
+            with contextlib.suppress(APIError):
+                await self._client(worker).abort(request_ids)
+
+    async def check_health(self) -> bool:
+        return self.pool.pick("decode") is not None
+
+    async def close(self) -> None:
+        for client in self._clients.values():
+            await client.close()
+        await self._http.aclose()
+
+    async def check_worker(self, worker: Worker) -> bool:
+        """Healthy, and a P/D engine of the role its pool expects: a collocated or
+        prefill engine in the decode pool would silently answer wrongly."""
+        try:
+            response = await self._http.get(f"{worker.url}/health", timeout=5.0)
+            if response.status_code != 200:
+                return False
+            if worker.url not in self._role_checked:
+                info = await self._http.get(f"{worker.url}/inference/v1/kv/info", timeout=5.0)
+                role = info.json().get("role") if info.status_code == 200 else None
+                if role != worker.role:
+                    logger.error(
+                        "%s is not a %s engine (its role: %s)", worker.url, worker.role, role or "none"
+                    )
+                    return False
+                self._role_checked.add(worker.url)
+        except (httpx.HTTPError, ValueError):
+            return False
+        return True
+
+    # ---- the flow -------------------------------------------------------------------
+    async def _generate(self, request: dict) -> AsyncIterator[dict]:
+        base_id = str(request.get("request_id") or f"pd-{uuid.uuid4().hex}")
+        tried: set[str] = set()
+        while True:
+            decode = self.pool.pick("decode", exclude=tried)
+            if decode is None:
+                self.metrics.errors.labels("503").inc()
+                raise APIError(503, "no decode worker is available", code="no_worker")
+            attempt_id = base_id if not tried else f"{base_id}-retry{len(tried)}"
+            tried.add(decode.url)
+            streamed = False
+            try:
+                with self.pool.lease(decode):
+                    async for chunk in self._run(decode, {**request, "request_id": attempt_id}):
+                        streamed = True
+                        yield chunk
+                return
+            except APIError as exc:
+                if streamed or exc.status != 503:  # 503: the worker is unreachable
+                    self.metrics.errors.labels(str(exc.status)).inc()
+                    raise
+                self.pool.report_failure(decode, exc.message)
+                self.metrics.retries.inc()
+                logger.warning("retrying %s on another decode worker: %s", base_id, exc.message)
+
+    async def _run(self, decode: Worker, body: dict) -> AsyncIterator[dict]:
+        tokens = body.get("token_ids")
+        prefill = None
+        if isinstance(tokens, list) and self.policy.use_prefill_pool(len(tokens)):
+            prefill = self.pool.pick("prefill")
+            if prefill is None and self.pool.workers("prefill"):
+                self.metrics.fallbacks.labels("no_prefill_worker").inc()
+        if prefill is None:
+            self.metrics.requests.labels("decode_only").inc()
+            stream = self._client(decode).generate(body)
+        elif self.policy.mode == "push":
+            self.metrics.requests.labels("pd_push").inc()
+            stream = self._push(decode, prefill, body)
+        else:
+            self.metrics.requests.labels("pd_pull").inc()
+            stream = self._pull(decode, prefill, body)
+        sent = time.monotonic()
+        first = True
+        try:
+            async for chunk in stream:
+                if first:
+                    first = False
+                    self.metrics.ttft.observe(time.monotonic() - sent)
+                    _raise_if_transfer_failed(chunk)
+                yield chunk
+        finally:
+            await stream.aclose()
+
+    def _prefill_body(self, body: dict, kv_transfer_params: KVTransferParams) -> dict:
+        sampling = dict(body.get("sampling_params") or {})
+        sampling["max_tokens"] = 1
+        return {
+            **body,
+            "request_id": f"{body['request_id']}-prefill",
+            "sampling_params": sampling,
+            "kv_transfer_params": kv_transfer_params.to_wire(),
+        }
+
+    async def _run_prefill(self, prefill: Worker, body: dict) -> KVTransferParams:
+        """Run the prefill request; its kv_transfer_params, or PrefillFailed."""
+        started = time.monotonic()
+        final: dict = {}
+        with self.pool.lease(prefill):
+            try:
+                async for chunk in self._client(prefill).generate(body):
+                    final = chunk
+            except APIError as exc:
+                if exc.status >= 500:
+                    self.pool.report_failure(prefill, exc.message)
+                raise PrefillFailed(f"prefill on {prefill.url} failed: {exc.message}") from exc
+        params = KVTransferParams.from_wire(final.get("kv_transfer_params"))
+        if params.kv_transfer_error:
+            raise PrefillFailed(f"prefill on {prefill.url} could not ship its KV: {params.kv_transfer_error}")
+        self.metrics.prefill_time.observe(time.monotonic() - started)
+        return params
+
+    async def _push(self, decode: Worker, prefill: Worker, body: dict) -> AsyncIterator[dict]:
+        request_id = body["request_id"]
+        wait_for_kv = KVTransferParams(do_remote_prefill=True).to_wire()
+        stream = self._client(decode).generate({**body, "kv_transfer_params": wait_for_kv})
+        first_task = asyncio.ensure_future(anext(stream))
+        prefill_task: asyncio.Future | None = None
+        prefill_done_at: list[float] = []
+        prefill_report: dict = {}
+        try:
+            reservation = await self._reserve(decode, request_id, first_task)
+            if reservation is not None:
+                kv = KVTransferParams(
+                    do_remote_decode=True,
+                    transfer_mode="push",
+                    remote_request_id=request_id,
+                    remote_block_ids=reservation.remote_block_ids,
+                    remote_first_block=reservation.remote_first_block,
+                ).with_address(reservation.remote_address())
+                prefill_task = asyncio.ensure_future(
+                    self._push_prefill(
+                        decode,
+                        prefill,
+                        self._prefill_body(body, kv),
+                        request_id,
+                        prefill_done_at,
+                        prefill_report,
+                    )
+                )
+            first = await first_task
+            if prefill_done_at:
+                self.metrics.handoff_time.observe(max(0.0, time.monotonic() - prefill_done_at[0]))
+            yield _with_prefill(first, prefill_report)
+            async for chunk in stream:
+                yield _with_prefill(chunk, prefill_report)
+        finally:
+            for task in (first_task, prefill_task):
+                if task is not None and not task.done():
+                    task.cancel()
+            await asyncio.gather(
+                *(t for t in (first_task, prefill_task) if t is not None), return_exceptions=True
+            )
+            await stream.aclose()
+
+    async def _reserve(
+        self, decode: Worker, request_id: str, first_task: asyncio.Future
+    ) -> KVTransferParams | None:
+        """Where prefill must push; None when nothing is to be pushed (decode holds the
+        whole prompt, or reserved nothing). If the decode request ends first, its error
+        surfaces."""
+        reserve_task = asyncio.ensure_future(
+            self._http.post(
+                f"{decode.url}/inference/v1/kv/reserve",
+                json={"request_id": request_id, "timeout_s": self.policy.reserve_timeout_s},
+                timeout=self.policy.reserve_timeout_s + 10,
+            )
+        )
+        try:
+            await asyncio.wait({reserve_task, first_task}, return_when=asyncio.FIRST_COMPLETED)
+            if not reserve_task.done():
+                first_task.result()  # raises the decode request's error, if it had one
+                return None  # decode answered without waiting for KV
+            try:
+                response = reserve_task.result()
+            except httpx.HTTPError as exc:
+                raise APIError(503, f"decode worker {decode.url} is unreachable: {exc}") from exc
+            if response.status_code != 200:
+                self.metrics.fallbacks.labels("no_reservation").inc()
+                logger.warning("no reservation from %s: %s", decode.url, response.text[:200])
+                return None
+            reservation = KVTransferParams.from_wire(response.json())
+            if not reservation.remote_block_ids:
+                return None  # decode's prefix cache already holds the prompt
+            try:
+                reservation.remote_address()
+            except KVParamsError as exc:
+                self.metrics.fallbacks.labels("no_reservation").inc()
+                logger.warning("unusable reservation from %s: %s", decode.url, exc)
+                return None
+            return reservation
+        finally:
+            if not reserve_task.done():
+                reserve_task.cancel()
+                await asyncio.gather(reserve_task, return_exceptions=True)
+
+    async def _push_prefill(
+        self,
+        decode: Worker,
+        prefill: Worker,
+        body: dict,
+        request_id: str,
+        done_at: list[float],
+        params_out: dict,
+    ) -> None:
+        try:
+            params_out.update((await self._run_prefill(prefill, body)).to_wire())
+            done_at.append(time.monotonic())
+        except PrefillFailed as exc:
+            self.metrics.prefill_failures.inc()
+            self.metrics.fallbacks.labels("prefill_failed").inc()
+            logger.warning("%s; decode %s recomputes", exc, decode.url)
+            with contextlib.suppress(httpx.HTTPError):
+                await self._http.post(
+                    f"{decode.url}/inference/v1/kv/transfer_failed",
+                    json={"request_id": request_id, "error": str(exc)},
+                    timeout=10,
+                )
+
+    async def _pull(self, decode: Worker, prefill: Worker, body: dict) -> AsyncIterator[dict]:
+        kv: KVTransferParams | None = None
+        prefill_done = 0.0
+        try:
+            hold = KVTransferParams(do_remote_decode=True, transfer_mode="pull")
+            kv = await self._run_prefill(prefill, self._prefill_body(body, hold))
+            prefill_done = time.monotonic()
+            if not kv.remote_block_ids:
+                raise PrefillFailed(f"prefill on {prefill.url} returned no blocks to pull")
+        except PrefillFailed as exc:
+            self.metrics.prefill_failures.inc()
+            self.metrics.fallbacks.labels("prefill_failed").inc()
+            logger.warning("%s; decode %s computes the prompt", exc, decode.url)
+            kv = None
+        decode_body = {**body, "kv_transfer_params": kv.to_wire()} if kv else body
+        report = dataclasses.replace(kv, prompt_token_ids=None).to_wire() if kv else {}
+        first = True
+        async for chunk in self._client(decode).generate(decode_body):
+            if first and prefill_done:
+                self.metrics.handoff_time.observe(time.monotonic() - prefill_done)
+            first = False
+            yield _with_prefill(chunk, report)
+
+
+def _raise_if_transfer_failed(chunk: dict) -> None:
+    """Decode ended a request without output because its KV never arrived (failure policy
+    "fail"): a clear error, since nothing was streamed yet."""
+    choices = chunk.get("choices") or []
+    if (
+        not choices
+        or choices[0].get("finish_reason") not in ("abort", "error")
+        or choices[0].get("token_ids")
+    ):
+        return
+    handoff = KVTransferParams.from_wire(chunk.get("kv_transfer_params")).handoff or {}
+    if handoff.get("error"):
+        raise APIError(
+            502, f"the KV transfer failed and the decode worker's policy is fail: {handoff['error']}"
+        )
+
+
+def _with_prefill(chunk: dict, prefill_report: dict) -> dict:
+    """The final chunk also carries what the prefill worker reported (where TTFT went)."""
+    if prefill_report and any(c.get("finish_reason") is not None for c in chunk.get("choices") or []):
+        decode_params = KVTransferParams.from_wire(chunk.get("kv_transfer_params"))
+        reported = dataclasses.replace(decode_params, prefill=prefill_report)
+        chunk = {**chunk, "kv_transfer_params": reported.to_wire()}
+    return chunk

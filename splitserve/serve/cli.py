@@ -1,0 +1,70 @@
+"""`splitserve serve [MODEL]`: the collocated OpenAI-compatible server.
+
+One process: the OpenAI service (the same as the P/D proxy's) wired to an in-process
+frontend (`LocalFrontendClient`) and an `AsyncEngine` (its own thread) behind a
+`LocalEngineClient`. Takes the engine's flags (`splitserve engine --help`) plus the
+frontend's (chat template, parsers, body limit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from splitserve.engine.api import cli as engine_cli
+from splitserve.frontend import cli as render_cli
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    engine_cli.add_arguments(parser)
+    parser.set_defaults(port=8000)
+    render_cli.add_frontend_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from splitserve.engine.api.local_client import LocalEngineClient
+    from splitserve.engine.async_engine import AsyncEngine
+    from splitserve.frontend.chat_template import TemplateError
+    from splitserve.frontend.local_client import LocalFrontendClient
+    from splitserve.frontend.render import Renderer
+    from splitserve.model.tiny import resolve_model
+    from splitserve.service.app import create_openai_app
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if args.role != "both":
+        print("splitserve serve: the collocated server runs --role both", file=sys.stderr)
+        return 2
+    model_dir = resolve_model(args.model)
+    try:
+        engine = AsyncEngine(engine_cli.engine_config(args, model_dir))
+    except ValueError as exc:
+        print(f"splitserve serve: {exc}", file=sys.stderr)
+        return 2
+    max_model_len = engine.model_info.max_model_len  # the engine's bound is the one that holds
+    try:
+        renderer = Renderer(render_cli.render_config(args, model_dir, max_model_len))
+    except (OSError, TemplateError, ValueError) as exc:
+        engine.shutdown()
+        print(f"splitserve serve: {exc}", file=sys.stderr)
+        return 2
+
+    async def start() -> None:
+        engine.start()
+
+    async def stop() -> None:
+        engine.shutdown()
+
+    app = create_openai_app(
+        LocalFrontendClient(renderer),
+        LocalEngineClient(engine, max_model_len=max_model_len),
+        max_body_bytes=args.max_body_bytes,
+        on_startup=start,
+        on_shutdown=stop,
+    )
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    return 0

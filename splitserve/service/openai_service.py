@@ -1,0 +1,300 @@
+"""The OpenAI API as render → engine → derender, over a `FrontendClient` and an `EngineClient`.
+
+One code path for `serve` (in-process frontend and engine) and the P/D proxy (the render
+tier over HTTP, prefill/decode workers behind `PDEngineClient`). `n` fans out into n
+engine requests (distinct IDs; seeds seed, seed+1, ... when a seed is given), merged as
+they stream. Engine chunks that arrive while a derender call is in flight are decoded
+together by the next call. A stop string ends a choice in derender and aborts its engine
+request.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any, NamedTuple
+
+from splitserve.protocol.engine_api import choice_logprobs
+from splitserve.protocol.engine_client import EngineClient
+from splitserve.protocol.errors import APIError
+from splitserve.protocol.frontend_client import DerenderPiece, FrontendClient, RenderedPrompt
+from splitserve.protocol.http_edge import SSE_DONE, sse_event
+from splitserve.protocol.openai_api import ChatCompletionRequest, CompletionRequest
+from splitserve.protocol.openai_chunks import (
+    ChoiceDelta,
+    MessageAssembler,
+    chunk_choice,
+    completion_logprobs,
+    usage_dict,
+)
+from splitserve.service.merged_streams import MergedStreams
+
+
+class DecodedPiece(NamedTuple):
+    index: int  # the choice
+    token_ids: list[int]  # the engine tokens decoded into this piece (cut at a matched stop string)
+    delta: ChoiceDelta
+    finish_reason: str | None  # set on a choice's last piece
+
+
+class CollectedChoice(NamedTuple):
+    deltas: list[ChoiceDelta]
+    token_ids: list[int]
+    finish_reason: str
+
+
+class Choices(NamedTuple):
+    """The engine requests of one API request (n per prompt) and their way-back states."""
+
+    bodies: list[dict[str, Any]]
+    states: list[Any]
+    prompt_token_ids: list[list[int]]  # per choice
+
+
+def fan_out(prompts: list[RenderedPrompt], n: int, seed: int | None) -> Choices:
+    bodies, states, prompt_ids = [], [], []
+    for prompt in prompts:
+        generate = prompt.generate
+        for i in range(n):
+            body = {**generate, "stream": True, "sampling_params": dict(generate["sampling_params"])}
+            if n > 1:
+                body["request_id"] = f"{generate['request_id']}-{i}"
+                if seed is not None:
+                    body["sampling_params"]["seed"] = seed + i
+            bodies.append(body)
+            states.append(prompt.state)
+            prompt_ids.append(generate["token_ids"])
+    return Choices(bodies, states, prompt_ids)
+
+
+def _pieces(batch: list[tuple[int, dict]], states: list[Any], done: list[bool]) -> list[DerenderPiece]:
+    """A batch of engine chunks → one piece per chunk, grouped by choice in arrival order;
+    a choice's later pieces continue its first (state None), so one derender call serves
+    the whole batch while each chunk keeps its own delta."""
+    by_choice: dict[int, list[DerenderPiece]] = {}
+    for index, chunk in batch:
+        for raw in chunk.get("choices") or []:
+            token_ids = list(raw.get("token_ids") or [])
+            reason = raw.get("finish_reason")
+            if done[index] or not (token_ids or reason is not None):
+                continue
+            run = by_choice.setdefault(index, [])
+            state = None if run else states[index]
+            final = reason is not None
+            run.append(DerenderPiece(state, index, token_ids, choice_logprobs(raw), reason, final))
+    return [piece for run in by_choice.values() for piece in run]
+
+
+class OpenAIService:
+    def __init__(self, frontend: FrontendClient, engine: EngineClient) -> None:
+        self.frontend = frontend
+        self.engine = engine
+
+    async def close(self) -> None:
+        await self.engine.close()
+        await self.frontend.close()
+
+    async def _start(self, bodies: list[dict[str, Any]]) -> MergedStreams:
+        streams = MergedStreams([self.engine.generate(body) for body in bodies])
+        await streams.start()
+        return streams
+
+    async def _decoded(self, states: list[Any], streams: MergedStreams) -> AsyncIterator[DecodedPiece]:
+        """Each choice's engine tokens through the way back, a batch per derender call. A
+        choice ends on the engine's finish reason or on a stop string, which aborts that
+        engine request early."""
+        states = list(states)
+        done = [False] * len(states)
+        while batch := await streams.next_batch():
+            pieces = _pieces(batch, states, done)
+            if not pieces:
+                continue
+            for piece, result in zip(pieces, await self.frontend.derender(pieces), strict=True):
+                if done[piece.index]:
+                    continue  # ended by a stop string in an earlier chunk of this batch
+                if result.state is not None:
+                    states[piece.index] = result.state
+                if result.finish_reason is not None:
+                    done[piece.index] = True
+                    if result.stopped:
+                        streams.stop(piece.index)
+                token_ids = piece.token_ids[: result.delta.num_tokens]
+                yield DecodedPiece(piece.index, token_ids, result.delta, result.finish_reason)
+        # engine streams that ended without a finish reason: flush their parsers
+        rest = [DerenderPiece(states[i], i, [], None, None, True) for i in range(len(states)) if not done[i]]
+        if rest:
+            for piece, result in zip(rest, await self.frontend.derender(rest), strict=True):
+                yield DecodedPiece(piece.index, [], result.delta, result.finish_reason)
+
+    async def _collect(self, choices: Choices) -> list[CollectedChoice]:
+        """Run the engine requests to the end (non-streaming) through the way back."""
+        deltas: list[list[ChoiceDelta]] = [[] for _ in choices.bodies]
+        token_ids: list[list[int]] = [[] for _ in choices.bodies]
+        reasons: list[str] = ["stop"] * len(choices.bodies)
+        streams = await self._start(choices.bodies)
+        try:
+            async for piece in self._decoded(choices.states, streams):
+                deltas[piece.index].append(piece.delta)
+                token_ids[piece.index] += piece.token_ids
+                if piece.finish_reason is not None:
+                    reasons[piece.index] = piece.finish_reason
+        finally:
+            await streams.close()
+        return [CollectedChoice(*fields) for fields in zip(deltas, token_ids, reasons, strict=True)]
+
+    # --- chat ---
+
+    async def chat(self, request: ChatCompletionRequest) -> dict[str, Any]:
+        prompt = await self.frontend.render_chat(request)
+        generate = prompt.generate
+        collected = await self._collect(fan_out([prompt], request.n, request.seed))
+        choices = []
+        for i, result in enumerate(collected):
+            assembler = MessageAssembler()
+            for delta in result.deltas:
+                assembler.add(delta)
+            token_ids = result.token_ids if request.return_token_ids else None
+            choices.append(assembler.choice(i, result.finish_reason, token_ids))
+        response: dict[str, Any] = {
+            "id": generate["request_id"],
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": generate["model"],
+            "choices": choices,
+            "usage": _usage(collected, len(generate["token_ids"])),
+        }
+        if request.return_token_ids:
+            response["prompt_token_ids"] = generate["token_ids"]
+        return response
+
+    async def chat_stream(self, request: ChatCompletionRequest) -> AsyncIterator[str]:
+        """Start the request (errors raise here) and return its SSE event stream."""
+        prompt = await self.frontend.render_chat(request)
+        choices = fan_out([prompt], request.n, request.seed)
+        streams = await self._start(choices.bodies)
+        return _sse_stream(self._chat_events(request, prompt.generate, choices, streams), streams)
+
+    async def _chat_events(
+        self,
+        request: ChatCompletionRequest,
+        generate: dict[str, Any],
+        choices: Choices,
+        streams: MergedStreams,
+    ) -> AsyncIterator[dict[str, Any]]:
+        role_sent = [False] * len(choices.bodies)
+        num_tokens = 0
+        include_usage = request.include_usage()
+        base = {
+            "id": generate["request_id"],
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": generate["model"],
+        }
+        first_chunk = True
+        async for index, token_ids, delta, reason in self._decoded(choices.states, streams):
+            num_tokens += delta.num_tokens
+            empty = not (delta.reasoning or delta.content or delta.tool_calls or delta.logprobs)
+            if empty and role_sent[index] and reason is None:
+                continue
+            choice = chunk_choice(
+                index,
+                delta,
+                role=not role_sent[index],
+                finish_reason=reason,
+                token_ids=token_ids if request.return_token_ids else None,
+            )
+            event: dict[str, Any] = {**base, "choices": [choice]}
+            role_sent[index] = True
+            if first_chunk and request.return_token_ids:
+                event["prompt_token_ids"] = generate["token_ids"]
+            first_chunk = False
+            if include_usage:
+                event["usage"] = None
+            yield event
+        if include_usage:
+            yield {**base, "choices": [], "usage": usage_dict(len(generate["token_ids"]), num_tokens)}
+
+    # --- completions ---
+
+    async def completion(self, request: CompletionRequest) -> dict[str, Any]:
+        prompts = await self.frontend.render_completion(request)
+        choices = fan_out(prompts, request.n, request.seed)
+        collected = await self._collect(choices)
+        result_choices = []
+        for i, result in enumerate(collected):
+            logprobs = [entry for delta in result.deltas for entry in delta.logprobs or []]
+            choice: dict[str, Any] = {
+                "index": i,
+                "text": "".join(delta.content for delta in result.deltas),
+                "logprobs": completion_logprobs(logprobs) if request.logprobs is not None else None,
+                "finish_reason": result.finish_reason,
+            }
+            if request.return_token_ids:
+                choice["token_ids"] = result.token_ids
+                choice["prompt_token_ids"] = choices.prompt_token_ids[i]
+            result_choices.append(choice)
+        return {
+            "id": prompts[0].generate["request_id"],
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": prompts[0].generate["model"],
+            "choices": result_choices,
+            "usage": _usage(collected, sum(len(ids) for ids in choices.prompt_token_ids)),
+        }
+
+    async def completion_stream(self, request: CompletionRequest) -> AsyncIterator[str]:
+        prompts = await self.frontend.render_completion(request)
+        choices = fan_out(prompts, request.n, request.seed)
+        streams = await self._start(choices.bodies)
+        return _sse_stream(self._completion_events(request, prompts, choices, streams), streams)
+
+    async def _completion_events(
+        self,
+        request: CompletionRequest,
+        prompts: list[RenderedPrompt],
+        choices: Choices,
+        streams: MergedStreams,
+    ) -> AsyncIterator[dict[str, Any]]:
+        num_tokens = 0
+        base = {
+            "id": prompts[0].generate["request_id"],
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": prompts[0].generate["model"],
+        }
+        async for index, token_ids, delta, reason in self._decoded(choices.states, streams):
+            num_tokens += delta.num_tokens
+            if not delta.content and reason is None:
+                continue
+            choice: dict[str, Any] = {
+                "index": index,
+                "text": delta.content,
+                "finish_reason": reason,
+                "logprobs": None if request.logprobs is None else completion_logprobs(delta.logprobs or []),
+            }
+            if request.return_token_ids:
+                choice["token_ids"] = token_ids
+            event = {**base, "choices": [choice]}
+            if request.include_usage():
+                event["usage"] = None
+            yield event
+        if request.include_usage():
+            usage = usage_dict(sum(len(ids) for ids in choices.prompt_token_ids), num_tokens)
+            yield {**base, "choices": [], "usage": usage}
+
+
+def _usage(collected: list[CollectedChoice], prompt_tokens: int) -> dict[str, int]:
+    return usage_dict(prompt_tokens, sum(d.num_tokens for result in collected for d in result.deltas))
+
+
+async def _sse_stream(events: AsyncIterator[dict[str, Any]], streams: MergedStreams) -> AsyncIterator[str]:
+    """Events as SSE; an error after the stream started becomes an error event. The engine
+    requests end with the stream, however it ends."""
+    try:
+        async for event in events:
+            yield sse_event(event)
+    except APIError as exc:
+        yield sse_event(exc.body())
+    finally:
+        await streams.close()
+    yield SSE_DONE
