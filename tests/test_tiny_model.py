@@ -5,7 +5,8 @@ import sys
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from splitserve.model.tiny import MARKUP_TOKENS, SPECIAL_TOKENS, TinyModelSpec, write_tiny_model
+from splitserve.model.tiny import write_tiny_model
+from splitserve.model.tiny_text import MARKUP_TOKENS, SPECIAL_TOKENS, TinyModelSpec
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])

@@ -17,11 +17,12 @@ from pathlib import Path
 
 import numpy as np
 
-from splitserve.model.tiny import (
+from splitserve.model.tiny_text import (
     MARKUP_TOKENS,
     SPECIAL_TOKENS,
     TinyModelSpec,
     build_tokenizer,
+    check_spec,
     random_weights,
     write_tokenizer,
 )
@@ -159,16 +160,17 @@ def vision_weights(spec: TinyModelSpec, vision: TinyVisionSpec) -> dict[str, np.
 
 
 def write_tiny_qwen2_vl(out: Path, spec: TinyModelSpec, vision: TinyVisionSpec = TinyVisionSpec()) -> Path:
-    """Write the model into the (existing) directory `out`; `spec` as validated by
-    `write_tiny_model`, its arch "qwen2_vl"."""
+    """Write the model into the directory `out`; `spec`'s arch is "qwen2_vl"."""
     import torch
     from safetensors.torch import save_file
     from tokenizers import AddedToken
 
+    check_spec(spec)
     if spec.head_dim not in (None, spec.hidden // spec.heads):
         raise ValueError("qwen2_vl's head_dim is hidden / heads")
     if vision.embed_dim % vision.heads or (vision.embed_dim // vision.heads) % 4:
         raise ValueError("the vision head dim must divide by 4 (2-D rotary over height and width)")
+    out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(spec.vocab - len(VISION_TOKENS), spec.seed)
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in VISION_TOKENS])
     token_ids = {t: tokenizer.token_to_id(t) for t in SPECIAL_TOKENS + VISION_TOKENS}

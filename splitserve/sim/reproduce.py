@@ -13,7 +13,7 @@ import numpy as np
 
 from splitserve.goodput import SLO_AVERAGE, SLO_WORST_GAP
 from splitserve.sim import analysis
-from splitserve.sim.cmd_checks import beyond_variants
+from splitserve.sim.beyond import beyond_variants
 from splitserve.sim.kv import exposed_transfer_s, kv_bytes, transfer_s
 from splitserve.sim.metrics import goodput
 from splitserve.sim.roofline import Efficiency, Roofline

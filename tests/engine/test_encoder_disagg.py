@@ -14,6 +14,7 @@ from splitserve.engine.encoder_worker import EncoderJob, EncoderWorker
 from splitserve.engine.llm import LLM
 from splitserve.kv.ec_connector import SharedMemoryECConnector
 from splitserve.protocol.errors import InvalidRequestError
+from splitserve.protocol.kv_transfer import KVTransferParams
 from tests.engine.vl_helpers import GREEDY
 
 
@@ -171,7 +172,7 @@ def test_encoder_prefill_decode(vl_model, vl_cases, tmp_path):
             "remote_request_id": request_id,
             "remote_block_ids": reservation.block_ids,
             "remote_first_block": reservation.first_block,
-            **decode_connector.kv_address(),
+            **KVTransferParams().with_address(decode_connector.kv_address()).to_wire(),
         }
         await collect(
             prefill.generate(request_id + "-p", case.token_ids, GREEDY, kv_transfer_params=kv, images=images)

@@ -31,7 +31,7 @@ def metaspace_tokenizer(tmp_path_factory) -> Tokenizer:
     from tokenizers import decoders, models, pre_tokenizers
     from tokenizers.trainers import BpeTrainer
 
-    from splitserve.model.tiny import corpus_lines
+    from splitserve.model.tiny_text import corpus_lines
 
     backend = HFTokenizer(models.BPE(unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Metaspace()

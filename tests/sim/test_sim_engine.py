@@ -23,7 +23,7 @@ from splitserve.sim import (
     simulate,
     synthetic,
 )
-from splitserve.sim.cmd_checks import beyond_variants
+from splitserve.sim.beyond import beyond_variants
 from splitserve.sim.kv import exposed_transfer_s, transfer_s
 from splitserve.sim.workload import WorkloadError, lengths
 
