@@ -1,5 +1,6 @@
-"""Read a Hugging Face model directory: config.json (+ generation_config.json) and the
-safetensors weights (single file or sharded via model.safetensors.index.json)."""
+"""Read a checkpoint: a Hugging Face model directory (config.json, generation_config.json
+and safetensors weights, single file or sharded via model.safetensors.index.json) or a
+GGUF file (`splitserve.model.gguf_loader`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from splitserve.gguf_file import is_gguf_file
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -53,8 +56,13 @@ def _as_id_list(value: object) -> list[int]:
     return [int(v) for v in value]  # type: ignore[union-attr]
 
 
-def load_decoder_config(model_dir: str | Path) -> DecoderConfig:
-    model_dir = Path(model_dir)
+def load_decoder_config(model_path: str | Path) -> DecoderConfig:
+    """The decoder's config from a model directory or a GGUF file."""
+    if is_gguf_file(model_path):
+        from splitserve.model.gguf_loader import load_gguf_config
+
+        return load_gguf_config(model_path)
+    model_dir = Path(model_path)
     raw = json.loads((model_dir / "config.json").read_text())
     archs = raw.get("architectures") or []
     arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
@@ -100,6 +108,15 @@ def load_decoder_config(model_dir: str | Path) -> DecoderConfig:
         dtype=dtype,
         eos_token_ids=tuple(eos),
     )
+
+
+def iter_checkpoint_weights(model_path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every (Hugging Face name, tensor) of a model directory or a GGUF file."""
+    if is_gguf_file(model_path):
+        from splitserve.model.gguf_loader import iter_gguf_weights
+
+        return iter_gguf_weights(model_path)
+    return iter_safetensors(model_path)
 
 
 def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:

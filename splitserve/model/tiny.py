@@ -1,6 +1,7 @@
 """`splitserve tiny-model`: a complete Hugging Face model directory with random weights.
 
-The directory is what tests, benchmarks and the demo stack run on: config.json,
+The directory is what tests and benchmarks run on (the demo model is a real one,
+`splitserve.model.demo`): config.json,
 model.safetensors, generation_config.json, a byte-level BPE tokenizer.json trained on a
 deterministically generated corpus, and a tokenizer_config.json holding a ChatML chat
 template with tools and thinking. Weights come from numpy's PCG64 generator, whose
@@ -13,8 +14,6 @@ import argparse
 import json
 import os
 import random
-import shutil
-import tempfile
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -30,7 +29,6 @@ ARCHITECTURES = {
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
 }
-DEMO_MODEL_VERSION = "v1"
 
 
 @dataclass(frozen=True)
@@ -261,31 +259,6 @@ def write_tiny_model(directory: str | os.PathLike[str], spec: TinyModelSpec = Ti
     tensors = {name: torch.from_numpy(w).to(dtype).contiguous() for name, w in random_weights(spec).items()}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
-
-
-def default_model_dir() -> Path:
-    """Where the built-in demo model lives; built on first use."""
-    root = os.environ.get("SPLITSERVE_HOME") or os.path.join(Path.home(), ".cache", "splitserve")
-    return Path(root) / f"demo-model-{DEMO_MODEL_VERSION}"
-
-
-def resolve_model(model: str | None) -> str:
-    """The model directory a command should use: the one named, or the demo model,
-    written atomically so that several processes starting at once agree on it."""
-    if model:
-        if not Path(model, "config.json").is_file():
-            raise SystemExit(f"splitserve: {model!r} is not a model directory (no config.json)")
-        return model
-    target = default_model_dir()
-    if not (target / "model.safetensors").is_file():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix="demo-model-", dir=target.parent))
-        write_tiny_model(staging)
-        try:
-            staging.rename(target)
-        except OSError:  # another process won the race; its copy is identical
-            shutil.rmtree(staging, ignore_errors=True)
-    return str(target)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

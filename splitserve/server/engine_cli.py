@@ -48,7 +48,7 @@ def _positive_int(text: str) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     cache, scheduler = CacheConfig(), SchedulerConfig()
     parser.add_argument(
-        "model", nargs="?", default=None, help="model directory (default: the built-in demo model)"
+        "model", nargs="?", default=None, help="GGUF file, model directory or HF ID (default: the demo model)"
     )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8100)
@@ -109,13 +109,13 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from splitserve.engine.async_engine import AsyncEngine
-    from splitserve.model.tiny import resolve_model
+    from splitserve.model.resolve import resolve_model_or_exit
     from splitserve.server.engine_app import create_engine_app
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    config = engine_config(args, resolve_model(args.model))
+    config = engine_config(args, resolve_model_or_exit(args.model).path)
     kv_host = args.kv_host or args.host
     connector = pd_engine.make_connector(config.role, config.transfer, kv_host, args.kv_port)
     try:
