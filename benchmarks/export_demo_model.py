@@ -79,6 +79,7 @@ def export(gguf_path: Path, out: Path) -> Path:
             name: tensor.to(torch.float32).contiguous() for name, tensor in iter_gguf_weights(gguf_path)
         }
         save_file(weights, str(staging / "model.safetensors"), metadata={"format": "pt"})
+        staging.chmod(0o755)  # mkdtemp made it private; the export is for other tools
         staging.rename(out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

@@ -47,14 +47,13 @@ def _in_directory(directory: Path) -> ResolvedModel:
 
 
 def _from_hugging_face_cache(repo_id: str) -> ResolvedModel:
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.constants import is_offline_mode
+    from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     try:
         snapshot = snapshot_download(repo_id, local_files_only=True)
     except LocalEntryNotFoundError:
-        if is_offline_mode():
+        if constants.HF_HUB_OFFLINE:
             raise ModelNotFoundError(
                 f"{repo_id!r} is not in the Hugging Face cache and HF_HUB_OFFLINE is set "
                 f"(download it with `hf download {repo_id}` where the Hub is reachable)"
