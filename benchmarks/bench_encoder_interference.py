@@ -35,7 +35,8 @@ from splitserve.engine.llm import LLM  # noqa: E402
 from splitserve.engine.sampling_params import SamplingParams  # noqa: E402
 from splitserve.frontend.image_processor import ImageProcessorConfig, process_image  # noqa: E402
 from splitserve.model.qwen2_vl import load_qwen2_vl_config  # noqa: E402
-from splitserve.model.tiny import TinyModelSpec, write_tiny_model  # noqa: E402
+from splitserve.model.tiny import write_tiny_model  # noqa: E402
+from splitserve.model.tiny_text import TinyModelSpec  # noqa: E402
 from splitserve.model.tiny_vl import TinyVisionSpec  # noqa: E402
 from splitserve.protocol.multimodal import ImageInput  # noqa: E402
 

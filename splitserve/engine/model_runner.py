@@ -14,7 +14,7 @@ from splitserve.engine.scheduler import ScheduledRequest
 from splitserve.kv.connector import KVConnector, RequestSlots, StepKVInfo
 from splitserve.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from splitserve.model.decoder import DecoderModel
-from splitserve.model.loader import DecoderConfig
+from splitserve.model.decoder_config import DecoderConfig
 from splitserve.model.sampler import Sampler
 
 KVCacheAllocator = Callable[..., torch.Tensor]

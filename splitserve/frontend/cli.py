@@ -5,9 +5,13 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import TYPE_CHECKING
 
 from splitserve.frontend.stream_state import STATE_KEY_ENV, resolve_state_key
 from splitserve.protocol.http_edge import DEFAULT_MAX_BODY_BYTES
+
+if TYPE_CHECKING:
+    from splitserve.model.resolve import ResolvedModel
 
 logger = logging.getLogger("splitserve.render")
 
@@ -41,7 +45,9 @@ def add_frontend_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", nargs="?", default=None, help="model directory (default: the demo model)")
+    parser.add_argument(
+        "model", nargs="?", default=None, help="GGUF file, model directory or HF ID (default: the demo model)"
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8200)
     parser.add_argument("--max-model-len", type=int, default=None, help="default: max_position_embeddings")
@@ -62,12 +68,12 @@ def _parser_switch(choice: str) -> bool | None:
     return None if choice == "auto" else choice != "none"
 
 
-def render_config(args: argparse.Namespace, model_dir: str, max_model_len: int | None):
+def render_config(args: argparse.Namespace, model: ResolvedModel, max_model_len: int | None):
     from splitserve.frontend.render import RenderConfig
 
     return RenderConfig(
-        model=model_dir,
-        served_model_name=args.served_model_name,
+        model=model.path,
+        served_model_name=args.served_model_name or model.name,
         max_model_len=max_model_len,
         block_size=args.block_size,
         chat_template=args.chat_template,
@@ -83,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     from splitserve.frontend.app import create_render_app
     from splitserve.frontend.chat_template import TemplateError
     from splitserve.frontend.render import Renderer
-    from splitserve.model.tiny import resolve_model
+    from splitserve.model.resolve import resolve_model_or_exit
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -96,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
             STATE_KEY_ENV,
         )
     try:
-        renderer = Renderer(render_config(args, resolve_model(args.model), args.max_model_len))
+        renderer = Renderer(render_config(args, resolve_model_or_exit(args.model), args.max_model_len))
         app = create_render_app(renderer, key, max_body_bytes=args.max_body_bytes)
     except (OSError, TemplateError, ValueError) as exc:
         print(f"splitserve render: {exc}", file=sys.stderr)

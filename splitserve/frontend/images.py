@@ -49,9 +49,14 @@ class VisionModel:
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> VisionModel | None:
-        """None for a model without a vision tower (or without preprocessor_config.json)."""
-        config = json.loads((Path(model_dir) / "config.json").read_text())
-        if "vision_config" not in config or not (Path(model_dir) / "preprocessor_config.json").is_file():
+        """None for a model without a vision tower (or without config.json and
+        preprocessor_config.json, as a GGUF file)."""
+        config_path = Path(model_dir) / "config.json"
+        preprocessor_path = Path(model_dir) / "preprocessor_config.json"
+        if not config_path.is_file() or not preprocessor_path.is_file():
+            return None
+        config = json.loads(config_path.read_text())
+        if "vision_config" not in config:
             return None
         return cls(int(config["image_token_id"]), ImageProcessorConfig.from_model_dir(model_dir))
 

@@ -13,10 +13,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from splitserve.frontend.chat_template import ChatTemplateCache, TemplateError, load_chat_template
+from splitserve.frontend.chat_template import (
+    ChatTemplate,
+    ChatTemplateCache,
+    TemplateError,
+    find_template_source,
+    load_chat_template,
+)
 from splitserve.frontend.choice_decoder import model_has_reasoning, prompt_opens_reasoning, vocab_id
+from splitserve.frontend.gguf_tokenizer import load_gguf_render_files
 from splitserve.frontend.images import MediaConfig, VisionModel, render_images
 from splitserve.frontend.tokenizer import Tokenizer
+from splitserve.gguf_file import is_gguf_file
 from splitserve.kv.block_hash import MultiModalSpan, compute_block_hashes
 from splitserve.protocol.errors import InvalidRequestError, check_model
 from splitserve.protocol.multimodal import ImageInput, features_to_wire
@@ -25,7 +33,7 @@ from splitserve.protocol.openai_api import ChatCompletionRequest, CompletionRequ
 
 @dataclass(frozen=True)
 class RenderConfig:
-    model: str  # a Hugging Face model directory
+    model: str  # a Hugging Face model directory or a GGUF file
     served_model_name: str | None = None  # None: the directory's name
     max_model_len: int | None = None  # None: config.json's max_position_embeddings
     block_size: int = 16
@@ -49,11 +57,23 @@ class Renderer:
 
     def __init__(self, config: RenderConfig) -> None:
         self.config = config
-        self.tokenizer = Tokenizer.from_dir(config.model)
-        self.chat_template = load_chat_template(config.model, config.chat_template)
+        if is_gguf_file(config.model):
+            gguf = load_gguf_render_files(config.model)
+            self.tokenizer = gguf.tokenizer
+            source = gguf.chat_template
+            if config.chat_template:
+                source = find_template_source(config.model, config.chat_template)
+            if not source:
+                raise TemplateError(f"{config.model}: the model has no chat template; pass one explicitly")
+            self.chat_template = ChatTemplate(source, special_tokens=gguf.special_tokens)
+            max_position = gguf.max_position_embeddings
+        else:
+            self.tokenizer = Tokenizer.from_dir(config.model)
+            self.chat_template = load_chat_template(config.model, config.chat_template)
+            max_position = _read_max_position(config.model)
         self._template_cache = ChatTemplateCache()
         self.model_name = config.served_model_name or Path(config.model).resolve().name
-        self.max_model_len = config.max_model_len or _read_max_position(config.model)
+        self.max_model_len = config.max_model_len or max_position
         self.reasoning = model_has_reasoning(self.tokenizer) if config.reasoning is None else config.reasoning
         has_tool_tag = vocab_id(self.tokenizer, "<tool_call>") is not None
         self.tools = has_tool_tag if config.tools is None else config.tools

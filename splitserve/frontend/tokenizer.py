@@ -232,7 +232,7 @@ class Tokenizer:
         # The byte-level alphabet maps each byte to a printable character; a token with a
         # character outside it (an added token's text) decodes to its UTF-8 bytes, as in
         # tokenizers' ByteLevel decoder.
-        char_to_byte = {c: b for b, c in _byte_level_alphabet().items()}
+        char_to_byte = {c: b for b, c in byte_level_alphabet().items()}
         size = self._backend.get_vocab_size(with_added_tokens=True)
         size = max([size, *(i + 1 for i in self.added_token_ids)])
         table = []
@@ -248,7 +248,7 @@ class Tokenizer:
         return table
 
 
-def _byte_level_alphabet() -> dict[int, str]:
+def byte_level_alphabet() -> dict[int, str]:
     """GPT-2's byte -> printable character map used by ByteLevel pre-tokenizers."""
     keep = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
     mapping = {b: chr(b) for b in keep}

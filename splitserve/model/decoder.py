@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from splitserve.model.attention import AttentionMetadata, paged_attention, write_kv
-from splitserve.model.loader import DecoderConfig, iter_safetensors
+from splitserve.model.decoder_config import DecoderConfig
+from splitserve.model.loader import iter_checkpoint_weights
 
 # Called after layer i's KV is written: (layer_idx, kv_layer) -> None.
 LayerHook = Callable[[int, torch.Tensor], None]
@@ -237,5 +238,5 @@ def load_model(
     model = model.to_empty(device=device).to(dtype)
     model.inv_freq = rope_inv_freq(config).to(device)
     model.rope_cos = model.rope_sin = torch.empty(0, device=device)
-    model.load_weights(iter_safetensors(model_dir))
+    model.load_weights(iter_checkpoint_weights(model_dir))
     return model.eval()

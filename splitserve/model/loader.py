@@ -1,14 +1,17 @@
-"""Read a Hugging Face model directory: config.json (+ generation_config.json) and the
-safetensors weights (single file or sharded via model.safetensors.index.json)."""
+"""Read a checkpoint: a Hugging Face model directory (config.json, generation_config.json
+and safetensors weights, single file or sharded via model.safetensors.index.json) or a
+GGUF file (`splitserve.model.gguf_loader`)."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from splitserve.gguf_file import is_gguf_file
+from splitserve.model.decoder_config import DecoderConfig
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -16,33 +19,6 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "MistralForCausalLM": "llama",
 }
-
-
-@dataclass(frozen=True)
-class DecoderConfig:
-    """The decoder's shape and numerics, read from config.json."""
-
-    arch: str  # "llama" | "qwen2" | "qwen3"
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: tuple[tuple[str, object], ...] | None
-    max_position_embeddings: int
-    attention_bias: bool
-    qk_norm: bool
-    tie_word_embeddings: bool
-    dtype: str  # "float32" | "bfloat16" | "float16"
-    eos_token_ids: tuple[int, ...]
-
-    @property
-    def rope_scaling_dict(self) -> dict | None:
-        return dict(self.rope_scaling) if self.rope_scaling else None
 
 
 def _as_id_list(value: object) -> list[int]:
@@ -53,8 +29,13 @@ def _as_id_list(value: object) -> list[int]:
     return [int(v) for v in value]  # type: ignore[union-attr]
 
 
-def load_decoder_config(model_dir: str | Path) -> DecoderConfig:
-    model_dir = Path(model_dir)
+def load_decoder_config(model_path: str | Path) -> DecoderConfig:
+    """The decoder's config from a model directory or a GGUF file."""
+    if is_gguf_file(model_path):
+        from splitserve.model.gguf_loader import load_gguf_config
+
+        return load_gguf_config(model_path)
+    model_dir = Path(model_path)
     raw = json.loads((model_dir / "config.json").read_text())
     archs = raw.get("architectures") or []
     arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
@@ -100,6 +81,15 @@ def load_decoder_config(model_dir: str | Path) -> DecoderConfig:
         dtype=dtype,
         eos_token_ids=tuple(eos),
     )
+
+
+def iter_checkpoint_weights(model_path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every (Hugging Face name, tensor) of a model directory or a GGUF file."""
+    if is_gguf_file(model_path):
+        from splitserve.model.gguf_loader import iter_gguf_weights
+
+        return iter_gguf_weights(model_path)
+    return iter_safetensors(model_path)
 
 
 def iter_safetensors(

@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from splitserve.model.decoder import DecoderModel, rope_inv_freq
-from splitserve.model.loader import DecoderConfig, iter_safetensors
+from splitserve.model.decoder_config import DecoderConfig
+from splitserve.model.loader import iter_safetensors
 from splitserve.model.vision import VisionConfig, VisionTransformer
 
 QWEN2_VL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration",)
@@ -40,8 +41,12 @@ class Qwen2VLConfig:
     vision_end_token_id: int
 
 
-def is_qwen2_vl(model_dir: str | Path) -> bool:
-    raw = json.loads((Path(model_dir) / "config.json").read_text())
+def is_qwen2_vl(model_path: str | Path) -> bool:
+    """A Hugging Face directory whose config.json names a Qwen2-VL (GGUF files never do)."""
+    config = Path(model_path) / "config.json"
+    if not config.is_file():
+        return False
+    raw = json.loads(config.read_text())
     return any(a in QWEN2_VL_ARCHITECTURES for a in raw.get("architectures") or [])
 
 

@@ -1,6 +1,7 @@
 """`splitserve tiny-model`: a complete Hugging Face model directory with random weights.
 
-The directory is what tests, benchmarks and the demo stack run on: config.json,
+The directory is what tests and benchmarks run on (the demo model is a real one,
+`splitserve.model.demo`): config.json,
 model.safetensors, generation_config.json, tokenizer.json and a tokenizer_config.json
 holding the chat template (tiny_text.py builds a text decoder, tiny_vl.py a Qwen2-VL).
 """
@@ -9,15 +10,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 from splitserve.model.tiny_text import ARCHITECTURES, TinyModelSpec, write_tiny_text_model
 from splitserve.model.tiny_vl import TinyVisionSpec, write_tiny_qwen2_vl
 
 ARCHITECTURE_CHOICES = (*sorted(ARCHITECTURES), "qwen2_vl")
-DEMO_MODEL_VERSION = "v1"
 
 
 def write_tiny_model(
@@ -29,31 +27,6 @@ def write_tiny_model(
     if spec.arch == "qwen2_vl":
         return write_tiny_qwen2_vl(Path(directory), spec, vision or TinyVisionSpec())
     return write_tiny_text_model(directory, spec)
-
-
-def default_model_dir() -> Path:
-    """Where the built-in demo model lives; built on first use."""
-    root = os.environ.get("SPLITSERVE_HOME") or os.path.join(Path.home(), ".cache", "splitserve")
-    return Path(root) / f"demo-model-{DEMO_MODEL_VERSION}"
-
-
-def resolve_model(model: str | None) -> str:
-    """The model directory a command should use: the one named, or the demo model,
-    written atomically so that several processes starting at once agree on it."""
-    if model:
-        if not Path(model, "config.json").is_file():
-            raise SystemExit(f"splitserve: {model!r} is not a model directory (no config.json)")
-        return model
-    target = default_model_dir()
-    if not (target / "model.safetensors").is_file():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix="demo-model-", dir=target.parent))
-        write_tiny_model(staging)
-        try:
-            staging.rename(target)
-        except OSError:  # another process won the race; its copy is identical
-            shutil.rmtree(staging, ignore_errors=True)
-    return str(target)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

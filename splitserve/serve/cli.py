@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
     from splitserve.frontend.chat_template import TemplateError
     from splitserve.frontend.local_client import LocalFrontendClient
     from splitserve.frontend.render import Renderer
-    from splitserve.model.tiny import resolve_model
+    from splitserve.model.resolve import resolve_model_or_exit
     from splitserve.service.app import create_openai_app
 
     logging.basicConfig(
@@ -39,7 +39,8 @@ def run(args: argparse.Namespace) -> int:
     if args.role != "both":
         print("splitserve serve: the collocated server runs --role both", file=sys.stderr)
         return 2
-    model_dir = resolve_model(args.model)
+    model = resolve_model_or_exit(args.model)
+    model_dir = model.path
     try:
         engine = AsyncEngine(engine_cli.engine_config(args, model_dir))
     except ValueError as exc:
@@ -47,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     max_model_len = engine.model_info.max_model_len  # the engine's bound is the one that holds
     try:
-        renderer = Renderer(render_cli.render_config(args, model_dir, max_model_len))
+        renderer = Renderer(render_cli.render_config(args, model, max_model_len))
     except (OSError, TemplateError, ValueError) as exc:
         engine.shutdown()
         print(f"splitserve serve: {exc}", file=sys.stderr)

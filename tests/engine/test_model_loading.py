@@ -119,10 +119,10 @@ def test_kv_cache_allocator_hook_places_the_pool_in_a_shared_file(tiny_model, tm
     assert other.abs().sum() > 0
 
 
-def test_llm_without_a_model_uses_the_demo_model(tmp_path, monkeypatch):
-    monkeypatch.setenv("SPLITSERVE_HOME", str(tmp_path))
+def test_llm_without_a_model_uses_the_demo_model(demo_home, demo_model, monkeypatch):
+    monkeypatch.setenv("SPLITSERVE_HOME", str(demo_home))
     llm = LLM(num_blocks=16)
-    assert Path(llm.engine.config.model.model).parent == tmp_path
+    assert Path(llm.engine.config.model.model) == demo_model
     result = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))[0]
     assert len(result.token_ids) == 3 and result.finish_reason == "length"
 

@@ -48,7 +48,7 @@ def _positive_int(text: str) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     cache, scheduler = CacheConfig(), SchedulerConfig()
     parser.add_argument(
-        "model", nargs="?", default=None, help="model directory (default: the built-in demo model)"
+        "model", nargs="?", default=None, help="GGUF file, model directory or HF ID (default: the demo model)"
     )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8100)
@@ -115,13 +115,13 @@ def run(args: argparse.Namespace) -> int:
 
     from splitserve.engine.api.app import create_engine_app
     from splitserve.engine.async_engine import AsyncEngine
-    from splitserve.model.tiny import resolve_model
+    from splitserve.model.resolve import resolve_model_or_exit
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
-        config = engine_config(args, resolve_model(args.model))
+        config = engine_config(args, resolve_model_or_exit(args.model).path)
     except ValueError as exc:
         raise SystemExit(f"splitserve engine: {exc}") from exc
     kv_host = args.kv_host or args.host

@@ -1,0 +1,162 @@
+"""Small GGUF files written with ggml-org's `gguf` writer, as llama.cpp's converter would
+write them: llama.cpp tensor names, llama's Q/K rows permuted for its RoPE layout, norms
+in F32 and every matrix in the quantization type under test."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFWriter, TokenType
+from gguf.quants import quantize
+
+from splitserve.model.tiny_text import (
+    MARKUP_TOKENS,
+    SPECIAL_TOKENS,
+    TinyModelSpec,
+    build_tokenizer,
+    chat_template,
+)
+from splitserve.model.tiny_text import random_weights as tiny_random_weights
+
+QUANT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+# K-quant blocks hold 256 values: every matrix row is a multiple of 256 long. qwen3 has
+# head_dim 128, the one transformers' GGUF loading assumes for it (it reads no key_length).
+GGUF_SPEC = {
+    arch: TinyModelSpec(
+        arch=arch,
+        layers=2,
+        hidden=256,
+        heads=4,
+        kv_heads=2,
+        head_dim=128 if arch == "qwen3" else 64,
+        intermediate=512,
+        vocab=1024,
+    )
+    for arch in ("llama", "qwen2", "qwen3")
+}
+# The pre-tokenizer each test file names (tokenizer.ggml.pre): one of each family.
+PRE_TOKENIZER = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "gpt-2"}
+
+_HF_TO_GGUF = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+# K-quant block layouts: bytes per block, and the byte offset of each float16 scale with
+# the range drawn for it, chosen so that weights come out O(1/sqrt(256)) and centred
+# (Q4_K and Q5_K subtract dmin * m from d * scale * q).
+_K_BLOCKS = {
+    "Q4_K": (144, {0: (1e-4, 3e-4), 2: (7e-4, 2e-3)}),
+    "Q5_K": (176, {0: (5e-5, 1.5e-4), 2: (7e-4, 2e-3)}),
+    "Q6_K": (210, {208: (3e-5, 8e-5)}),
+}
+
+
+def gguf_name(hf_name: str) -> str:
+    fixed = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+    if hf_name in fixed:
+        return fixed[hf_name]
+    if hf_name == "lm_head.weight":
+        return "output.weight"
+    _, _, layer, rest = hf_name.split(".", 3)
+    module, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{_HF_TO_GGUF[module]}.{kind}"
+
+
+def permute_for_llama_cpp(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's converter `permute`: each head's two rotary halves interleaved."""
+    half = weight.shape[0] // num_heads // 2
+    return weight.reshape(num_heads, 2, half, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def random_k_blocks(rows: int, cols: int, qtype: str, rng: np.random.Generator) -> np.ndarray:
+    """Raw K-quant blocks: random bits with small positive float16 scales (the `gguf`
+    package dequantizes K-quants but cannot quantize to them)."""
+    block_bytes, scale_ranges = _K_BLOCKS[qtype]
+    blocks = rng.integers(0, 256, size=(rows * cols // 256, block_bytes), dtype=np.uint8)
+    for offset, (low, high) in scale_ranges.items():
+        scales = rng.uniform(low, high, size=blocks.shape[0]).astype(np.float16)
+        blocks[:, offset : offset + 2] = scales.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(rows, cols // 256 * block_bytes)
+
+
+def _tokenizer_metadata(spec: TinyModelSpec) -> tuple[list[str], list[int], list[str], int, int]:
+    tokenizer = build_tokenizer(spec.vocab, spec.seed)
+    size = tokenizer.get_vocab_size(with_added_tokens=True)
+    tokens = [tokenizer.id_to_token(i) for i in range(size)]
+    kinds = [
+        TokenType.CONTROL
+        if t in SPECIAL_TOKENS
+        else TokenType.USER_DEFINED
+        if t in MARKUP_TOKENS
+        else TokenType.NORMAL
+        for t in tokens
+    ]
+    merges = [
+        m if isinstance(m, str) else " ".join(m) for m in json.loads(tokenizer.to_str())["model"]["merges"]
+    ]
+    return (
+        tokens,
+        [int(k) for k in kinds],
+        merges,
+        tokenizer.token_to_id("<|im_end|>"),
+        tokenizer.token_to_id("<|endoftext|>"),
+    )
+
+
+def write_tiny_gguf(path: Path, spec: TinyModelSpec, qtype: str, architecture: str | None = None) -> Path:
+    """A GGUF of `spec`'s random weights; matrices in `qtype`, norms and biases in F32.
+    `architecture` overrides the name the file states (general.architecture)."""
+    quant = GGMLQuantizationType[qtype]
+    rng = np.random.default_rng(spec.seed + 1)
+    writer = GGUFWriter(str(path), architecture or spec.arch)
+    writer.add_context_length(spec.max_position)
+    writer.add_embedding_length(spec.hidden)
+    writer.add_block_count(spec.layers)
+    writer.add_feed_forward_length(spec.resolved_intermediate)
+    writer.add_head_count(spec.heads)
+    writer.add_head_count_kv(spec.kv_heads)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_rope_dimension_count(spec.resolved_head_dim)
+    writer.add_key_length(spec.resolved_head_dim)
+    writer.add_value_length(spec.resolved_head_dim)
+    writer.add_file_type(int(quant))
+    tokens, kinds, merges, eos_id, pad_id = _tokenizer_metadata(spec)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(PRE_TOKENIZER[spec.arch])
+    writer.add_token_list(tokens)
+    writer.add_token_types(kinds)
+    writer.add_token_merges(merges)
+    writer.add_eos_token_id(eos_id)
+    writer.add_bos_token_id(pad_id)
+    writer.add_pad_token_id(pad_id)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(chat_template())
+    for hf_name, weight in tiny_random_weights(spec).items():
+        if hf_name.endswith("q_proj.weight") and spec.arch == "llama":
+            weight = permute_for_llama_cpp(weight, spec.heads)
+        if hf_name.endswith("k_proj.weight") and spec.arch == "llama":
+            weight = permute_for_llama_cpp(weight, spec.kv_heads)
+        if weight.ndim == 1 or quant == GGMLQuantizationType.F32:
+            writer.add_tensor(gguf_name(hf_name), weight.astype(np.float32))
+        elif qtype in _K_BLOCKS:
+            blocks = random_k_blocks(weight.shape[0], weight.shape[1], qtype, rng)
+            writer.add_tensor(gguf_name(hf_name), blocks, raw_dtype=quant)
+        else:
+            writer.add_tensor(gguf_name(hf_name), quantize(weight, quant), raw_dtype=quant)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
