@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 
+from splitserve.frontend.media_cli import add_media_arguments, media_config
 from splitserve.frontend.stream_state import STATE_KEY_ENV, resolve_state_key
 from splitserve.protocol.http_edge import DEFAULT_MAX_BODY_BYTES
 
@@ -38,6 +39,7 @@ def add_frontend_arguments(parser: argparse.ArgumentParser) -> None:
         help="accept a chat_template in requests (sandboxed, but it costs CPU and memory)",
     )
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    add_media_arguments(parser)  # images: sources, limits, pixel dtype
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -74,6 +76,7 @@ def render_config(args: argparse.Namespace, model_dir: str, max_model_len: int |
         reasoning=_parser_switch(args.reasoning_parser),
         tools=_parser_switch(args.tool_call_parser),
         trust_request_chat_template=args.trust_request_chat_template,
+        media=media_config(args),
     )
 
 
