@@ -44,7 +44,8 @@ def add_media_arguments(parser: argparse.ArgumentParser) -> None:
     )
     defaults = {**vars(media), **vars(limits)}
     for flag, field_name in MEDIA_LIMIT_FLAGS:
-        parser.add_argument(flag, type=int, default=defaults[field_name], help=f"default {defaults[field_name]}")
+        default = defaults[field_name]
+        parser.add_argument(flag, type=int, default=default, help=f"default {default}")
     parser.add_argument(
         "--pixel-dtype",
         choices=sorted(PIXEL_DTYPES),
@@ -69,3 +70,19 @@ def media_config(args: argparse.Namespace) -> MediaConfig:
         pixel_dtype=args.pixel_dtype,
         limits=limits,
     )
+
+
+def media_flags(args: argparse.Namespace) -> list[str]:
+    """The flags that give another process (`up` starting `render`) the same MediaConfig."""
+    flags = [
+        "--media-fetch-timeout", str(args.media_fetch_timeout), "--pixel-dtype", args.pixel_dtype,
+    ]  # fmt: skip
+    if args.allowed_media_path is not None:
+        flags += ["--allowed-media-path", args.allowed_media_path]
+    if args.allowed_media_domains:
+        flags += ["--allowed-media-domains", ",".join(args.allowed_media_domains)]
+    if args.allow_private_media_addresses:
+        flags.append("--allow-private-media-addresses")
+    for flag, _ in MEDIA_LIMIT_FLAGS:
+        flags += [flag, str(getattr(args, flag.removeprefix("--").replace("-", "_")))]
+    return flags

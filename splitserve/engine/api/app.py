@@ -20,6 +20,7 @@ from starlette.types import Receive, Scope, Send
 from splitserve.engine.api.generate import DEFAULT_MAX_PIXEL_BYTES
 from splitserve.engine.api.local_client import LocalEngineClient
 from splitserve.engine.api.metrics import EngineMetrics
+from splitserve.engine.api.mm_metrics import MultiModalCollector
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.protocol.engine_api import merge_chunks
 from splitserve.protocol.errors import APIError
@@ -84,6 +85,8 @@ def create_engine_app(
     max_model_len = max_model_len or engine.model_info.max_model_len
     metrics = metrics or EngineMetrics(engine.stats)
     engine.add_step_listener(metrics.on_step)
+    if engine.engine.multimodal is not None:  # a vision-language model: image counters
+        metrics.registry.register(MultiModalCollector(engine.engine.multimodal.stats))
     client = LocalEngineClient(engine, metrics, max_model_len=max_model_len, max_pixel_bytes=max_pixel_bytes)
     body_limit = MAX_BODY_BYTES + max_pixel_bytes * 4 // 3  # images: base64 pixels in `features`
 

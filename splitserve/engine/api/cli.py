@@ -140,7 +140,9 @@ def run(args: argparse.Namespace) -> int:
     if connector is not None:
         kv_routes.install_kv_routes(app, connector)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+        uvicorn.run(
+            app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
+        )
     finally:
         ec.close()
     return 0

@@ -28,9 +28,11 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from prometheus_client import CollectorRegistry, generate_latest
 
 from splitserve.config import CacheConfig
 from splitserve.engine.api.generate import DEFAULT_MAX_PIXEL_BYTES, parse_features
+from splitserve.engine.api.mm_metrics import EncoderWorkerCollector
 from splitserve.protocol.errors import APIError
 from splitserve.protocol.http_edge import install_error_handlers, read_json_body
 
@@ -127,22 +129,6 @@ def jobs_from_body(body: Any, max_pixel_bytes: int) -> tuple[str, list[EncoderJo
     return request_id, [EncoderJob(i.image_hash, i.grid_thw, i.pixel_values) for i in images]
 
 
-def encoder_metrics_text(worker: EncoderWorker) -> str:
-    """Prometheus text: images encoded, encoder-cache hits, encoder time."""
-    lines = [
-        "# HELP splitserve_encoder_images_encoded_total Images run through the vision tower.",
-        "# TYPE splitserve_encoder_images_encoded_total counter",
-        f"splitserve_encoder_images_encoded_total {worker.num_images_encoded}",
-        "# HELP splitserve_encoder_cache_hits_total Images already in the encoder cache.",
-        "# TYPE splitserve_encoder_cache_hits_total counter",
-        f"splitserve_encoder_cache_hits_total {worker.num_cache_hits}",
-        "# HELP splitserve_encoder_seconds_total Time in the vision tower.",
-        "# TYPE splitserve_encoder_seconds_total counter",
-        f"splitserve_encoder_seconds_total {worker.encode_seconds}",
-    ]
-    return "\n".join(lines) + "\n"
-
-
 def create_encoder_app(worker: EncoderWorker, max_pixel_bytes: int = DEFAULT_MAX_PIXEL_BYTES) -> FastAPI:
     """The encoder role's API. Encoding runs on one worker thread: one batch at a time,
     never on the event loop."""
@@ -155,6 +141,8 @@ def create_encoder_app(worker: EncoderWorker, max_pixel_bytes: int = DEFAULT_MAX
         finally:
             worker.ec_connector.shutdown()
 
+    registry = CollectorRegistry()
+    registry.register(EncoderWorkerCollector(worker))
     app = FastAPI(title="splitserve encoder", lifespan=lifespan)
     app.state.encoder = worker
     install_error_handlers(app)
@@ -180,7 +168,7 @@ def create_encoder_app(worker: EncoderWorker, max_pixel_bytes: int = DEFAULT_MAX
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
-        return Response(encoder_metrics_text(worker), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(generate_latest(registry), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app
 
@@ -204,7 +192,9 @@ def run_encoder(args: argparse.Namespace, model_dir: str) -> int:
         raise SystemExit(f"splitserve engine: --role encoder needs a vision-language model: {exc}") from exc
     app = create_encoder_app(worker, args.max_pixel_bytes)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+        uvicorn.run(
+            app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
+        )
     finally:
         ec.close()
     return 0
