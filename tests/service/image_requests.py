@@ -4,8 +4,10 @@ oracle: its own Qwen2-VL and image processor on the prompt token IDs a server re
 from __future__ import annotations
 
 import io
+import re
 from types import SimpleNamespace
 
+import httpx
 from PIL import Image
 
 from tests.engine.vl_helpers import MAX_TOKENS, transformers_greedy
@@ -34,3 +36,15 @@ def oracle(model_dir: str, requests: list[tuple[list[int], list[bytes]]]) -> lis
         for ids, pictures in requests
     ]
     return transformers_greedy(model_dir, cases)
+
+
+def chat(base: str, body: dict) -> dict:
+    response = httpx.post(base + "/v1/chat/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def counter(metrics_text: str, name: str) -> float:
+    match = re.search(rf"^{name}(?:_total)? ([0-9.e+]+)$", metrics_text, re.MULTILINE)
+    assert match, f"{name} not in metrics"
+    return float(match.group(1))
