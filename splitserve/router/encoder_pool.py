@@ -16,6 +16,7 @@ cache keeps one file per image until the deployment ends).
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import logging
@@ -92,6 +93,9 @@ class EncoderPool:
         self._http = pooled_client(read_timeout_s=timeout_s)
         self.metrics = EncoderPoolMetrics(registry)
         self.known: OrderedDict[str, None] = OrderedDict()  # hashes encoded, oldest first
+        # hashes being encoded for another request (n > 1, or a popular image arriving
+        # twice at once): awaited, not sent again; the result says whether it worked
+        self.in_flight: dict[str, asyncio.Future[bool]] = {}
         self.max_known_hashes = max_known_hashes
 
     async def close(self) -> None:
@@ -109,13 +113,30 @@ class EncoderPool:
         image of `features` is now in the encoder cache."""
         hashes = features["mm_hashes"]["image"]
         todo: dict[str, int] = {}  # hash -> its first index
+        waits: list[asyncio.Future[bool]] = []
         for index, image_hash in enumerate(hashes):
             if image_hash in self.known or image_hash in todo:
                 self.metrics.skipped.inc()
+            elif image_hash in self.in_flight:
+                self.metrics.skipped.inc()
+                waits.append(self.in_flight[image_hash])
             else:
                 todo[image_hash] = index
-        if not todo:
-            return True
+        done = asyncio.get_running_loop().create_future()
+        for image_hash in todo:
+            self.in_flight[image_hash] = done
+        encoded = False  # cancelled: whoever waits for these images lets the engines encode them
+        try:
+            encoded = await self._send(request_id, features, todo) if todo else True
+        finally:
+            for image_hash in todo:
+                del self.in_flight[image_hash]
+            done.set_result(encoded)
+        others = await asyncio.gather(*(asyncio.shield(wait) for wait in waits))
+        return encoded and all(others)
+
+    async def _send(self, request_id: str, features: dict[str, Any], todo: dict[str, int]) -> bool:
+        """One encoder job for the images `todo` names; whether it succeeded."""
         url = next(self._turn)
         content = json.dumps(
             {"request_id": request_id, "features": select_images(features, list(todo.values()))}
