@@ -5,16 +5,20 @@ engine's vision tower; bad features are 400/413 naming the problem."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 
 import pytest
+import torch
 
+from splitserve.engine.api import cli as engine_cli
 from splitserve.engine.api.app import create_engine_app
-from splitserve.engine.api.encode_routes import ENCODE_PATH, create_encoder_app
+from splitserve.engine.api.encode_routes import ENCODE_PATH, ECSetup, create_encoder_app
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.encoder_worker import EncoderWorker
 from splitserve.kv.ec_connector import SharedMemoryECConnector
 from splitserve.protocol.multimodal import features_to_wire, features_without_pixels
+from tests.conftest import free_port
 from tests.engine.api.helpers import (
     GENERATE,
     asgi_client,
@@ -135,3 +139,23 @@ def test_the_encoder_refuses_what_it_cannot_encode(vl_model, vl_cases, tmp_path)
     assert_openai_error(unknown_field, 400, "x")
     assert_openai_error(bad_hash, 400, "image_hash")
     assert fine.status_code == 200 and fine.json()["ec_transfer_params"]["cached"] == [False]
+
+
+def test_ec_flags_share_a_host_cache_with_another_host(tmp_path):
+    """--ec-shm-dir with --ec-serve-port serves the cache; --ec-remote reaches it."""
+    parser = argparse.ArgumentParser()
+    engine_cli.add_arguments(parser)
+    port = free_port()
+    serving = ECSetup(parser.parse_args(["--ec-shm-dir", str(tmp_path), "--ec-serve-port", str(port)]), False)
+    remote = ECSetup(parser.parse_args(["--ec-remote", f"127.0.0.1:{port}"]), False)
+    try:
+        image_hash, embeddings = "cd" * 32, torch.arange(12.0).view(3, 4)
+        remote.connector.save_cache(image_hash, embeddings)  # another host publishes
+        assert serving.connector.has_cache(image_hash)
+        assert torch.equal(remote.connector.load_cache(image_hash, torch.device("cpu")), embeddings)
+        assert ECSetup(parser.parse_args([]), False).connector is None  # no flags: no shared cache
+        with pytest.raises(ValueError, match="--ec-shm-dir"):
+            ECSetup(parser.parse_args(["--ec-serve-port", str(free_port())]), False)
+    finally:
+        remote.connector.shutdown()
+        serving.close()
