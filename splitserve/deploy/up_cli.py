@@ -181,11 +181,11 @@ def run(args: argparse.Namespace) -> int:
         parts.append(_start("render", render, host, render_port, render_env))
         engines = [("prefill", i) for i in range(args.prefill)] + [("decode", i) for i in range(args.decode)]
         engines += [("encoder", i) for i in range(args.encoder)]
-        ec_flags = []
+        ec_flags = ["--max-pixel-bytes", str(args.max_pixel_bytes_per_request)]  # the render's limit
         if args.encoder:  # one encoder cache for the stack's engines, on this host's tmpfs
             ec_dir = ec_directory()
             cleanup.append(ec_dir)
-            ec_flags = ["--ec-shm-dir", ec_dir, "--max-pixel-bytes", str(args.max_pixel_bytes_per_request)]
+            ec_flags += ["--ec-shm-dir", ec_dir]
         for role, index in engines:
             port = _free_port(host)
             command = [
