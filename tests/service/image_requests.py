@@ -13,8 +13,8 @@ from PIL import Image
 from tests.engine.vl_helpers import MAX_TOKENS, transformers_greedy
 from tests.frontend.test_render_images import data_url, png
 
-# three pictures of different sizes (and so different visual-token counts)
-PICTURES = [png(90, 130, 1), png(200, 120, 2), png(56, 84, 3)]
+# four pictures of different sizes (and so different visual-token counts)
+PICTURES = [png(90, 130, 1), png(200, 120, 2), png(56, 84, 3), png(150, 60, 4)]
 
 
 def image_chat_body(model: str, pictures: list[bytes], text: str = "Describe.") -> dict:

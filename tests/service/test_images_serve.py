@@ -1,5 +1,5 @@
-"""`splitserve serve` on a Qwen2-VL model through the official openai client: chat with 1
-and 2 images gives transformers' greedy tokens; bad images are 400/413 naming the limit
+"""`splitserve serve` on a Qwen2-VL model through the official openai client: chat with 1,
+2 and 4 images gives transformers' greedy tokens; bad images are 400/413 naming the limit
 and the server keeps serving."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from tests.frontend.test_image_processor import png_header_only
 from tests.frontend.test_render_images import data_url, png
 from tests.service.image_requests import PICTURES, image_chat_body, oracle
 
-FLAGS = ["--max-model-len", "1024", "--num-blocks", "256", "--max-images-per-request", "2"]
+FLAGS = ["--max-model-len", "1024", "--num-blocks", "256", "--max-images-per-request", "4"]
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,7 @@ def server(vl_model):
 def test_images_through_the_openai_client_equal_transformers(server, vl_model):
     with openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
         model = client.models.list().data[0].id
-        requests = [PICTURES[:1], PICTURES[1:3]]
+        requests = [PICTURES[:1], PICTURES[1:3], PICTURES]
         answers = []
         for pictures in requests:
             body = image_chat_body(model, pictures)
@@ -55,7 +55,7 @@ def test_bad_images_are_refused_naming_the_limit_and_serving_goes_on(server):
     def post(body: dict) -> httpx.Response:
         return httpx.post(server + "/v1/chat/completions", json={**body, "model": model}, timeout=60)
 
-    too_many = post(image_chat_body(model, PICTURES))
+    too_many = post(image_chat_body(model, [*PICTURES, PICTURES[0]]))
     assert too_many.status_code == 400 and "max_images_per_request" in too_many.json()["error"]["message"]
     answer = post(with_image_url(data_url(png_header_only(20_000, 20_000))))  # a decompression bomb
     assert answer.status_code == 413 and "max_source_pixels" in answer.json()["error"]["message"]
