@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-EngineRole = Literal["both", "prefill", "decode"]
+EngineRole = Literal["both", "prefill", "decode", "encoder"]  # encoder: the vision tower only
 
 
 @dataclass(frozen=True)

@@ -11,15 +11,18 @@ import argparse
 import contextlib
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from typing import NamedTuple
 
 import httpx
 
+from splitserve.frontend.media_cli import add_media_arguments, media_flags
 from splitserve.frontend.stream_state import STATE_KEY_ENV
 from splitserve.protocol.http_edge import DEFAULT_MAX_BODY_BYTES
 
@@ -50,6 +53,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--decode", type=int, default=1, help="decode engines")
     parser.add_argument(
+        "--encoder",
+        type=int,
+        default=0,
+        help="encoder workers (vision-language models: images encoded once, shared by shm)",
+    )
+    parser.add_argument(
         "--transport", choices=["shm", "tcp"], default=None, help="KV transport (default: the engines')"
     )
     parser.add_argument("--mode", choices=["push", "pull"], default="push")
@@ -79,6 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="let requests carry a chat_template (render; sandboxed, but it costs CPU and memory)",
     )
+    add_media_arguments(parser)  # render: image sources, limits, pixel dtype
     parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for every part")
     parser.add_argument(
         "--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"]
@@ -100,6 +110,12 @@ def _engine_args(args: argparse.Namespace) -> list[str]:
         if value is not None:
             extra += [flag, str(value)]
     return extra
+
+
+def ec_directory() -> str:
+    """A fresh encoder-cache directory on tmpfs (where there is one)."""
+    root = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    return tempfile.mkdtemp(prefix="splitserve-ec-", dir=root)
 
 
 def _start(name: str, command: list[str], host: str, port: int, env: dict[str, str] | None = None) -> Part:
@@ -157,13 +173,14 @@ def run(args: argparse.Namespace) -> int:
 
     previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     parts: list[Part] = []
+    cleanup: list[str] = []  # directories of this run
     try:
         render_port = _free_port(host)
         render = [
             "render", model, "--host", host, "--port", str(render_port), "--log-level", args.log_level,
             "--served-model-name", args.served_model_name or resolved.name,
             "--reasoning-parser", args.reasoning_parser, "--tool-call-parser", args.tool_call_parser,
-            "--max-body-bytes", str(args.max_body_bytes),
+            "--max-body-bytes", str(args.max_body_bytes), *media_flags(args),
         ]  # fmt: skip
         if args.max_model_len:
             render += ["--max-model-len", str(args.max_model_len)]
@@ -173,6 +190,12 @@ def run(args: argparse.Namespace) -> int:
         render_env = {STATE_KEY_ENV: secrets.token_hex(32), **os.environ}
         parts.append(_start("render", render, host, render_port, render_env))
         engines = [("prefill", i) for i in range(args.prefill)] + [("decode", i) for i in range(args.decode)]
+        engines += [("encoder", i) for i in range(args.encoder)]
+        ec_flags = ["--max-pixel-bytes", str(args.max_pixel_bytes_per_request)]  # the render's limit
+        if args.encoder:  # one encoder cache for the stack's engines, on this host's tmpfs
+            ec_dir = ec_directory()
+            cleanup.append(ec_dir)
+            ec_flags += ["--ec-shm-dir", ec_dir]
         for role, index in engines:
             port = _free_port(host)
             command = [
@@ -185,6 +208,7 @@ def run(args: argparse.Namespace) -> int:
                 "--port",
                 str(port),
                 *_engine_args(args),
+                *ec_flags,
             ]
             parts.append(_start(f"{role}-{index}", command, host, port))
         error = _wait_healthy(parts, args.startup_timeout)
@@ -195,6 +219,7 @@ def run(args: argparse.Namespace) -> int:
                 "--log-level", args.log_level, "--max-body-bytes", str(args.max_body_bytes),
                 "--prefill", *[p.url for p in parts if p.name.startswith("prefill")],
                 "--decode", *[p.url for p in parts if p.name.startswith("decode")],
+                "--encoder", *[p.url for p in parts if p.name.startswith("encoder")],
             ]  # fmt: skip
             parts.append(_start("proxy", proxy, host, args.port))
             error = _wait_healthy(parts[-1:], args.startup_timeout)
@@ -204,7 +229,10 @@ def run(args: argparse.Namespace) -> int:
         if stop_requested:
             return 0
         transport = args.transport or "default"
-        print(f"splitserve up: {args.prefill} prefill + {args.decode} decode, {transport}/{args.mode}")
+        encoders = f" + {args.encoder} encoder" if args.encoder else ""
+        print(
+            f"splitserve up: {args.prefill} prefill + {args.decode} decode{encoders}, {transport}/{args.mode}"
+        )
         for part in parts:
             print(f"  {part.name:<10} {part.url}  (pid {part.process.pid})")
         print(f"OpenAI API: {parts[-1].url}/v1  (Ctrl-C stops everything)", flush=True)
@@ -220,6 +248,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     finally:
         _stop(parts)
+        for directory in cleanup:
+            shutil.rmtree(directory, ignore_errors=True)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         print("splitserve up: stopped", file=sys.stderr)

@@ -20,7 +20,7 @@
 from __future__ import annotations
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from splitserve.frontend.derender import Derenderer
 from splitserve.frontend.local_client import models_response
@@ -74,6 +74,10 @@ def create_render_app(
     @app.get("/v1/models")
     async def models() -> dict:
         return models_response(renderer)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(renderer.image_stats.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/v1/chat/completions/render")
     async def render_chat(raw: Request) -> JSONResponse:

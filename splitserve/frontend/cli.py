@@ -7,6 +7,7 @@ import logging
 import sys
 from typing import TYPE_CHECKING
 
+from splitserve.frontend.media_cli import add_media_arguments, media_config
 from splitserve.frontend.stream_state import STATE_KEY_ENV, resolve_state_key
 from splitserve.protocol.http_edge import DEFAULT_MAX_BODY_BYTES
 
@@ -42,6 +43,7 @@ def add_frontend_arguments(parser: argparse.ArgumentParser) -> None:
         help="accept a chat_template in requests (sandboxed, but it costs CPU and memory)",
     )
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    add_media_arguments(parser)  # images: sources, limits, pixel dtype
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -80,6 +82,7 @@ def render_config(args: argparse.Namespace, model: ResolvedModel, max_model_len:
         reasoning=_parser_switch(args.reasoning_parser),
         tools=_parser_switch(args.tool_call_parser),
         trust_request_chat_template=args.trust_request_chat_template,
+        media=media_config(args),
     )
 
 

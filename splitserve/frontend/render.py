@@ -8,6 +8,7 @@ match prefixes on real token IDs. No torch: this runs on CPU-only hosts.
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,12 +23,13 @@ from splitserve.frontend.chat_template import (
 )
 from splitserve.frontend.choice_decoder import model_has_reasoning, prompt_opens_reasoning, vocab_id
 from splitserve.frontend.gguf_tokenizer import load_gguf_render_files
+from splitserve.frontend.image_metrics import ImageStats
 from splitserve.frontend.images import MediaConfig, VisionModel, render_images
 from splitserve.frontend.tokenizer import Tokenizer
 from splitserve.gguf_file import is_gguf_file
 from splitserve.kv.block_hash import MultiModalSpan, compute_block_hashes
 from splitserve.protocol.errors import InvalidRequestError, check_model
-from splitserve.protocol.multimodal import ImageInput, features_to_wire
+from splitserve.protocol.multimodal import PIXEL_DTYPES, ImageInput, features_to_wire
 from splitserve.protocol.openai_api import ChatCompletionRequest, CompletionRequest
 
 
@@ -78,6 +80,7 @@ class Renderer:
         has_tool_tag = vocab_id(self.tokenizer, "<tool_call>") is not None
         self.tools = has_tool_tag if config.tools is None else config.tools
         self.vision = VisionModel.from_model_dir(config.model)  # None: the model takes no images
+        self.image_stats = ImageStats()
 
     # --- chat ---
 
@@ -127,7 +130,16 @@ class Renderer:
             return token_ids, []
         if self.vision is None:
             raise InvalidRequestError(f"the model {self.model_name!r} takes no images", param="messages")
-        return render_images(token_ids, urls, self.vision, self.config.media)
+        start = time.perf_counter()
+        try:
+            token_ids, images = render_images(token_ids, urls, self.vision, self.config.media)
+        except InvalidRequestError:
+            self.image_stats.on_refused()
+            raise
+        itemsize = PIXEL_DTYPES[self.config.media.pixel_dtype]().itemsize
+        pixel_bytes = sum(image.pixel_values.size * itemsize for image in images)
+        self.image_stats.on_images(len(images), pixel_bytes, time.perf_counter() - start)
+        return token_ids, images
 
     def starts_in_reasoning(self, prompt_token_ids: list[int]) -> bool:
         return self.reasoning and prompt_opens_reasoning(self.tokenizer, prompt_token_ids)

@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response
 
 from splitserve.protocol.http_edge import DEFAULT_MAX_BODY_BYTES
 from splitserve.protocol.http_frontend_client import HTTPFrontendClient
+from splitserve.router.encoder_pool import EncoderPool, EncoderPoolEngineClient
 from splitserve.router.pd_engine_client import PDEngineClient
 from splitserve.router.workers import health_loop
 from splitserve.service.app import create_openai_app
@@ -26,6 +27,7 @@ def create_proxy_app(
     *,
     health_interval_s: float = 2.0,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    encoder_urls: list[str] | None = None,  # images: encoded once on these, by hash
 ) -> FastAPI:
     checker: list[asyncio.Future] = []  # the health loop, while the app runs
 
@@ -38,9 +40,12 @@ def create_proxy_app(
             task.cancel()
         await asyncio.gather(*checker, return_exceptions=True)
 
+    service_engine = engine
+    if encoder_urls:
+        service_engine = EncoderPoolEngineClient(engine, EncoderPool(encoder_urls, engine.metrics.registry))
     app = create_openai_app(
         HTTPFrontendClient(render_url),
-        engine,
+        service_engine,
         title="splitserve P/D proxy",
         max_body_bytes=max_body_bytes,
         on_startup=start,

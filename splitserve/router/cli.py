@@ -13,6 +13,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--render", required=True, help="render tier base URL")
     parser.add_argument("--prefill", nargs="*", default=[], help="prefill worker base URLs")
     parser.add_argument("--decode", nargs="+", required=True, help="decode worker base URLs")
+    parser.add_argument(
+        "--encoder", nargs="*", default=[], help="encoder worker base URLs (images encoded once, by hash)"
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--mode", choices=["push", "pull"], default="push", help="KV transfer mode")
@@ -59,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
         PDEngineClient(pool, policy),
         health_interval_s=args.health_interval,
         max_body_bytes=args.max_body_bytes,
+        encoder_urls=args.encoder,
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     return 0

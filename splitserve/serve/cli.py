@@ -25,6 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from splitserve.engine.api.encode_routes import ECSetup
     from splitserve.engine.api.local_client import LocalEngineClient
     from splitserve.engine.async_engine import AsyncEngine
     from splitserve.frontend.chat_template import TemplateError
@@ -42,7 +43,8 @@ def run(args: argparse.Namespace) -> int:
     model = resolve_model_or_exit(args.model)
     model_dir = model.path
     try:
-        engine = AsyncEngine(engine_cli.engine_config(args, model_dir))
+        ec = ECSetup(args, encoder_role=False)  # images: an encoder cache shared with others
+        engine = AsyncEngine(engine_cli.engine_config(args, model_dir), ec_connector=ec.connector)
     except ValueError as exc:
         print(f"splitserve serve: {exc}", file=sys.stderr)
         return 2
@@ -59,10 +61,11 @@ def run(args: argparse.Namespace) -> int:
 
     async def stop() -> None:
         engine.shutdown()
+        ec.close()
 
     app = create_openai_app(
         LocalFrontendClient(renderer),
-        LocalEngineClient(engine, max_model_len=max_model_len),
+        LocalEngineClient(engine, max_model_len=max_model_len, max_pixel_bytes=args.max_pixel_bytes),
         max_body_bytes=args.max_body_bytes,
         on_startup=start,
         on_shutdown=stop,

@@ -17,8 +17,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from splitserve.engine.api.generate import DEFAULT_MAX_PIXEL_BYTES
 from splitserve.engine.api.local_client import LocalEngineClient
 from splitserve.engine.api.metrics import EngineMetrics
+from splitserve.engine.api.mm_metrics import MultiModalCollector
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.protocol.engine_api import merge_chunks
 from splitserve.protocol.errors import APIError
@@ -75,6 +77,7 @@ def create_engine_app(
     max_model_len: int | None = None,
     metrics: EngineMetrics | None = None,
     manage_engine: bool = False,
+    max_pixel_bytes: int = DEFAULT_MAX_PIXEL_BYTES,  # decoded image pixels per request
 ) -> FastAPI:
     """The engine API over a started `AsyncEngine`. With `manage_engine`, the app starts
     the engine on startup and shuts it down on shutdown (the CLI); otherwise the caller
@@ -82,7 +85,10 @@ def create_engine_app(
     max_model_len = max_model_len or engine.model_info.max_model_len
     metrics = metrics or EngineMetrics(engine.stats)
     engine.add_step_listener(metrics.on_step)
-    client = LocalEngineClient(engine, metrics, max_model_len=max_model_len)
+    if engine.engine.multimodal is not None:  # a vision-language model: image counters
+        metrics.registry.register(MultiModalCollector(engine.engine.multimodal.stats))
+    client = LocalEngineClient(engine, metrics, max_model_len=max_model_len, max_pixel_bytes=max_pixel_bytes)
+    body_limit = MAX_BODY_BYTES + max_pixel_bytes * 4 // 3  # images: base64 pixels in `features`
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -102,7 +108,7 @@ def create_engine_app(
 
     @app.post("/inference/v1/generate")
     async def generate(raw_request: Request) -> Response:
-        request = client.parse(await read_json_body(raw_request, MAX_BODY_BYTES))
+        request = client.parse(await read_json_body(raw_request, body_limit))
         chunks = client.stream(request, force_usage=not request.stream)
         try:
             # Rejections by the engine (413, out-of-vocabulary, duplicate ID) come before

@@ -7,7 +7,7 @@ import logging
 import re
 
 from splitserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from splitserve.engine.api import kv_routes
+from splitserve.engine.api import encode_routes, kv_routes
 
 _SIZE_UNITS = {
     "": 1,
@@ -52,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8100)
-    parser.add_argument("--role", choices=["both", "prefill", "decode"], default="both")
+    parser.add_argument("--role", choices=["both", "prefill", "decode", "encoder"], default="both")
     parser.add_argument("--block-size", type=_positive_int, default=cache.block_size)
     parser.add_argument(
         "--kv-cache-memory",
@@ -79,6 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
     kv_routes.add_kv_arguments(parser)  # P/D roles: transport, mode, timeouts
+    encode_routes.add_ec_arguments(parser, parse_memory_size)  # images: encoder cache, limits
 
 
 def engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
@@ -99,6 +100,7 @@ def engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
             kv_cache_memory_bytes=args.kv_cache_memory,
             num_blocks=args.num_blocks,
             enable_prefix_caching=not args.no_prefix_caching,
+            encoder_cache_bytes=args.encoder_cache_memory,
         ),
         scheduler=SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens,
@@ -120,18 +122,27 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if args.role == "encoder":
+        return encode_routes.run_encoder(args, resolve_model_or_exit(args.model).path)
     try:
         config = engine_config(args, resolve_model_or_exit(args.model).path)
+        ec = encode_routes.ECSetup(args, encoder_role=False)
     except ValueError as exc:
         raise SystemExit(f"splitserve engine: {exc}") from exc
     kv_host = args.kv_host or args.host
     connector = kv_routes.make_connector(config.role, config.transfer, kv_host, args.kv_port)
     try:
-        engine = AsyncEngine(config, connector=connector)
+        engine = AsyncEngine(config, connector=connector, ec_connector=ec.connector)
     except ValueError as exc:  # a configuration the model or the memory budget cannot take
+        ec.close()
         raise SystemExit(f"splitserve engine: {exc}") from exc
-    app = create_engine_app(engine, manage_engine=True)
+    app = create_engine_app(engine, manage_engine=True, max_pixel_bytes=args.max_pixel_bytes)
     if connector is not None:
         kv_routes.install_kv_routes(app, connector)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    try:
+        uvicorn.run(
+            app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
+        )
+    finally:
+        ec.close()
     return 0

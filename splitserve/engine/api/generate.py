@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 from splitserve.engine.outputs import RequestOutput
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.protocol.errors import APIError, InvalidRequestError
+from splitserve.protocol.multimodal import FeaturesError, ImageInput, features_from_wire
 from splitserve.protocol.openai_chunks import usage_dict
 
 _REQUEST_FIELDS = frozenset(
@@ -80,6 +81,8 @@ _NEUTRAL_SAMPLING_VALUES: dict[str, tuple[Any, ...]] = {
 }
 MAX_REQUEST_ID_LENGTH = 256
 MAX_CACHE_SALT_LENGTH = 1024
+# decoded pixels of one request's `features` (the render tier's max_pixel_bytes_per_request)
+DEFAULT_MAX_PIXEL_BYTES = 64 * 2**20
 
 
 class GenerateRequest(NamedTuple):
@@ -92,6 +95,7 @@ class GenerateRequest(NamedTuple):
     return_token_ids: bool
     cache_salt: str | None
     kv_transfer_params: dict | None
+    images: tuple[ImageInput, ...] = ()  # from `features`; pixels None: load by hash
 
 
 def _allowed(value: Any, allowed: tuple[Any, ...]) -> bool:
@@ -159,7 +163,20 @@ def _optional_bool(body: dict, name: str, param: str | None = None) -> bool:
     return value
 
 
-def parse_generate_request(body: Any, *, max_model_len: int | None = None) -> GenerateRequest:
+def parse_features(features: Any, max_pixel_bytes: int) -> tuple[ImageInput, ...]:
+    """The images of a `features` object: 400 if malformed, 413 past `max_pixel_bytes`."""
+    if features in (None, {}):
+        return ()
+    try:
+        return tuple(features_from_wire(features, max_pixel_bytes))
+    except FeaturesError as exc:
+        message = f"{exc} (max_pixel_bytes={max_pixel_bytes})" if exc.too_large else str(exc)
+        raise APIError(413 if exc.too_large else 400, message, param="features") from exc
+
+
+def parse_generate_request(
+    body: Any, *, max_model_len: int | None = None, max_pixel_bytes: int = DEFAULT_MAX_PIXEL_BYTES
+) -> GenerateRequest:
     """Validate a `/inference/v1/generate` body; every problem is an `APIError` (400)."""
     if not isinstance(body, dict):
         raise APIError(400, "request body must be a JSON object")
@@ -204,8 +221,7 @@ def parse_generate_request(body: Any, *, max_model_len: int | None = None) -> Ge
     kv_transfer_params = body.get("kv_transfer_params")
     if kv_transfer_params is not None and not isinstance(kv_transfer_params, dict):
         raise APIError(400, "kv_transfer_params must be an object", param="kv_transfer_params")
-    if body.get("features") not in (None, {}):
-        raise APIError(400, "multimodal features are not supported by this engine", param="features")
+    images = parse_features(body.get("features"), max_pixel_bytes)
 
     return GenerateRequest(
         request_id=request_id,
@@ -219,6 +235,7 @@ def parse_generate_request(body: Any, *, max_model_len: int | None = None) -> Ge
         return_token_ids=_optional_bool(body, "return_token_ids"),
         cache_salt=cache_salt,
         kv_transfer_params=kv_transfer_params,
+        images=images,
     )
 
 

@@ -8,7 +8,12 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from splitserve.engine.api.generate import ChunkBuilder, GenerateRequest, parse_generate_request
+from splitserve.engine.api.generate import (
+    DEFAULT_MAX_PIXEL_BYTES,
+    ChunkBuilder,
+    GenerateRequest,
+    parse_generate_request,
+)
 from splitserve.engine.api.metrics import EngineMetrics
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.outputs import RequestOutput
@@ -18,17 +23,24 @@ from splitserve.protocol.errors import APIError
 
 class LocalEngineClient(EngineClient):
     def __init__(
-        self, engine: AsyncEngine, metrics: EngineMetrics | None = None, max_model_len: int | None = None
+        self,
+        engine: AsyncEngine,
+        metrics: EngineMetrics | None = None,
+        max_model_len: int | None = None,
+        max_pixel_bytes: int = DEFAULT_MAX_PIXEL_BYTES,  # decoded image pixels per request
     ):
         self.engine = engine
         self.metrics = metrics
         self.max_model_len = max_model_len
+        self.max_pixel_bytes = max_pixel_bytes
         self._in_flight: set[str] = set()
 
     def parse(self, body: object) -> GenerateRequest:
         """Validate a generate body (`APIError` on bad input)."""
         try:
-            return parse_generate_request(body, max_model_len=self.max_model_len)
+            return parse_generate_request(
+                body, max_model_len=self.max_model_len, max_pixel_bytes=self.max_pixel_bytes
+            )
         except APIError as exc:
             self._count_rejected(exc.status)
             raise
@@ -64,6 +76,7 @@ class LocalEngineClient(EngineClient):
             request.sampling_params,
             cache_salt=request.cache_salt,
             kv_transfer_params=request.kv_transfer_params,
+            images=list(request.images) or None,
         )
         finished = False
         try:
