@@ -102,6 +102,7 @@ class LLMEngine:
             device=str(self.device),
         )
         self.model = load_model(config.model.model, dc, self.dtype, self.device)
+        self.model.prepare_for_inference()
         allocator = (
             kv_cache_allocator or (connector.kv_cache_allocator() if connector else None) or torch.zeros
         )
