@@ -12,23 +12,94 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <optional>
 #include <vector>
 
 namespace {
 
-// The reference runs several ops, each rounding its result to the tensor's dtype; the
-// fused kernels round at the same points so bf16 results match it bit for bit.
+// Element conversions written with plain integer and float arithmetic so that the
+// compiler vectorizes the loops that use them (c10's scalar conversions branch on NaN).
+inline float bf16_bits_to_float(uint16_t bits) {
+  uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float out;
+  std::memcpy(&out, &wide, sizeof(out));
+  return out;
+}
+
+inline uint16_t float_to_bf16_bits(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;  // to nearest even
+  return x != x ? static_cast<uint16_t>(0x7FC0u) : static_cast<uint16_t>(rounded);
+}
+
+// Loads n values of T as float32, and stores float32 values as T (rounded to nearest even).
 template <typename T>
-inline float round_to(float x) {
-  return static_cast<float>(static_cast<T>(x));
+inline void load_row(float* dst, const T* src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+template <>
+inline void load_row<c10::BFloat16>(float* dst, const c10::BFloat16* src, int64_t n) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = bf16_bits_to_float(bits[i]);
 }
 
 template <typename T>
-inline void load_row(float* dst, const T* src, int64_t n) {
+inline void store_row(T* dst, const float* src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
+}
+
+template <>
+inline void store_row<c10::BFloat16>(c10::BFloat16* dst, const float* src, int64_t n) {
+  uint16_t* bits = reinterpret_cast<uint16_t*>(dst);
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+  for (int64_t i = 0; i < n; ++i) bits[i] = float_to_bf16_bits(src[i]);
+}
+
+// The reference runs several ops, each rounding its result to the tensor's dtype; the
+// fused kernels round at the same points (in place, on float32 values) so that bf16
+// results match it bit for bit.
+template <typename T>
+inline void round_row(float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) x[i] = static_cast<float>(static_cast<T>(x[i]));
+}
+
+template <>
+inline void round_row<float>(float*, int64_t) {}
+
+template <>
+inline void round_row<c10::BFloat16>(float* x, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) x[i] = bf16_bits_to_float(float_to_bf16_bits(x[i]));
+}
+
+// exp(x) for x in float32 to about 2 ulp (Cephes' expf polynomial), vectorizable, unlike
+// std::exp. Rounding x / ln 2 to an integer with the 1.5 * 2^23 trick keeps it branch free.
+#pragma omp declare simd
+inline float exp_approx(float x) {
+  x = std::min(std::max(x, -87.3f), 88.7f);
+  const float shifter = 12582912.0f;  // 1.5 * 2^23
+  const float shifted = x * 1.44269504088896341f + shifter;
+  const float k = shifted - shifter;
+  const float r = x - k * 0.693359375f + k * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  int32_t shifted_bits;
+  std::memcpy(&shifted_bits, &shifted, sizeof(shifted_bits));
+  const int32_t exponent = (shifted_bits - 0x4B400000) + 127;  // k as an integer, biased
+  const int32_t scale_bits = exponent << 23;
+  float scale;
+  std::memcpy(&scale, &scale_bits, sizeof(scale));
+  return p * scale;
 }
 
 inline float dot(const float* a, const float* b, int64_t n) {
@@ -39,16 +110,18 @@ inline float dot(const float* a, const float* b, int64_t n) {
 }
 
 // x * rsqrt(mean(x^2) + eps) in float32, cast to T, then times the weight in T (as
-// transformers' RMSNorm). x holds the row in float32.
+// transformers' RMSNorm); x (float32, n values) is overwritten with the T-rounded result.
 template <typename T>
-inline void rms_normalize(T* out, const float* x, const T* weight, int64_t n, float eps) {
+inline void rms_normalize(float* x, const float* weight, int64_t n, float eps) {
   float sum_sq = 0.f;
 #pragma omp simd reduction(+ : sum_sq)
   for (int64_t i = 0; i < n; ++i) sum_sq += x[i] * x[i];
   const float inv = 1.0f / std::sqrt(sum_sq / static_cast<float>(n) + eps);
-  for (int64_t i = 0; i < n; ++i) {
-    out[i] = static_cast<T>(static_cast<float>(weight[i]) * round_to<T>(x[i] * inv));
-  }
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) x[i] *= inv;
+  round_row<T>(x, n);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) x[i] *= weight[i];
 }
 
 template <typename T>
@@ -56,13 +129,15 @@ void rms_norm_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& weigh
   const int64_t rows = x.size(0), n = x.size(1);
   const int64_t x_stride = x.stride(0), out_stride = out.stride(0);
   const T* x_ptr = x.const_data_ptr<T>();
-  const T* w_ptr = weight.const_data_ptr<T>();
   T* out_ptr = out.mutable_data_ptr<T>();
+  std::vector<float> w(n);
+  load_row(w.data(), weight.const_data_ptr<T>(), n);
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> row(n);
     for (int64_t r = begin; r < end; ++r) {
       load_row(row.data(), x_ptr + r * x_stride, n);
-      rms_normalize(out_ptr + r * out_stride, row.data(), w_ptr, n, static_cast<float>(eps));
+      rms_normalize<T>(row.data(), w.data(), n, static_cast<float>(eps));
+      store_row(out_ptr + r * out_stride, row.data(), n);
     }
   });
 }
@@ -74,20 +149,23 @@ void add_rms_norm_impl(at::Tensor& out, at::Tensor& residual, const at::Tensor& 
   const int64_t rows = residual.size(0), n = residual.size(1);
   T* res_ptr = residual.mutable_data_ptr<T>();
   const T* delta_ptr = delta.const_data_ptr<T>();
-  const T* w_ptr = weight.const_data_ptr<T>();
   T* out_ptr = out.mutable_data_ptr<T>();
   const int64_t res_stride = residual.stride(0), delta_stride = delta.stride(0);
   const int64_t out_stride = out.stride(0);
+  std::vector<float> w(n);
+  load_row(w.data(), weight.const_data_ptr<T>(), n);
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> row(n);
+    std::vector<float> row(n), added(n);
     for (int64_t r = begin; r < end; ++r) {
       T* res = res_ptr + r * res_stride;
-      const T* d = delta_ptr + r * delta_stride;
-      for (int64_t i = 0; i < n; ++i) {
-        res[i] = static_cast<T>(static_cast<float>(res[i]) + static_cast<float>(d[i]));
-        row[i] = static_cast<float>(res[i]);
-      }
-      rms_normalize(out_ptr + r * out_stride, row.data(), w_ptr, n, static_cast<float>(eps));
+      load_row(row.data(), res, n);
+      load_row(added.data(), delta_ptr + r * delta_stride, n);
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) row[i] += added[i];
+      round_row<T>(row.data(), n);
+      store_row(res, row.data(), n);
+      rms_normalize<T>(row.data(), w.data(), n, static_cast<float>(eps));
+      store_row(out_ptr + r * out_stride, row.data(), n);
     }
   });
 }
@@ -100,15 +178,16 @@ void silu_and_mul_impl(at::Tensor& out, const at::Tensor& gate_up) {
   const T* in_ptr = gate_up.const_data_ptr<T>();
   T* out_ptr = out.mutable_data_ptr<T>();
   at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> gate(n), up(n);
     for (int64_t r = begin; r < end; ++r) {
-      const T* gate = in_ptr + r * in_stride;
-      const T* up = gate + n;
-      T* o = out_ptr + r * out_stride;
-      for (int64_t i = 0; i < n; ++i) {
-        const float g = static_cast<float>(gate[i]);
-        const float silu = round_to<T>(g / (1.0f + std::exp(-g)));
-        o[i] = static_cast<T>(silu * static_cast<float>(up[i]));
-      }
+      load_row(gate.data(), in_ptr + r * in_stride, n);
+      load_row(up.data(), in_ptr + r * in_stride + n, n);
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) gate[i] = gate[i] / (1.0f + exp_approx(-gate[i]));
+      round_row<T>(gate.data(), n);  // silu's result, in T
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) gate[i] *= up[i];
+      store_row(out_ptr + r * out_stride, gate.data(), n);
     }
   });
 }
@@ -125,37 +204,41 @@ void rope_and_cache_impl(at::Tensor& qkv, const at::Tensor& cos, const at::Tenso
   const int64_t qkv_stride = qkv.stride(0);
   const int64_t rotated_heads = num_heads + num_kv_heads;
   const int64_t slot_numel = num_kv_heads * head_dim;
-  const int64_t cache_half = kv_layer.stride(0);  // keys, then values
   T* qkv_ptr = qkv.mutable_data_ptr<T>();
   const T* cos_ptr = cos.const_data_ptr<T>();
   const T* sin_ptr = sin.const_data_ptr<T>();
-  const T* norm_ptr = qk_norm_weight.has_value() ? qk_norm_weight->const_data_ptr<T>() : nullptr;
+  std::vector<float> norm_weight;
+  if (qk_norm_weight.has_value()) {
+    norm_weight.resize(rotated_heads * head_dim);
+    load_row(norm_weight.data(), qk_norm_weight->const_data_ptr<T>(), rotated_heads * head_dim);
+  }
   T* key_cache = kv_layer.mutable_data_ptr<T>();
-  T* value_cache = key_cache + cache_half;
+  T* value_cache = key_cache + kv_layer.stride(0);
   const int64_t* slots = slot_mapping.const_data_ptr<int64_t>();
   at::parallel_for(0, tokens, 4, [&](int64_t begin, int64_t end) {
-    std::vector<float> head(head_dim);
-    std::vector<T> normed(head_dim);
+    std::vector<float> head(head_dim), rolled(head_dim), c(head_dim), s(head_dim);
     for (int64_t t = begin; t < end; ++t) {
       T* row = qkv_ptr + t * qkv_stride;
-      const T* c = cos_ptr + t * head_dim;
-      const T* s = sin_ptr + t * head_dim;
+      load_row(c.data(), cos_ptr + t * head_dim, head_dim);
+      load_row(s.data(), sin_ptr + t * head_dim, head_dim);
       for (int64_t h = 0; h < rotated_heads; ++h) {
         T* x = row + h * head_dim;
-        if (norm_ptr != nullptr) {
-          load_row(head.data(), x, head_dim);
-          rms_normalize(normed.data(), head.data(), norm_ptr + h * head_dim, head_dim,
-                        static_cast<float>(eps));
-          load_row(head.data(), normed.data(), head_dim);
-        } else {
-          load_row(head.data(), x, head_dim);
+        load_row(head.data(), x, head_dim);
+        if (!norm_weight.empty()) {
+          rms_normalize<T>(head.data(), norm_weight.data() + h * head_dim, head_dim, static_cast<float>(eps));
+          round_row<T>(head.data(), head_dim);  // the norm's output, in T
         }
-        for (int64_t d = 0; d < head_dim; ++d) {
-          const float rolled = head[d < half ? d + half : d - half];
-          const float a = round_to<T>(head[d] * static_cast<float>(c[d]));
-          const float b = round_to<T>(rolled * static_cast<float>(s[d]));
-          x[d] = static_cast<T>(a + b);
-        }
+        std::copy_n(head.data() + half, half, rolled.data());
+        std::copy_n(head.data(), half, rolled.data() + half);
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; ++d) head[d] *= c[d];
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; ++d) rolled[d] *= s[d];
+        round_row<T>(head.data(), head_dim);
+        round_row<T>(rolled.data(), head_dim);
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; ++d) head[d] += rolled[d];
+        store_row(x, head.data(), head_dim);
       }
       const int64_t slot = slots[t];
       std::copy_n(row + num_heads * head_dim, slot_numel, key_cache + slot * slot_numel);
@@ -209,8 +292,9 @@ void paged_decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at:
   std::vector<float> partial_out(num_partials * num_heads * head_dim);
 
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> query(num_heads * head_dim), row(head_dim);
+    std::vector<float> query(num_heads * head_dim), rows(token_stride);
     std::vector<float> scores(num_heads * kPartition), acc(num_heads * head_dim);
+    std::vector<float> head_max(num_heads), head_sum(num_heads);
     for (int64_t i = begin; i < end; ++i) {
       const WorkItem item = items[i];
       const int64_t n = item.end - item.start;
@@ -220,23 +304,19 @@ void paged_decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at:
       for (int64_t t = 0; t < n; ++t) {
         const int64_t pos = item.start + t;
         const int64_t slot = static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size;
-        const T* key = key_cache + slot * token_stride;
-        for (int64_t kv = 0; kv < num_kv_heads; ++kv) {
-          load_row(row.data(), key + kv * head_dim, head_dim);
-          for (int64_t g = 0; g < group; ++g) {
-            const int64_t h = kv * group + g;
-            scores[h * kPartition + t] = dot(query.data() + h * head_dim, row.data(), head_dim);
-          }
+        load_row(rows.data(), key_cache + slot * token_stride, token_stride);  // every kv head
+        for (int64_t h = 0; h < num_heads; ++h) {
+          scores[h * kPartition + t] = dot(query.data() + h * head_dim, rows.data() + (h / group) * head_dim, head_dim);
         }
       }
-      std::vector<float> head_max(num_heads), head_sum(num_heads);
       for (int64_t h = 0; h < num_heads; ++h) {
         float* s = scores.data() + h * kPartition;
         float m = -std::numeric_limits<float>::infinity();
         for (int64_t t = 0; t < n; ++t) m = std::max(m, s[t]);
         float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
         for (int64_t t = 0; t < n; ++t) {
-          s[t] = std::exp(s[t] - m);
+          s[t] = exp_approx(s[t] - m);
           sum += s[t];
         }
         head_max[h] = m;
@@ -246,24 +326,21 @@ void paged_decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at:
       for (int64_t t = 0; t < n; ++t) {
         const int64_t pos = item.start + t;
         const int64_t slot = static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size;
-        const T* value = value_cache + slot * token_stride;
-        for (int64_t kv = 0; kv < num_kv_heads; ++kv) {
-          load_row(row.data(), value + kv * head_dim, head_dim);
-          for (int64_t g = 0; g < group; ++g) {
-            const int64_t h = kv * group + g;
-            const float w = scores[h * kPartition + t];
-            float* a = acc.data() + h * head_dim;
+        load_row(rows.data(), value_cache + slot * token_stride, token_stride);
+        for (int64_t h = 0; h < num_heads; ++h) {
+          const float w = scores[h * kPartition + t];
+          const float* v = rows.data() + (h / group) * head_dim;
+          float* a = acc.data() + h * head_dim;
 #pragma omp simd
-            for (int64_t d = 0; d < head_dim; ++d) a[d] += w * row[d];
-          }
+          for (int64_t d = 0; d < head_dim; ++d) a[d] += w * v[d];
         }
       }
       if (item.partial < 0) {
-        T* o = out_ptr + item.seq * out_stride;
         for (int64_t h = 0; h < num_heads; ++h) {
           const float inv = 1.0f / head_sum[h];
-          for (int64_t d = 0; d < head_dim; ++d) o[h * head_dim + d] = static_cast<T>(acc[h * head_dim + d] * inv);
+          for (int64_t d = 0; d < head_dim; ++d) acc[h * head_dim + d] *= inv;
         }
+        store_row(out_ptr + item.seq * out_stride, acc.data(), num_heads * head_dim);
       } else {
         std::copy(head_max.begin(), head_max.end(), partial_max.begin() + item.partial * num_heads);
         std::copy(head_sum.begin(), head_sum.end(), partial_sum.begin() + item.partial * num_heads);
@@ -273,25 +350,26 @@ void paged_decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at:
   });
   if (num_partials == 0) return;
   at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> merged(head_dim);
+    std::vector<float> merged(num_heads * head_dim);
     for (int64_t b = begin; b < end; ++b) {
       const int64_t first = first_item[b], last = first_item[b + 1];
       if (items[first].partial < 0) continue;
-      T* o = out_ptr + b * out_stride;
       for (int64_t h = 0; h < num_heads; ++h) {
         float m = -std::numeric_limits<float>::infinity();
         for (int64_t i = first; i < last; ++i) m = std::max(m, partial_max[items[i].partial * num_heads + h]);
         float total = 0.f;
-        std::fill(merged.begin(), merged.end(), 0.f);
+        float* o = merged.data() + h * head_dim;
+        std::fill(o, o + head_dim, 0.f);
         for (int64_t i = first; i < last; ++i) {
           const int64_t p = items[i].partial;
           const float weight = std::exp(partial_max[p * num_heads + h] - m);
           total += weight * partial_sum[p * num_heads + h];
           const float* part = partial_out.data() + (p * num_heads + h) * head_dim;
-          for (int64_t d = 0; d < head_dim; ++d) merged[d] += weight * part[d];
+          for (int64_t d = 0; d < head_dim; ++d) o[d] += weight * part[d];
         }
-        for (int64_t d = 0; d < head_dim; ++d) o[h * head_dim + d] = static_cast<T>(merged[d] / total);
+        for (int64_t d = 0; d < head_dim; ++d) o[d] /= total;
       }
+      store_row(out_ptr + b * out_stride, merged.data(), num_heads * head_dim);
     }
   });
 }
