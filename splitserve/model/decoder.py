@@ -173,7 +173,8 @@ class DecoderModel(nn.Module):
         before_layer: Callable[[int], None] | None = None,
         after_layer: LayerHook | None = None,
     ) -> torch.Tensor:
-        """Returns float32 logits [len(logits_indices), vocab]."""
+        """Returns logits [len(logits_indices), vocab] in the model dtype (the sampler
+        widens them to float32 where it needs more than an argmax)."""
         residual = self.embed_tokens(input_ids)  # the residual stream, updated in place
         cos, sin = self.rope(positions, residual.dtype)
         normed = self.layers[0].input_layernorm(residual)
@@ -192,7 +193,7 @@ class DecoderModel(nn.Module):
         last = ops.add_rms_norm(
             residual[logits_indices], mlp_out[logits_indices], self.norm.weight, self.norm.eps
         )
-        return self.lm_head(last).float()
+        return self.lm_head(last)
 
     def prepare_for_inference(self) -> None:
         """After the weights are loaded (from any format): prepack the matmul weights."""

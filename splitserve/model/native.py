@@ -35,7 +35,7 @@ def cpu_ops_available() -> bool:
         load(
             name="splitserve_cpu_ops",
             sources=[str(SOURCE)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
             verbose=False,
