@@ -47,7 +47,13 @@ def ensure_smollm2_shape(directory: Path = SMOLLM2_SHAPE_DIR) -> Path:
     config = directory / "config.json"
     if not (directory / "model.safetensors").is_file():
         _build(directory, SMOLLM2_SHAPE_FLAGS)
-        # SmolLM2 ties lm_head to the embedding: every engine then ignores the file's lm_head
+        # SmolLM2 ties lm_head to the embedding and its checkpoint has no lm_head
+        from safetensors.torch import load_file, save_file
+
+        weights_file = directory / "model.safetensors"
+        weights = load_file(weights_file)
+        del weights["lm_head.weight"]
+        save_file(weights, weights_file, metadata={"format": "pt"})
         raw = json.loads(config.read_text())
         raw["tie_word_embeddings"] = True
         config.write_text(json.dumps(raw, indent=2))
