@@ -203,7 +203,7 @@ def main() -> int:
         port = free_port()
         vllm_cmd = [
             args.vllm, "serve", str(model), "--port", str(port), "--dtype", dtype, "--max-model-len", max_len,
-            "--seed", "0", "--disable-log-requests",
+            "--seed", "0",
         ]  # fmt: skip
         vllm_env = {**env, "VLLM_CPU_KVCACHE_SPACE": "2"}
         vllm_env.pop("VIRTUAL_ENV", None)
