@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-from bench_model import DEFAULT_MODEL_DIR, compute_dtype, ensure_bench_model
+from bench_model import compute_dtype, cpu_isa_flags, resolve_bench_model
 
 VLLM_PYTHON = "/work/vllm-peer/bin/python"
 
@@ -244,7 +244,7 @@ def report(result: Result) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", type=Path, default=None, help=f"default: build {DEFAULT_MODEL_DIR}")
+    parser.add_argument("--model", default="bench", help="bench, smollm2 (its shape), or a model directory")
     parser.add_argument("--num-seqs", type=int, default=64)
     parser.add_argument("--min-len", type=int, default=32)
     parser.add_argument("--max-len", type=int, default=256)
@@ -263,13 +263,13 @@ def main() -> int:
     parser.add_argument("--profile-decode", action="store_true", help="profile one splitserve decode step")
     args = parser.parse_args()
 
-    model = ensure_bench_model(args.model or DEFAULT_MODEL_DIR)
+    model = resolve_bench_model(args.model)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     workload = make_workload(args.num_seqs, args.min_len, args.max_len, vocab, args.seed)
     print(
         f"model {model}; {args.num_seqs} sequences, prompts {sum(map(len, workload.prompts))} tokens, "
         f"outputs {workload.num_output_tokens} tokens (lengths uniform in [{args.min_len}, {args.max_len}], "
-        f"seed {args.seed}); greedy, ignore_eos; {os.cpu_count()} CPUs",
+        f"seed {args.seed}); greedy, ignore_eos; {os.cpu_count()} CPUs; ISA {cpu_isa_flags()}",
         flush=True,
     )
 

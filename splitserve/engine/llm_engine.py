@@ -120,6 +120,7 @@ class LLMEngine:
             self.model = load_qwen2_vl(config.model.model, self.vl_config, self.dtype, self.device)
             encoder_cache = EncoderCache(config.cache.encoder_cache_bytes)
             self.multimodal = MultiModalRunner(self.model, encoder_cache, ec_connector)
+        self.model.prepare_for_inference()
         allocator = (
             kv_cache_allocator or (connector.kv_cache_allocator() if connector else None) or torch.zeros
         )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -12,17 +11,12 @@ from splitserve.engine.multimodal import MultiModalRunner
 from splitserve.engine.request import Request
 from splitserve.engine.scheduler import ScheduledRequest
 from splitserve.kv.connector import KVConnector, RequestSlots, StepKVInfo
-from splitserve.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
+from splitserve.model.attention import AttentionMetadata, PrefillChunk
 from splitserve.model.decoder import DecoderModel
 from splitserve.model.decoder_config import DecoderConfig
 from splitserve.model.sampler import Sampler
 
 KVCacheAllocator = Callable[..., torch.Tensor]
-
-# Decode rows (sorted by context) are split into groups of at least this many, each
-# padded to its own longest context: less padding, a few more (cheap) calls per layer.
-_MIN_DECODE_GROUP = 16
-_MAX_DECODE_GROUPS = 4
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -67,13 +61,12 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler(device, seed)
         self.connector = connector
-        self.workspace = torch.empty(0, dtype=kv_cache.dtype, device=device)
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest]) -> list[SampledToken]:
         bs = self.block_size
         # decode-like (one token) first: they share one batched attention call
-        decodes = sorted((s for s in scheduled if s.num_tokens == 1), key=lambda s: s.position_start)
+        decodes = [s for s in scheduled if s.num_tokens == 1]
         prefills = [s for s in scheduled if s.num_tokens > 1]
         ordered = decodes + prefills
 
@@ -102,8 +95,8 @@ class ModelRunner:
             slot_mapping = torch.cat([slot_mapping, *prefill_slot_parts])
         slot_mapping = slot_mapping.to(self.device)
 
-        groups = self._decode_groups(decodes) if decodes else []
-        meta = AttentionMetadata(slot_mapping, len(decodes), groups, chunks, self._workspace(groups))
+        block_tables, context_lens = self._decode_tables(decodes)
+        meta = AttentionMetadata(slot_mapping, len(decodes), block_tables, context_lens, chunks)
 
         sample_rows: list[int] = []
         sampling: list[ScheduledRequest] = []
@@ -170,38 +163,14 @@ class ModelRunner:
             for s, token, lp in zip(sampling, out.token_ids, out.logprobs, strict=True)
         ]
 
-    def _decode_groups(self, decodes: list[ScheduledRequest]) -> list[DecodeGroup]:
-        """Attention groups over decode rows sorted by context length."""
+    def _decode_tables(self, decodes: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each decode row's block table (int32, padded with block 0) and context length."""
         bs = self.block_size
-        num_groups = max(1, min(_MAX_DECODE_GROUPS, len(decodes) // _MIN_DECODE_GROUP))
-        bounds = [round(i * len(decodes) / num_groups) for i in range(num_groups + 1)]
-        groups = []
-        for start, end in itertools.pairwise(bounds):
-            members = decodes[start:end]
-            contexts = [s.position_start + 1 for s in members]
-            width = -(-max(contexts) // bs) * bs
-            num_blocks = width // bs
-            rows = []
-            for s, context in zip(members, contexts, strict=True):
-                blocks = s.request.block_ids[: -(-context // bs)]
-                rows.append(blocks + [0] * (num_blocks - len(blocks)))
-            tables = torch.tensor(rows, dtype=torch.long).view(-1)
-            valid = torch.arange(width)[None, :] < torch.tensor(contexts)[:, None]
-            groups.append(
-                DecodeGroup(
-                    start,
-                    len(members),
-                    tables.to(self.device),
-                    valid[:, None, None, :].to(self.device),
-                )
-            )
-        return groups
-
-    def _workspace(self, groups: list[DecodeGroup]) -> torch.Tensor:
-        _, _, _, block_size, num_kv_heads, head_dim = self.kv_cache.shape
-        needed = (
-            max((g.block_ids.numel() for g in groups), default=0) * 2 * block_size * num_kv_heads * head_dim
+        contexts = [s.position_start + 1 for s in decodes]
+        width = -(-max(contexts, default=0) // bs)
+        rows = [s.request.block_ids[: -(-c // bs)] for s, c in zip(decodes, contexts, strict=True)]
+        tables = [row + [0] * (width - len(row)) for row in rows]
+        return (
+            torch.tensor(tables, dtype=torch.int32).view(len(decodes), width).to(self.device),
+            torch.tensor(contexts, dtype=torch.int32).to(self.device),
         )
-        if self.workspace.numel() < needed:
-            self.workspace = torch.empty(needed * 5 // 4, dtype=self.kv_cache.dtype, device=self.device)
-        return self.workspace

@@ -1,8 +1,9 @@
 """One decoder for Llama, Qwen2 (QKV bias) and Qwen3 (per-head q/k RMSNorm).
 
-Q, K, V projections are fused into one matmul, gate and up into another. Numerics
-follow transformers (RMSNorm in float32, RoPE tables cast to the model dtype) so that
-greedy outputs match its `generate` exactly in float32.
+Q, K, V projections are fused into one matmul, gate and up into another; a layer is
+nine ops (two fused add+RMSNorms, three matmuls plus o_proj, RoPE+cache write, attention,
+SiLU*up, see ops.py). Numerics follow transformers (RMSNorm in float32, RoPE tables cast
+to the model dtype) so that greedy outputs match its `generate` exactly in float32.
 """
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ import math
 from collections.abc import Callable, Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from splitserve.model.attention import AttentionMetadata, paged_attention, write_kv
+from splitserve.model import ops
+from splitserve.model.attention import AttentionMetadata, paged_attention
 from splitserve.model.decoder_config import DecoderConfig
+from splitserve.model.linear import Linear
 from splitserve.model.loader import iter_checkpoint_weights
 
 # Called after layer i's KV is written: (layer_idx, kv_layer) -> None.
@@ -29,15 +31,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """As transformers: normalise in float32, cast back, then scale."""
-    dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
+        return ops.rms_norm(x, self.weight, self.eps)
 
 
 def rope_inv_freq(config: DecoderConfig) -> torch.Tensor:
@@ -73,10 +67,8 @@ class Attention(nn.Module):
         )
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
-        )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.scale = self.head_dim**-0.5
@@ -92,17 +84,27 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
-        # q and k heads side by side: one norm and one rotation for both
-        qk = qkv[:, : self.q_size + self.kv_size].view(
-            num_tokens, self.num_heads + self.num_kv_heads, self.head_dim
+        has_qk_norm = self.q_norm is not None
+        ops.rope_and_cache(
+            qkv,
+            cos,
+            sin,
+            self.qk_norm_weight() if has_qk_norm else None,
+            self.q_norm.eps if self.q_norm is not None else 0.0,
+            kv_layer,
+            meta.slot_mapping,
+            self.num_heads,
+            self.num_kv_heads,
         )
-        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            qk = rms_norm(qk, self.qk_norm_weight(), self.q_norm.eps)
-        qk = qk * cos + qk.roll(self.head_dim // 2, dims=-1) * sin
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        write_kv(kv_layer, k, v, meta.slot_mapping)
-        out = paged_attention(q, k, v, kv_layer, meta, self.scale)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=1)
+        out = paged_attention(
+            q.view(num_tokens, self.num_heads, self.head_dim),
+            k.view(num_tokens, self.num_kv_heads, self.head_dim),
+            v.view(num_tokens, self.num_kv_heads, self.head_dim),
+            kv_layer,
+            meta,
+            self.scale,
+        )
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
     def qk_norm_weight(self) -> torch.Tensor:
@@ -122,12 +124,11 @@ class MLP(nn.Module):
     def __init__(self, config: DecoderConfig) -> None:
         super().__init__()
         self.intermediate = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -146,12 +147,12 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
         self.rope_cos = self.rope_sin = torch.empty(0)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, 1, head_dim] (broadcast over heads), from a table grown on demand."""
+        """cos, sin [T, head_dim] (the same for every head), from a table grown on demand."""
         needed = int(positions.max()) + 1 if positions.numel() else 0
         if self.rope_cos.shape[0] < needed or self.rope_cos.dtype != dtype:
             length = max(needed, 2 * self.rope_cos.shape[0], 1024)
@@ -161,7 +162,7 @@ class DecoderModel(nn.Module):
             # rotate_half(x) * sin == roll(x, half) * [-sin_lo, sin_hi]: one op fewer per step
             sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(emb.device)
             self.rope_cos, self.rope_sin = emb.cos().to(dtype), (emb.sin().to(dtype) * sign.to(dtype))
-        return self.rope_cos[positions][:, None, :], self.rope_sin[positions][:, None, :]
+        return self.rope_cos[positions], self.rope_sin[positions]
 
     def forward(
         self,
@@ -174,21 +175,35 @@ class DecoderModel(nn.Module):
         after_layer: LayerHook | None = None,
         inputs_embeds: torch.Tensor | None = None,  # [T, hidden]: replaces embed_tokens(input_ids)
     ) -> torch.Tensor:
-        """Returns float32 logits [len(logits_indices), vocab]. `positions` is [T], or [3, T]
-        for a model whose rope() takes M-RoPE positions (Qwen2-VL)."""
-        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        cos, sin = self.rope(positions, hidden.dtype)
-        residual = hidden
+        """Returns logits [len(logits_indices), vocab] in the model dtype (the sampler
+        widens them to float32 where it needs more than an argmax). `positions` is [T], or
+        [3, T] for a model whose rope() takes M-RoPE positions (Qwen2-VL)."""
+        # the residual stream, updated in place (inputs_embeds is the step's own tensor)
+        residual = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        cos, sin = self.rope(positions, residual.dtype)
+        normed = self.layers[0].input_layernorm(residual)
         for i, layer in enumerate(self.layers):
             if before_layer is not None:
                 before_layer(i)
-            attn_out = layer.self_attn(layer.input_layernorm(residual), cos, sin, kv_cache[i], meta)
+            attn_out = layer.self_attn(normed, cos, sin, kv_cache[i], meta)
             if after_layer is not None:
                 after_layer(i, kv_cache[i])
-            residual = residual + attn_out
-            residual = residual + layer.mlp(layer.post_attention_layernorm(residual))
-        last = self.norm(residual[logits_indices])
-        return self.lm_head(last).float()
+            post_norm = layer.post_attention_layernorm
+            mlp_out = layer.mlp(ops.add_rms_norm(residual, attn_out, post_norm.weight, post_norm.eps))
+            if i + 1 < len(self.layers):
+                next_norm = self.layers[i + 1].input_layernorm
+                normed = ops.add_rms_norm(residual, mlp_out, next_norm.weight, next_norm.eps)
+        # only the sampled rows go through the last residual add, the norm and the head
+        last = ops.add_rms_norm(
+            residual[logits_indices], mlp_out[logits_indices], self.norm.weight, self.norm.eps
+        )
+        return self.lm_head(last)
+
+    def prepare_for_inference(self) -> None:
+        """After the weights are loaded (from any format): prepack the matmul weights."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.prepack()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Fill from HF tensor names (streamed, shard by shard), fusing q/k/v and gate/up.

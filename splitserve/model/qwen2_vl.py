@@ -154,7 +154,7 @@ class Qwen2VLTextModel(DecoderModel):
         self.register_buffer("column_axis", mrope_column_axis(mrope_section), persistent=False)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, 1, head_dim]; with M-RoPE each column from its axis' position."""
+        """cos, sin [T, head_dim]; with M-RoPE each column from its axis' position."""
         if positions.dim() == 1:
             return super().rope(positions, dtype)
         num_tokens = positions.shape[1]
@@ -162,7 +162,7 @@ class Qwen2VLTextModel(DecoderModel):
         pick = self.column_axis.view(1, 1, -1).expand(1, num_tokens, -1)
         cos = cos.view(3, num_tokens, -1).gather(0, pick)[0]
         sin = sin.view(3, num_tokens, -1).gather(0, pick)[0]
-        return cos[:, None, :], sin[:, None, :]
+        return cos, sin
 
 
 class Qwen2VLModel(nn.Module):
@@ -178,6 +178,9 @@ class Qwen2VLModel(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         return self.language_model(*args, **kwargs)
+
+    def prepare_for_inference(self) -> None:
+        self.language_model.prepare_for_inference()
 
     @property
     def embed_tokens(self) -> nn.Embedding:

@@ -24,20 +24,22 @@ class Sampler:
 
     def __call__(
         self,
-        logits: torch.Tensor,  # float32 [B, V]
+        logits: torch.Tensor,  # [B, V], the model dtype
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
     ) -> SamplerOutput:
         if all(p.greedy for p in params):
+            # widening to float32 is exact, so the argmax is the same without it
             sampled = logits.argmax(dim=-1)
         else:
+            logits = logits.float()
             sampled = self._sample(logits, params, generators)
         token_ids = sampled.tolist()
         logprobs: list[dict | None] = [None] * len(params)
         wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
         if wanted:
             rows = torch.tensor(wanted, device=logits.device)
-            log_probs = torch.log_softmax(logits[rows], dim=-1)
+            log_probs = torch.log_softmax(logits[rows].float(), dim=-1)
             chosen = log_probs.gather(1, sampled[rows][:, None]).squeeze(1).tolist()
             max_top = max(params[i].logprobs or 0 for i in wanted)
             top_values, top_ids = log_probs.topk(max_top, dim=-1) if max_top else (None, None)

