@@ -21,6 +21,7 @@ from typing import NamedTuple
 import httpx
 
 from splitserve.frontend.stream_state import STATE_KEY_ENV
+from splitserve.protocol.access import API_KEY_ENV, INTERNAL_TOKEN_ENV
 from splitserve.protocol.http_edge import DEFAULT_MAX_BODY_BYTES
 
 _POLL_S = 0.2
@@ -30,6 +31,7 @@ class Part(NamedTuple):
     name: str
     url: str
     process: subprocess.Popen
+    credential: str | None  # the bearer token its /health wants
 
 
 def _free_port(host: str) -> int:
@@ -48,7 +50,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--transport", choices=["shm", "tcp"], default=None, help="KV transport (default: the engines')"
     )
     parser.add_argument("--mode", choices=["push", "pull"], default="push")
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="the proxy's address; every other part binds loopback"
+    )
+    parser.add_argument(
+        "--api-key", default=None, help=f"the OpenAI API's key (default: ${API_KEY_ENV}; none: open)"
+    )
+    parser.add_argument(
+        "--open-health-metrics", action="store_true", help="the proxy's /health and /metrics need no key"
+    )
     parser.add_argument("--port", type=int, default=8000, help="the proxy's (OpenAI API) port")
     parser.add_argument(
         "--min-prefill-tokens", type=int, default=64, help="shorter prompts skip the prefill pool"
@@ -97,9 +107,11 @@ def _engine_args(args: argparse.Namespace) -> list[str]:
     return extra
 
 
-def _start(name: str, command: list[str], host: str, port: int, env: dict[str, str] | None = None) -> Part:
+def _start(
+    name: str, command: list[str], host: str, port: int, env: dict[str, str], credential: str | None
+) -> Part:
     process = subprocess.Popen([sys.executable, "-m", "splitserve.cli", *command], env=env)
-    return Part(name, f"http://{host}:{port}", process)
+    return Part(name, f"http://{host}:{port}", process, credential)
 
 
 def _wait_healthy(parts: list[Part], timeout_s: float) -> str | None:
@@ -111,8 +123,9 @@ def _wait_healthy(parts: list[Part], timeout_s: float) -> str | None:
             for part in list(pending):
                 if part.process.poll() is not None:
                     return f"{part.name} exited with code {part.process.returncode} while starting"
+                headers = {"Authorization": f"Bearer {part.credential}"} if part.credential else {}
                 with contextlib.suppress(httpx.HTTPError):
-                    if client.get(f"{part.url}/health").status_code == 200:
+                    if client.get(f"{part.url}/health", headers=headers).status_code == 200:
                         pending.remove(part)
             if time.monotonic() > deadline:
                 return f"not healthy after {timeout_s:.0f}s: {', '.join(p.name for p in pending)}"
@@ -143,7 +156,13 @@ def run(args: argparse.Namespace) -> int:
     from splitserve.model.tiny import resolve_model
 
     model = resolve_model(args.model)
-    host = args.host
+    host = "127.0.0.1"  # internal parts: only the proxy is exposed (--host)
+    # One deployment, one internal token: every part gets it through its environment, never
+    # its command line (which every user of the host can read).
+    token = os.environ.get(INTERNAL_TOKEN_ENV) or secrets.token_urlsafe(32)
+    env = {**os.environ, INTERNAL_TOKEN_ENV: token}
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    proxy_env = {**env, API_KEY_ENV: api_key} if api_key else env
     stop_requested: list[int] = []
 
     def request_stop(signum: int, _frame: object) -> None:
@@ -160,8 +179,8 @@ def run(args: argparse.Namespace) -> int:
         if args.trust_request_chat_template:
             render.append("--trust-request-chat-template")
         # One render replica: a fresh signing key for its stream states, unless one is set.
-        render_env = {STATE_KEY_ENV: secrets.token_hex(32), **os.environ}
-        parts.append(_start("render", render, host, render_port, render_env))
+        render_env = {STATE_KEY_ENV: secrets.token_hex(32), **env}
+        parts.append(_start("render", render, host, render_port, render_env, token))
         engines = [("prefill", i) for i in range(args.prefill)] + [("decode", i) for i in range(args.decode)]
         for role, index in engines:
             port = _free_port(host)
@@ -176,17 +195,19 @@ def run(args: argparse.Namespace) -> int:
                 str(port),
                 *_engine_args(args),
             ]
-            parts.append(_start(f"{role}-{index}", command, host, port))
+            parts.append(_start(f"{role}-{index}", command, host, port, env, token))
         error = _wait_healthy(parts, args.startup_timeout)
         if error is None and not stop_requested:
             proxy = [
-                "proxy", "--render", parts[0].url, "--host", host, "--port", str(args.port),
+                "proxy", "--render", parts[0].url, "--host", args.host, "--port", str(args.port),
                 "--mode", args.mode, "--min-prefill-tokens", str(args.min_prefill_tokens),
                 "--log-level", args.log_level, "--max-body-bytes", str(args.max_body_bytes),
                 "--prefill", *[p.url for p in parts if p.name.startswith("prefill")],
                 "--decode", *[p.url for p in parts if p.name.startswith("decode")],
             ]  # fmt: skip
-            parts.append(_start("proxy", proxy, host, args.port))
+            if args.open_health_metrics:
+                proxy.append("--open-health-metrics")
+            parts.append(_start("proxy", proxy, args.host, args.port, proxy_env, api_key))
             error = _wait_healthy(parts[-1:], args.startup_timeout)
         if error is not None:
             print(f"splitserve up: {error}", file=sys.stderr)

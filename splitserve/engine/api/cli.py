@@ -8,6 +8,7 @@ import re
 
 from splitserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from splitserve.engine.api import kv_routes
+from splitserve.protocol import access
 
 _SIZE_UNITS = {
     "": 1,
@@ -79,6 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
     kv_routes.add_kv_arguments(parser)  # P/D roles: transport, mode, timeouts
+    access.add_internal_arguments(parser)
 
 
 def engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
@@ -121,8 +123,9 @@ def run(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
+        policy = access.internal_policy(args)
         config = engine_config(args, resolve_model(args.model))
-    except ValueError as exc:
+    except (OSError, ValueError) as exc:
         raise SystemExit(f"splitserve engine: {exc}") from exc
     kv_host = args.kv_host or args.host
     connector = kv_routes.make_connector(config.role, config.transfer, kv_host, args.kv_port)
@@ -133,5 +136,8 @@ def run(args: argparse.Namespace) -> int:
     app = create_engine_app(engine, manage_engine=True)
     if connector is not None:
         kv_routes.install_kv_routes(app, connector)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    guarded = access.AccessGuard(app, policy)
+    uvicorn.run(
+        guarded, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
+    )
     return 0
