@@ -54,6 +54,14 @@ logger = logging.getLogger(__name__)
 _POLL_MS = 20
 
 
+def _optional_int(value: object) -> int | None:
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"not an integer: {value!r}")
+    return value
+
+
 class KVTransport(ABC):
     """One per engine. Owns the pool allocation, the receiving socket and the sender thread."""
 
@@ -96,10 +104,11 @@ class KVTransport(ABC):
     def layout(self) -> PoolLayout:
         if self.pool is None:
             raise TransferError("the KV pool is not allocated yet")
-        return PoolLayout(tuple(self.pool.shape), dtype_name(self.pool.dtype), self._shm_path())
+        return PoolLayout(tuple(self.pool.shape), dtype_name(self.pool.dtype), *self._shm_handle())
 
-    def _shm_path(self) -> str | None:
-        return None
+    def _shm_handle(self) -> tuple[int | None, int | None]:
+        """(pid, descriptor) of this engine's shared-memory pool, for the shm transport."""
+        return None, None
 
     # ---- lifecycle -----------------------------------------------------------------------
     def start(self) -> PeerInfo:
@@ -298,7 +307,15 @@ class KVTransport(ABC):
             raise TransferError(
                 f"KV peer {peer.engine_id} at {peer.host}:{peer.port} did not answer"
             ) from exc
-        layout = PoolLayout(tuple(reply["shape"]), reply["dtype"], reply.get("shm_path"))
+        try:
+            layout = PoolLayout(
+                tuple(int(size) for size in reply["shape"]),
+                str(reply["dtype"]),
+                _optional_int(reply.get("shm_pid")),
+                _optional_int(reply.get("shm_fd")),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise TransferError(f"KV peer {peer.engine_id} answered a malformed HELLO") from exc
         mine = self.layout()
         if (
             layout.shape[0] != mine.shape[0]
