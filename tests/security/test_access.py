@@ -3,6 +3,7 @@ internal token `up` generates for its parts, loopback binding, and no /docs."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import re
@@ -224,3 +225,41 @@ def test_an_internal_part_will_not_listen_beyond_loopback_without_a_token(tiny_m
     finished = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
     assert finished.returncode != 0
     assert "SPLITSERVE_INTERNAL_TOKEN" in finished.stderr
+
+
+def _pd_push_count(base: str) -> float:
+    found = re.search(
+        r'^splitserve_proxy_requests_total\{path="pd_push"\} (\S+)', httpx.get(f"{base}/metrics").text, re.M
+    )
+    return float(found.group(1)) if found else 0.0
+
+
+def test_client_request_ids_are_echoed_never_shared_and_may_be_long(exposed_up):
+    base, _ = exposed_up
+    client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key=API_KEY, max_retries=0)
+    long_id = "x" * 256  # the documented limit; the proxy's own suffixes must not break P/D
+    before = _pd_push_count(base)
+
+    async def one(request_id: str):
+        return await client.chat.completions.create(
+            model=None,
+            messages=LONG_PROMPT,
+            max_tokens=6,
+            temperature=0,
+            extra_body={"request_id": request_id},
+        )
+
+    async def both():  # two clients choose the same ID at the same time
+        return await asyncio.gather(one("shared-id"), one("shared-id"), one(long_id))
+
+    first, second, long_one = asyncio.run(both())
+    assert first.id == second.id == "shared-id"
+    assert first.choices[0].message.content == second.choices[0].message.content
+    assert long_one.id == long_id
+    assert _pd_push_count(base) == before + 3  # every one went through prefill and a KV push
+    too_long = httpx.post(
+        f"{base}/v1/chat/completions",
+        json={"messages": LONG_PROMPT, "request_id": "x" * 257},
+        headers={"Authorization": f"Bearer {API_KEY}"},
+    )
+    assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "request_id"
