@@ -35,6 +35,7 @@ import zmq
 
 from splitserve.config import TransferConfig
 from splitserve.kv.arrivals import ArrivalTracker, TransferResult
+from splitserve.kv.frame_mac import FrameMac
 from splitserve.kv.transport_types import (
     Barrier,
     CallbackJob,
@@ -46,6 +47,7 @@ from splitserve.kv.transport_types import (
     TransferError,
     dtype_name,
 )
+from splitserve.protocol.access import internal_token
 
 __all__ = ["KVTransport"]
 
@@ -95,6 +97,7 @@ class KVTransport(ABC):
         self.on_release: Callable[[str], None] | None = None  # pull source: a peer has read the blocks
         self.is_held: Callable[[str], bool] | None = None  # pull source: are the blocks still kept?
         self.bytes_sent = 0
+        self._mac = FrameMac(internal_token())  # every message tagged with the deployment's key
 
     # ---- pool ----------------------------------------------------------------------------
     @abstractmethod
@@ -302,7 +305,7 @@ class KVTransport(ABC):
         """Connection set-up: learn the peer's pool layout and check it matches ours."""
         self._send_control(socket, b"HELLO", {"engine_id": self.engine_id})
         try:
-            reply = json.loads(socket.recv())
+            reply = self._recv_reply(socket)
         except zmq.Again as exc:
             raise TransferError(
                 f"KV peer {peer.engine_id} at {peer.host}:{peer.port} did not answer"
@@ -330,7 +333,7 @@ class KVTransport(ABC):
         """Does the pull source still hold the blocks of `transfer_id`?"""
         self._send_control(socket, b"HELD", {"transfer_id": transfer_id})
         try:
-            return bool(json.loads(socket.recv())["held"])
+            return bool(self._recv_reply(socket)["held"])
         except zmq.Again as exc:
             raise TransferError("the pull source did not answer") from exc
 
@@ -340,12 +343,23 @@ class KVTransport(ABC):
     def peer_layout(self, peer: PeerInfo) -> PoolLayout:
         return self._peer_layouts[f"{peer.host}:{peer.port}"]
 
-    @staticmethod
-    def _send_control(socket: zmq.Socket, kind: bytes, header: dict, data: object | None = None) -> None:
+    def _send_control(
+        self, socket: zmq.Socket, kind: bytes, header: dict, data: object | None = None
+    ) -> None:
         frames: list = [kind, json.dumps(header).encode()]
         if data is not None:
             frames.append(data)
-        socket.send_multipart(frames, copy=data is None)
+        socket.send_multipart(self._mac.seal(frames), copy=data is None)
+
+    def _recv_reply(self, socket: zmq.Socket) -> dict:
+        frames = self._mac.open(socket.recv_multipart())
+        if frames is None:
+            raise TransferError("a KV peer's reply failed authentication (not this deployment's)")
+        return json.loads(frames[0])
+
+    def _reply(self, identity: zmq.Frame, answer: dict) -> None:
+        assert self._router is not None
+        self._router.send_multipart([identity, *self._mac.seal([json.dumps(answer).encode()])])
 
     # ---- receiver thread -----------------------------------------------------------------
     def _receive_loop(self) -> None:
@@ -367,10 +381,14 @@ class KVTransport(ABC):
         self._router.close(linger=0)
 
     def _dispatch(self, frames: list[zmq.Frame]) -> None:
+        body = self._mac.open(frames[1:])
+        if body is None:
+            logger.warning("dropped a KV message that failed authentication")
+            return
+        frames = [frames[0], *body]
         identity, kind, header = frames[0], frames[1].bytes, json.loads(frames[2].bytes)
         if kind == b"HELLO":
-            assert self._router is not None
-            self._router.send_multipart([identity, json.dumps(self.layout()._asdict()).encode()])
+            self._reply(identity, self.layout()._asdict())
         elif kind == b"PUSH":
             num_bytes = self._on_push(header, frames[3:])
             self.record_arrival(
@@ -378,8 +396,7 @@ class KVTransport(ABC):
             )
         elif kind == b"HELD":
             held = self.is_held(header["transfer_id"]) if self.is_held is not None else True
-            assert self._router is not None
-            self._router.send_multipart([identity, json.dumps({"held": held}).encode()])
+            self._reply(identity, {"held": held})
         elif kind == b"PULL":
             self._on_pull_request(header)
         elif kind == b"RELEASE":

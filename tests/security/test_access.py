@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from tests.conftest import free_port, running_server
-from tests.router.test_pd_proxy import started_parts, up_log
+from tests.router.test_pd_proxy import internal_auth, started_parts, up_log
 
 API_KEY = "sk-test-public-key"
 LONG_PROMPT = [{"role": "user", "content": "tell me about the weather tomorrow please " * 4}]
@@ -104,10 +104,7 @@ def _listening_addresses(port: int) -> set[str]:
 
 
 def _token_of(pid: int) -> str:
-    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    values = [e.split(b"=", 1)[1] for e in environ if e.startswith(b"SPLITSERVE_INTERNAL_TOKEN=")]
-    assert len(values) == 1
-    return values[0].decode()
+    return internal_auth(pid)["Authorization"].removeprefix("Bearer ")
 
 
 def test_up_exposes_only_the_proxy_and_it_wants_the_key(exposed_up):
@@ -126,14 +123,9 @@ def test_up_exposes_only_the_proxy_and_it_wants_the_key(exposed_up):
     )
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     # the prompt went through prefill, a KV transfer and decode: the proxy sent the token
-    internal = {"Authorization": f"Bearer {_token_of_part(base)}"}
-    metrics = httpx.get(f"{urls['decode-0']}/metrics", headers=internal)
+    decode_pid = started_parts(proxy_port)["decode-0"]
+    metrics = httpx.get(f"{urls['decode-0']}/metrics", headers=internal_auth(decode_pid))
     assert "splitserve_kv_transfer_bytes" in metrics.text
-
-
-def _token_of_part(base: str) -> str:
-    port = int(base.rsplit(":", 1)[1])
-    return _token_of(started_parts(port)["decode-0"])
 
 
 def test_up_gives_each_part_its_token_through_the_environment_only(exposed_up):
@@ -149,7 +141,7 @@ def test_up_gives_each_part_its_token_through_the_environment_only(exposed_up):
 
 def test_internal_parts_refuse_callers_without_the_token(exposed_up):
     base, urls = exposed_up
-    token = _token_of_part(base)
+    token = _token_of(started_parts(int(base.rsplit(":", 1)[1]))["decode-0"])
     target = DialCounter()
     try:
         attack = {  # the file-overwrite and SSRF request, sent straight to prefill

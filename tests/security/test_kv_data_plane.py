@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -103,3 +104,62 @@ def test_a_segment_named_like_kv_but_of_another_peer_is_refused(tmp_path: Path):
             peer.close()
     finally:
         owner.close()
+
+
+def _wait_for(condition, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_kv_frames_without_the_deployments_mac_are_dropped(monkeypatch):
+    """The issue's raw-ZeroMQ attack on a tcp KV socket: frames written straight to decode's
+    socket change nothing; the deployment's own sender (same token) still lands its KV, and
+    a sender with another token is not even answered."""
+    monkeypatch.setenv("SPLITSERVE_INTERNAL_TOKEN", "the-deployment-token")
+    config = TransferConfig(transport="tcp", timeout_s=1.0)
+    decode = make_transport("decode-0", config)
+    pool = decode.allocate_pool(SHAPE, torch.float32)
+    peer = decode.start()
+    context = zmq.Context()
+    attacker = context.socket(zmq.DEALER)
+    try:
+        attacker.connect(f"tcp://{peer.host}:{peer.port}")
+        block = torch.full((2, 1, *SHAPE[3:]), 7.0).numpy().tobytes()
+        header = {"transfer_id": "victim", "layer": 0, "dst": [0], "ready_at": time.time()}
+        attacker.send_multipart([b"PUSH", json.dumps(header).encode(), block])
+        attacker.send_multipart([b"PUSH", json.dumps(header).encode(), block, b"\0" * 32])  # a forged tag
+        attacker.send_multipart([b"HELLO", b"{}"])
+        assert attacker.poll(500) == 0  # no answer to an unauthenticated HELLO
+        assert not pool.any()
+
+        monkeypatch.setenv("SPLITSERVE_INTERNAL_TOKEN", "another-deployment")
+        stranger = make_transport("prefill-x", config)
+        try:
+            filled_pool(stranger)
+            stranger.start()
+            stranger.push_layer(peer, "t-stranger", 0, [1], [1])
+            assert stranger.flush(10)
+            assert "did not answer" in (stranger.take_send_error("t-stranger") or "")
+        finally:
+            stranger.close()
+        assert not pool.any()
+
+        monkeypatch.setenv("SPLITSERVE_INTERNAL_TOKEN", "the-deployment-token")
+        prefill = make_transport("prefill-0", config)
+        try:
+            filled_pool(prefill)
+            prefill.start()
+            prefill.push_layer(peer, "t-legit", 0, [1], [1])
+            assert prefill.flush(10)
+            assert _wait_for(lambda: bool(pool[0, :, 1].any()))
+            assert not pool[0, :, 0].any()
+        finally:
+            prefill.close()
+    finally:
+        attacker.close(linger=0)
+        context.term()
+        decode.close()
