@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import re
 import socket
@@ -19,6 +20,7 @@ import httpx
 import openai
 import pytest
 
+from tests.bench.conftest import splitserve_bench
 from tests.conftest import free_port, running_server
 from tests.router.test_pd_proxy import internal_auth, started_parts, up_log
 
@@ -255,3 +257,17 @@ def test_client_request_ids_are_echoed_never_shared_and_may_be_long(exposed_up):
         headers={"Authorization": f"Bearer {API_KEY}"},
     )
     assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "request_id"
+
+
+def test_bench_runs_against_the_proxy_with_the_key(exposed_up, tiny_model, tmp_path):
+    base, _ = exposed_up
+    out = tmp_path / "bench.json"
+    args = ["--url", base, "--tokenizer", tiny_model, "--input-len", "24", "--output-len", "4"]
+    args += ["--rate", "20", "--num-requests", "3", "--warmup", "0", "--json", str(out), "--quiet"]
+    refused = splitserve_bench(*args, timeout=120)
+    assert refused.returncode != 0
+    finished = splitserve_bench(*args, "--api-key", API_KEY, timeout=120)
+    assert finished.returncode == 0, finished.stderr
+    (level,) = json.loads(out.read_text())["levels"]
+    assert level["summary"]["completed"] == 3
+    assert API_KEY not in out.read_text()
