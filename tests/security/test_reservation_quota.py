@@ -55,3 +55,24 @@ def test_decode_refuses_reservations_past_its_limit_with_429(tiny_model):
         assert answers == {"pin-0": 200, "pin-1": 200}  # the TTL passed: decode recomputed
         again = httpx.post(f"{decode}/inference/v1/generate", json=_waiting_request("third"), timeout=60)
         assert again.status_code == 200, again.text
+
+
+def test_the_proxy_passes_the_429_and_its_retry_after_on(tiny_model):
+    render_port, prefill_port, decode_port, proxy_port = (free_port() for _ in range(4))
+    engine = ["engine", tiny_model, "--num-blocks", "64", "--kv-transport", "shm"]
+    prefill_args = [*engine, "--role", "prefill", "--port", str(prefill_port)]
+    decode_args = [*engine, "--role", "decode", "--port", str(decode_port), "--kv-max-reservations", "0"]
+    with (
+        running_server(["render", tiny_model, "--port", str(render_port)], render_port) as render,
+        running_server(prefill_args, prefill_port) as prefill,
+        running_server(decode_args, decode_port) as decode,
+        running_server(
+            ["proxy", "--render", render, "--prefill", prefill, "--decode", decode, "--port", str(proxy_port),
+             "--min-prefill-tokens", "1"], proxy_port
+        ) as proxy,
+    ):  # fmt: skip
+        body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
+        refused = httpx.post(f"{proxy}/v1/chat/completions", json=body, timeout=60)
+        assert refused.status_code == 429, refused.text
+        assert refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["type"] == "rate_limit_error"
