@@ -136,6 +136,12 @@ def run(args: argparse.Namespace) -> int:
     app = create_engine_app(engine, manage_engine=True)
     if connector is not None:
         kv_routes.install_kv_routes(app, connector)
+    if connector is not None and not policy.keys:
+        logging.getLogger(__name__).warning(
+            "no internal token (%s or --internal-token-file): every local user can write "
+            "into this engine's KV cache; `splitserve up` always sets one",
+            access.INTERNAL_TOKEN_ENV,
+        )
     guarded = access.AccessGuard(app, policy)
     uvicorn.run(
         guarded, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
