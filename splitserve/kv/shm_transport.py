@@ -155,11 +155,12 @@ class ShmTransport(KVTransport):
         assert self.pool is not None
         source = self._peer_pools[f"{job.peer.host}:{job.peer.port}"]
         # Held before and after the read means held throughout: the blocks were not reused.
-        if not self._ask_held(socket, job.transfer_id):
+        if not self._ask_held(socket, job.transfer_id, job.src_block_ids):
             raise TransferError(f"engine {job.peer.engine_id} no longer holds the blocks")
         for layer in range(self.pool.shape[0]):
             num_bytes = copy_blocks(self.pool[layer], job.dst_block_ids, source[layer], job.src_block_ids)
-            if layer == self.pool.shape[0] - 1 and not self._ask_held(socket, job.transfer_id):
+            last = layer == self.pool.shape[0] - 1
+            if last and not self._ask_held(socket, job.transfer_id, job.src_block_ids):
                 raise TransferError(f"engine {job.peer.engine_id} released the blocks during the read")
             self.record_arrival(job.transfer_id, layer, job.dst_block_ids, num_bytes, None)
         self._send_control(socket, b"RELEASE", {"transfer_id": job.transfer_id})

@@ -95,7 +95,8 @@ class KVTransport(ABC):
         self._send_errors: dict[str, str] = {}
         self._send_stats: dict[str, tuple[float, int]] = {}
         self.on_release: Callable[[str], None] | None = None  # pull source: a peer has read the blocks
-        self.is_held: Callable[[str], bool] | None = None  # pull source: are the blocks still kept?
+        # pull source: does this transfer still hold these blocks?
+        self.is_held: Callable[[str, list[int]], bool] | None = None
         self.bytes_sent = 0
         self._mac = FrameMac(internal_token())  # every message tagged with the deployment's key
 
@@ -329,9 +330,9 @@ class KVTransport(ABC):
         self._on_handshake(peer, layout)
         return layout
 
-    def _ask_held(self, socket: zmq.Socket, transfer_id: str) -> bool:
-        """Does the pull source still hold the blocks of `transfer_id`?"""
-        self._send_control(socket, b"HELD", {"transfer_id": transfer_id})
+    def _ask_held(self, socket: zmq.Socket, transfer_id: str, block_ids: list[int]) -> bool:
+        """Does the pull source still hold `block_ids` for `transfer_id`?"""
+        self._send_control(socket, b"HELD", {"transfer_id": transfer_id, "src": block_ids})
         try:
             return bool(self._recv_reply(socket)["held"])
         except zmq.Again as exc:
@@ -395,7 +396,8 @@ class KVTransport(ABC):
                 header["transfer_id"], header["layer"], header["dst"], num_bytes, header["ready_at"]
             )
         elif kind == b"HELD":
-            held = self.is_held(header["transfer_id"]) if self.is_held is not None else True
+            blocks = [int(block) for block in header["src"]]
+            held = self.is_held(header["transfer_id"], blocks) if self.is_held is not None else True
             self._reply(identity, {"held": held})
         elif kind == b"PULL":
             self._on_pull_request(header)

@@ -5,6 +5,7 @@ Python API with a real ZeroMQ peer)."""
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import threading
 import time
@@ -17,7 +18,7 @@ import zmq
 from splitserve.config import TransferConfig
 from splitserve.kv.transport_factory import make_transport
 from splitserve.kv.transport_types import PeerInfo
-from tests.kv.transport_peer import SHAPE, filled_pool
+from tests.kv.transport_peer import SHAPE, filled_pool, pattern, pull_source
 
 PRECIOUS = b"precious data that KV must never overwrite\n"
 
@@ -163,3 +164,39 @@ def test_kv_frames_without_the_deployments_mac_are_dropped(monkeypatch):
         attacker.close(linger=0)
         context.term()
         decode.close()
+
+
+@pytest.mark.parametrize("kind", ["shm", "tcp"])
+def test_a_pull_reads_only_the_blocks_its_hold_lent(kind):
+    """The issue's cross-tenant read: a pull names a real hold but another request's block
+    IDs; the source lends only the hold's own blocks, so nothing of the victim is read."""
+    context = multiprocessing.get_context("spawn")
+    to_parent, from_parent = context.Queue(), context.Queue()
+    source_process = context.Process(target=pull_source, args=(kind, to_parent, from_parent))
+    source_process.start()  # holds blocks 0, 3 and 6 under every transfer ID
+    puller = make_transport("decode-puller", TransferConfig(transport=kind, timeout_s=5))
+    try:
+        puller.allocate_pool(SHAPE, torch.float32)
+        puller.start()
+        source = PeerInfo(*to_parent.get(timeout=60))
+        outcomes: dict[str, object] = {}
+        finished = threading.Event()
+
+        def on_done(result) -> None:
+            outcomes[result.transfer_id] = result
+            if len(outcomes) == 2:
+                finished.set()
+
+        puller.expect("victim", [1, 2], on_done)
+        puller.pull(source, "victim", [1, 2], [1, 2])  # blocks 1, 2: not lent under this hold
+        puller.expect("mine", [4], on_done)
+        puller.pull(source, "mine", [3], [4])
+        assert finished.wait(30)
+        assert not outcomes["victim"].ok and "no longer holds" in outcomes["victim"].error
+        assert not puller.pool[:, :, [1, 2]].any()
+        assert outcomes["mine"].ok, outcomes["mine"]
+        assert torch.equal(puller.pool[:, :, [4]], pattern([3]))
+    finally:
+        from_parent.put(None)
+        source_process.join(30)
+        puller.close()
