@@ -41,6 +41,10 @@ class TransferConfig:
     timeout_s: float = 30.0
     failure_policy: Literal["recompute", "fail"] = "recompute"
     reservation_ttl_s: float = 60.0
+    # decode: requests waiting for remote KV at once, and the share of the pool they may
+    # reserve; past either, a new one is refused (429) rather than pinning the cache.
+    max_reservations: int = 512
+    max_reserved_fraction: float = 0.9
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -40,6 +41,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     target = parser.add_argument_group("server")
     target.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
+    target.add_argument(
+        "--api-key",
+        default=os.environ.get("SPLITSERVE_API_KEY"),
+        help="the server's API key (default: $SPLITSERVE_API_KEY)",
+    )
     target.add_argument(
         "--model", help="model name to request (default: the first of the server's /v1/models)"
     )
@@ -169,7 +175,7 @@ def _workload(
     """The model to ask for (from the server if not given), the tokenizer and the workload."""
     tokenizer = Tokenizer(args.tokenizer) if args.tokenizer else None
     if client.model == "":
-        model_info = server_model(client.base_url)
+        model_info = server_model(client.base_url, api_key=client.api_key)
         client = dataclasses.replace(client, model=str(model_info.get("id", "")))
     else:
         model_info = {"id": client.model}
@@ -235,6 +241,7 @@ def _parse(args: argparse.Namespace) -> tuple[ClientConfig, tuple[LoadSpec, ...]
         endpoint=args.endpoint,
         timeout=args.timeout,
         ignore_eos=not args.no_ignore_eos,
+        api_key=args.api_key,
     )
     return client, loads, slos, _parse_fraction(args.attainment)
 

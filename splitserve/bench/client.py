@@ -46,6 +46,11 @@ class ClientConfig:
     ignore_eos: bool = True
     temperature: float | None = 0.0
     extra_body: dict = field(default_factory=dict)
+    api_key: str | None = None  # sent as `Authorization: Bearer`, OpenAI's convention
+
+
+def bearer(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
 class Reply(NamedTuple):
@@ -126,6 +131,7 @@ class StreamingClient:
         self._url = config.base_url.rstrip("/") + ENDPOINTS[config.endpoint]
         self._count_tokens = count_tokens
         self._http = httpx.AsyncClient(
+            headers=bearer(config.api_key),
             timeout=httpx.Timeout(config.timeout, connect=min(config.timeout, 30.0)),
             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
         )

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import httpx
 
-from splitserve.bench.client import ClientConfig, StreamingClient
+from splitserve.bench.client import ClientConfig, StreamingClient, bearer
 from splitserve.bench.load import LoadSpec, run_load
 from splitserve.bench.metrics import RequestRecord, RunSummary, summarize
 from splitserve.bench.workload import SessionFactory, Tokenizer
@@ -53,11 +53,11 @@ class BenchPlan:
     required_attainment: float = 0.9
 
 
-def server_model(base_url: str, timeout: float = 10.0) -> dict:
+def server_model(base_url: str, timeout: float = 10.0, api_key: str | None = None) -> dict:
     """The first model the server lists at /v1/models; raises ValueError with the reason."""
     url = base_url.rstrip("/") + "/v1/models"
     try:
-        response = httpx.get(url, timeout=timeout)
+        response = httpx.get(url, timeout=timeout, headers=bearer(api_key))
     except httpx.HTTPError as exc:
         raise ValueError(f"cannot reach {url}: {exc or type(exc).__name__}") from None
     try:

@@ -24,6 +24,7 @@ import httpx
 
 from splitserve.frontend.media_cli import add_media_arguments, media_flags
 from splitserve.frontend.stream_state import STATE_KEY_ENV
+from splitserve.protocol.access import API_KEY_ENV, INTERNAL_TOKEN_ENV
 from splitserve.protocol.http_edge import DEFAULT_MAX_BODY_BYTES
 
 _POLL_S = 0.2
@@ -33,6 +34,7 @@ class Part(NamedTuple):
     name: str
     url: str
     process: subprocess.Popen
+    credential: str | None  # the bearer token its /health wants
 
 
 def _free_port(host: str) -> int:
@@ -62,7 +64,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--transport", choices=["shm", "tcp"], default=None, help="KV transport (default: the engines')"
     )
     parser.add_argument("--mode", choices=["push", "pull"], default="push")
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="the proxy's address; every other part binds loopback"
+    )
+    parser.add_argument(
+        "--api-key", default=None, help=f"the OpenAI API's key (default: ${API_KEY_ENV}; none: open)"
+    )
+    parser.add_argument(
+        "--open-health-metrics", action="store_true", help="the proxy's /health and /metrics need no key"
+    )
     parser.add_argument("--port", type=int, default=8000, help="the proxy's (OpenAI API) port")
     parser.add_argument(
         "--min-prefill-tokens", type=int, default=64, help="shorter prompts skip the prefill pool"
@@ -118,9 +128,11 @@ def ec_directory() -> str:
     return tempfile.mkdtemp(prefix="splitserve-ec-", dir=root)
 
 
-def _start(name: str, command: list[str], host: str, port: int, env: dict[str, str] | None = None) -> Part:
+def _start(
+    name: str, command: list[str], host: str, port: int, env: dict[str, str], credential: str | None
+) -> Part:
     process = subprocess.Popen([sys.executable, "-m", "splitserve.cli", *command], env=env)
-    return Part(name, f"http://{host}:{port}", process)
+    return Part(name, f"http://{host}:{port}", process, credential)
 
 
 def _wait_healthy(parts: list[Part], timeout_s: float) -> str | None:
@@ -132,8 +144,9 @@ def _wait_healthy(parts: list[Part], timeout_s: float) -> str | None:
             for part in list(pending):
                 if part.process.poll() is not None:
                     return f"{part.name} exited with code {part.process.returncode} while starting"
+                headers = {"Authorization": f"Bearer {part.credential}"} if part.credential else {}
                 with contextlib.suppress(httpx.HTTPError):
-                    if client.get(f"{part.url}/health").status_code == 200:
+                    if client.get(f"{part.url}/health", headers=headers).status_code == 200:
                         pending.remove(part)
             if time.monotonic() > deadline:
                 return f"not healthy after {timeout_s:.0f}s: {', '.join(p.name for p in pending)}"
@@ -165,7 +178,13 @@ def run(args: argparse.Namespace) -> int:
 
     resolved = resolve_model_or_exit(args.model)
     model = resolved.path
-    host = args.host
+    host = "127.0.0.1"  # internal parts: only the proxy is exposed (--host)
+    # One deployment, one internal token: every part gets it through its environment, never
+    # its command line (which every user of the host can read).
+    token = os.environ.get(INTERNAL_TOKEN_ENV) or secrets.token_urlsafe(32)
+    env = {**os.environ, INTERNAL_TOKEN_ENV: token}
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    proxy_env = {**env, API_KEY_ENV: api_key} if api_key else env
     stop_requested: list[int] = []
 
     def request_stop(signum: int, _frame: object) -> None:
@@ -187,8 +206,8 @@ def run(args: argparse.Namespace) -> int:
         if args.trust_request_chat_template:
             render.append("--trust-request-chat-template")
         # One render replica: a fresh signing key for its stream states, unless one is set.
-        render_env = {STATE_KEY_ENV: secrets.token_hex(32), **os.environ}
-        parts.append(_start("render", render, host, render_port, render_env))
+        render_env = {STATE_KEY_ENV: secrets.token_hex(32), **env}
+        parts.append(_start("render", render, host, render_port, render_env, token))
         engines = [("prefill", i) for i in range(args.prefill)] + [("decode", i) for i in range(args.decode)]
         engines += [("encoder", i) for i in range(args.encoder)]
         ec_flags = ["--max-pixel-bytes", str(args.max_pixel_bytes_per_request)]  # the render's limit
@@ -210,18 +229,20 @@ def run(args: argparse.Namespace) -> int:
                 *_engine_args(args),
                 *ec_flags,
             ]
-            parts.append(_start(f"{role}-{index}", command, host, port))
+            parts.append(_start(f"{role}-{index}", command, host, port, env, token))
         error = _wait_healthy(parts, args.startup_timeout)
         if error is None and not stop_requested:
             proxy = [
-                "proxy", "--render", parts[0].url, "--host", host, "--port", str(args.port),
+                "proxy", "--render", parts[0].url, "--host", args.host, "--port", str(args.port),
                 "--mode", args.mode, "--min-prefill-tokens", str(args.min_prefill_tokens),
                 "--log-level", args.log_level, "--max-body-bytes", str(args.max_body_bytes),
                 "--prefill", *[p.url for p in parts if p.name.startswith("prefill")],
                 "--decode", *[p.url for p in parts if p.name.startswith("decode")],
                 "--encoder", *[p.url for p in parts if p.name.startswith("encoder")],
             ]  # fmt: skip
-            parts.append(_start("proxy", proxy, host, args.port))
+            if args.open_health_metrics:
+                proxy.append("--open-health-metrics")
+            parts.append(_start("proxy", proxy, args.host, args.port, proxy_env, api_key))
             error = _wait_healthy(parts[-1:], args.startup_timeout)
         if error is not None:
             print(f"splitserve up: {error}", file=sys.stderr)

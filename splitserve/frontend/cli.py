@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from splitserve.frontend.media_cli import add_media_arguments, media_config
 from splitserve.frontend.stream_state import STATE_KEY_ENV, resolve_state_key
+from splitserve.protocol import access
 from splitserve.protocol.http_edge import DEFAULT_MAX_BODY_BYTES
 
 if TYPE_CHECKING:
@@ -61,6 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "behind one load balancer must use the same key",
     )
     add_frontend_arguments(parser)
+    access.add_internal_arguments(parser)
     parser.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
@@ -105,10 +107,14 @@ def run(args: argparse.Namespace) -> int:
             STATE_KEY_ENV,
         )
     try:
+        policy = access.internal_policy(args)
         renderer = Renderer(render_config(args, resolve_model_or_exit(args.model), args.max_model_len))
         app = create_render_app(renderer, key, max_body_bytes=args.max_body_bytes)
     except (OSError, TemplateError, ValueError) as exc:
         print(f"splitserve render: {exc}", file=sys.stderr)
         return 2
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    guarded = access.AccessGuard(app, policy)
+    uvicorn.run(
+        guarded, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
+    )
     return 0

@@ -356,7 +356,7 @@ class PDConnector(KVConnector):
             return False, pushed.with_address(address).to_wire()
         if request.finish_reason not in ("stop", "length") or not block_ids:
             return False, None
-        self.holds.hold(request.request_id)
+        self.holds.hold(request.request_id, block_ids)
         held = KVTransferParams(
             do_remote_prefill=True,
             transfer_mode="pull",

@@ -13,7 +13,6 @@ Both are shared between the engine thread, the transport threads and the HTTP lo
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -107,20 +106,23 @@ class HoldTable:
         self.ttl_s = ttl_s
         self._on_release = on_release  # (request_id, expired)
         self._lock = threading.Lock()
-        self._holds: dict[str, float] = {}
+        self._holds: dict[str, frozenset[int]] = {}  # request -> the blocks it holds
         self._timers: dict[str, threading.Timer] = {}
 
-    def hold(self, request_id: str) -> None:
+    def hold(self, request_id: str, block_ids: list[int]) -> None:
         timer = threading.Timer(self.ttl_s, self.release, args=(request_id, True))
         timer.daemon = True
         with self._lock:
-            self._holds[request_id] = time.monotonic()
+            self._holds[request_id] = frozenset(block_ids)
             self._timers[request_id] = timer
         timer.start()
 
-    def is_held(self, request_id: str) -> bool:
+    def is_held(self, request_id: str, block_ids: list[int]) -> bool:
+        """Are `block_ids` among the blocks `request_id` holds? A reader names the hold and
+        the blocks; blocks of any other request are never lent under it."""
         with self._lock:
-            return request_id in self._holds
+            held = self._holds.get(request_id)
+            return held is not None and held.issuperset(block_ids)
 
     def release(self, request_id: str, expired: bool = False) -> bool:
         with self._lock:

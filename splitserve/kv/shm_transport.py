@@ -11,6 +11,8 @@ import contextlib
 import math
 import mmap
 import os
+import re
+import stat
 import tempfile
 import warnings
 
@@ -33,21 +35,67 @@ def _shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
-def map_pool(path: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A tensor backed by the shared file at `path` (created and sized when missing). The
-    mapping is populated up front, so no transfer pays page faults on first touch."""
-    size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        if os.fstat(fd).st_size < size:
-            os.ftruncate(fd, size)
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        mapping = mmap.mmap(fd, size, flags=flags)
-    finally:
-        os.close(fd)
+_SEGMENT_PREFIX = "splitserve-kv-"
+_ENGINE_ID = re.compile(r"[A-Za-z0-9_.-]{1,128}")
+
+
+def segment_path(pid: int, engine_id: str) -> str:
+    """Where engine `engine_id` of process `pid` creates its pool: the only name a worker
+    maps, derived from the peer's identity, never taken from a message."""
+    if not _ENGINE_ID.fullmatch(engine_id):
+        raise TransferError(f"KV engine ID {engine_id!r} is not a plain name")
+    return os.path.join(_shm_dir(), f"{_SEGMENT_PREFIX}{pid}-{engine_id}")
+
+
+def _pool_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
+def _map_fd(fd: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor over the file open at `fd`, populated up front, so no transfer pays page
+    faults on first touch."""
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    mapping = mmap.mmap(fd, _pool_bytes(shape, dtype), flags=flags)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         return torch.frombuffer(mapping, dtype=dtype).view(shape)
+
+
+def create_pool(path: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """This engine's own pool: a new file at `path` (never an existing one), sized here."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.ftruncate(fd, _pool_bytes(shape, dtype))
+        return _map_fd(fd, shape, dtype)
+    finally:
+        os.close(fd)
+
+
+def map_peer_pool(engine_id: str, pid: int, fd: int, shape: tuple[int, ...], dtype: torch.dtype):
+    """A peer's pool, reached through its open descriptor, mapped only when it is the
+    unlinked segment `segment_path(pid, engine_id)`, a regular file of our own user of
+    exactly the pool's size: nothing is created, extended or followed elsewhere."""
+    expected = f"{segment_path(pid, engine_id)} (deleted)"
+    try:
+        own_fd = os.open(f"/proc/{int(pid)}/fd/{int(fd)}", os.O_RDWR)
+    except OSError as exc:
+        raise TransferError(f"KV peer {engine_id} has no shared-memory pool on this host") from exc
+    try:
+        # What we actually opened, not what a message said: race-free.
+        opened = os.readlink(f"/proc/self/fd/{own_fd}")
+        info = os.fstat(own_fd)
+        if (
+            opened != expected
+            or not stat.S_ISREG(info.st_mode)
+            or info.st_uid != os.geteuid()
+            or info.st_size != _pool_bytes(shape, dtype)
+        ):
+            raise TransferError(f"KV peer {engine_id} offered a segment that is not its KV pool")
+        return _map_fd(own_fd, shape, dtype)
+    finally:
+        os.close(own_fd)
 
 
 class ShmTransport(KVTransport):
@@ -55,40 +103,35 @@ class ShmTransport(KVTransport):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._path: str | None = None
         self._fd: int | None = None
         self._peer_pools: dict[str, torch.Tensor] = {}
 
     def allocate_pool(self, shape: tuple[int, ...], dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
         if str(device) != "cpu":
             raise TransferError("the shm transport keeps KV pools in host memory; use device cpu")
-        path = os.path.join(_shm_dir(), f"splitserve-kv-{os.getpid()}-{self.engine_id}")
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-        self.pool = map_pool(path, tuple(shape), dtype)
+        path = segment_path(os.getpid(), self.engine_id)
+        self.pool = create_pool(path, tuple(shape), dtype)
         # Unlinked at once and reached through our open descriptor: the memory goes away
         # with this process, however it dies.
-        self._fd = os.open(path, os.O_RDWR)
+        self._fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         os.unlink(path)
-        self._path = f"/proc/{os.getpid()}/fd/{self._fd}"
         return self.pool
 
-    def _shm_path(self) -> str | None:
-        return self._path
+    def _shm_handle(self) -> tuple[int | None, int | None]:
+        return (os.getpid(), self._fd) if self._fd is not None else (None, None)
 
     def _release_pool(self) -> None:
         if self._fd is not None:
             with contextlib.suppress(OSError):
                 os.close(self._fd)
             self._fd = None
-        self._path = None
         self._peer_pools.clear()
 
     def _on_handshake(self, peer: PeerInfo, layout: PoolLayout) -> None:
-        if not layout.shm_path or not os.path.exists(layout.shm_path):
+        if layout.shm_pid is None or layout.shm_fd is None:
             raise TransferError(f"KV peer {peer.engine_id} has no shared-memory pool on this host")
-        self._peer_pools[f"{peer.host}:{peer.port}"] = map_pool(
-            layout.shm_path, layout.shape, dtype_from_name(layout.dtype)
+        self._peer_pools[f"{peer.host}:{peer.port}"] = map_peer_pool(
+            peer.engine_id, layout.shm_pid, layout.shm_fd, layout.shape, dtype_from_name(layout.dtype)
         )
 
     def _send_push(self, socket: zmq.Socket, job: PushJob) -> int:
@@ -112,11 +155,12 @@ class ShmTransport(KVTransport):
         assert self.pool is not None
         source = self._peer_pools[f"{job.peer.host}:{job.peer.port}"]
         # Held before and after the read means held throughout: the blocks were not reused.
-        if not self._ask_held(socket, job.transfer_id):
+        if not self._ask_held(socket, job.transfer_id, job.src_block_ids):
             raise TransferError(f"engine {job.peer.engine_id} no longer holds the blocks")
         for layer in range(self.pool.shape[0]):
             num_bytes = copy_blocks(self.pool[layer], job.dst_block_ids, source[layer], job.src_block_ids)
-            if layer == self.pool.shape[0] - 1 and not self._ask_held(socket, job.transfer_id):
+            last = layer == self.pool.shape[0] - 1
+            if last and not self._ask_held(socket, job.transfer_id, job.src_block_ids):
                 raise TransferError(f"engine {job.peer.engine_id} released the blocks during the read")
             self.record_arrival(job.transfer_id, layer, job.dst_block_ids, num_bytes, None)
         self._send_control(socket, b"RELEASE", {"transfer_id": job.transfer_id})

@@ -62,7 +62,7 @@ class TcpTransport(KVTransport):
     def _on_pull_request(self, header: dict) -> None:
         peer = PeerInfo(*header["reply_to"])
         transfer_id = header["transfer_id"]
-        if self.is_held is not None and not self.is_held(transfer_id):
+        if self.is_held is not None and not self.is_held(transfer_id, list(header["src"])):
             self.send_failure(peer, transfer_id, f"engine {self.engine_id} no longer holds the blocks")
             return
         assert self.pool is not None

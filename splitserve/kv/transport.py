@@ -35,6 +35,7 @@ import zmq
 
 from splitserve.config import TransferConfig
 from splitserve.kv.arrivals import ArrivalTracker, TransferResult
+from splitserve.kv.frame_mac import FrameMac
 from splitserve.kv.transport_types import (
     Barrier,
     CallbackJob,
@@ -46,12 +47,21 @@ from splitserve.kv.transport_types import (
     TransferError,
     dtype_name,
 )
+from splitserve.protocol.access import internal_token
 
 __all__ = ["KVTransport"]
 
 logger = logging.getLogger(__name__)
 
 _POLL_MS = 20
+
+
+def _optional_int(value: object) -> int | None:
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"not an integer: {value!r}")
+    return value
 
 
 class KVTransport(ABC):
@@ -85,8 +95,10 @@ class KVTransport(ABC):
         self._send_errors: dict[str, str] = {}
         self._send_stats: dict[str, tuple[float, int]] = {}
         self.on_release: Callable[[str], None] | None = None  # pull source: a peer has read the blocks
-        self.is_held: Callable[[str], bool] | None = None  # pull source: are the blocks still kept?
+        # pull source: does this transfer still hold these blocks?
+        self.is_held: Callable[[str, list[int]], bool] | None = None
         self.bytes_sent = 0
+        self._mac = FrameMac(internal_token())  # every message tagged with the deployment's key
 
     # ---- pool ----------------------------------------------------------------------------
     @abstractmethod
@@ -96,10 +108,11 @@ class KVTransport(ABC):
     def layout(self) -> PoolLayout:
         if self.pool is None:
             raise TransferError("the KV pool is not allocated yet")
-        return PoolLayout(tuple(self.pool.shape), dtype_name(self.pool.dtype), self._shm_path())
+        return PoolLayout(tuple(self.pool.shape), dtype_name(self.pool.dtype), *self._shm_handle())
 
-    def _shm_path(self) -> str | None:
-        return None
+    def _shm_handle(self) -> tuple[int | None, int | None]:
+        """(pid, descriptor) of this engine's shared-memory pool, for the shm transport."""
+        return None, None
 
     # ---- lifecycle -----------------------------------------------------------------------
     def start(self) -> PeerInfo:
@@ -293,12 +306,20 @@ class KVTransport(ABC):
         """Connection set-up: learn the peer's pool layout and check it matches ours."""
         self._send_control(socket, b"HELLO", {"engine_id": self.engine_id})
         try:
-            reply = json.loads(socket.recv())
+            reply = self._recv_reply(socket)
         except zmq.Again as exc:
             raise TransferError(
                 f"KV peer {peer.engine_id} at {peer.host}:{peer.port} did not answer"
             ) from exc
-        layout = PoolLayout(tuple(reply["shape"]), reply["dtype"], reply.get("shm_path"))
+        try:
+            layout = PoolLayout(
+                tuple(int(size) for size in reply["shape"]),
+                str(reply["dtype"]),
+                _optional_int(reply.get("shm_pid")),
+                _optional_int(reply.get("shm_fd")),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise TransferError(f"KV peer {peer.engine_id} answered a malformed HELLO") from exc
         mine = self.layout()
         if (
             layout.shape[0] != mine.shape[0]
@@ -309,11 +330,11 @@ class KVTransport(ABC):
         self._on_handshake(peer, layout)
         return layout
 
-    def _ask_held(self, socket: zmq.Socket, transfer_id: str) -> bool:
-        """Does the pull source still hold the blocks of `transfer_id`?"""
-        self._send_control(socket, b"HELD", {"transfer_id": transfer_id})
+    def _ask_held(self, socket: zmq.Socket, transfer_id: str, block_ids: list[int]) -> bool:
+        """Does the pull source still hold `block_ids` for `transfer_id`?"""
+        self._send_control(socket, b"HELD", {"transfer_id": transfer_id, "src": block_ids})
         try:
-            return bool(json.loads(socket.recv())["held"])
+            return bool(self._recv_reply(socket)["held"])
         except zmq.Again as exc:
             raise TransferError("the pull source did not answer") from exc
 
@@ -323,12 +344,23 @@ class KVTransport(ABC):
     def peer_layout(self, peer: PeerInfo) -> PoolLayout:
         return self._peer_layouts[f"{peer.host}:{peer.port}"]
 
-    @staticmethod
-    def _send_control(socket: zmq.Socket, kind: bytes, header: dict, data: object | None = None) -> None:
+    def _send_control(
+        self, socket: zmq.Socket, kind: bytes, header: dict, data: object | None = None
+    ) -> None:
         frames: list = [kind, json.dumps(header).encode()]
         if data is not None:
             frames.append(data)
-        socket.send_multipart(frames, copy=data is None)
+        socket.send_multipart(self._mac.seal(frames), copy=data is None)
+
+    def _recv_reply(self, socket: zmq.Socket) -> dict:
+        frames = self._mac.open(socket.recv_multipart())
+        if frames is None:
+            raise TransferError("a KV peer's reply failed authentication (not this deployment's)")
+        return json.loads(frames[0])
+
+    def _reply(self, identity: zmq.Frame, answer: dict) -> None:
+        assert self._router is not None
+        self._router.send_multipart([identity, *self._mac.seal([json.dumps(answer).encode()])])
 
     # ---- receiver thread -----------------------------------------------------------------
     def _receive_loop(self) -> None:
@@ -350,19 +382,23 @@ class KVTransport(ABC):
         self._router.close(linger=0)
 
     def _dispatch(self, frames: list[zmq.Frame]) -> None:
+        body = self._mac.open(frames[1:])
+        if body is None:
+            logger.warning("dropped a KV message that failed authentication")
+            return
+        frames = [frames[0], *body]
         identity, kind, header = frames[0], frames[1].bytes, json.loads(frames[2].bytes)
         if kind == b"HELLO":
-            assert self._router is not None
-            self._router.send_multipart([identity, json.dumps(self.layout()._asdict()).encode()])
+            self._reply(identity, self.layout()._asdict())
         elif kind == b"PUSH":
             num_bytes = self._on_push(header, frames[3:])
             self.record_arrival(
                 header["transfer_id"], header["layer"], header["dst"], num_bytes, header["ready_at"]
             )
         elif kind == b"HELD":
-            held = self.is_held(header["transfer_id"]) if self.is_held is not None else True
-            assert self._router is not None
-            self._router.send_multipart([identity, json.dumps({"held": held}).encode()])
+            blocks = [int(block) for block in header["src"]]
+            held = self.is_held(header["transfer_id"], blocks) if self.is_held is not None else True
+            self._reply(identity, {"held": held})
         elif kind == b"PULL":
             self._on_pull_request(header)
         elif kind == b"RELEASE":

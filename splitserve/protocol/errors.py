@@ -25,12 +25,21 @@ _TYPE_BY_STATUS = {
 class APIError(Exception):
     """An error reported to the client as-is: an HTTP status and an OpenAI error body."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        *,
+        retry_after_s: int | None = None,
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.retry_after_s = retry_after_s  # a 429/503's `Retry-After`
 
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, self.param, self.code)

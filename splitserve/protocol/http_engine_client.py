@@ -42,7 +42,10 @@ class HTTPEngineClient(EngineClient):
                 "POST", f"{self.base_url}/inference/v1/generate", json=body
             ) as response:
                 if response.status_code != 200:
-                    raise APIError.from_body(response.status_code, await _json_or_text(response), "engine")
+                    error = APIError.from_body(response.status_code, await _json_or_text(response), "engine")
+                    retry_after = response.headers.get("retry-after", "")
+                    error.retry_after_s = int(retry_after) if retry_after.isdigit() else None
+                    raise error  # a 429's Retry-After reaches the client through the proxy
                 held: dict | None = None  # the finishing chunk, until usage has arrived
                 async for chunk in _sse_events(response):
                     if held is not None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import httpx
 
+from splitserve.protocol.access import internal_headers
+
 # uvicorn closes a keep-alive connection after 5 idle seconds. A client that reuses one
 # at that moment reads a reset (httpx.ReadError) instead of an answer: drop them sooner.
 KEEPALIVE_EXPIRY_S = 2.0
@@ -14,8 +16,9 @@ def pooled_client(
 ) -> httpx.AsyncClient:
     """An AsyncClient for another tier: keep-alive connections that expire before the
     server's, `keepalive` of them kept idle (httpcore scans its whole pool on every
-    request, so keep pools small)."""
+    request, so keep pools small). Every request carries the deployment's internal token."""
     return httpx.AsyncClient(
+        headers=internal_headers(),
         timeout=httpx.Timeout(read_timeout_s, connect=10.0),
         limits=httpx.Limits(
             max_connections=max_connections,

@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 
+from splitserve.protocol import access
 from splitserve.protocol.http_edge import DEFAULT_MAX_BODY_BYTES
 
 
@@ -32,6 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="request body limit"
     )
+    access.add_public_arguments(parser)
+    access.add_internal_arguments(parser)
     parser.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
@@ -51,7 +54,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         policy = PDPolicy(args.min_prefill_tokens, args.mode, args.reserve_timeout)
         pool = WorkerPool(args.prefill, args.decode)
-    except ValueError as exc:
+        access.load_internal_token(args)  # every client to the internal parts sends it
+    except (OSError, ValueError) as exc:
         print(f"splitserve proxy: {exc}", file=sys.stderr)
         return 2
     if args.health_interval <= 0:
@@ -64,5 +68,8 @@ def run(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         encoder_urls=args.encoder,
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    guarded = access.AccessGuard(app, access.public_policy(args))
+    uvicorn.run(
+        guarded, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
+    )
     return 0

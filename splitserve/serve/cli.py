@@ -14,12 +14,14 @@ import sys
 
 from splitserve.engine.api import cli as engine_cli
 from splitserve.frontend import cli as render_cli
+from splitserve.protocol import access
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine_cli.add_arguments(parser)
     parser.set_defaults(port=8000)
     render_cli.add_frontend_arguments(parser)
+    access.add_public_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -70,5 +72,8 @@ def run(args: argparse.Namespace) -> int:
         on_startup=start,
         on_shutdown=stop,
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    guarded = access.AccessGuard(app, access.public_policy(args))
+    uvicorn.run(
+        guarded, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
+    )
     return 0

@@ -11,6 +11,7 @@ request.
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any, NamedTuple
 
@@ -52,15 +53,18 @@ class Choices(NamedTuple):
 
 
 def fan_out(prompts: list[RenderedPrompt], n: int, seed: int | None) -> Choices:
+    """Each choice's engine request gets an ID the server makes up: the client's
+    `request_id` is only echoed as the response's `id`, so no client can collide with
+    (or abort, or hijack the KV of) another's request, and any ID up to the API's limit
+    of 256 characters works behind the P/D proxy's suffixes."""
     bodies, states, prompt_ids = [], [], []
     for prompt in prompts:
         generate = prompt.generate
         for i in range(n):
             body = {**generate, "stream": True, "sampling_params": dict(generate["sampling_params"])}
-            if n > 1:
-                body["request_id"] = f"{generate['request_id']}-{i}"
-                if seed is not None:
-                    body["sampling_params"]["seed"] = seed + i
+            body["request_id"] = f"req-{uuid.uuid4().hex}"
+            if n > 1 and seed is not None:
+                body["sampling_params"]["seed"] = seed + i
             bodies.append(body)
             states.append(prompt.state)
             prompt_ids.append(generate["token_ids"])

@@ -70,7 +70,8 @@ def pull_source(kind: str, to_parent, from_parent) -> None:
     transport = make_transport("source", TransferConfig(transport=kind, timeout_s=5))
     filled_pool(transport)
     released = []
-    transport.is_held = lambda transfer_id: transfer_id != "gone"
+    held = {0, 3, 6}  # the blocks lent under every transfer but "gone"
+    transport.is_held = lambda transfer_id, blocks: transfer_id != "gone" and held.issuperset(blocks)
     transport.on_release = released.append
     to_parent.put(tuple(transport.start()))
     while from_parent.get(timeout=60) is not None:

@@ -34,7 +34,9 @@ def part_urls(port: int) -> dict[str, str]:
 def test_up_with_an_encoder_pool_equals_transformers_and_encodes_each_image_once(vl_model):
     port = free_port()
     command = ["up", vl_model, "--port", str(port), "--encoder", "1", "--prefill", "1", "--decode", "1"]
-    with running_server([*command, *FLAGS], port, timeout=240) as base:
+    token = {"SPLITSERVE_INTERNAL_TOKEN": "encoder-pool-test"}  # to read the parts' own metrics
+    auth = {"Authorization": "Bearer encoder-pool-test"}
+    with running_server([*command, *FLAGS], port, timeout=240, env=token) as base:
         model = httpx.get(base + "/v1/models").json()["data"][0]["id"]
         requests = [PICTURES[:1], PICTURES[1:3], PICTURES[:1], []]  # the first image again, then text
         answers = [chat(base, image_chat_body(model, pictures)) for pictures in requests]
@@ -42,9 +44,11 @@ def test_up_with_an_encoder_pool_equals_transformers_and_encodes_each_image_once
         twice = chat(base, {**image_chat_body(model, [FRESH]), "n": 2})
         proxy_metrics = httpx.get(base + "/metrics").text
         parts = part_urls(port)
-        engines = {name: httpx.get(parts[name] + "/metrics").text for name in ("prefill-0", "decode-0")}
-        encoder = httpx.get(parts["encoder-0"] + "/metrics").text
-        render = httpx.get(parts["render"] + "/metrics").text
+        engines = {
+            name: httpx.get(parts[name] + "/metrics", headers=auth).text for name in ("prefill-0", "decode-0")
+        }
+        encoder = httpx.get(parts["encoder-0"] + "/metrics", headers=auth).text
+        render = httpx.get(parts["render"] + "/metrics", headers=auth).text
 
     prompts = [answer["prompt_token_ids"] for answer in [*answers, twice]]
     expected = oracle(vl_model, list(zip(prompts, [*requests, [FRESH]], strict=True)))

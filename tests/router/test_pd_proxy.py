@@ -97,6 +97,14 @@ def started_parts(port: int, timeout_s: float = 30) -> dict[str, int]:
     return pids
 
 
+def internal_auth(pid: int) -> dict[str, str]:
+    """The header a part of `up` wants: the deployment token `up` put in its environment."""
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    tokens = [e.split(b"=", 1)[1] for e in environ if e.startswith(b"SPLITSERVE_INTERNAL_TOKEN=")]
+    assert len(tokens) == 1
+    return {"Authorization": f"Bearer {tokens[0].decode()}"}
+
+
 def wait_gone(pids: list[int], timeout_s: float = 30) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -147,7 +155,9 @@ def test_up_pull_over_tcp_then_stops_when_a_part_dies(tiny_model, collocated):
         assert asyncio.run(chat_token_ids(base, messages)) == expected
         pids = started_parts(port)
         urls = dict(re.findall(r"^\s+(\S+)\s+(http://\S+)", up_log(port), re.M))
-        decode_metrics = httpx.get(f"{urls['decode-0']}/metrics").text
+        decode_metrics = httpx.get(
+            f"{urls['decode-0']}/metrics", headers=internal_auth(pids["decode-0"])
+        ).text
         assert metric(decode_metrics, "splitserve_kv_transfers_total", '{outcome="ok",side="decode"}') >= 5
         os.kill(pids["decode-0"], signal.SIGKILL)
         assert wait_gone(list(pids.values())), "up left parts running"

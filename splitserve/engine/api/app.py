@@ -109,6 +109,9 @@ def create_engine_app(
     @app.post("/inference/v1/generate")
     async def generate(raw_request: Request) -> Response:
         request = client.parse(await read_json_body(raw_request, body_limit))
+        admit = getattr(app.state, "admit_generate", None)  # P/D: the reservation quota
+        if admit is not None:
+            admit(request.kv_transfer_params)
         chunks = client.stream(request, force_usage=not request.stream)
         try:
             # Rejections by the engine (413, out-of-vocabulary, duplicate ID) come before

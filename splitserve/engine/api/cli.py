@@ -8,6 +8,7 @@ import re
 
 from splitserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from splitserve.engine.api import encode_routes, kv_routes
+from splitserve.protocol import access
 
 _SIZE_UNITS = {
     "": 1,
@@ -80,6 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     kv_routes.add_kv_arguments(parser)  # P/D roles: transport, mode, timeouts
     encode_routes.add_ec_arguments(parser, parse_memory_size)  # images: encoder cache, limits
+    access.add_internal_arguments(parser)
 
 
 def engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
@@ -125,9 +127,10 @@ def run(args: argparse.Namespace) -> int:
     if args.role == "encoder":
         return encode_routes.run_encoder(args, resolve_model_or_exit(args.model).path)
     try:
+        policy = access.internal_policy(args)
         config = engine_config(args, resolve_model_or_exit(args.model).path)
         ec = encode_routes.ECSetup(args, encoder_role=False)
-    except ValueError as exc:
+    except (OSError, ValueError) as exc:
         raise SystemExit(f"splitserve engine: {exc}") from exc
     kv_host = args.kv_host or args.host
     connector = kv_routes.make_connector(config.role, config.transfer, kv_host, args.kv_port)
@@ -139,9 +142,16 @@ def run(args: argparse.Namespace) -> int:
     app = create_engine_app(engine, manage_engine=True, max_pixel_bytes=args.max_pixel_bytes)
     if connector is not None:
         kv_routes.install_kv_routes(app, connector)
+    if connector is not None and not policy.keys:
+        logging.getLogger(__name__).warning(
+            "no internal token (%s or --internal-token-file): every local user can write "
+            "into this engine's KV cache; `splitserve up` always sets one",
+            access.INTERNAL_TOKEN_ENV,
+        )
+    guarded = access.AccessGuard(app, policy)
     try:
         uvicorn.run(
-            app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
+            guarded, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
         )
     finally:
         ec.close()

@@ -33,6 +33,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from splitserve.config import CacheConfig
 from splitserve.engine.api.generate import DEFAULT_MAX_PIXEL_BYTES, parse_features
 from splitserve.engine.api.mm_metrics import EncoderWorkerCollector
+from splitserve.protocol import access
 from splitserve.protocol.errors import APIError
 from splitserve.protocol.http_edge import install_error_handlers, read_json_body
 
@@ -190,7 +191,7 @@ def run_encoder(args: argparse.Namespace, model_dir: str) -> int:
     except (ValueError, KeyError, OSError) as exc:
         ec.close()
         raise SystemExit(f"splitserve engine: --role encoder needs a vision-language model: {exc}") from exc
-    app = create_encoder_app(worker, args.max_pixel_bytes)
+    app = access.AccessGuard(create_encoder_app(worker, args.max_pixel_bytes), access.internal_policy(args))
     try:
         uvicorn.run(
             app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5

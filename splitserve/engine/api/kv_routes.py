@@ -53,6 +53,18 @@ def add_kv_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--kv-failure-policy", choices=["recompute", "fail"], default=transfer.failure_policy)
     group.add_argument(
+        "--kv-max-reservations",
+        type=int,
+        default=transfer.max_reservations,
+        help="decode: requests waiting for remote KV at once (past it: 429)",
+    )
+    group.add_argument(
+        "--kv-max-reserved-fraction",
+        type=float,
+        default=transfer.max_reserved_fraction,
+        help="decode: share of the KV pool reservations may hold (past it: 429)",
+    )
+    group.add_argument(
         "--kv-reservation-ttl",
         type=float,
         default=transfer.reservation_ttl_s,
@@ -67,7 +79,29 @@ def transfer_config(args: argparse.Namespace, device: str) -> TransferConfig:
         timeout_s=args.kv_timeout,
         failure_policy=args.kv_failure_policy,
         reservation_ttl_s=args.kv_reservation_ttl,
+        max_reservations=args.kv_max_reservations,
+        max_reserved_fraction=args.kv_max_reserved_fraction,
     )
+
+
+def check_reservation_quota(connector: PDConnector, params: dict | None) -> None:
+    """Refuse (429, `Retry-After`) a request that would wait for remote KV while decode
+    already holds its limit of reservations, so no caller can pin the whole cache."""
+    if connector.role != "decode" or not KVTransferParams.from_wire(params).do_remote_prefill:
+        return
+    config, table = connector.config, connector.reservations
+    pool = connector.transport.pool
+    num_blocks = pool.shape[2] if pool is not None else 0
+    if table.active() >= config.max_reservations or (
+        num_blocks and table.reserved_blocks() >= config.max_reserved_fraction * num_blocks
+    ):
+        raise APIError(
+            429,
+            f"decode holds its limit of KV reservations ({table.active()} requests, "
+            f"{table.reserved_blocks()} of {num_blocks} blocks); retry later",
+            code="kv_reservations_full",
+            retry_after_s=1,
+        )
 
 
 def make_connector(
@@ -110,6 +144,7 @@ def install_kv_routes(app: FastAPI, connector: PDConnector) -> None:
     engine = getattr(app.state, "engine", None)
     if engine is not None:
         connector.set_abort(engine.abort)  # failure_policy "fail" ends the request
+    app.state.admit_generate = lambda params: check_reservation_quota(connector, params)
 
     async def request_id_of(raw: Request) -> tuple[str, dict]:
         body = await read_json_body(raw, 64 * 1024)
