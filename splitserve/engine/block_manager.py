@@ -12,10 +12,18 @@ from collections.abc import Iterable
 
 from splitserve.engine.request import Request
 from splitserve.kv.block_hash import BlockHash, cdiv
+from splitserve.protocol.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        record_events: bool = False,
+        medium: str | None = None,
+    ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -25,6 +33,9 @@ class BlockManager:
         self.cached: dict[BlockHash, int] = {}
         # per request: how many of its leading blocks were already offered to the cache
         self.num_hashed_blocks: dict[str, int] = {}
+        # cache insertions and evictions since the last take_events(), for KV event publishing
+        self.events: list[KVCacheEvent] | None = [] if record_events else None
+        self.medium = medium
 
     @property
     def num_free_blocks(self) -> int:
@@ -83,6 +94,8 @@ class BlockManager:
         if block_hash is not None:
             if self.cached.get(block_hash) == block_id:
                 del self.cached[block_hash]
+                if self.events is not None:
+                    self.events.append(BlockRemoved([block_hash], self.medium))
             self.block_hashes[block_id] = None
 
     def cache_full_blocks(self, request: Request) -> None:
@@ -91,13 +104,46 @@ class BlockManager:
             return
         start = self.num_hashed_blocks.get(request.request_id, 0)
         end = min(request.num_computed_tokens // self.block_size, len(request.block_hashes))
+        stored: list[int] = []  # indexes of the blocks this call enters into the cache
         for index in range(start, end):
             block_id, block_hash = request.block_ids[index], request.block_hashes[index]
             if self.block_hashes[block_id] is None and block_hash not in self.cached:
                 self.block_hashes[block_id] = block_hash
                 self.cached[block_hash] = block_id
+                stored.append(index)
         if end > start:
             self.num_hashed_blocks[request.request_id] = end
+        if self.events is not None and stored:
+            self._record_stored(request, stored)
+
+    def _record_stored(self, request: Request, indexes: list[int]) -> None:
+        """One BlockStored per run of consecutive block indexes (vLLM's shape: a chain of
+        hashes, its parent's hash, and the tokens of all its blocks)."""
+        runs: list[list[int]] = []
+        for index in indexes:
+            if runs and runs[-1][-1] == index - 1:
+                runs[-1].append(index)
+            else:
+                runs.append([index])
+        assert self.events is not None
+        for run in runs:
+            first, last = run[0], run[-1]
+            self.events.append(
+                BlockStored(
+                    block_hashes=[request.block_hashes[i] for i in run],
+                    parent_block_hash=request.block_hashes[first - 1] if first > 0 else None,
+                    token_ids=request.all_token_ids[first * self.block_size : (last + 1) * self.block_size],
+                    block_size=self.block_size,
+                    medium=self.medium,
+                )
+            )
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The cache events recorded since the last call (empty when not recording)."""
+        if not self.events:
+            return []
+        events, self.events = self.events, []
+        return events
 
     def free_blocks(self, request: Request) -> None:
         """Release the request's blocks, last block first (evicted before its prefix)."""

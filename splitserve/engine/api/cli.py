@@ -6,7 +6,7 @@ import argparse
 import logging
 import re
 
-from splitserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from splitserve.config import CacheConfig, EngineConfig, KVEventsConfig, ModelConfig, SchedulerConfig
 from splitserve.engine.api import kv_routes
 
 _SIZE_UNITS = {
@@ -79,6 +79,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
     kv_routes.add_kv_arguments(parser)  # P/D roles: transport, mode, timeouts
+    parser.add_argument(
+        "--kv-events-endpoint",
+        default=None,
+        help="publish KV cache events (vLLM's KVEventBatch, msgpack over ZMQ PUB) here, e.g. tcp://*:5557",
+    )
+    parser.add_argument(
+        "--kv-events-replay-endpoint",
+        default=None,
+        help="ZMQ ROUTER endpoint answering replay requests (default: the events endpoint's port + 1)",
+    )
+
+
+def kv_events_config(args: argparse.Namespace) -> KVEventsConfig | None:
+    if not args.kv_events_endpoint:
+        return None
+    from splitserve.protocol.kv_events import replay_endpoint_for
+
+    replay = args.kv_events_replay_endpoint or replay_endpoint_for(args.kv_events_endpoint)
+    return KVEventsConfig(endpoint=args.kv_events_endpoint, replay_endpoint=replay)
 
 
 def engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
@@ -107,6 +126,7 @@ def engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
         ),
         role=args.role,
         transfer=kv_routes.transfer_config(args, device),
+        kv_events=kv_events_config(args),
     )
 
 
