@@ -175,7 +175,10 @@ def run(args: argparse.Namespace) -> int:
                 "--port",
                 str(port),
                 *_engine_args(args),
-            ]
+                # KV events: the proxy's router indexes them (cache-aware routing)
+                "--kv-events-endpoint", f"tcp://{host}:{_free_port(host)}",
+                "--kv-events-replay-endpoint", f"tcp://{host}:{_free_port(host)}",
+            ]  # fmt: skip
             parts.append(_start(f"{role}-{index}", command, host, port))
         error = _wait_healthy(parts, args.startup_timeout)
         if error is None and not stop_requested:

@@ -115,7 +115,8 @@ class KVEventSubscriber:
         self.sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
         self.sub.connect(endpoint)
         self.replay_endpoint = replay_endpoint
-        self.last_seq = -1
+        self.last_seq = -1  # the last batch returned, live or replayed
+        self.last_live_seq: int | None = None  # the last one seen on the PUB socket
 
     def poll(self, timeout_ms: int = 100) -> list[SequencedBatch]:
         """The batches that arrived within `timeout_ms`, replayed gaps included."""
@@ -125,6 +126,10 @@ class KVEventSubscriber:
         while self.sub.poll(0):
             _topic, seq_frame, payload = self.sub.recv_multipart()
             seq = decode_seq(seq_frame)
+            if self.last_live_seq is not None and seq <= self.last_live_seq:
+                # live numbers only grow: the publisher restarted and counts from 0 again
+                self.last_seq = -1
+            self.last_live_seq = seq
             if seq <= self.last_seq:
                 continue  # already replayed
             if seq > self.last_seq + 1 and self.replay_endpoint is not None:

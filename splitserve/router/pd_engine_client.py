@@ -28,10 +28,12 @@ from splitserve.protocol.engine_client import EngineClient
 from splitserve.protocol.errors import APIError
 from splitserve.protocol.http_engine_client import HTTPEngineClient
 from splitserve.protocol.http_pool import pooled_client
+from splitserve.protocol.kv_events import connect_address
 from splitserve.protocol.kv_transfer import KVParamsError, KVTransferParams
+from splitserve.router.kv_index import KVBlockIndex, KVEventFeed, KVRoutingWeights, request_block_hashes
 from splitserve.router.metrics import ProxyMetrics
 from splitserve.router.pd_policy import PDPolicy
-from splitserve.router.workers import Worker, WorkerPool
+from splitserve.router.workers import Worker, WorkerPool, WorkerRole
 
 logger = logging.getLogger(__name__)
 
@@ -41,10 +43,21 @@ class PrefillFailed(RuntimeError):
 
 
 class PDEngineClient(EngineClient):
-    def __init__(self, pool: WorkerPool, policy: PDPolicy, metrics: ProxyMetrics | None = None):
+    def __init__(
+        self,
+        pool: WorkerPool,
+        policy: PDPolicy,
+        metrics: ProxyMetrics | None = None,
+        routing_weights: KVRoutingWeights | None = None,
+    ):
         self.pool = pool
         self.policy = policy
         self.metrics = metrics or ProxyMetrics()
+        # which worker holds which block, from the engines' KV events (cache-aware routing)
+        self.routing_weights = routing_weights or KVRoutingWeights()
+        self.kv_index = KVBlockIndex()
+        self.kv_feed = KVEventFeed(self.kv_index)
+        self.block_sizes: dict[str, int] = {}  # per worker URL, from its KV events info
         # Control calls (reservations, health) get their own small pool: httpcore scans a
         # whole pool on every request, so the hundreds of long-lived generate streams live
         # in one pool per worker.
@@ -74,6 +87,7 @@ class PDEngineClient(EngineClient):
         for client in self._clients.values():
             await client.close()
         await self._http.aclose()
+        self.kv_feed.close()
 
     async def check_worker(self, worker: Worker) -> bool:
         """Healthy, and a P/D engine of the role its pool expects: a collocated or
@@ -90,22 +104,59 @@ class PDEngineClient(EngineClient):
                         "%s is not a %s engine (its role: %s)", worker.url, worker.role, role or "none"
                     )
                     return False
+                await self._watch_kv_events(worker)
                 self._role_checked.add(worker.url)
         except (httpx.HTTPError, ValueError):
             return False
         return True
+
+    async def _watch_kv_events(self, worker: Worker) -> None:
+        """Follow the worker's KV events when it publishes them (engines started with
+        --kv-events-endpoint answer /inference/v1/kv/events)."""
+        response = await self._http.get(f"{worker.url}/inference/v1/kv/events", timeout=5.0)
+        if response.status_code != 200:
+            return
+        info = response.json()
+        if not info.get("endpoint"):
+            return
+        host = httpx.URL(worker.url).host
+        replay = info.get("replay_endpoint")
+        self.block_sizes[worker.url] = int(info.get("block_size") or 0)
+        self.kv_feed.watch(
+            worker.url, connect_address(info["endpoint"], host), replay and connect_address(replay, host)
+        )
+
+    def _pick(
+        self, role: WorkerRole, body: dict, exclude: set[str] | frozenset[str] = frozenset()
+    ) -> Worker | None:
+        """The worker of `role` with the lowest cost: blocks it would prefill (its cached
+        leading blocks, by the KV event index, subtracted) against its load."""
+        hashes = request_block_hashes(body)
+        weights, index = self.routing_weights, self.kv_index
+
+        def cost(worker: Worker) -> float:
+            uncached = len(hashes) - index.matched_blocks(worker.url, hashes)
+            return weights.overlap_weight * uncached + weights.load_weight * worker.in_flight
+
+        return self.pool.pick(role, exclude, cost if hashes else None)
+
+    def cached_tokens(self, worker: Worker, body: dict) -> int:
+        """The leading prompt tokens `worker` holds, by the KV event index."""
+        matched = self.kv_index.matched_blocks(worker.url, request_block_hashes(body))
+        return matched * self.block_sizes.get(worker.url, 0)
 
     # ---- the flow -------------------------------------------------------------------
     async def _generate(self, request: dict) -> AsyncIterator[dict]:
         base_id = str(request.get("request_id") or f"pd-{uuid.uuid4().hex}")
         tried: set[str] = set()
         while True:
-            decode = self.pool.pick("decode", exclude=tried)
+            decode = self._pick("decode", request, exclude=tried)
             if decode is None:
                 self.metrics.errors.labels("503").inc()
                 raise APIError(503, "no decode worker is available", code="no_worker")
             attempt_id = base_id if not tried else f"{base_id}-retry{len(tried)}"
             tried.add(decode.url)
+            self._count_prefix_hits(decode, request)
             streamed = False
             try:
                 with self.pool.lease(decode):
@@ -124,8 +175,10 @@ class PDEngineClient(EngineClient):
     async def _run(self, decode: Worker, body: dict) -> AsyncIterator[dict]:
         tokens = body.get("token_ids")
         prefill = None
-        if isinstance(tokens, list) and self.policy.use_prefill_pool(len(tokens)):
-            prefill = self.pool.pick("prefill")
+        if isinstance(tokens, list) and self.policy.use_prefill_pool(
+            len(tokens), self.cached_tokens(decode, body)
+        ):
+            prefill = self._pick("prefill", body)
             if prefill is None and self.pool.workers("prefill"):
                 self.metrics.fallbacks.labels("no_prefill_worker").inc()
         if prefill is None:
@@ -148,6 +201,11 @@ class PDEngineClient(EngineClient):
                 yield chunk
         finally:
             await stream.aclose()
+
+    def _count_prefix_hits(self, worker: Worker, body: dict) -> None:
+        hashes = request_block_hashes(body)
+        self.metrics.prefix_query_blocks.inc(len(hashes))
+        self.metrics.prefix_hit_blocks.inc(self.kv_index.matched_blocks(worker.url, hashes))
 
     def _prefill_body(self, body: dict, kv_transfer_params: KVTransferParams) -> dict:
         sampling = dict(body.get("sampling_params") or {})

@@ -153,5 +153,9 @@ def run(args: argparse.Namespace) -> int:
     app = create_engine_app(engine, manage_engine=True)
     if connector is not None:
         kv_routes.install_kv_routes(app, connector)
+    if config.kv_events is not None:
+        from splitserve.engine.api.kv_events_route import install_kv_events_route
+
+        install_kv_events_route(app, config.kv_events, config.cache.block_size)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     return 0
