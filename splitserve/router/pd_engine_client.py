@@ -21,9 +21,11 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import NamedTuple
 
 import httpx
 
+from splitserve.protocol.engine_api import prompt_cached_tokens, with_prompt_cached_tokens
 from splitserve.protocol.engine_client import EngineClient
 from splitserve.protocol.errors import APIError
 from splitserve.protocol.http_engine_client import HTTPEngineClient
@@ -40,6 +42,11 @@ logger = logging.getLogger(__name__)
 
 class PrefillFailed(RuntimeError):
     pass
+
+
+class PrefillResult(NamedTuple):
+    params: KVTransferParams  # where the KV is (pull) or how the push went
+    cached_tokens: int  # prompt tokens the prefill worker did not compute (its prefix hits)
 
 
 class PDEngineClient(EngineClient):
@@ -217,8 +224,8 @@ class PDEngineClient(EngineClient):
             "kv_transfer_params": kv_transfer_params.to_wire(),
         }
 
-    async def _run_prefill(self, prefill: Worker, body: dict) -> KVTransferParams:
-        """Run the prefill request; its kv_transfer_params, or PrefillFailed."""
+    async def _run_prefill(self, prefill: Worker, body: dict) -> PrefillResult:
+        """Run the prefill request; its kv_transfer_params and cached tokens, or PrefillFailed."""
         started = time.monotonic()
         final: dict = {}
         with self.pool.lease(prefill):
@@ -233,7 +240,7 @@ class PDEngineClient(EngineClient):
         if params.kv_transfer_error:
             raise PrefillFailed(f"prefill on {prefill.url} could not ship its KV: {params.kv_transfer_error}")
         self.metrics.prefill_time.observe(time.monotonic() - started)
-        return params
+        return PrefillResult(params, prompt_cached_tokens(final) or 0)
 
     async def _push(self, decode: Worker, prefill: Worker, body: dict) -> AsyncIterator[dict]:
         request_id = body["request_id"]
@@ -329,7 +336,8 @@ class PDEngineClient(EngineClient):
         params_out: dict,
     ) -> None:
         try:
-            params_out.update((await self._run_prefill(prefill, body)).to_wire())
+            result = await self._run_prefill(prefill, body)
+            params_out.update(result.params.to_wire(), cached_tokens=result.cached_tokens)
             done_at.append(time.monotonic())
         except PrefillFailed as exc:
             self.metrics.prefill_failures.inc()
@@ -344,10 +352,11 @@ class PDEngineClient(EngineClient):
 
     async def _pull(self, decode: Worker, prefill: Worker, body: dict) -> AsyncIterator[dict]:
         kv: KVTransferParams | None = None
+        prefill_cached = 0
         prefill_done = 0.0
         try:
             hold = KVTransferParams(do_remote_decode=True, transfer_mode="pull")
-            kv = await self._run_prefill(prefill, self._prefill_body(body, hold))
+            kv, prefill_cached = await self._run_prefill(prefill, self._prefill_body(body, hold))
             prefill_done = time.monotonic()
             if not kv.remote_block_ids:
                 raise PrefillFailed(f"prefill on {prefill.url} returned no blocks to pull")
@@ -358,6 +367,8 @@ class PDEngineClient(EngineClient):
             kv = None
         decode_body = {**body, "kv_transfer_params": kv.to_wire()} if kv else body
         report = dataclasses.replace(kv, prompt_token_ids=None).to_wire() if kv else {}
+        if kv:
+            report["cached_tokens"] = prefill_cached
         first = True
         async for chunk in self._client(decode).generate(decode_body):
             if first and prefill_done:
@@ -384,9 +395,13 @@ def _raise_if_transfer_failed(chunk: dict) -> None:
 
 
 def _with_prefill(chunk: dict, prefill_report: dict) -> dict:
-    """The final chunk also carries what the prefill worker reported (where TTFT went)."""
+    """The final chunk also carries what the prefill worker reported (where TTFT went).
+    Its usage's cached tokens are the prefill worker's: decode received the rest of the
+    prompt's KV, computed for this request by prefill."""
     if prefill_report and any(c.get("finish_reason") is not None for c in chunk.get("choices") or []):
         decode_params = KVTransferParams.from_wire(chunk.get("kv_transfer_params"))
         reported = dataclasses.replace(decode_params, prefill=prefill_report)
         chunk = {**chunk, "kv_transfer_params": reported.to_wire()}
+        if "cached_tokens" in prefill_report:
+            chunk = with_prompt_cached_tokens(chunk, prefill_report["cached_tokens"])
     return chunk
