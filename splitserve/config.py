@@ -23,6 +23,8 @@ class CacheConfig:
     kv_cache_memory_bytes: int = 512 * 1024 * 1024
     num_blocks: int | None = None  # overrides the budget when set (tests)
     enable_prefix_caching: bool = True
+    # how long a finished request's cached blocks stay prefix hits (None: until reused)
+    retention_ttl_s: float | None = None
     # visual-token embeddings kept by image hash (vision-language models)
     encoder_cache_bytes: int = 512 * 1024 * 1024
 

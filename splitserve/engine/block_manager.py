@@ -7,8 +7,9 @@ request can revive it. Freed blocks without a hash go to the head: they are wort
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from splitserve.engine.request import Request
 from splitserve.kv.block_hash import BlockHash, cdiv
@@ -23,6 +24,8 @@ class BlockManager:
         enable_prefix_caching: bool = True,
         record_events: bool = False,
         medium: str | None = None,
+        retention_ttl_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -36,6 +39,12 @@ class BlockManager:
         # cache insertions and evictions since the last take_events(), for KV event publishing
         self.events: list[KVCacheEvent] | None = [] if record_events else None
         self.medium = medium
+        # Retention: a freed cached block is a prefix hit for retention_ttl_s at most (None:
+        # until reused). Free cached blocks by expiry time, oldest first (the TTL is fixed,
+        # so freeing order is expiry order).
+        self.retention_ttl_s = retention_ttl_s
+        self.clock = clock
+        self.retained: OrderedDict[int, float] = OrderedDict()
 
     @property
     def num_free_blocks(self) -> int:
@@ -52,12 +61,27 @@ class BlockManager:
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[int] = []
+        now = self.clock()
         for block_hash in request.block_hashes[:max_blocks]:
             block_id = self.cached.get(block_hash)
-            if block_id is None:
-                break
+            if block_id is None or self.retained.get(block_id, now + 1) <= now:
+                break  # not cached, or retained past its TTL: never handed out
             hits.append(block_id)
         return hits
+
+    def evict_expired(self) -> int:
+        """Drop the cache entries of free blocks retained past their TTL (their blocks go to
+        the head of the free list, reused first); how many."""
+        now, count = self.clock(), 0
+        while self.retained:
+            block_id, expires_at = next(iter(self.retained.items()))
+            if expires_at > now:
+                break
+            del self.retained[block_id]
+            self._evict(block_id)
+            self.free.move_to_end(block_id, last=False)
+            count += 1
+        return count
 
     def can_allocate(
         self, request: Request, num_tokens: int, new_computed_blocks: Iterable[int] = ()
@@ -78,12 +102,14 @@ class BlockManager:
         for block_id in computed:
             if self.ref_counts[block_id] == 0:
                 del self.free[block_id]
+                self.retained.pop(block_id, None)
             self.ref_counts[block_id] += 1
             request.block_ids.append(block_id)
         if computed:
             self.num_hashed_blocks[request.request_id] = len(request.block_ids)
         for _ in range(cdiv(num_tokens, self.block_size) - len(request.block_ids)):
             block_id, _ = self.free.popitem(last=False)
+            self.retained.pop(block_id, None)  # memory pressure releases retained blocks early
             self._evict(block_id)
             self.ref_counts[block_id] = 1
             request.block_ids.append(block_id)
@@ -153,6 +179,8 @@ class BlockManager:
                 self.free[block_id] = None
                 if self.block_hashes[block_id] is None:
                     self.free.move_to_end(block_id, last=False)
+                elif self.retention_ttl_s is not None:
+                    self.retained[block_id] = self.clock() + self.retention_ttl_s
         request.block_ids = []
         self.num_hashed_blocks.pop(request.request_id, None)
 
@@ -169,6 +197,10 @@ class BlockManager:
         assert set(self.free) == free_ids, "free list differs from the unreferenced blocks"
         for block_hash, block_id in self.cached.items():
             assert self.block_hashes[block_id] == block_hash, f"cache entry of block {block_id} is stale"
+        for block_id in self.retained:
+            assert self.ref_counts[block_id] == 0 and self.block_hashes[block_id] is not None, (
+                f"retained block {block_id} is in use or uncached"
+            )
         for block_id, block_hash in enumerate(self.block_hashes):
             if block_hash is not None:
                 assert self.cached.get(block_hash) == block_id, f"block {block_id} hashed but not cached"

@@ -135,6 +135,7 @@ class LLMEngine:
             config.cache.enable_prefix_caching,
             record_events=config.kv_events is not None,
             medium="GPU" if self.device.type == "cuda" else "CPU",
+            retention_ttl_s=config.cache.retention_ttl_s,
         )
         self.kv_event_publisher = KVEventPublisher(config.kv_events) if config.kv_events else None
         if self.kv_event_publisher is not None:
@@ -303,6 +304,7 @@ class LLMEngine:
         return outputs
 
     def _step(self) -> list[RequestOutput]:
+        self.block_manager.evict_expired()
         outputs, self.pending_outputs = self.pending_outputs, []
         self.poll_connector()
         start = time.perf_counter()

@@ -80,6 +80,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     kv_routes.add_kv_arguments(parser)  # P/D roles: transport, mode, timeouts
     parser.add_argument(
+        "--kv-retention-ttl",
+        type=float,
+        default=None,
+        help="seconds a finished request's cached blocks stay prefix hits (released early under "
+        "memory pressure; default: 480 on a decode worker, until reused otherwise; 0: until reused)",
+    )
+    parser.add_argument(
         "--kv-events-endpoint",
         default=None,
         help="publish KV cache events (vLLM's KVEventBatch, msgpack over ZMQ PUB) here, e.g. tcp://*:5557",
@@ -89,6 +96,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="ZMQ ROUTER endpoint answering replay requests (default: the events endpoint's port + 1)",
     )
+
+
+DECODE_RETENTION_TTL_S = 480.0  # vLLM's decoder_kv_blocks_ttl
+
+
+def retention_ttl(args: argparse.Namespace) -> float | None:
+    if args.kv_retention_ttl is not None and args.kv_retention_ttl < 0:
+        raise ValueError(f"--kv-retention-ttl must be >= 0, not {args.kv_retention_ttl}")
+    if args.kv_retention_ttl is None:
+        return DECODE_RETENTION_TTL_S if args.role == "decode" else None
+    return args.kv_retention_ttl or None
 
 
 def kv_events_config(args: argparse.Namespace) -> KVEventsConfig | None:
@@ -118,6 +136,7 @@ def engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
             kv_cache_memory_bytes=args.kv_cache_memory,
             num_blocks=args.num_blocks,
             enable_prefix_caching=not args.no_prefix_caching,
+            retention_ttl_s=retention_ttl(args),
         ),
         scheduler=SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens,
