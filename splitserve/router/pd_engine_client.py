@@ -39,6 +39,8 @@ from splitserve.router.workers import Worker, WorkerPool, WorkerRole
 
 logger = logging.getLogger(__name__)
 
+PREFILL_REPORT_WAIT_S = 5.0  # decode has its KV: the prefill's answer is on its way
+
 
 class PrefillFailed(RuntimeError):
     pass
@@ -273,9 +275,9 @@ class PDEngineClient(EngineClient):
             first = await first_task
             if prefill_done_at:
                 self.metrics.handoff_time.observe(max(0.0, time.monotonic() - prefill_done_at[0]))
-            yield _with_prefill(first, prefill_report)
+            yield await _with_prefill_report(first, prefill_task, prefill_report)
             async for chunk in stream:
-                yield _with_prefill(chunk, prefill_report)
+                yield await _with_prefill_report(chunk, prefill_task, prefill_report)
         finally:
             for task in (first_task, prefill_task):
                 if task is not None and not task.done():
@@ -392,6 +394,15 @@ def _raise_if_transfer_failed(chunk: dict) -> None:
         raise APIError(
             502, f"the KV transfer failed and the decode worker's policy is fail: {handoff['error']}"
         )
+
+
+async def _with_prefill_report(chunk: dict, prefill_task: asyncio.Future | None, report: dict) -> dict:
+    """`_with_prefill`; a final chunk first waits (briefly) for the prefill's answer, since
+    decode can finish a short answer before that answer has been read."""
+    final = any(c.get("finish_reason") is not None for c in chunk.get("choices") or [])
+    if final and prefill_task is not None and not prefill_task.done():
+        await asyncio.wait({prefill_task}, timeout=PREFILL_REPORT_WAIT_S)
+    return _with_prefill(chunk, report)
 
 
 def _with_prefill(chunk: dict, prefill_report: dict) -> dict:
