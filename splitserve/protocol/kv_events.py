@@ -116,7 +116,9 @@ class KVEventSubscriber:
         self.sub.connect(endpoint)
         self.replay_endpoint = replay_endpoint
         self.last_seq = -1  # the last batch returned, live or replayed
-        self.last_live_seq: int | None = None  # the last one seen on the PUB socket
+        # payloads of the last replay, until the live stream passes them: a live batch with
+        # one of their numbers is either the same batch again or from a restarted publisher
+        self.replayed: dict[int, bytes] = {}
 
     def poll(self, timeout_ms: int = 100) -> list[SequencedBatch]:
         """The batches that arrived within `timeout_ms`, replayed gaps included."""
@@ -126,12 +128,12 @@ class KVEventSubscriber:
         while self.sub.poll(0):
             _topic, seq_frame, payload = self.sub.recv_multipart()
             seq = decode_seq(seq_frame)
-            if self.last_live_seq is not None and seq <= self.last_live_seq:
-                # live numbers only grow: the publisher restarted and counts from 0 again
-                self.last_seq = -1
-            self.last_live_seq = seq
             if seq <= self.last_seq:
-                continue  # already replayed
+                if self.replayed.get(seq) == payload:
+                    continue  # already replayed
+                # an unseen batch with an old number: the publisher restarted, counting from 0
+                self.last_seq = -1
+            self.replayed.clear()
             if seq > self.last_seq + 1 and self.replay_endpoint is not None:
                 received.extend(self.replay(self.last_seq + 1, seq))
             received.append(SequencedBatch(seq, decode_batch(payload)))
@@ -158,6 +160,7 @@ class KVEventSubscriber:
                 if stop_seq is not None and seq >= stop_seq:
                     continue
                 batches.append(SequencedBatch(seq, decode_batch(payload)))
+                self.replayed[seq] = payload
                 self.last_seq = max(self.last_seq, seq)
         finally:
             dealer.close()

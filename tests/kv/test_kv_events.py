@@ -4,6 +4,7 @@ prefix cache, and a subscriber that joins late resyncs through the replay socket
 from __future__ import annotations
 
 import random
+import time
 
 import httpx
 import msgpack
@@ -21,6 +22,7 @@ from splitserve.protocol.kv_events import (
     decode_batch,
     encode_batch,
 )
+from splitserve.router.kv_index import KVBlockIndex, KVEventFeed
 from tests.conftest import free_port, running_server
 
 BLOCK = 4
@@ -144,3 +146,46 @@ def test_engine_cli_publishes_and_a_late_subscriber_resyncs(tiny_model: str) -> 
     held = apply_events(set(), batches)
     assert set(compute_block_hashes(first, BLOCK)) <= held
     assert set(compute_block_hashes(second, BLOCK)) <= held
+
+
+def wait_until(condition, timeout_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def run_prompt(engine: LLMEngine, request_id: str, prompt: list[int]) -> None:
+    engine.add_request(request_id, prompt, SamplingParams(max_tokens=2, temperature=0.0))
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def test_router_index_follows_an_engine_through_a_restart(tiny_model: str) -> None:
+    """The proxy's index (KVEventFeed): it joins after the engine cached blocks (replay),
+    and when the engine restarts on the same endpoints it drops the old instance's blocks
+    (AllBlocksCleared, numbers starting over) and indexes the new one's."""
+    events = KVEventsConfig(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
+    config = EngineConfig(
+        ModelConfig(tiny_model), CacheConfig(block_size=BLOCK, num_blocks=32), kv_events=events
+    )
+    before, after = list(range(40, 58)), list(range(90, 108))
+    index = KVBlockIndex()
+    feed = KVEventFeed(index)
+    engine = LLMEngine(config)
+    try:
+        run_prompt(engine, "a", before)
+        feed.watch("w", events.endpoint, events.replay_endpoint)  # joins late
+        assert wait_until(lambda: index.held("w") == set(engine.block_manager.cached))
+        assert index.matched_blocks("w", compute_block_hashes(before, BLOCK)) == 4
+        engine.shutdown()
+        engine = LLMEngine(config)  # restarted: an empty cache, its events numbered from 0
+        run_prompt(engine, "b", after)
+        assert wait_until(lambda: index.held("w") == set(engine.block_manager.cached))
+        assert index.matched_blocks("w", compute_block_hashes(before, BLOCK)) == 0
+        assert index.matched_blocks("w", compute_block_hashes(after, BLOCK)) == 4
+    finally:
+        feed.close()
+        engine.shutdown()
