@@ -19,11 +19,17 @@ BLOCK = 4
 
 
 def generate(url: str, prompt: list[int]) -> tuple[list[int], int]:
+    """The answer's tokens and cached prompt tokens (checked against the per-request
+    metrics: reused locally + computed here = the prompt, nothing received)."""
     body = {"token_ids": prompt, "sampling_params": {"max_tokens": 4, "temperature": 0}}
     response = httpx.post(f"{url}/inference/v1/generate", json=body, timeout=60)
     assert response.status_code == 200, response.text
     answer = response.json()
-    return answer["choices"][0]["token_ids"], answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+    cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+    metrics = answer["metrics"]
+    assert metrics["prompt_tokens_reused"] == cached and metrics["prompt_tokens_received"] == 0
+    assert metrics["prompt_tokens_computed"] == len(prompt) - cached
+    return answer["choices"][0]["token_ids"], cached
 
 
 def test_blocks_are_hits_within_the_ttl_and_never_after(tiny_model: str) -> None:
