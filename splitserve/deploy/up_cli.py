@@ -54,6 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--min-prefill-tokens", type=int, default=64, help="shorter prompts skip the prefill pool"
     )
     parser.add_argument("--num-blocks", type=int, default=None, help="KV blocks per engine")
+    parser.add_argument("--kv-overlap-weight", type=float, default=None, help="the proxy's routing weight")
+    parser.add_argument("--kv-load-weight", type=float, default=None, help="the proxy's routing weight")
     parser.add_argument("--kv-cache-memory", default=None, help="KV budget per engine, e.g. 512MiB")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -189,6 +191,12 @@ def run(args: argparse.Namespace) -> int:
                 "--prefill", *[p.url for p in parts if p.name.startswith("prefill")],
                 "--decode", *[p.url for p in parts if p.name.startswith("decode")],
             ]  # fmt: skip
+            for flag, value in (
+                ("--kv-overlap-weight", args.kv_overlap_weight),
+                ("--kv-load-weight", args.kv_load_weight),
+            ):
+                if value is not None:
+                    proxy += [flag, str(value)]
             parts.append(_start("proxy", proxy, host, args.port))
             error = _wait_healthy(parts[-1:], args.startup_timeout)
         if error is not None:
