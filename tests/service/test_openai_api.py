@@ -251,6 +251,14 @@ def test_usage_reports_the_cached_prompt_tokens(client, model):
         )
     )  # fmt: skip
     assert events[-1].usage.prompt_tokens_details.cached_tokens == cached
+    # reuse depends on the tokens, not on the API that carried them
+    with_ids = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=1, temperature=0, extra_body={"return_token_ids": True}
+    )
+    by_ids = client.completions.create(
+        model=model, prompt=with_ids.prompt_token_ids, max_tokens=1, temperature=0
+    )
+    assert by_ids.usage.prompt_tokens_details.cached_tokens == cached
     # a new turn: the shared system prompt is reused, the new message (long enough to go
     # through the prefill worker in `up`) is computed
     longer = [*messages, {"role": "user", "content": " ".join(f"more{i}" for i in range(40))}]
