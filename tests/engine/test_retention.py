@@ -46,6 +46,9 @@ def test_blocks_are_hits_within_the_ttl_and_never_after(tiny_model: str) -> None
         time.sleep(1.5)  # past the TTL
         late, cached = generate(url, prompt)
         assert (late, cached) == (first, 0)  # recomputed, same answer
+        metrics = httpx.get(f"{url}/metrics").text
+        assert 'splitserve_prompt_tokens_by_source_total{source="reused"} 16.0' in metrics
+        assert 'splitserve_prompt_tokens_by_source_total{source="computed"} 38.0' in metrics  # 18 + 2 + 18
         subscriber = KVEventSubscriber(events, replay)
         try:
             batches = subscriber.replay(0)
