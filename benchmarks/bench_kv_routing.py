@@ -33,11 +33,13 @@ def text(rng: random.Random, count: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(count))
 
 
-async def turn(client: httpx.AsyncClient, base: str, messages: list[dict]) -> tuple[float, int, int, str]:
+async def turn(
+    client: httpx.AsyncClient, base: str, messages: list[dict], max_tokens: int = 8
+) -> tuple[float, int, int, str]:
     """(TTFT, prompt tokens, cached tokens, answer) of one streaming chat turn."""
     body = {
         "messages": messages,
-        "max_tokens": 8,
+        "max_tokens": max_tokens,
         "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},
