@@ -47,8 +47,7 @@ class KVEventPublisher:
     def _run(self) -> None:
         try:
             while True:
-                if self.replay.poll(20):
-                    self._answer_replay()
+                # send what is queued first, so a replay covers every batch queued before it
                 while True:
                     try:
                         events = self.pending.get_nowait()
@@ -57,6 +56,8 @@ class KVEventPublisher:
                     if events is None:
                         return
                     self._send(events)
+                if self.replay.poll(20):
+                    self._answer_replay()
         except Exception:
             logger.exception("KV event publisher stopped")
         finally:

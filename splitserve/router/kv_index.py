@@ -136,6 +136,12 @@ class KVEventFeed:
             if replay_endpoint is not None:
                 for _seq, batch in subscriber.replay(0):
                     self.index.apply(worker, batch)
+                # a new SUB socket misses what is published before its subscription settles
+                # (ZMQ's slow joiner): once settled, replay whatever came in between
+                for _seq, batch in subscriber.poll(self.poll_ms):
+                    self.index.apply(worker, batch)
+                for _seq, batch in subscriber.replay(subscriber.last_seq + 1):
+                    self.index.apply(worker, batch)
             while not self._stop.is_set():
                 for _seq, batch in subscriber.poll(self.poll_ms):
                     self.index.apply(worker, batch)
