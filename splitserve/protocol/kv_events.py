@@ -119,6 +119,9 @@ class KVEventSubscriber:
         # payloads of the last replay, until the live stream passes them: a live batch with
         # one of their numbers is either the same batch again or from a restarted publisher
         self.replayed: dict[int, bytes] = {}
+        # batch 0 of the publisher instance followed (its AllBlocksCleared, with its time):
+        # a different batch 0 in the replay buffer means the publisher restarted
+        self.first_payload: bytes | None = None
 
     def poll(self, timeout_ms: int = 100) -> list[SequencedBatch]:
         """The batches that arrived within `timeout_ms`, replayed gaps included."""
@@ -137,19 +140,45 @@ class KVEventSubscriber:
             if seq > self.last_seq + 1 and self.replay_endpoint is not None:
                 received.extend(self.replay(self.last_seq + 1, seq))
             received.append(SequencedBatch(seq, decode_batch(payload)))
+            if seq == 0:
+                self.first_payload = payload
             self.last_seq = seq
         return received
+
+    def publisher_restarted(self) -> bool:
+        """Whether the publisher's batch 0 is not the one this subscriber followed (a
+        restart whose live batches were all missed); False when batch 0 is gone."""
+        if self.first_payload is None or self.replay_endpoint is None:
+            return False
+        first = self._fetch(0, 1)
+        return bool(first) and first[0][1] != self.first_payload
+
+    def resync(self) -> list[SequencedBatch]:
+        """Every buffered batch from 0, as after a restart."""
+        self.last_seq, self.first_payload = -1, None
+        self.replayed.clear()
+        return self.replay(0)
 
     def replay(
         self, start_seq: int, stop_seq: int | None = None, timeout_ms: int = 2000
     ) -> list[SequencedBatch]:
         """Batches start_seq ≤ seq < stop_seq (all buffered ones when None) from the replay
         socket; advances `last_seq`."""
+        batches: list[SequencedBatch] = []
+        for seq, payload in self._fetch(start_seq, stop_seq, timeout_ms):
+            batches.append(SequencedBatch(seq, decode_batch(payload)))
+            self.replayed[seq] = payload
+            if seq == 0:
+                self.first_payload = payload
+            self.last_seq = max(self.last_seq, seq)
+        return batches
+
+    def _fetch(self, start_seq: int, stop_seq: int | None, timeout_ms: int = 2000) -> list[tuple[int, bytes]]:
         assert self.replay_endpoint is not None
         dealer = self.context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.connect(self.replay_endpoint)
-        batches: list[SequencedBatch] = []
+        found: list[tuple[int, bytes]] = []
         try:
             dealer.send_multipart([b"", encode_seq(start_seq)])
             while dealer.poll(timeout_ms):
@@ -157,14 +186,11 @@ class KVEventSubscriber:
                 seq = decode_seq(seq_frame)
                 if seq == END_OF_REPLAY:
                     break
-                if stop_seq is not None and seq >= stop_seq:
-                    continue
-                batches.append(SequencedBatch(seq, decode_batch(payload)))
-                self.replayed[seq] = payload
-                self.last_seq = max(self.last_seq, seq)
+                if stop_seq is None or seq < stop_seq:
+                    found.append((seq, payload))
         finally:
             dealer.close()
-        return batches
+        return found
 
     def close(self) -> None:
         self.sub.close(linger=0)

@@ -25,6 +25,8 @@ from splitserve.protocol.kv_events import (
 
 logger = logging.getLogger(__name__)
 
+RESTART_CHECK_IDLE_POLLS = 10  # idle polls (of poll_ms each) between restart checks
+
 
 @dataclass(frozen=True)
 class KVRoutingWeights:
@@ -142,9 +144,18 @@ class KVEventFeed:
                     self.index.apply(worker, batch)
                 for _seq, batch in subscriber.replay(subscriber.last_seq + 1):
                     self.index.apply(worker, batch)
+            idle_polls = 0
             while not self._stop.is_set():
-                for _seq, batch in subscriber.poll(self.poll_ms):
+                batches = subscriber.poll(self.poll_ms)
+                for _seq, batch in batches:
                     self.index.apply(worker, batch)
+                idle_polls = 0 if batches else idle_polls + 1
+                if idle_polls >= RESTART_CHECK_IDLE_POLLS and replay_endpoint is not None:
+                    # a restart whose every live batch was missed shows only in the replay buffer
+                    idle_polls = 0
+                    if subscriber.publisher_restarted():
+                        for _seq, batch in subscriber.resync():
+                            self.index.apply(worker, batch)
         except Exception:
             logger.exception("KV events of %s: the feed stopped", worker)
         finally:
