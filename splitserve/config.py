@@ -23,6 +23,8 @@ class CacheConfig:
     kv_cache_memory_bytes: int = 512 * 1024 * 1024
     num_blocks: int | None = None  # overrides the budget when set (tests)
     enable_prefix_caching: bool = True
+    # how long a finished request's cached blocks stay prefix hits (None: until reused)
+    retention_ttl_s: float | None = None
     # visual-token embeddings kept by image hash (vision-language models)
     encoder_cache_bytes: int = 512 * 1024 * 1024
 
@@ -48,12 +50,23 @@ class TransferConfig:
 
 
 @dataclass(frozen=True)
+class KVEventsConfig:
+    """Where an engine publishes its KV cache events (vLLM's KVEventsConfig names)."""
+
+    endpoint: str  # ZMQ PUB bind address, e.g. tcp://*:5557
+    replay_endpoint: str  # ZMQ ROUTER bind address answering replay requests
+    topic: str = ""
+    buffer_steps: int = 10_000  # batches kept for replay
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     role: EngineRole = "both"
     transfer: TransferConfig = field(default_factory=TransferConfig)
+    kv_events: KVEventsConfig | None = None  # None: publish no KV events
 
     def __post_init__(self) -> None:
         # shm maps decode's KV pool as a shared-memory file: it needs the pool in CPU memory

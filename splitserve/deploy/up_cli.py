@@ -78,6 +78,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--min-prefill-tokens", type=int, default=64, help="shorter prompts skip the prefill pool"
     )
     parser.add_argument("--num-blocks", type=int, default=None, help="KV blocks per engine")
+    parser.add_argument("--kv-overlap-weight", type=float, default=None, help="the proxy's routing weight")
+    parser.add_argument("--kv-load-weight", type=float, default=None, help="the proxy's routing weight")
     parser.add_argument("--kv-cache-memory", default=None, help="KV budget per engine, e.g. 512MiB")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -229,6 +231,11 @@ def run(args: argparse.Namespace) -> int:
                 *_engine_args(args),
                 *ec_flags,
             ]
+            if role != "encoder":  # KV events: the proxy's router indexes them (cache-aware routing)
+                command += [
+                    "--kv-events-endpoint", f"tcp://{host}:{_free_port(host)}",
+                    "--kv-events-replay-endpoint", f"tcp://{host}:{_free_port(host)}",
+                ]  # fmt: skip
             parts.append(_start(f"{role}-{index}", command, host, port, env, token))
         error = _wait_healthy(parts, args.startup_timeout)
         if error is None and not stop_requested:
@@ -242,6 +249,12 @@ def run(args: argparse.Namespace) -> int:
             ]  # fmt: skip
             if args.open_health_metrics:
                 proxy.append("--open-health-metrics")
+            for flag, value in (
+                ("--kv-overlap-weight", args.kv_overlap_weight),
+                ("--kv-load-weight", args.kv_load_weight),
+            ):
+                if value is not None:
+                    proxy += [flag, str(value)]
             parts.append(_start("proxy", proxy, args.host, args.port, proxy_env, api_key))
             error = _wait_healthy(parts[-1:], args.startup_timeout)
         if error is not None:

@@ -29,10 +29,12 @@ from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.scheduler import Scheduler, SchedulerOutput
 from splitserve.kv.connector import KVConnector
 from splitserve.kv.ec_connector import ECConnector
+from splitserve.kv.events import KVEventPublisher
 from splitserve.model.decoder import load_model
 from splitserve.model.loader import load_decoder_config
 from splitserve.model.qwen2_vl import is_qwen2_vl, load_qwen2_vl, load_qwen2_vl_config
 from splitserve.protocol.errors import InvalidRequestError, PromptTooLongError
+from splitserve.protocol.kv_events import AllBlocksCleared
 from splitserve.protocol.multimodal import ImageInput
 
 logger = logging.getLogger(__name__)
@@ -128,7 +130,18 @@ class LLMEngine:
         self.kv_cache = allocator(
             kv_cache_shape(dc, num_blocks, block_size), dtype=self.dtype, device=self.device
         )
-        self.block_manager = BlockManager(num_blocks, block_size, config.cache.enable_prefix_caching)
+        self.block_manager = BlockManager(
+            num_blocks,
+            block_size,
+            config.cache.enable_prefix_caching,
+            record_events=config.kv_events is not None,
+            medium="GPU" if self.device.type == "cuda" else "CPU",
+            retention_ttl_s=config.cache.retention_ttl_s,
+        )
+        self.kv_event_publisher = KVEventPublisher(config.kv_events) if config.kv_events else None
+        if self.kv_event_publisher is not None:
+            # a (re)started engine holds nothing: indexers drop what an earlier instance held
+            self.kv_event_publisher.publish([AllBlocksCleared()])
         self.scheduler = Scheduler(config.scheduler, self.block_manager, max_model_len, connector)
         self.runner = ModelRunner(
             self.model, self.kv_cache, block_size, self.device, config.model.seed, connector, self.multimodal
@@ -286,6 +299,13 @@ class LLMEngine:
 
     # ---- the step -----------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        outputs = self._step()
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.publish(self.block_manager.take_events())
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
+        self.block_manager.evict_expired()
         outputs, self.pending_outputs = self.pending_outputs, []
         self.poll_connector()
         start = time.perf_counter()
@@ -427,6 +447,8 @@ class LLMEngine:
         self.block_manager.check_integrity(holders)
 
     def shutdown(self) -> None:
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.shutdown()
         if self.connector is not None:
             self.connector.shutdown()
         if self.ec_connector is not None:

@@ -140,6 +140,9 @@ class Scheduler:
     def _note_hit(self, request: Request, num_hit: int, num_external: int) -> None:
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_hit + num_external
+            # where the prompt's KV came from, reported per request (engine/api/generate.py)
+            request.metrics["prefix_hit_tokens"] = num_hit
+            request.metrics["received_tokens"] = num_external
             self.prefix_queried_tokens += request.num_tokens
             self.prefix_hit_tokens += num_hit
 
@@ -164,6 +167,7 @@ class Scheduler:
                 self.block_manager.cache_full_blocks(request)
             else:
                 request.num_cached_tokens -= external
+                request.metrics["received_tokens"] = 0
             request.pending_external_tokens = 0
             request.status = RequestStatus.WAITING
             self.waiting.appendleft(request)

@@ -40,6 +40,23 @@ def merge_chunks(chunks: list[dict]) -> dict:
     return response
 
 
+def prompt_cached_tokens(chunk: dict) -> int | None:
+    """The prompt tokens the engine did not compute for this request (its final chunk's
+    `usage.prompt_tokens_details.cached_tokens`), None when the chunk does not say."""
+    details = (chunk.get("usage") or {}).get("prompt_tokens_details") or {}
+    cached = details.get("cached_tokens")
+    return cached if isinstance(cached, int) else None
+
+
+def with_prompt_cached_tokens(chunk: dict, cached_tokens: int) -> dict:
+    """The chunk with its usage reporting `cached_tokens` (a chunk without usage as is)."""
+    usage = chunk.get("usage")
+    if not usage:
+        return chunk
+    details = {**(usage.get("prompt_tokens_details") or {}), "cached_tokens": cached_tokens}
+    return {**chunk, "usage": {**usage, "cached_tokens": cached_tokens, "prompt_tokens_details": details}}
+
+
 def choice_logprobs(choice: dict[str, Any]) -> list[dict] | None:
     """A generate choice's logprob entries (`logprobs.content`), or None when not asked."""
     logprobs = choice.get("logprobs")

@@ -20,14 +20,12 @@ class ToolCallDelta(NamedTuple):
     arguments: str
 
 
-
 class ChoiceDelta(NamedTuple):
     reasoning: str
     content: str
     tool_calls: list[ToolCallDelta]
     logprobs: list[dict] | None  # OpenAI chat logprobs entries for the tokens consumed
     num_tokens: int  # tokens consumed (tokens after a stop string are not)
-
 
 
 def merge_deltas(first: ChoiceDelta, second: ChoiceDelta) -> ChoiceDelta:
@@ -41,12 +39,19 @@ def merge_deltas(first: ChoiceDelta, second: ChoiceDelta) -> ChoiceDelta:
     )
 
 
-def usage_dict(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
+def usage_dict(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None
+) -> dict[str, Any]:
+    """OpenAI's usage; with `cached_tokens` (prompt tokens not computed for this request)
+    also `prompt_tokens_details.cached_tokens`, as OpenAI and vLLM report it."""
+    usage: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if cached_tokens is not None:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return usage
 
 
 def delta_dict(delta: ChoiceDelta, *, role: bool) -> dict[str, Any]:
@@ -143,8 +148,6 @@ class MessageAssembler:
         if token_ids is not None:
             choice["token_ids"] = list(token_ids)
         return choice
-
-
 
 
 def delta_to_wire(delta: ChoiceDelta) -> dict[str, Any]:

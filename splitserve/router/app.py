@@ -55,7 +55,13 @@ def create_proxy_app(
 
     @app.get("/workers")
     async def workers() -> JSONResponse:
-        return JSONResponse({"workers": engine.pool.snapshot(), "policy": engine.policy.__dict__})
+        return JSONResponse(
+            {
+                "workers": engine.pool.snapshot(),
+                "policy": engine.policy.__dict__,
+                "kv_index_blocks": engine.kv_index.num_blocks(),
+            }
+        )
 
     @app.get("/metrics")
     async def metrics() -> Response:

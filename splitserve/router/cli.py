@@ -36,6 +36,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     access.add_public_arguments(parser)
     access.add_internal_arguments(parser)
     parser.add_argument(
+        "--kv-overlap-weight",
+        type=float,
+        default=1.0,
+        help="routing cost per prompt block a worker would prefill (its cached prefix is free)",
+    )
+    parser.add_argument(
+        "--kv-load-weight", type=float, default=4.0, help="routing cost per request a worker has in flight"
+    )
+    parser.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
 
@@ -44,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from splitserve.router.app import create_proxy_app
+    from splitserve.router.kv_index import KVRoutingWeights
     from splitserve.router.pd_engine_client import PDEngineClient
     from splitserve.router.pd_policy import PDPolicy
     from splitserve.router.workers import WorkerPool
@@ -63,7 +73,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     app = create_proxy_app(
         args.render,
-        PDEngineClient(pool, policy),
+        PDEngineClient(
+            pool, policy, routing_weights=KVRoutingWeights(args.kv_overlap_weight, args.kv_load_weight)
+        ),
         health_interval_s=args.health_interval,
         max_body_bytes=args.max_body_bytes,
         encoder_urls=args.encoder,

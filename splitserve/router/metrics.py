@@ -42,5 +42,16 @@ class ProxyMetrics:
             registry=r,
         )
 
+        self.prefix_query_blocks = Counter(
+            f"{PREFIX}_prefix_query_blocks",
+            "Prompt blocks of routed requests (the router's prefix-cache lookups).",
+            registry=r,
+        )
+        self.prefix_hit_blocks = Counter(
+            f"{PREFIX}_prefix_hit_blocks",
+            "Leading prompt blocks the chosen worker already held, by the KV event index.",
+            registry=r,
+        )
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

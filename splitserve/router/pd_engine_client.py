@@ -21,30 +21,52 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import NamedTuple
 
 import httpx
 
+from splitserve.protocol.engine_api import prompt_cached_tokens, with_prompt_cached_tokens
 from splitserve.protocol.engine_client import EngineClient
 from splitserve.protocol.errors import APIError
 from splitserve.protocol.http_engine_client import HTTPEngineClient
 from splitserve.protocol.http_pool import pooled_client
+from splitserve.protocol.kv_events import connect_address
 from splitserve.protocol.kv_transfer import KVParamsError, KVTransferParams
+from splitserve.router.kv_index import KVBlockIndex, KVEventFeed, KVRoutingWeights, request_block_hashes
 from splitserve.router.metrics import ProxyMetrics
 from splitserve.router.pd_policy import PDPolicy
-from splitserve.router.workers import Worker, WorkerPool
+from splitserve.router.workers import Worker, WorkerPool, WorkerRole
 
 logger = logging.getLogger(__name__)
+
+PREFILL_REPORT_WAIT_S = 5.0  # decode has its KV: the prefill's answer is on its way
 
 
 class PrefillFailed(RuntimeError):
     pass
 
 
+class PrefillResult(NamedTuple):
+    params: KVTransferParams  # where the KV is (pull) or how the push went
+    cached_tokens: int  # prompt tokens the prefill worker did not compute (its prefix hits)
+
+
 class PDEngineClient(EngineClient):
-    def __init__(self, pool: WorkerPool, policy: PDPolicy, metrics: ProxyMetrics | None = None):
+    def __init__(
+        self,
+        pool: WorkerPool,
+        policy: PDPolicy,
+        metrics: ProxyMetrics | None = None,
+        routing_weights: KVRoutingWeights | None = None,
+    ):
         self.pool = pool
         self.policy = policy
         self.metrics = metrics or ProxyMetrics()
+        # which worker holds which block, from the engines' KV events (cache-aware routing)
+        self.routing_weights = routing_weights or KVRoutingWeights()
+        self.kv_index = KVBlockIndex()
+        self.kv_feed = KVEventFeed(self.kv_index)
+        self.block_sizes: dict[str, int] = {}  # per worker URL, from its KV events info
         # Control calls (reservations, health) get their own small pool: httpcore scans a
         # whole pool on every request, so the hundreds of long-lived generate streams live
         # in one pool per worker.
@@ -74,6 +96,7 @@ class PDEngineClient(EngineClient):
         for client in self._clients.values():
             await client.close()
         await self._http.aclose()
+        self.kv_feed.close()
 
     async def check_worker(self, worker: Worker) -> bool:
         """Healthy, and a P/D engine of the role its pool expects: a collocated or
@@ -90,22 +113,59 @@ class PDEngineClient(EngineClient):
                         "%s is not a %s engine (its role: %s)", worker.url, worker.role, role or "none"
                     )
                     return False
+                await self._watch_kv_events(worker)
                 self._role_checked.add(worker.url)
         except (httpx.HTTPError, ValueError):
             return False
         return True
+
+    async def _watch_kv_events(self, worker: Worker) -> None:
+        """Follow the worker's KV events when it publishes them (engines started with
+        --kv-events-endpoint answer /inference/v1/kv/events)."""
+        response = await self._http.get(f"{worker.url}/inference/v1/kv/events", timeout=5.0)
+        if response.status_code != 200:
+            return
+        info = response.json()
+        if not info.get("endpoint"):
+            return
+        host = httpx.URL(worker.url).host
+        replay = info.get("replay_endpoint")
+        self.block_sizes[worker.url] = int(info.get("block_size") or 0)
+        self.kv_feed.watch(
+            worker.url, connect_address(info["endpoint"], host), replay and connect_address(replay, host)
+        )
+
+    def _pick(
+        self, role: WorkerRole, body: dict, exclude: set[str] | frozenset[str] = frozenset()
+    ) -> Worker | None:
+        """The worker of `role` with the lowest cost: blocks it would prefill (its cached
+        leading blocks, by the KV event index, subtracted) against its load."""
+        hashes = request_block_hashes(body)
+        weights, index = self.routing_weights, self.kv_index
+
+        def cost(worker: Worker) -> float:
+            uncached = len(hashes) - index.matched_blocks(worker.url, hashes)
+            return weights.overlap_weight * uncached + weights.load_weight * worker.in_flight
+
+        return self.pool.pick(role, exclude, cost if hashes else None)
+
+    def cached_tokens(self, worker: Worker, body: dict) -> int:
+        """The leading prompt tokens `worker` holds, by the KV event index."""
+        matched = self.kv_index.matched_blocks(worker.url, request_block_hashes(body))
+        return matched * self.block_sizes.get(worker.url, 0)
 
     # ---- the flow -------------------------------------------------------------------
     async def _generate(self, request: dict) -> AsyncIterator[dict]:
         base_id = str(request.get("request_id") or f"pd-{uuid.uuid4().hex}")
         tried: set[str] = set()
         while True:
-            decode = self.pool.pick("decode", exclude=tried)
+            decode = self._pick("decode", request, exclude=tried)
             if decode is None:
                 self.metrics.errors.labels("503").inc()
                 raise APIError(503, "no decode worker is available", code="no_worker")
             attempt_id = base_id if not tried else f"{base_id}-retry{len(tried)}"
             tried.add(decode.url)
+            self._count_prefix_hits(decode, request)
             streamed = False
             try:
                 with self.pool.lease(decode):
@@ -124,8 +184,10 @@ class PDEngineClient(EngineClient):
     async def _run(self, decode: Worker, body: dict) -> AsyncIterator[dict]:
         tokens = body.get("token_ids")
         prefill = None
-        if isinstance(tokens, list) and self.policy.use_prefill_pool(len(tokens)):
-            prefill = self.pool.pick("prefill")
+        if isinstance(tokens, list) and self.policy.use_prefill_pool(
+            len(tokens), self.cached_tokens(decode, body)
+        ):
+            prefill = self._pick("prefill", body)
             if prefill is None and self.pool.workers("prefill"):
                 self.metrics.fallbacks.labels("no_prefill_worker").inc()
         if prefill is None:
@@ -149,6 +211,11 @@ class PDEngineClient(EngineClient):
         finally:
             await stream.aclose()
 
+    def _count_prefix_hits(self, worker: Worker, body: dict) -> None:
+        hashes = request_block_hashes(body)
+        self.metrics.prefix_query_blocks.inc(len(hashes))
+        self.metrics.prefix_hit_blocks.inc(self.kv_index.matched_blocks(worker.url, hashes))
+
     def _prefill_body(self, body: dict, kv_transfer_params: KVTransferParams) -> dict:
         sampling = dict(body.get("sampling_params") or {})
         sampling["max_tokens"] = 1
@@ -159,8 +226,8 @@ class PDEngineClient(EngineClient):
             "kv_transfer_params": kv_transfer_params.to_wire(),
         }
 
-    async def _run_prefill(self, prefill: Worker, body: dict) -> KVTransferParams:
-        """Run the prefill request; its kv_transfer_params, or PrefillFailed."""
+    async def _run_prefill(self, prefill: Worker, body: dict) -> PrefillResult:
+        """Run the prefill request; its kv_transfer_params and cached tokens, or PrefillFailed."""
         started = time.monotonic()
         final: dict = {}
         with self.pool.lease(prefill):
@@ -175,7 +242,7 @@ class PDEngineClient(EngineClient):
         if params.kv_transfer_error:
             raise PrefillFailed(f"prefill on {prefill.url} could not ship its KV: {params.kv_transfer_error}")
         self.metrics.prefill_time.observe(time.monotonic() - started)
-        return params
+        return PrefillResult(params, prompt_cached_tokens(final) or 0)
 
     async def _push(self, decode: Worker, prefill: Worker, body: dict) -> AsyncIterator[dict]:
         request_id = body["request_id"]
@@ -208,9 +275,9 @@ class PDEngineClient(EngineClient):
             first = await first_task
             if prefill_done_at:
                 self.metrics.handoff_time.observe(max(0.0, time.monotonic() - prefill_done_at[0]))
-            yield _with_prefill(first, prefill_report)
+            yield await _with_prefill_report(first, prefill_task, prefill_report)
             async for chunk in stream:
-                yield _with_prefill(chunk, prefill_report)
+                yield await _with_prefill_report(chunk, prefill_task, prefill_report)
         finally:
             for task in (first_task, prefill_task):
                 if task is not None and not task.done():
@@ -271,7 +338,8 @@ class PDEngineClient(EngineClient):
         params_out: dict,
     ) -> None:
         try:
-            params_out.update((await self._run_prefill(prefill, body)).to_wire())
+            result = await self._run_prefill(prefill, body)
+            params_out.update(result.params.to_wire(), cached_tokens=result.cached_tokens)
             done_at.append(time.monotonic())
         except PrefillFailed as exc:
             self.metrics.prefill_failures.inc()
@@ -286,10 +354,11 @@ class PDEngineClient(EngineClient):
 
     async def _pull(self, decode: Worker, prefill: Worker, body: dict) -> AsyncIterator[dict]:
         kv: KVTransferParams | None = None
+        prefill_cached = 0
         prefill_done = 0.0
         try:
             hold = KVTransferParams(do_remote_decode=True, transfer_mode="pull")
-            kv = await self._run_prefill(prefill, self._prefill_body(body, hold))
+            kv, prefill_cached = await self._run_prefill(prefill, self._prefill_body(body, hold))
             prefill_done = time.monotonic()
             if not kv.remote_block_ids:
                 raise PrefillFailed(f"prefill on {prefill.url} returned no blocks to pull")
@@ -300,6 +369,8 @@ class PDEngineClient(EngineClient):
             kv = None
         decode_body = {**body, "kv_transfer_params": kv.to_wire()} if kv else body
         report = dataclasses.replace(kv, prompt_token_ids=None).to_wire() if kv else {}
+        if kv:
+            report["cached_tokens"] = prefill_cached
         first = True
         async for chunk in self._client(decode).generate(decode_body):
             if first and prefill_done:
@@ -325,10 +396,23 @@ def _raise_if_transfer_failed(chunk: dict) -> None:
         )
 
 
+async def _with_prefill_report(chunk: dict, prefill_task: asyncio.Future | None, report: dict) -> dict:
+    """`_with_prefill`; a final chunk first waits (briefly) for the prefill's answer, since
+    decode can finish a short answer before that answer has been read."""
+    final = any(c.get("finish_reason") is not None for c in chunk.get("choices") or [])
+    if final and prefill_task is not None and not prefill_task.done():
+        await asyncio.wait({prefill_task}, timeout=PREFILL_REPORT_WAIT_S)
+    return _with_prefill(chunk, report)
+
+
 def _with_prefill(chunk: dict, prefill_report: dict) -> dict:
-    """The final chunk also carries what the prefill worker reported (where TTFT went)."""
+    """The final chunk also carries what the prefill worker reported (where TTFT went).
+    Its usage's cached tokens are the prefill worker's: decode received the rest of the
+    prompt's KV, computed for this request by prefill."""
     if prefill_report and any(c.get("finish_reason") is not None for c in chunk.get("choices") or []):
         decode_params = KVTransferParams.from_wire(chunk.get("kv_transfer_params"))
         reported = dataclasses.replace(decode_params, prefill=prefill_report)
         chunk = {**chunk, "kv_transfer_params": reported.to_wire()}
+        if "cached_tokens" in prefill_report:
+            chunk = with_prompt_cached_tokens(chunk, prefill_report["cached_tokens"])
     return chunk

@@ -50,14 +50,19 @@ class WorkerPool:
     def workers(self, role: WorkerRole | None = None) -> list[Worker]:
         return [w for w in self._workers if role is None or w.role == role]
 
-    def pick(self, role: WorkerRole, exclude: set[str] | frozenset[str] = frozenset()) -> Worker | None:
-        """The healthy worker of `role` with the fewest requests in flight (then the one
-        that served fewest, so equal loads rotate)."""
+    def pick(
+        self,
+        role: WorkerRole,
+        exclude: set[str] | frozenset[str] = frozenset(),
+        cost: Callable[[Worker], float] | None = None,
+    ) -> Worker | None:
+        """The healthy worker of `role` with the lowest `cost` (when given), then the
+        fewest requests in flight, then the one that served fewest, so equal loads rotate."""
         with self._lock:
             candidates = [w for w in self._workers if w.role == role and w.healthy and w.url not in exclude]
             if not candidates:
                 return None
-            return min(candidates, key=lambda w: (w.in_flight, w.served))
+            return min(candidates, key=lambda w: (cost(w) if cost else 0.0, w.in_flight, w.served))
 
     @contextlib.contextmanager
     def lease(self, worker: Worker) -> Iterator[Worker]:

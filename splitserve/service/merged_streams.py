@@ -8,6 +8,8 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
+from splitserve.protocol.engine_api import prompt_cached_tokens
+
 _DONE = object()
 
 
@@ -19,10 +21,15 @@ class MergedStreams:
         self._tasks = [asyncio.create_task(self._pump(i, s)) for i, s in enumerate(streams)]
         self._remaining = len(self._tasks)
         self._head: list[tuple[int, dict]] = []
+        # per stream: the prompt tokens its engine did not compute (from its usage)
+        self.cached_tokens: list[int] = [0] * len(streams)
 
     async def _pump(self, index: int, stream: AsyncIterator[dict]) -> None:
         try:
             async for chunk in stream:
+                cached = prompt_cached_tokens(chunk)
+                if cached is not None:
+                    self.cached_tokens[index] = cached
                 self._queue.put_nowait((index, chunk))
         except Exception as exc:
             self._queue.put_nowait((index, exc))

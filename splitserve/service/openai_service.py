@@ -42,6 +42,7 @@ class CollectedChoice(NamedTuple):
     deltas: list[ChoiceDelta]
     token_ids: list[int]
     finish_reason: str
+    cached_tokens: int  # prompt tokens the engine did not compute
 
 
 class Choices(NamedTuple):
@@ -144,7 +145,8 @@ class OpenAIService:
                     reasons[piece.index] = piece.finish_reason
         finally:
             await streams.close()
-        return [CollectedChoice(*fields) for fields in zip(deltas, token_ids, reasons, strict=True)]
+        fields = zip(deltas, token_ids, reasons, streams.cached_tokens, strict=True)
+        return [CollectedChoice(*choice) for choice in fields]
 
     # --- chat ---
 
@@ -165,7 +167,8 @@ class OpenAIService:
             "created": int(time.time()),
             "model": generate["model"],
             "choices": choices,
-            "usage": _usage(collected, len(generate["token_ids"])),
+            # the prompt is counted once, so its cached part is the first choice's
+            "usage": _usage(collected, len(generate["token_ids"]), collected[0].cached_tokens),
         }
         if request.return_token_ids:
             response["prompt_token_ids"] = generate["token_ids"]
@@ -216,7 +219,8 @@ class OpenAIService:
                 event["usage"] = None
             yield event
         if include_usage:
-            yield {**base, "choices": [], "usage": usage_dict(len(generate["token_ids"]), num_tokens)}
+            usage = usage_dict(len(generate["token_ids"]), num_tokens, streams.cached_tokens[0])
+            yield {**base, "choices": [], "usage": usage}
 
     # --- completions ---
 
@@ -243,7 +247,11 @@ class OpenAIService:
             "created": int(time.time()),
             "model": prompts[0].generate["model"],
             "choices": result_choices,
-            "usage": _usage(collected, sum(len(ids) for ids in choices.prompt_token_ids)),
+            "usage": _usage(
+                collected,
+                sum(len(ids) for ids in choices.prompt_token_ids),
+                sum(c.cached_tokens for c in collected),
+            ),
         }
 
     async def completion_stream(self, request: CompletionRequest) -> AsyncIterator[str]:
@@ -283,12 +291,14 @@ class OpenAIService:
                 event["usage"] = None
             yield event
         if request.include_usage():
-            usage = usage_dict(sum(len(ids) for ids in choices.prompt_token_ids), num_tokens)
+            prompt_tokens = sum(len(ids) for ids in choices.prompt_token_ids)
+            usage = usage_dict(prompt_tokens, num_tokens, sum(streams.cached_tokens))
             yield {**base, "choices": [], "usage": usage}
 
 
-def _usage(collected: list[CollectedChoice], prompt_tokens: int) -> dict[str, int]:
-    return usage_dict(prompt_tokens, sum(d.num_tokens for result in collected for d in result.deltas))
+def _usage(collected: list[CollectedChoice], prompt_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    completion_tokens = sum(d.num_tokens for result in collected for d in result.deltas)
+    return usage_dict(prompt_tokens, completion_tokens, cached_tokens)
 
 
 async def _sse_stream(events: AsyncIterator[dict[str, Any]], streams: MergedStreams) -> AsyncIterator[str]:

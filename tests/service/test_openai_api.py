@@ -228,3 +228,44 @@ def test_greedy_tokens_agree(client, model, stack, greedy_outputs):
     for other, expected in greedy_outputs.items():
         assert outputs == expected, f"{stack} and {other} disagree"
     greedy_outputs[stack] = outputs
+
+
+def test_usage_reports_the_cached_prompt_tokens(client, model):
+    """`usage.prompt_tokens_details.cached_tokens`: the prompt tokens not computed for this
+    request (OpenAI's and vLLM's field), streaming and not, chat and completions."""
+    system = "Cache probe. " + " ".join(f"item{i}" for i in range(60))  # no other test's prefix
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "First question?"}]
+
+    def chat(msgs: list[dict]):
+        return client.chat.completions.create(model=model, messages=msgs, max_tokens=3, temperature=0)
+
+    first = chat(messages)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    again = chat(messages)
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < again.usage.prompt_tokens  # the last prompt token is always computed
+    events = list(
+        client.chat.completions.create(
+            model=model, messages=messages, max_tokens=3, temperature=0,
+            stream=True, stream_options={"include_usage": True},
+        )
+    )  # fmt: skip
+    assert events[-1].usage.prompt_tokens_details.cached_tokens == cached
+    # reuse depends on the tokens, not on the API that carried them
+    with_ids = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=1, temperature=0, extra_body={"return_token_ids": True}
+    )
+    by_ids = client.completions.create(
+        model=model, prompt=with_ids.prompt_token_ids, max_tokens=1, temperature=0
+    )
+    assert by_ids.usage.prompt_tokens_details.cached_tokens == cached
+    # a new turn: the shared system prompt is reused, the new message (long enough to go
+    # through the prefill worker in `up`) is computed
+    longer = [*messages, {"role": "user", "content": " ".join(f"more{i}" for i in range(40))}]
+    turn = chat(longer)
+    assert 0 < turn.usage.prompt_tokens_details.cached_tokens < turn.usage.prompt_tokens - 40
+    prompt = "Completion cache probe: " + " ".join(f"entry{i}" for i in range(50))
+    completions = [client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0)]
+    completions.append(client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0))
+    assert completions[0].usage.prompt_tokens_details.cached_tokens == 0
+    assert completions[1].usage.prompt_tokens_details.cached_tokens > 0

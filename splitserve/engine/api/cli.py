@@ -6,7 +6,7 @@ import argparse
 import logging
 import re
 
-from splitserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from splitserve.config import CacheConfig, EngineConfig, KVEventsConfig, ModelConfig, SchedulerConfig
 from splitserve.engine.api import encode_routes, kv_routes
 from splitserve.protocol import access
 
@@ -82,6 +82,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     kv_routes.add_kv_arguments(parser)  # P/D roles: transport, mode, timeouts
     encode_routes.add_ec_arguments(parser, parse_memory_size)  # images: encoder cache, limits
     access.add_internal_arguments(parser)
+    parser.add_argument(
+        "--kv-retention-ttl",
+        type=float,
+        default=None,
+        help="seconds a finished request's cached blocks stay prefix hits (released early under "
+        "memory pressure; default: 480 on a decode worker, until reused otherwise; 0: until reused)",
+    )
+    parser.add_argument(
+        "--kv-events-endpoint",
+        default=None,
+        help="publish KV cache events (vLLM's KVEventBatch, msgpack over ZMQ PUB) here, e.g. tcp://*:5557",
+    )
+    parser.add_argument(
+        "--kv-events-replay-endpoint",
+        default=None,
+        help="ZMQ ROUTER endpoint answering replay requests (default: the events endpoint's port + 1)",
+    )
+
+
+DECODE_RETENTION_TTL_S = 480.0  # vLLM's decoder_kv_blocks_ttl
+
+
+def retention_ttl(args: argparse.Namespace) -> float | None:
+    if args.kv_retention_ttl is not None and args.kv_retention_ttl < 0:
+        raise ValueError(f"--kv-retention-ttl must be >= 0, not {args.kv_retention_ttl}")
+    if args.kv_retention_ttl is None:
+        return DECODE_RETENTION_TTL_S if args.role == "decode" else None
+    return args.kv_retention_ttl or None
+
+
+def kv_events_config(args: argparse.Namespace) -> KVEventsConfig | None:
+    if not args.kv_events_endpoint:
+        return None
+    from splitserve.protocol.kv_events import replay_endpoint_for
+
+    replay = args.kv_events_replay_endpoint or replay_endpoint_for(args.kv_events_endpoint)
+    return KVEventsConfig(endpoint=args.kv_events_endpoint, replay_endpoint=replay)
 
 
 def engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
@@ -103,6 +140,7 @@ def engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
             num_blocks=args.num_blocks,
             enable_prefix_caching=not args.no_prefix_caching,
             encoder_cache_bytes=args.encoder_cache_memory,
+            retention_ttl_s=retention_ttl(args),
         ),
         scheduler=SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens,
@@ -111,6 +149,7 @@ def engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
         ),
         role=args.role,
         transfer=kv_routes.transfer_config(args, device),
+        kv_events=kv_events_config(args),
     )
 
 
@@ -142,6 +181,10 @@ def run(args: argparse.Namespace) -> int:
     app = create_engine_app(engine, manage_engine=True, max_pixel_bytes=args.max_pixel_bytes)
     if connector is not None:
         kv_routes.install_kv_routes(app, connector)
+    if config.kv_events is not None:
+        from splitserve.engine.api.kv_events_route import install_kv_events_route
+
+        install_kv_events_route(app, config.kv_events, config.cache.block_size)
     if connector is not None and not policy.keys:
         logging.getLogger(__name__).warning(
             "no internal token (%s or --internal-token-file): every local user can write "

@@ -249,6 +249,21 @@ def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens:
     return result
 
 
+def prompt_sources(times: dict | None, num_prompt_tokens: int) -> dict[str, int | None]:
+    """Where this request's prompt KV came from: reused from the local prefix cache (by
+    block hash; the first uncached block is where reuse stopped), received from another
+    worker, or computed here. None before the request was scheduled."""
+    times = times or {}
+    local, received = times.get("prefix_hit_tokens"), times.get("received_tokens")
+    if local is None or received is None:
+        return {"prompt_tokens_reused": None, "prompt_tokens_received": None, "prompt_tokens_computed": None}
+    return {
+        "prompt_tokens_reused": int(local),
+        "prompt_tokens_received": int(received),
+        "prompt_tokens_computed": max(num_prompt_tokens - int(local) - int(received), 0),
+    }
+
+
 def request_metrics(times: dict | None, num_output_tokens: int) -> dict:
     """vLLM's PerRequestMetrics from the engine's timestamps (seconds, one clock)."""
     times = times or {}
@@ -331,4 +346,5 @@ class ChunkBuilder:
         if finished:
             chunk["kv_transfer_params"] = output.kv_transfer_params
             chunk["metrics"] = request_metrics(output.metrics, self.num_output_tokens)
+            chunk["metrics"].update(prompt_sources(output.metrics, self.num_prompt_tokens))
         return chunk

@@ -14,6 +14,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from splitserve.engine.api.generate import prompt_sources
+
 PREFIX = "splitserve"
 _TTFT_BUCKETS = (
     0.001,
@@ -115,6 +117,13 @@ class EngineMetrics:
             f"{PREFIX}_prompt_tokens", "Prompt tokens of finished requests.", registry=r
         )
         self.generation_tokens = Counter(f"{PREFIX}_generation_tokens", "Generated tokens.", registry=r)
+        self.prompt_tokens_by_source = Counter(
+            f"{PREFIX}_prompt_tokens_by_source",
+            "Prompt tokens of finished requests by where their KV came from: reused (local prefix "
+            "cache), received (another worker), computed (here).",
+            ["source"],
+            registry=r,
+        )
 
     def on_step(self, step_time_s: float, num_tokens: int) -> None:
         """Engine step listener; called from the engine thread (prometheus_client is thread-safe)."""
@@ -169,6 +178,9 @@ class RequestTracker:
             self._finished = True
             m.requests.labels(finish_reason=str(finish_reason)).inc()
             m.prompt_tokens.inc(num_prompt_tokens)
+            for name, count in prompt_sources(times, num_prompt_tokens).items():
+                if count:
+                    m.prompt_tokens_by_source.labels(source=name.removeprefix("prompt_tokens_")).inc(count)
             end, arrival = (
                 times.get("finished_time") or times.get("last_token_time"),
                 times.get("arrival_time"),

@@ -1,0 +1,162 @@
+"""The router's prefix-cache index: block hash → the workers that hold it, from KV events.
+
+Each worker's engine publishes what enters and leaves its prefix cache
+(`protocol/kv_events.py`); `KVEventFeed` applies those batches here. A request's render
+carries its chained block hashes (cache_salt included, so tenants never match each
+other); the leading run a worker holds is what it would not recompute. Scoring (Dynamo's
+shape): cost = overlap_weight × blocks to prefill + load_weight × requests in flight,
+lowest wins.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from splitserve.protocol.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    KVEventSubscriber,
+)
+
+logger = logging.getLogger(__name__)
+
+RESTART_CHECK_IDLE_POLLS = 10  # idle polls (of poll_ms each) between restart checks
+
+
+@dataclass(frozen=True)
+class KVRoutingWeights:
+    overlap_weight: float = 1.0  # per block the worker would have to prefill
+    load_weight: float = 4.0  # per request the worker has in flight
+
+
+class KVBlockIndex:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._holders: dict[bytes, set[str]] = {}
+        self._held: dict[str, set[bytes]] = {}
+
+    def apply(self, worker: str, batch: KVEventBatch) -> None:
+        with self._lock:
+            held = self._held.setdefault(worker, set())
+            for event in batch.events:
+                if isinstance(event, BlockStored):
+                    for block_hash in event.block_hashes:
+                        held.add(block_hash)
+                        self._holders.setdefault(block_hash, set()).add(worker)
+                elif isinstance(event, BlockRemoved):
+                    for block_hash in event.block_hashes:
+                        held.discard(block_hash)
+                        self._drop_holder(block_hash, worker)
+                elif isinstance(event, AllBlocksCleared):
+                    self._clear(worker)
+
+    def clear(self, worker: str) -> None:
+        with self._lock:
+            self._clear(worker)
+
+    def _clear(self, worker: str) -> None:
+        for block_hash in self._held.pop(worker, set()):
+            self._drop_holder(block_hash, worker)
+
+    def _drop_holder(self, block_hash: bytes, worker: str) -> None:
+        holders = self._holders.get(block_hash)
+        if holders is not None:
+            holders.discard(worker)
+            if not holders:
+                del self._holders[block_hash]
+
+    def matched_blocks(self, worker: str, block_hashes: Sequence[bytes]) -> int:
+        """How many leading blocks of the chain `worker` holds."""
+        with self._lock:
+            count = 0
+            for block_hash in block_hashes:
+                if worker not in self._holders.get(block_hash, ()):
+                    break
+                count += 1
+            return count
+
+    def held(self, worker: str) -> set[bytes]:
+        with self._lock:
+            return set(self._held.get(worker, ()))
+
+    def num_blocks(self) -> dict[str, int]:
+        with self._lock:
+            return {worker: len(hashes) for worker, hashes in self._held.items()}
+
+
+def request_block_hashes(body: dict) -> list[bytes]:
+    """The chained block hashes the render tier attached to a generate request (hex)."""
+    hashes = body.get("block_hashes")
+    if not isinstance(hashes, list):
+        return []
+    try:
+        return [bytes.fromhex(h) for h in hashes]
+    except (TypeError, ValueError):
+        return []
+
+
+class KVEventFeed:
+    """One thread per watched worker: subscribe to its events, replay what it already
+    published, and keep `index` current; a restarted publisher (its numbers start over,
+    with AllBlocksCleared first) is replayed from its start."""
+
+    def __init__(self, index: KVBlockIndex, poll_ms: int = 100) -> None:
+        self.index = index
+        self.poll_ms = poll_ms
+        self._stop = threading.Event()
+        self._threads: dict[str, threading.Thread] = {}
+
+    def watch(self, worker: str, endpoint: str, replay_endpoint: str | None) -> None:
+        if worker in self._threads:
+            return
+        thread = threading.Thread(
+            target=self._follow,
+            args=(worker, endpoint, replay_endpoint),
+            name=f"kv-events {worker}",
+            daemon=True,
+        )
+        self._threads[worker] = thread
+        thread.start()
+
+    def watching(self) -> list[str]:
+        return list(self._threads)
+
+    def close(self) -> None:
+        self._stop.set()
+        for thread in self._threads.values():
+            thread.join(timeout=2)
+
+    def _follow(self, worker: str, endpoint: str, replay_endpoint: str | None) -> None:
+        subscriber = KVEventSubscriber(endpoint, replay_endpoint)
+        try:
+            self.index.clear(worker)
+            if replay_endpoint is not None:
+                for _seq, batch in subscriber.replay(0):
+                    self.index.apply(worker, batch)
+                # a new SUB socket misses what is published before its subscription settles
+                # (ZMQ's slow joiner): once settled, replay whatever came in between
+                for _seq, batch in subscriber.poll(self.poll_ms):
+                    self.index.apply(worker, batch)
+                for _seq, batch in subscriber.replay(subscriber.last_seq + 1):
+                    self.index.apply(worker, batch)
+            idle_polls = 0
+            while not self._stop.is_set():
+                batches = subscriber.poll(self.poll_ms)
+                for _seq, batch in batches:
+                    self.index.apply(worker, batch)
+                idle_polls = 0 if batches else idle_polls + 1
+                if idle_polls >= RESTART_CHECK_IDLE_POLLS and replay_endpoint is not None:
+                    # a restart whose every live batch was missed shows only in the replay buffer
+                    idle_polls = 0
+                    if subscriber.publisher_restarted():
+                        for _seq, batch in subscriber.resync():
+                            self.index.apply(worker, batch)
+        except Exception:
+            logger.exception("KV events of %s: the feed stopped", worker)
+        finally:
+            subscriber.close()
