@@ -2,7 +2,8 @@
 
 Starts a render tier, N prefill and M decode engines and the proxy as processes on free
 local ports, waits until each is healthy, prints the endpoints, and shuts everything down
-on Ctrl-C / SIGTERM or as soon as any part dies (a half stack is worse than none).
+on Ctrl-C / SIGTERM (draining: the proxy finishes its streams first; Ctrl-C twice stops at
+once) or as soon as any part dies (a half stack is worse than none).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import NamedTuple
 import httpx
 
 from splitserve.frontend.stream_state import STATE_KEY_ENV
+from splitserve.protocol.drain import add_drain_argument
 from splitserve.protocol.http_edge import DEFAULT_MAX_BODY_BYTES
 
 _POLL_S = 0.2
@@ -74,6 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="let requests carry a chat_template (render; sandboxed, but it costs CPU and memory)",
     )
+    add_drain_argument(parser)
     parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for every part")
     parser.add_argument(
         "--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"]
@@ -82,6 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _engine_args(args: argparse.Namespace) -> list[str]:
     extra: list[str] = ["--kv-mode", args.mode, "--log-level", args.log_level]
+    extra += ["--drain-timeout", str(args.drain_timeout)]
     for flag, value in (
         ("--kv-transport", args.transport),
         ("--num-blocks", args.num_blocks),
@@ -121,19 +125,28 @@ def _wait_healthy(parts: list[Part], timeout_s: float) -> str | None:
     return None
 
 
-def _stop(parts: list[Part]) -> None:
+def _stop(parts: list[Part], timeout_s: float, at_once: list[int]) -> None:
+    """SIGTERM each part and wait for it to drain and exit, or kill it past `timeout_s`
+    or once `at_once` holds a signal (the second Ctrl-C)."""
     for part in parts:
         if part.process.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 part.process.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + timeout_s
     for part in parts:
-        remaining = max(0.1, deadline - time.monotonic())
-        try:
-            part.process.wait(timeout=remaining)
-        except subprocess.TimeoutExpired:
+        while part.process.poll() is None and time.monotonic() < deadline and not at_once:
+            time.sleep(_POLL_S)
+        if part.process.poll() is None:
             part.process.kill()
-            part.process.wait()
+        part.process.wait()
+
+
+def _stop_draining(parts: list[Part], drain_timeout_s: float, at_once: list[int]) -> None:
+    """The proxy first: it drains its streams while the parts behind it still serve
+    them; then the others, which have nothing left in flight."""
+    front = [p for p in parts if p.name == "proxy"]
+    _stop(front, drain_timeout_s + 15, at_once)
+    _stop([p for p in parts if p.name != "proxy"], drain_timeout_s + 15, at_once)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -146,15 +159,17 @@ def run(args: argparse.Namespace) -> int:
     host = args.host
     stop_requested: list[int] = []
 
+    stop_at_once: list[int] = []
+
     def request_stop(signum: int, _frame: object) -> None:
-        stop_requested.append(signum)
+        (stop_at_once if stop_requested else stop_requested).append(signum)
 
     previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     parts: list[Part] = []
     try:
         render_port = _free_port(host)
         render = ["render", model, "--host", host, "--port", str(render_port), "--log-level", args.log_level]
-        render += ["--max-body-bytes", str(args.max_body_bytes)]
+        render += ["--max-body-bytes", str(args.max_body_bytes), "--drain-timeout", str(args.drain_timeout)]
         if args.max_model_len:
             render += ["--max-model-len", str(args.max_model_len)]
         if args.trust_request_chat_template:
@@ -183,6 +198,7 @@ def run(args: argparse.Namespace) -> int:
                 "proxy", "--render", parts[0].url, "--host", host, "--port", str(args.port),
                 "--mode", args.mode, "--min-prefill-tokens", str(args.min_prefill_tokens),
                 "--log-level", args.log_level, "--max-body-bytes", str(args.max_body_bytes),
+                "--drain-timeout", str(args.drain_timeout),
                 "--prefill", *[p.url for p in parts if p.name.startswith("prefill")],
                 "--decode", *[p.url for p in parts if p.name.startswith("decode")],
             ]  # fmt: skip
@@ -209,7 +225,7 @@ def run(args: argparse.Namespace) -> int:
             time.sleep(_POLL_S)
         return 0
     finally:
-        _stop(parts)
+        _stop_draining(parts, args.drain_timeout, stop_at_once)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         print("splitserve up: stopped", file=sys.stderr)

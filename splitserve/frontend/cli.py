@@ -7,6 +7,7 @@ import logging
 import sys
 
 from splitserve.frontend.stream_state import STATE_KEY_ENV, resolve_state_key
+from splitserve.protocol.drain import add_drain_argument, serve_draining
 from splitserve.protocol.http_edge import DEFAULT_MAX_BODY_BYTES
 
 logger = logging.getLogger("splitserve.render")
@@ -56,6 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
+    add_drain_argument(parser)
 
 
 def _parser_switch(choice: str) -> bool | None:
@@ -78,8 +80,6 @@ def render_config(args: argparse.Namespace, model_dir: str, max_model_len: int |
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from splitserve.frontend.app import create_render_app
     from splitserve.frontend.chat_template import TemplateError
     from splitserve.frontend.render import Renderer
@@ -101,5 +101,7 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, TemplateError, ValueError) as exc:
         print(f"splitserve render: {exc}", file=sys.stderr)
         return 2
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    serve_draining(
+        app, host=args.host, port=args.port, log_level=args.log_level, drain_timeout_s=args.drain_timeout
+    )
     return 0

@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 
+from splitserve.protocol.drain import add_drain_argument, serve_draining
 from splitserve.protocol.http_edge import DEFAULT_MAX_BODY_BYTES
 
 
@@ -32,11 +33,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
+    add_drain_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from splitserve.router.app import create_proxy_app
     from splitserve.router.pd_engine_client import PDEngineClient
     from splitserve.router.pd_policy import PDPolicy
@@ -60,5 +60,7 @@ def run(args: argparse.Namespace) -> int:
         health_interval_s=args.health_interval,
         max_body_bytes=args.max_body_bytes,
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    serve_draining(
+        app, host=args.host, port=args.port, log_level=args.log_level, drain_timeout_s=args.drain_timeout
+    )
     return 0

@@ -14,6 +14,7 @@ import sys
 
 from splitserve.engine.api import cli as engine_cli
 from splitserve.frontend import cli as render_cli
+from splitserve.protocol.drain import serve_draining
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,8 +24,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from splitserve.engine.api.local_client import LocalEngineClient
     from splitserve.engine.async_engine import AsyncEngine
     from splitserve.frontend.chat_template import TemplateError
@@ -66,5 +65,7 @@ def run(args: argparse.Namespace) -> int:
         on_startup=start,
         on_shutdown=stop,
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    serve_draining(
+        app, host=args.host, port=args.port, log_level=args.log_level, drain_timeout_s=args.drain_timeout
+    )
     return 0

@@ -8,6 +8,7 @@ import re
 
 from splitserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from splitserve.engine.api import kv_routes
+from splitserve.protocol.drain import add_drain_argument, serve_draining
 
 _SIZE_UNITS = {
     "": 1,
@@ -78,6 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
+    add_drain_argument(parser)
     kv_routes.add_kv_arguments(parser)  # P/D roles: transport, mode, timeouts
 
 
@@ -111,8 +113,6 @@ def engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from splitserve.engine.api.app import create_engine_app
     from splitserve.engine.async_engine import AsyncEngine
     from splitserve.model.tiny import resolve_model
@@ -133,5 +133,7 @@ def run(args: argparse.Namespace) -> int:
     app = create_engine_app(engine, manage_engine=True)
     if connector is not None:
         kv_routes.install_kv_routes(app, connector)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    serve_draining(
+        app, host=args.host, port=args.port, log_level=args.log_level, drain_timeout_s=args.drain_timeout
+    )
     return 0

@@ -1,0 +1,125 @@
+"""Drain on SIGTERM: every part's HTTP server (`engine`, `render`, `proxy`, `serve`).
+
+The first SIGTERM or SIGINT stops new work: new generate/render/chat requests get a 503
+with `Retry-After` and `/health` answers 503 (unready, so a proxy or balancer stops
+sending here), while requests in flight (streams included) run to their end; the server
+exits once none is left or `--drain-timeout` has passed. Requests that continue work in
+flight (derender pieces, KV reservations, aborts) are still served while draining. A
+second signal stops at once (Ctrl-C twice).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import time
+from types import FrameType
+from typing import Any
+
+import uvicorn
+
+from splitserve.protocol.errors import error_body
+
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
+RETRY_AFTER_S = 1
+# Requests that start new work; everything else continues work already admitted.
+NEW_WORK_PATHS = frozenset(
+    {
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/chat/completions/render",
+        "/v1/completions/render",
+        "/inference/v1/generate",
+    }
+)
+
+
+def add_drain_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=DEFAULT_DRAIN_TIMEOUT_S,
+        help="on SIGTERM, seconds to let requests in flight finish before exiting (a second signal: at once)",
+    )
+
+
+class DrainState:
+    """Whether the server drains, since when, and how many HTTP requests are in flight."""
+
+    def __init__(self) -> None:
+        self.draining_since: float | None = None
+        self.in_flight = 0
+
+
+class DrainMiddleware:
+    """ASGI: counts requests in flight (until their last body byte); while draining,
+    refuses new work with 503 + Retry-After and reports /health unready."""
+
+    def __init__(self, app: Any, state: DrainState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        if self.state.draining_since is not None and (path in NEW_WORK_PATHS or path == "/health"):
+            await _refuse(send, path)
+            return
+        self.state.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.state.in_flight -= 1
+
+
+async def _refuse(send: Any, path: str) -> None:
+    if path == "/health":
+        body = {"status": "draining"}
+    else:
+        body = error_body(503, "the server is shutting down; retry on another replica")
+    payload = json.dumps(body).encode()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(payload)).encode()),
+        (b"retry-after", str(RETRY_AFTER_S).encode()),
+        (b"connection", b"close"),
+    ]
+    await send({"type": "http.response.start", "status": 503, "headers": headers})
+    await send({"type": "http.response.body", "body": payload})
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, whose first exit signal drains instead of closing at once."""
+
+    def __init__(self, config: uvicorn.Config, state: DrainState, drain_timeout_s: float) -> None:
+        super().__init__(config)
+        self.state = state
+        self.drain_timeout_s = drain_timeout_s
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.state.draining_since is not None or sig not in (signal.SIGINT, signal.SIGTERM):
+            self.should_exit = True
+            self.force_exit = True  # the second signal: stop now
+            return
+        self.state.draining_since = time.monotonic()
+
+    async def on_tick(self, counter: int) -> bool:
+        should_exit = await super().on_tick(counter)
+        since = self.state.draining_since
+        if since is not None and not should_exit:
+            timed_out = time.monotonic() - since > self.drain_timeout_s
+            if self.state.in_flight == 0 or timed_out:
+                self.should_exit = True
+        return self.should_exit
+
+
+def serve_draining(app: Any, *, host: str, port: int, log_level: str, drain_timeout_s: float) -> None:
+    """Run `app` with uvicorn until it has drained (see the module docstring)."""
+    state = DrainState()
+    config = uvicorn.Config(
+        DrainMiddleware(app, state), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5
+    )
+    DrainingServer(config, state, drain_timeout_s).run()
