@@ -3,7 +3,8 @@
 Starts a render tier, N prefill and M decode engines and the proxy as processes on free
 local ports, waits until each is healthy, prints the endpoints, and shuts everything down
 on Ctrl-C / SIGTERM (draining: the proxy finishes its streams first; Ctrl-C twice stops at
-once) or as soon as any part dies (a half stack is worse than none).
+once). A part that dies is started again (`deploy/supervisor.py`); `up` stops only on
+request or when a part cannot start at all.
 """
 
 from __future__ import annotations
@@ -14,24 +15,17 @@ import os
 import secrets
 import signal
 import socket
-import subprocess
 import sys
 import time
-from typing import NamedTuple
 
 import httpx
 
+from splitserve.deploy.supervisor import Part, Supervisor, start_part
 from splitserve.frontend.stream_state import STATE_KEY_ENV
 from splitserve.protocol.drain import add_drain_argument
 from splitserve.protocol.http_edge import DEFAULT_MAX_BODY_BYTES
 
 _POLL_S = 0.2
-
-
-class Part(NamedTuple):
-    name: str
-    url: str
-    process: subprocess.Popen
 
 
 def _free_port(host: str) -> int:
@@ -102,8 +96,7 @@ def _engine_args(args: argparse.Namespace) -> list[str]:
 
 
 def _start(name: str, command: list[str], host: str, port: int, env: dict[str, str] | None = None) -> Part:
-    process = subprocess.Popen([sys.executable, "-m", "splitserve.cli", *command], env=env)
-    return Part(name, f"http://{host}:{port}", process)
+    return start_part(name, command, f"http://{host}:{port}", env)
 
 
 def _wait_healthy(parts: list[Part], timeout_s: float) -> str | None:
@@ -214,13 +207,11 @@ def run(args: argparse.Namespace) -> int:
         for part in parts:
             print(f"  {part.name:<10} {part.url}  (pid {part.process.pid})")
         print(f"OpenAI API: {parts[-1].url}/v1  (Ctrl-C stops everything)", flush=True)
+        supervisor = Supervisor(parts)
         while not stop_requested:
-            dead = next((p for p in parts if p.process.poll() is not None), None)
-            if dead is not None:
-                print(
-                    f"splitserve up: {dead.name} exited ({dead.process.returncode}); stopping",
-                    file=sys.stderr,
-                )
+            error = supervisor.poll()
+            if error is not None:
+                print(f"splitserve up: {error}; stopping", file=sys.stderr)
                 return 1
             time.sleep(_POLL_S)
         return 0

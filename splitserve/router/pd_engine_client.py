@@ -55,7 +55,7 @@ class PDEngineClient(EngineClient):
     def _client(self, worker: Worker) -> HTTPEngineClient:
         client = self._clients.get(worker.url)
         if client is None:
-            client = self._clients[worker.url] = HTTPEngineClient(worker.url)
+            client = self._clients[worker.url] = HTTPEngineClient(worker.url, name=f"{worker.role} worker")
         return client
 
     # ---- EngineClient ---------------------------------------------------------------

@@ -139,7 +139,7 @@ def test_up_push_over_shm_streams_through_the_openai_client(tiny_model, collocat
         assert wait_gone(list(pids.values())), "up left parts running"
 
 
-def test_up_pull_over_tcp_then_stops_when_a_part_dies(tiny_model, collocated):
+def test_up_pull_over_tcp_then_starts_a_dead_part_again(tiny_model, collocated):
     port = free_port()
     messages = chats()
     expected = asyncio.run(chat_token_ids(collocated, messages))
@@ -150,7 +150,19 @@ def test_up_pull_over_tcp_then_stops_when_a_part_dies(tiny_model, collocated):
         decode_metrics = httpx.get(f"{urls['decode-0']}/metrics").text
         assert metric(decode_metrics, "splitserve_kv_transfers_total", '{outcome="ok",side="decode"}') >= 5
         os.kill(pids["decode-0"], signal.SIGKILL)
-        assert wait_gone(list(pids.values())), "up left parts running"
+        # up keeps the other parts and starts decode-0 again on its port; the proxy's
+        # health checks route to it again once it answers
+        deadline = time.monotonic() + 120
+        while "decode-0 started again" not in up_log(port):
+            assert time.monotonic() < deadline, up_log(port)[-3000:]
+            time.sleep(0.2)
+        probe = {"messages": messages[-1], "max_tokens": 1}
+        while httpx.post(f"{base}/v1/chat/completions", json=probe, timeout=60).status_code != 200:
+            assert time.monotonic() < deadline, up_log(port)[-3000:]
+            time.sleep(0.2)
+        assert asyncio.run(chat_token_ids(base, messages)) == expected
+        alive = [pid for name, pid in pids.items() if name != "decode-0"]
+        assert all(Path(f"/proc/{pid}").exists() for pid in alive)
 
 
 async def retry_past_a_dead_decode_worker(
