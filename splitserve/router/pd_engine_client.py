@@ -30,6 +30,7 @@ from splitserve.protocol.http_engine_client import HTTPEngineClient
 from splitserve.protocol.http_pool import pooled_client
 from splitserve.protocol.kv_transfer import KVParamsError, KVTransferParams
 from splitserve.router.metrics import ProxyMetrics
+from splitserve.router.migration import StreamedSoFar, as_original, resumed_request
 from splitserve.router.pd_policy import PDPolicy
 from splitserve.router.workers import Worker, WorkerPool
 
@@ -99,6 +100,8 @@ class PDEngineClient(EngineClient):
     async def _generate(self, request: dict) -> AsyncIterator[dict]:
         base_id = str(request.get("request_id") or f"pd-{uuid.uuid4().hex}")
         tried: set[str] = set()
+        streamed = StreamedSoFar()
+        attempt = request
         while True:
             decode = self.pool.pick("decode", exclude=tried)
             if decode is None:
@@ -106,20 +109,30 @@ class PDEngineClient(EngineClient):
                 raise APIError(503, "no decode worker is available", code="no_worker")
             attempt_id = base_id if not tried else f"{base_id}-retry{len(tried)}"
             tried.add(decode.url)
-            streamed = False
+            before = len(streamed.token_ids)
             try:
                 with self.pool.lease(decode):
-                    async for chunk in self._run(decode, {**request, "request_id": attempt_id}):
-                        streamed = True
-                        yield chunk
+                    async for chunk in self._run(decode, {**attempt, "request_id": attempt_id}):
+                        streamed.add(chunk)
+                        yield as_original(chunk, request, before)
                 return
             except APIError as exc:
-                if streamed or exc.status != 503:  # 503: the worker is unreachable
+                if exc.status != 503:  # 503: the worker is unreachable, or died mid-stream
                     self.metrics.errors.labels(str(exc.status)).inc()
                     raise
                 self.pool.report_failure(decode, exc.message)
+                resumed = resumed_request(request, streamed.token_ids) if streamed.token_ids else attempt
+                if streamed.finished or resumed is None:
+                    self.metrics.errors.labels(str(exc.status)).inc()
+                    raise
+                attempt = resumed
                 self.metrics.retries.inc()
-                logger.warning("retrying %s on another decode worker: %s", base_id, exc.message)
+                logger.warning(
+                    "resuming %s on another decode worker after %d tokens: %s",
+                    base_id,
+                    len(streamed.token_ids),
+                    exc.message,
+                )
 
     async def _run(self, decode: Worker, body: dict) -> AsyncIterator[dict]:
         tokens = body.get("token_ids")
