@@ -40,6 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--prefill", type=int, default=1, help="prefill engines (0: decode prefills everything)"
     )
     parser.add_argument("--decode", type=int, default=1, help="decode engines")
+    parser.add_argument("--render", type=int, default=1, help="render tier replicas")
     parser.add_argument(
         "--transport", choices=["shm", "tcp"], default=None, help="KV transport (default: the engines')"
     )
@@ -143,8 +144,8 @@ def _stop_draining(parts: list[Part], drain_timeout_s: float, at_once: list[int]
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.decode < 1 or args.prefill < 0:
-        print("splitserve up: need --decode >= 1 and --prefill >= 0", file=sys.stderr)
+    if args.decode < 1 or args.prefill < 0 or args.render < 1:
+        print("splitserve up: need --decode >= 1, --render >= 1 and --prefill >= 0", file=sys.stderr)
         return 2
     from splitserve.model.tiny import resolve_model
 
@@ -160,16 +161,19 @@ def run(args: argparse.Namespace) -> int:
     previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     parts: list[Part] = []
     try:
-        render_port = _free_port(host)
-        render = ["render", model, "--host", host, "--port", str(render_port), "--log-level", args.log_level]
+        render = ["render", model, "--host", host, "--log-level", args.log_level]
         render += ["--max-body-bytes", str(args.max_body_bytes), "--drain-timeout", str(args.drain_timeout)]
         if args.max_model_len:
             render += ["--max-model-len", str(args.max_model_len)]
         if args.trust_request_chat_template:
             render.append("--trust-request-chat-template")
-        # One render replica: a fresh signing key for its stream states, unless one is set.
+        # The render replicas share a fresh signing key for their stream states (unless one
+        # is set), so any replica continues any stream.
         render_env = {STATE_KEY_ENV: secrets.token_hex(32), **os.environ}
-        parts.append(_start("render", render, host, render_port, render_env))
+        for index in range(args.render):
+            render_port = _free_port(host)
+            name = "render" if args.render == 1 else f"render-{index}"
+            parts.append(_start(name, [*render, "--port", str(render_port)], host, render_port, render_env))
         engines = [("prefill", i) for i in range(args.prefill)] + [("decode", i) for i in range(args.decode)]
         for role, index in engines:
             port = _free_port(host)
@@ -188,7 +192,8 @@ def run(args: argparse.Namespace) -> int:
         error = _wait_healthy(parts, args.startup_timeout)
         if error is None and not stop_requested:
             proxy = [
-                "proxy", "--render", parts[0].url, "--host", host, "--port", str(args.port),
+                "proxy", "--render", *[p.url for p in parts if p.name.startswith("render")],
+                "--host", host, "--port", str(args.port),
                 "--mode", args.mode, "--min-prefill-tokens", str(args.min_prefill_tokens),
                 "--log-level", args.log_level, "--max-body-bytes", str(args.max_body_bytes),
                 "--drain-timeout", str(args.drain_timeout),

@@ -1,4 +1,4 @@
-"""`splitserve proxy --render URL --prefill URL... --decode URL...`: the P/D proxy."""
+"""`splitserve proxy --render URL... --prefill URL... --decode URL...`: the P/D proxy."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ from splitserve.protocol.http_edge import DEFAULT_MAX_BODY_BYTES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--render", required=True, help="render tier base URL")
+    parser.add_argument(
+        "--render", nargs="+", required=True, help="render tier base URLs (replicas share --state-key)"
+    )
     parser.add_argument("--prefill", nargs="*", default=[], help="prefill worker base URLs")
     parser.add_argument("--decode", nargs="+", required=True, help="decode worker base URLs")
     parser.add_argument("--host", default="127.0.0.1")
