@@ -22,7 +22,7 @@ import httpx
 
 from splitserve.deploy.supervisor import Part, Supervisor, start_part
 from splitserve.frontend.stream_state import STATE_KEY_ENV
-from splitserve.protocol.drain import add_drain_argument
+from splitserve.protocol.drain import add_serving_arguments
 from splitserve.protocol.http_edge import DEFAULT_MAX_BODY_BYTES
 
 _POLL_S = 0.2
@@ -71,7 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="let requests carry a chat_template (render; sandboxed, but it costs CPU and memory)",
     )
-    add_drain_argument(parser)
+    add_serving_arguments(parser)
     parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for every part")
     parser.add_argument(
         "--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"]
@@ -196,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
                 "--host", host, "--port", str(args.port),
                 "--mode", args.mode, "--min-prefill-tokens", str(args.min_prefill_tokens),
                 "--log-level", args.log_level, "--max-body-bytes", str(args.max_body_bytes),
-                "--drain-timeout", str(args.drain_timeout),
+                "--drain-timeout", str(args.drain_timeout), "--max-in-flight", str(args.max_in_flight),
                 "--prefill", *[p.url for p in parts if p.name.startswith("prefill")],
                 "--decode", *[p.url for p in parts if p.name.startswith("decode")],
             ]  # fmt: skip

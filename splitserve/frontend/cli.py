@@ -7,7 +7,7 @@ import logging
 import sys
 
 from splitserve.frontend.stream_state import STATE_KEY_ENV, resolve_state_key
-from splitserve.protocol.drain import add_drain_argument, serve_draining
+from splitserve.protocol.drain import add_serving_arguments, serve_draining
 from splitserve.protocol.http_edge import DEFAULT_MAX_BODY_BYTES
 
 logger = logging.getLogger("splitserve.render")
@@ -57,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
-    add_drain_argument(parser)
+    add_serving_arguments(parser)
 
 
 def _parser_switch(choice: str) -> bool | None:
@@ -102,6 +102,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"splitserve render: {exc}", file=sys.stderr)
         return 2
     serve_draining(
-        app, host=args.host, port=args.port, log_level=args.log_level, drain_timeout_s=args.drain_timeout
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        drain_timeout_s=args.drain_timeout,
+        max_in_flight=args.max_in_flight,
     )
     return 0

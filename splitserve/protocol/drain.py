@@ -6,6 +6,9 @@ sending here), while requests in flight (streams included) run to their end; the
 exits once none is left or `--drain-timeout` has passed. Requests that continue work in
 flight (derender pieces, KV reservations, aborts) are still served while draining. A
 second signal stops at once (Ctrl-C twice).
+
+Overload: past `--max-in-flight` new-work requests at once, a new one gets a 429 with
+`Retry-After` at once instead of waiting in an unbounded queue.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import uvicorn
 from splitserve.protocol.errors import error_body
 
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
+DEFAULT_MAX_IN_FLIGHT = 1024
 RETRY_AFTER_S = 1
 # Requests that start new work; everything else continues work already admitted.
 NEW_WORK_PATHS = frozenset(
@@ -35,7 +39,13 @@ NEW_WORK_PATHS = frozenset(
 )
 
 
-def add_drain_argument(parser: argparse.ArgumentParser) -> None:
+def add_serving_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--max-in-flight",
+        type=int,
+        default=DEFAULT_MAX_IN_FLIGHT,
+        help="new requests (generate, render, chat, completions) served at once; past it: 429",
+    )
     parser.add_argument(
         "--drain-timeout",
         type=float,
@@ -47,14 +57,17 @@ def add_drain_argument(parser: argparse.ArgumentParser) -> None:
 class DrainState:
     """Whether the server drains, since when, and how many HTTP requests are in flight."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_new_work: int = DEFAULT_MAX_IN_FLIGHT) -> None:
         self.draining_since: float | None = None
         self.in_flight = 0
+        self.new_work = 0  # of `in_flight`, requests on NEW_WORK_PATHS
+        self.max_new_work = max_new_work
 
 
 class DrainMiddleware:
     """ASGI: counts requests in flight (until their last body byte); while draining,
-    refuses new work with 503 + Retry-After and reports /health unready."""
+    refuses new work with 503 + Retry-After and reports /health unready; past the limit
+    of new work, refuses it with 429 + Retry-After."""
 
     def __init__(self, app: Any, state: DrainState) -> None:
         self.app = app
@@ -65,19 +78,27 @@ class DrainMiddleware:
             await self.app(scope, receive, send)
             return
         path = scope.get("path", "")
-        if self.state.draining_since is not None and (path in NEW_WORK_PATHS or path == "/health"):
-            await _refuse(send, path)
+        new_work = path in NEW_WORK_PATHS
+        if self.state.draining_since is not None and (new_work or path == "/health"):
+            await _refuse(send, 503, path)
+            return
+        if new_work and self.state.new_work >= self.state.max_new_work:
+            await _refuse(send, 429, path)
             return
         self.state.in_flight += 1
+        self.state.new_work += new_work
         try:
             await self.app(scope, receive, send)
         finally:
             self.state.in_flight -= 1
+            self.state.new_work -= new_work
 
 
-async def _refuse(send: Any, path: str) -> None:
+async def _refuse(send: Any, status: int, path: str) -> None:
     if path == "/health":
-        body = {"status": "draining"}
+        body: dict = {"status": "draining"}
+    elif status == 429:
+        body = error_body(429, "the server is at its limit of requests in flight; retry later")
     else:
         body = error_body(503, "the server is shutting down; retry on another replica")
     payload = json.dumps(body).encode()
@@ -87,7 +108,7 @@ async def _refuse(send: Any, path: str) -> None:
         (b"retry-after", str(RETRY_AFTER_S).encode()),
         (b"connection", b"close"),
     ]
-    await send({"type": "http.response.start", "status": 503, "headers": headers})
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": payload})
 
 
@@ -116,9 +137,11 @@ class DrainingServer(uvicorn.Server):
         return self.should_exit
 
 
-def serve_draining(app: Any, *, host: str, port: int, log_level: str, drain_timeout_s: float) -> None:
+def serve_draining(
+    app: Any, *, host: str, port: int, log_level: str, drain_timeout_s: float, max_in_flight: int
+) -> None:
     """Run `app` with uvicorn until it has drained (see the module docstring)."""
-    state = DrainState()
+    state = DrainState(max_in_flight)
     config = uvicorn.Config(
         DrainMiddleware(app, state), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5
     )

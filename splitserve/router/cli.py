@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from splitserve.protocol.drain import add_drain_argument, serve_draining
+from splitserve.protocol.drain import add_serving_arguments, serve_draining
 from splitserve.protocol.http_edge import DEFAULT_MAX_BODY_BYTES
 
 
@@ -35,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
-    add_drain_argument(parser)
+    add_serving_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -63,6 +63,11 @@ def run(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
     )
     serve_draining(
-        app, host=args.host, port=args.port, log_level=args.log_level, drain_timeout_s=args.drain_timeout
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        drain_timeout_s=args.drain_timeout,
+        max_in_flight=args.max_in_flight,
     )
     return 0

@@ -66,6 +66,11 @@ def run(args: argparse.Namespace) -> int:
         on_shutdown=stop,
     )
     serve_draining(
-        app, host=args.host, port=args.port, log_level=args.log_level, drain_timeout_s=args.drain_timeout
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        drain_timeout_s=args.drain_timeout,
+        max_in_flight=args.max_in_flight,
     )
     return 0

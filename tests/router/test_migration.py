@@ -56,7 +56,8 @@ def test_sigkill_of_any_part_mid_stream_loses_nothing(tiny_model):
             for name, (url, pid) in parts.items():
                 if not name.startswith("decode"):
                     continue
-                if httpx.get(f"{url}/inference/v1/stats", timeout=10).json()["num_running"] > 0:
+                stats = httpx.get(f"{url}/inference/v1/stats", timeout=10).json()
+                if stats["num_running"] + stats["num_waiting"] > 0:
                     os.kill(pid, signal.SIGKILL)
                     return name
             raise AssertionError("no decode worker is running the streams")

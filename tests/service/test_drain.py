@@ -111,3 +111,25 @@ def test_sigterm_to_up_finishes_its_streams_then_exits(tiny_model, tmp_path):
     args = ["up", tiny_model, "--num-blocks", "512", "--min-prefill-tokens", "2"]
     with started(args, port, tmp_path) as proc:
         drain_with_streams_in_flight(f"http://127.0.0.1:{port}", proc)
+
+
+def test_past_max_in_flight_429_and_ctrl_c_twice_stops_at_once(tiny_model, tmp_path):
+    port = free_port()
+    args = ["serve", tiny_model, "--num-blocks", "512", "--max-in-flight", "1"]
+    with started(args, port, tmp_path) as proc:
+        base = f"http://127.0.0.1:{port}"
+        stream = Stream(base)
+        stream.start()
+        while not stream.pieces:
+            time.sleep(0.02)
+        over = httpx.post(base + "/v1/completions", json={**BODY, "stream": False}, timeout=30)
+        assert over.status_code == 429, over.text
+        assert over.headers["retry-after"] == "1"
+        assert over.json()["error"]["type"] == "rate_limit_error"
+        assert httpx.get(base + "/health", timeout=30).status_code == 200  # not new work
+
+        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+        stream.join()
+        assert stream.finish_reason != "length"  # cut: it did not wait for the stream

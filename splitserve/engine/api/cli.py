@@ -8,7 +8,7 @@ import re
 
 from splitserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from splitserve.engine.api import kv_routes
-from splitserve.protocol.drain import add_drain_argument, serve_draining
+from splitserve.protocol.drain import add_serving_arguments, serve_draining
 
 _SIZE_UNITS = {
     "": 1,
@@ -79,7 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
-    add_drain_argument(parser)
+    add_serving_arguments(parser)
     kv_routes.add_kv_arguments(parser)  # P/D roles: transport, mode, timeouts
 
 
@@ -134,6 +134,11 @@ def run(args: argparse.Namespace) -> int:
     if connector is not None:
         kv_routes.install_kv_routes(app, connector)
     serve_draining(
-        app, host=args.host, port=args.port, log_level=args.log_level, drain_timeout_s=args.drain_timeout
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        drain_timeout_s=args.drain_timeout,
+        max_in_flight=args.max_in_flight,
     )
     return 0
