@@ -5,10 +5,13 @@ resets once it has run a while. The other parts keep serving meanwhile."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
 from typing import NamedTuple
+
+from splitserve.protocol.drain import SUPERVISED_ENV
 
 FIRST_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 10.0
@@ -26,6 +29,9 @@ class Part(NamedTuple):
 
 
 def start_part(name: str, command: list[str], url: str, env: dict[str, str] | None = None) -> Part:
+    # Supervised: a terminal's Ctrl-C (sent to the whole process group) is for `up`, which
+    # stops the parts in order (the proxy drains while the parts behind it still serve).
+    env = {**(env if env is not None else os.environ), SUPERVISED_ENV: "1"}
     process = subprocess.Popen([sys.executable, "-m", "splitserve.cli", *command], env=env)
     return Part(name, url, process, command, env, time.monotonic())
 

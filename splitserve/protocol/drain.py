@@ -5,7 +5,7 @@ with `Retry-After` and `/health` answers 503 (unready, so a proxy or balancer st
 sending here), while requests in flight (streams included) run to their end; the server
 exits once none is left or `--drain-timeout` has passed. Requests that continue work in
 flight (derender pieces, KV reservations, aborts) are still served while draining. A
-second signal stops at once (Ctrl-C twice).
+second SIGINT stops at once (Ctrl-C twice).
 
 Overload: past `--max-in-flight` new-work requests at once, a new one gets a 429 with
 `Retry-After` at once instead of waiting in an unbounded queue.
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import time
 from types import FrameType
@@ -26,6 +27,8 @@ from splitserve.protocol.errors import error_body
 
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 DEFAULT_MAX_IN_FLIGHT = 1024
+# Set by `up` for its parts: SIGINT is for `up` (it stops them in order), SIGTERM for them.
+SUPERVISED_ENV = "SPLITSERVE_SUPERVISED"
 RETRY_AFTER_S = 1
 # Requests that start new work; everything else continues work already admitted.
 NEW_WORK_PATHS = frozenset(
@@ -115,17 +118,30 @@ async def _refuse(send: Any, status: int, path: str) -> None:
 class DrainingServer(uvicorn.Server):
     """uvicorn's server, whose first exit signal drains instead of closing at once."""
 
-    def __init__(self, config: uvicorn.Config, state: DrainState, drain_timeout_s: float) -> None:
+    def __init__(
+        self, config: uvicorn.Config, state: DrainState, drain_timeout_s: float, supervised: bool
+    ) -> None:
         super().__init__(config)
         self.state = state
         self.drain_timeout_s = drain_timeout_s
+        self.supervised = supervised
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self.state.draining_since is not None or sig not in (signal.SIGINT, signal.SIGTERM):
+        if self.supervised and sig == signal.SIGINT:
+            return  # the terminal's Ctrl-C: `up` sends SIGTERM in order, SIGKILL the second time
+        if self.state.draining_since is None:
+            self.state.draining_since = time.monotonic()
+        elif sig == signal.SIGINT:  # Ctrl-C twice: stop now
             self.should_exit = True
-            self.force_exit = True  # the second signal: stop now
-            return
-        self.state.draining_since = time.monotonic()
+            self.force_exit = True
+        # A SIGTERM while draining changes nothing: `up` sends one to parts that a
+        # terminal's Ctrl-C (sent to the whole process group) already set draining.
+
+    async def shutdown(self, sockets: Any = None) -> None:
+        if self.force_exit:  # stop now: cut the responses still running
+            for task in list(self.server_state.tasks):
+                task.cancel()
+        await super().shutdown(sockets)
 
     async def on_tick(self, counter: int) -> bool:
         should_exit = await super().on_tick(counter)
@@ -145,4 +161,4 @@ def serve_draining(
     config = uvicorn.Config(
         DrainMiddleware(app, state), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5
     )
-    DrainingServer(config, state, drain_timeout_s).run()
+    DrainingServer(config, state, drain_timeout_s, os.environ.get(SUPERVISED_ENV) == "1").run()

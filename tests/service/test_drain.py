@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.conftest import free_port
 
@@ -71,7 +72,8 @@ class Stream(threading.Thread):
             self.error = repr(exc)
 
 
-def drain_with_streams_in_flight(base: str, proc: subprocess.Popen) -> None:
+def drain_with_streams_in_flight(base: str, proc: subprocess.Popen, group: bool = False) -> None:
+    """`group`: signal the whole process group with SIGINT, as a terminal's Ctrl-C does."""
     reference = Stream(base)
     reference.run()
     assert reference.finish_reason == "length", reference.error
@@ -80,7 +82,10 @@ def drain_with_streams_in_flight(base: str, proc: subprocess.Popen) -> None:
         stream.start()
     while not all(stream.pieces for stream in streams):
         time.sleep(0.02)
-    proc.send_signal(signal.SIGTERM)
+    if group:
+        os.killpg(proc.pid, signal.SIGINT)
+    else:
+        proc.send_signal(signal.SIGTERM)
     time.sleep(0.3)
 
     refused = httpx.post(base + "/v1/completions", json={**BODY, "stream": False}, timeout=30)
@@ -106,11 +111,12 @@ def test_sigterm_to_serve_finishes_its_streams_then_exits(tiny_model, tmp_path):
         drain_with_streams_in_flight(f"http://127.0.0.1:{port}", proc)
 
 
-def test_sigterm_to_up_finishes_its_streams_then_exits(tiny_model, tmp_path):
+@pytest.mark.parametrize("how", ["sigterm to up", "ctrl-c to the group"])
+def test_sigterm_to_up_finishes_its_streams_then_exits(tiny_model, tmp_path, how):
     port = free_port()  # the prompt goes through prefill, a KV transfer, then decode
     args = ["up", tiny_model, "--num-blocks", "512", "--min-prefill-tokens", "2"]
     with started(args, port, tmp_path) as proc:
-        drain_with_streams_in_flight(f"http://127.0.0.1:{port}", proc)
+        drain_with_streams_in_flight(f"http://127.0.0.1:{port}", proc, group=how != "sigterm to up")
 
 
 def test_past_max_in_flight_429_and_ctrl_c_twice_stops_at_once(tiny_model, tmp_path):
@@ -129,6 +135,8 @@ def test_past_max_in_flight_429_and_ctrl_c_twice_stops_at_once(tiny_model, tmp_p
         assert httpx.get(base + "/health", timeout=30).status_code == 200  # not new work
 
         proc.send_signal(signal.SIGINT)
+        while httpx.get(base + "/health", timeout=30).status_code != 503:  # draining
+            time.sleep(0.02)
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=30)
         stream.join()
