@@ -28,10 +28,14 @@ from splitserve.protocol.http_edge import DEFAULT_MAX_BODY_BYTES
 _POLL_S = 0.2
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+def _free_port(host: str, taken: int) -> int:
+    """A free port other than `taken` (the proxy's, bound last: the OS may offer it again)."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind((host, 0))
+            port = sock.getsockname()[1]
+        if port != taken:
+            return port
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -171,12 +175,12 @@ def run(args: argparse.Namespace) -> int:
         # is set), so any replica continues any stream.
         render_env = {STATE_KEY_ENV: secrets.token_hex(32), **os.environ}
         for index in range(args.render):
-            render_port = _free_port(host)
+            render_port = _free_port(host, args.port)
             name = "render" if args.render == 1 else f"render-{index}"
             parts.append(_start(name, [*render, "--port", str(render_port)], host, render_port, render_env))
         engines = [("prefill", i) for i in range(args.prefill)] + [("decode", i) for i in range(args.decode)]
         for role, index in engines:
-            port = _free_port(host)
+            port = _free_port(host, args.port)
             command = [
                 "engine",
                 model,
