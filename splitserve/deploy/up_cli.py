@@ -2,7 +2,9 @@
 
 Starts a render tier, N prefill and M decode engines and the proxy as processes on free
 local ports, waits until each is healthy, prints the endpoints, and shuts everything down
-on Ctrl-C / SIGTERM or as soon as any part dies (a half stack is worse than none).
+on Ctrl-C / SIGTERM (draining: the proxy finishes its streams first; Ctrl-C twice stops at
+once). A part that dies is started again (`deploy/supervisor.py`); `up` stops only on
+request or when a part cannot start at all.
 """
 
 from __future__ import annotations
@@ -14,33 +16,30 @@ import secrets
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
-from typing import NamedTuple
 
 import httpx
 
+from splitserve.deploy.supervisor import Part, Supervisor, start_part
 from splitserve.frontend.media_cli import add_media_arguments, media_flags
 from splitserve.frontend.stream_state import STATE_KEY_ENV
 from splitserve.protocol.access import API_KEY_ENV, INTERNAL_TOKEN_ENV
+from splitserve.protocol.drain import add_serving_arguments
 from splitserve.protocol.http_edge import DEFAULT_MAX_BODY_BYTES
 
 _POLL_S = 0.2
 
 
-class Part(NamedTuple):
-    name: str
-    url: str
-    process: subprocess.Popen
-    credential: str | None  # the bearer token its /health wants
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+def _free_port(host: str, taken: int) -> int:
+    """A free port other than `taken` (the proxy's, bound last: the OS may offer it again)."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind((host, 0))
+            port = sock.getsockname()[1]
+        if port != taken:
+            return port
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,6 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--prefill", type=int, default=1, help="prefill engines (0: decode prefills everything)"
     )
     parser.add_argument("--decode", type=int, default=1, help="decode engines")
+    parser.add_argument("--render", type=int, default=1, help="render tier replicas")
     parser.add_argument(
         "--encoder",
         type=int,
@@ -101,6 +101,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="let requests carry a chat_template (render; sandboxed, but it costs CPU and memory)",
     )
     add_media_arguments(parser)  # render: image sources, limits, pixel dtype
+    add_serving_arguments(parser)
     parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for every part")
     parser.add_argument(
         "--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"]
@@ -109,6 +110,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _engine_args(args: argparse.Namespace) -> list[str]:
     extra: list[str] = ["--kv-mode", args.mode, "--log-level", args.log_level]
+    extra += ["--drain-timeout", str(args.drain_timeout)]
     for flag, value in (
         ("--kv-transport", args.transport),
         ("--num-blocks", args.num_blocks),
@@ -133,8 +135,7 @@ def ec_directory() -> str:
 def _start(
     name: str, command: list[str], host: str, port: int, env: dict[str, str], credential: str | None
 ) -> Part:
-    process = subprocess.Popen([sys.executable, "-m", "splitserve.cli", *command], env=env)
-    return Part(name, f"http://{host}:{port}", process, credential)
+    return start_part(name, command, f"http://{host}:{port}", env, credential)
 
 
 def _wait_healthy(parts: list[Part], timeout_s: float) -> str | None:
@@ -157,24 +158,33 @@ def _wait_healthy(parts: list[Part], timeout_s: float) -> str | None:
     return None
 
 
-def _stop(parts: list[Part]) -> None:
+def _stop(parts: list[Part], timeout_s: float, at_once: list[int]) -> None:
+    """SIGTERM each part and wait for it to drain and exit, or kill it past `timeout_s`
+    or once `at_once` holds a signal (the second Ctrl-C)."""
     for part in parts:
         if part.process.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 part.process.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + timeout_s
     for part in parts:
-        remaining = max(0.1, deadline - time.monotonic())
-        try:
-            part.process.wait(timeout=remaining)
-        except subprocess.TimeoutExpired:
+        while part.process.poll() is None and time.monotonic() < deadline and not at_once:
+            time.sleep(_POLL_S)
+        if part.process.poll() is None:
             part.process.kill()
-            part.process.wait()
+        part.process.wait()
+
+
+def _stop_draining(parts: list[Part], drain_timeout_s: float, at_once: list[int]) -> None:
+    """The proxy first: it drains its streams while the parts behind it still serve
+    them; then the others, which have nothing left in flight."""
+    front = [p for p in parts if p.name == "proxy"]
+    _stop(front, drain_timeout_s + 15, at_once)
+    _stop([p for p in parts if p.name != "proxy"], drain_timeout_s + 15, at_once)
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.decode < 1 or args.prefill < 0:
-        print("splitserve up: need --decode >= 1 and --prefill >= 0", file=sys.stderr)
+    if args.decode < 1 or args.prefill < 0 or args.render < 1:
+        print("splitserve up: need --decode >= 1, --render >= 1 and --prefill >= 0", file=sys.stderr)
         return 2
     from splitserve.model.resolve import resolve_model_or_exit
 
@@ -189,27 +199,34 @@ def run(args: argparse.Namespace) -> int:
     proxy_env = {**env, API_KEY_ENV: api_key} if api_key else env
     stop_requested: list[int] = []
 
+    stop_at_once: list[int] = []
+
     def request_stop(signum: int, _frame: object) -> None:
-        stop_requested.append(signum)
+        (stop_at_once if stop_requested else stop_requested).append(signum)
 
     previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     parts: list[Part] = []
     cleanup: list[str] = []  # directories of this run
     try:
-        render_port = _free_port(host)
         render = [
-            "render", model, "--host", host, "--port", str(render_port), "--log-level", args.log_level,
+            "render", model, "--host", host, "--log-level", args.log_level,
             "--served-model-name", args.served_model_name or resolved.name,
             "--reasoning-parser", args.reasoning_parser, "--tool-call-parser", args.tool_call_parser,
-            "--max-body-bytes", str(args.max_body_bytes), *media_flags(args),
+            "--max-body-bytes", str(args.max_body_bytes), "--drain-timeout", str(args.drain_timeout),
+            *media_flags(args),
         ]  # fmt: skip
         if args.max_model_len:
             render += ["--max-model-len", str(args.max_model_len)]
         if args.trust_request_chat_template:
             render.append("--trust-request-chat-template")
-        # One render replica: a fresh signing key for its stream states, unless one is set.
+        # The render replicas share a fresh signing key for their stream states (unless one
+        # is set), so any replica continues any stream.
         render_env = {STATE_KEY_ENV: secrets.token_hex(32), **env}
-        parts.append(_start("render", render, host, render_port, render_env, token))
+        for index in range(args.render):
+            render_port = _free_port(host, args.port)
+            name = "render" if args.render == 1 else f"render-{index}"
+            command = [*render, "--port", str(render_port)]
+            parts.append(_start(name, command, host, render_port, render_env, token))
         engines = [("prefill", i) for i in range(args.prefill)] + [("decode", i) for i in range(args.decode)]
         engines += [("encoder", i) for i in range(args.encoder)]
         ec_flags = ["--max-pixel-bytes", str(args.max_pixel_bytes_per_request)]  # the render's limit
@@ -218,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
             cleanup.append(ec_dir)
             ec_flags += ["--ec-shm-dir", ec_dir]
         for role, index in engines:
-            port = _free_port(host)
+            port = _free_port(host, args.port)
             command = [
                 "engine",
                 model,
@@ -233,16 +250,18 @@ def run(args: argparse.Namespace) -> int:
             ]
             if role != "encoder":  # KV events: the proxy's router indexes them (cache-aware routing)
                 command += [
-                    "--kv-events-endpoint", f"tcp://{host}:{_free_port(host)}",
-                    "--kv-events-replay-endpoint", f"tcp://{host}:{_free_port(host)}",
+                    "--kv-events-endpoint", f"tcp://{host}:{_free_port(host, args.port)}",
+                    "--kv-events-replay-endpoint", f"tcp://{host}:{_free_port(host, args.port)}",
                 ]  # fmt: skip
             parts.append(_start(f"{role}-{index}", command, host, port, env, token))
         error = _wait_healthy(parts, args.startup_timeout)
         if error is None and not stop_requested:
             proxy = [
-                "proxy", "--render", parts[0].url, "--host", args.host, "--port", str(args.port),
+                "proxy", "--render", *[p.url for p in parts if p.name.startswith("render")],
+                "--host", args.host, "--port", str(args.port),
                 "--mode", args.mode, "--min-prefill-tokens", str(args.min_prefill_tokens),
                 "--log-level", args.log_level, "--max-body-bytes", str(args.max_body_bytes),
+                "--drain-timeout", str(args.drain_timeout), "--max-in-flight", str(args.max_in_flight),
                 "--prefill", *[p.url for p in parts if p.name.startswith("prefill")],
                 "--decode", *[p.url for p in parts if p.name.startswith("decode")],
                 "--encoder", *[p.url for p in parts if p.name.startswith("encoder")],
@@ -270,18 +289,16 @@ def run(args: argparse.Namespace) -> int:
         for part in parts:
             print(f"  {part.name:<10} {part.url}  (pid {part.process.pid})")
         print(f"OpenAI API: {parts[-1].url}/v1  (Ctrl-C stops everything)", flush=True)
+        supervisor = Supervisor(parts)
         while not stop_requested:
-            dead = next((p for p in parts if p.process.poll() is not None), None)
-            if dead is not None:
-                print(
-                    f"splitserve up: {dead.name} exited ({dead.process.returncode}); stopping",
-                    file=sys.stderr,
-                )
+            error = supervisor.poll()
+            if error is not None:
+                print(f"splitserve up: {error}; stopping", file=sys.stderr)
                 return 1
             time.sleep(_POLL_S)
         return 0
     finally:
-        _stop(parts)
+        _stop_draining(parts, args.drain_timeout, stop_at_once)
         for directory in cleanup:
             shutil.rmtree(directory, ignore_errors=True)
         for sig, handler in previous.items():

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from splitserve.frontend.media_cli import add_media_arguments, media_config
 from splitserve.frontend.stream_state import STATE_KEY_ENV, resolve_state_key
 from splitserve.protocol import access
+from splitserve.protocol.drain import add_serving_arguments, serve_draining
 from splitserve.protocol.http_edge import DEFAULT_MAX_BODY_BYTES
 
 if TYPE_CHECKING:
@@ -66,6 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
+    add_serving_arguments(parser)
 
 
 def _parser_switch(choice: str) -> bool | None:
@@ -89,8 +91,6 @@ def render_config(args: argparse.Namespace, model: ResolvedModel, max_model_len:
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from splitserve.frontend.app import create_render_app
     from splitserve.frontend.chat_template import TemplateError
     from splitserve.frontend.render import Renderer
@@ -113,8 +113,12 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, TemplateError, ValueError) as exc:
         print(f"splitserve render: {exc}", file=sys.stderr)
         return 2
-    guarded = access.AccessGuard(app, policy)
-    uvicorn.run(
-        guarded, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
+    serve_draining(
+        access.AccessGuard(app, policy),
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        drain_timeout_s=args.drain_timeout,
+        max_in_flight=args.max_in_flight,
     )
     return 0

@@ -76,6 +76,10 @@ class Renderer:
         self._template_cache = ChatTemplateCache()
         self.model_name = config.served_model_name or Path(config.model).resolve().name
         self.max_model_len = config.max_model_len or max_position
+        # No token spans more characters than the longest token's text, so a longer prompt
+        # is certainly too long: refused before the tokenizer spends seconds on it.
+        longest_token = max(map(len, self.tokenizer.backend.get_vocab(with_added_tokens=True)))
+        self.max_prompt_chars = self.max_model_len * max(1, longest_token)
         self.reasoning = model_has_reasoning(self.tokenizer) if config.reasoning is None else config.reasoning
         has_tool_tag = vocab_id(self.tokenizer, "<tool_call>") is not None
         self.tools = has_tool_tag if config.tools is None else config.tools
@@ -105,8 +109,18 @@ class Renderer:
         except TemplateError as exc:
             raise InvalidRequestError(f"chat template error: {exc}", param="messages") from exc
 
+    def check_prompt_chars(self, prompt: str, param: str) -> None:
+        if len(prompt) > self.max_prompt_chars:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
+                f"{len(prompt)} characters, more than {self.max_model_len} tokens can hold",
+                param=param,
+            )
+
     def chat_token_ids(self, request: ChatCompletionRequest) -> list[int]:
-        token_ids = self.tokenizer.encode(self.chat_prompt(request))
+        prompt = self.chat_prompt(request)
+        self.check_prompt_chars(prompt, "messages")
+        token_ids = self.tokenizer.encode(prompt)
         if not token_ids:
             raise InvalidRequestError("the rendered prompt is empty", param="messages")
         return token_ids
@@ -150,6 +164,7 @@ class Renderer:
         prompts: list[list[int]] = []
         for index, prompt in enumerate(request.prompts()):
             if isinstance(prompt, str):
+                self.check_prompt_chars(prompt, "prompt")
                 token_ids = self.tokenizer.encode(prompt)
                 if not token_ids:
                     raise InvalidRequestError("the prompt is empty", param="prompt")

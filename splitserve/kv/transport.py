@@ -138,10 +138,18 @@ class KVTransport(ABC):
 
     def close(self) -> None:
         self._stop.set()
+        # Each thread closes its own sockets on the way out; closing them from here while
+        # a thread still uses one is what made libzmq abort at shutdown
+        # ("Assertion failed: pfd.revents & POLLIN"). A send blocks at most timeout_s.
+        deadline = time.monotonic() + self.config.timeout_s + 2
         for thread in self._threads:
-            thread.join(timeout=2)
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        alive = [thread.name for thread in self._threads if thread.is_alive()]
         self._threads.clear()
-        self._context.destroy(linger=0)
+        if alive:
+            logger.warning("KV %s transport: %s still running at close; left to exit", self.name, alive)
+        else:
+            self._context.destroy(linger=0)  # no thread uses a socket any more
         self._release_pool()
 
     def _release_pool(self) -> None:

@@ -3,7 +3,7 @@ engine (`/inference/v1/generate`, vLLM's field names) and the derender request b
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -51,11 +51,20 @@ class GenerateChoice(BaseModel):
         return value
 
 
+class GenerateUsage(BaseModel):
+    """The engine's usage counts: typed, so a malformed one is a 400 naming the field."""
+
+    model_config = ConfigDict(extra="allow")
+    prompt_tokens: int | None = Field(default=None, ge=0)
+    completion_tokens: int | None = Field(default=None, ge=0)
+    total_tokens: int | None = Field(default=None, ge=0)
+
+
 class GenerateOutput(BaseModel):
     model_config = ConfigDict(extra="ignore")
     request_id: str | None = Field(default=None, max_length=256)
     choices: list[GenerateChoice] = Field(default_factory=list)
-    usage: dict[str, Any] | None = None
+    usage: GenerateUsage | None = None
     prompt_token_ids: list[int] | None = None
 
 

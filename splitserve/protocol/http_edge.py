@@ -19,6 +19,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from splitserve.protocol.errors import APIError, InvalidRequestError, error_body
+from splitserve.protocol.strict_json import loads_strict
 
 logger = logging.getLogger(__name__)
 
@@ -43,10 +44,7 @@ async def read_json_body(request: Request, max_bytes: int) -> Any:
         body += piece
         if len(body) > max_bytes:
             raise APIError(413, f"request body is larger than the limit of {max_bytes} bytes")
-    try:
-        return json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidRequestError(f"request body is not valid JSON: {exc}") from exc
+    return loads_strict(bytes(body))
 
 
 def validation_error(exc: ValidationError, prefix: str = "") -> InvalidRequestError:

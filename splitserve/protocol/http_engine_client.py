@@ -20,9 +20,15 @@ from splitserve.protocol.http_pool import pooled_client
 
 class HTTPEngineClient(EngineClient):
     def __init__(
-        self, base_url: str, *, timeout: float | None = None, client: httpx.AsyncClient | None = None
+        self,
+        base_url: str,
+        *,
+        timeout: float | None = None,
+        client: httpx.AsyncClient | None = None,
+        name: str = "engine",
     ):
         self.base_url = base_url.rstrip("/")
+        self.name = name  # what errors call this engine ("decode worker"): the part that failed
         self._owns_client = client is None
         # No read timeout by default: a long generation may be silent while queued.
         self._client = client or pooled_client(read_timeout_s=timeout)
@@ -42,7 +48,7 @@ class HTTPEngineClient(EngineClient):
                 "POST", f"{self.base_url}/inference/v1/generate", json=body
             ) as response:
                 if response.status_code != 200:
-                    error = APIError.from_body(response.status_code, await _json_or_text(response), "engine")
+                    error = APIError.from_body(response.status_code, await _json_or_text(response), self.name)
                     retry_after = response.headers.get("retry-after", "")
                     error.retry_after_s = int(retry_after) if retry_after.isdigit() else None
                     raise error  # a 429's Retry-After reaches the client through the proxy
@@ -57,7 +63,7 @@ class HTTPEngineClient(EngineClient):
                         yield held
                         held = None
                     if "error" in chunk:  # the engine failed after the stream started
-                        raise APIError.from_body(502, chunk, "engine")
+                        raise APIError.from_body(502, chunk, self.name)
                     if any(c.get("finish_reason") is not None for c in chunk.get("choices") or []):
                         held = chunk
                     elif chunk.get("choices"):
@@ -65,7 +71,7 @@ class HTTPEngineClient(EngineClient):
                 if held is not None:
                     yield held
         except httpx.TransportError as exc:
-            raise APIError(503, f"engine at {self.base_url} is unreachable: {exc}") from exc
+            raise APIError(503, f"{self.name} at {self.base_url} is unreachable: {exc}") from exc
 
     async def abort(self, request_ids: list[str]) -> None:
         try:
@@ -73,7 +79,7 @@ class HTTPEngineClient(EngineClient):
                 f"{self.base_url}/inference/v1/abort_requests", json={"request_ids": request_ids}
             )
         except httpx.TransportError as exc:
-            raise APIError(503, f"engine at {self.base_url} is unreachable: {exc}") from exc
+            raise APIError(503, f"{self.name} at {self.base_url} is unreachable: {exc}") from exc
 
     async def check_health(self) -> bool:
         try:

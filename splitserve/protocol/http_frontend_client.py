@@ -5,6 +5,9 @@ pieces of concurrent requests share calls (`CallBatcher`)."""
 
 from __future__ import annotations
 
+import asyncio
+import itertools
+import time
 from typing import Any
 
 import httpx
@@ -22,12 +25,27 @@ from splitserve.protocol.http_pool import pooled_client
 from splitserve.protocol.openai_api import ChatCompletionRequest, CompletionRequest
 from splitserve.protocol.openai_chunks import delta_from_wire
 
+RETRY_S = 30.0  # how long a call keeps trying the render replicas (one being restarted)
+
 
 class HTTPFrontendClient(FrontendClient):
+    """`base_url`: one render replica, or several sharing a `--state-key` (any replica
+    continues any stream). Render and derender calls are pure functions of their body, so
+    a call that finds a replica unreachable or draining (503) is retried on the next one,
+    with backoff, for up to `retry_s`."""
+
     def __init__(
-        self, base_url: str, *, max_connections: int = 8, client: httpx.AsyncClient | None = None
+        self,
+        base_url: str | list[str],
+        *,
+        max_connections: int = 8,
+        client: httpx.AsyncClient | None = None,
+        retry_s: float = RETRY_S,
     ) -> None:
-        self.base_url = base_url.rstrip("/")
+        urls = [base_url] if isinstance(base_url, str) else base_url
+        self.base_urls = [url.rstrip("/") for url in urls]
+        self.retry_s = retry_s
+        self._calls = 0
         self._owns_client = client is None
         # Keep-alive: a derender call per engine chunk must not pay a TCP handshake.
         self._http = client or pooled_client(
@@ -38,17 +56,28 @@ class HTTPFrontendClient(FrontendClient):
         )
 
     async def _call(self, method: str, path: str, body: Any = None) -> Any:
-        try:
-            response = await self._http.request(method, f"{self.base_url}{path}", json=body)
-        except httpx.HTTPError as exc:
-            raise APIError(503, f"render tier at {self.base_url} is unreachable: {exc}") from exc
-        try:
-            payload = response.json()
-        except ValueError:
-            payload = response.text
-        if response.status_code != 200:
-            raise APIError.from_body(response.status_code, payload, f"render tier at {self.base_url}")
-        return payload
+        self._calls += 1
+        deadline = time.monotonic() + self.retry_s
+        for attempt in itertools.count():
+            url = self.base_urls[(self._calls + attempt) % len(self.base_urls)]
+            try:
+                response = await self._http.request(method, f"{url}{path}", json=body)
+            except httpx.TransportError as exc:
+                failure = APIError(503, f"render tier at {url} is unreachable: {exc}")
+            else:
+                try:
+                    payload = response.json()
+                except ValueError:
+                    payload = response.text
+                if response.status_code == 200:
+                    return payload
+                failure = APIError.from_body(response.status_code, payload, f"render tier at {url}")
+                if response.status_code != 503:
+                    raise failure
+            if time.monotonic() + _backoff_s(attempt) > deadline:
+                raise failure
+            await asyncio.sleep(_backoff_s(attempt))
+        raise AssertionError("unreachable")
 
     async def models(self) -> dict[str, Any]:
         return await self._call("GET", "/v1/models")
@@ -92,3 +121,7 @@ class HTTPFrontendClient(FrontendClient):
         await self._derender_calls.close()
         if self._owns_client:
             await self._http.aclose()
+
+
+def _backoff_s(attempt: int) -> float:
+    return min(2.0, 0.1 * 2**attempt)

@@ -19,6 +19,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
+from splitserve.protocol.errors import InvalidRequestError
+
 TransferMode = Literal["push", "pull"]
 
 
@@ -128,6 +130,35 @@ class KVTransferParams:
         return dataclasses.replace(
             self, remote_engine_id=address.engine_id, remote_host=address.host, remote_port=address.port
         )
+
+
+_TRANSFER_FIELDS = (
+    "transfer_mode",
+    "remote_request_id",
+    "remote_engine_id",
+    "remote_host",
+    "remote_port",
+    "remote_block_ids",
+    "remote_first_block",
+    "remote_num_tokens",
+    "prompt_token_ids",
+    "prefill_done_at",
+)
+
+
+def check_kv_transfer_params(data: dict[str, Any]) -> KVTransferParams:
+    """Strict reading for a request's edge: the first field that cannot describe a
+    transfer is a 400 naming it, so it fails that request alone, before the engine loop."""
+    params = KVTransferParams.from_wire(data)
+    for flag in ("do_remote_prefill", "do_remote_decode"):
+        param = f"kv_transfer_params.{flag}"
+        if data.get(flag) is not None and not isinstance(data[flag], bool):
+            raise InvalidRequestError(f"{param} must be a boolean", param)
+    for name in _TRANSFER_FIELDS:
+        param = f"kv_transfer_params.{name}"
+        if data.get(name) is not None and getattr(params, name) is None:
+            raise InvalidRequestError(f"{param} is not valid: {str(data[name])[:100]}", param)
+    return params
 
 
 def _text(value: Any) -> str | None:

@@ -22,7 +22,7 @@ from splitserve.service.app import create_openai_app
 
 
 def create_proxy_app(
-    render_url: str,
+    render_url: str | list[str],
     engine: PDEngineClient,
     *,
     health_interval_s: float = 2.0,

@@ -1,4 +1,4 @@
-"""`splitserve proxy --render URL --prefill URL... --decode URL...`: the P/D proxy."""
+"""`splitserve proxy --render URL... --prefill URL... --decode URL...`: the P/D proxy."""
 
 from __future__ import annotations
 
@@ -7,11 +7,14 @@ import logging
 import sys
 
 from splitserve.protocol import access
+from splitserve.protocol.drain import add_serving_arguments, serve_draining
 from splitserve.protocol.http_edge import DEFAULT_MAX_BODY_BYTES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--render", required=True, help="render tier base URL")
+    parser.add_argument(
+        "--render", nargs="+", required=True, help="render tier base URLs (replicas share --state-key)"
+    )
     parser.add_argument("--prefill", nargs="*", default=[], help="prefill worker base URLs")
     parser.add_argument("--decode", nargs="+", required=True, help="decode worker base URLs")
     parser.add_argument(
@@ -47,11 +50,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
+    add_serving_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from splitserve.router.app import create_proxy_app
     from splitserve.router.kv_index import KVRoutingWeights
     from splitserve.router.pd_engine_client import PDEngineClient
@@ -80,8 +82,12 @@ def run(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         encoder_urls=args.encoder,
     )
-    guarded = access.AccessGuard(app, access.public_policy(args))
-    uvicorn.run(
-        guarded, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
+    serve_draining(
+        access.AccessGuard(app, access.public_policy(args)),
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        drain_timeout_s=args.drain_timeout,
+        max_in_flight=args.max_in_flight,
     )
     return 0

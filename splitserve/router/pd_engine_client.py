@@ -34,6 +34,7 @@ from splitserve.protocol.kv_events import connect_address
 from splitserve.protocol.kv_transfer import KVParamsError, KVTransferParams
 from splitserve.router.kv_index import KVBlockIndex, KVEventFeed, KVRoutingWeights, request_block_hashes
 from splitserve.router.metrics import ProxyMetrics
+from splitserve.router.migration import StreamedSoFar, as_original, resumed_request
 from splitserve.router.pd_policy import PDPolicy
 from splitserve.router.workers import Worker, WorkerPool, WorkerRole
 
@@ -77,7 +78,7 @@ class PDEngineClient(EngineClient):
     def _client(self, worker: Worker) -> HTTPEngineClient:
         client = self._clients.get(worker.url)
         if client is None:
-            client = self._clients[worker.url] = HTTPEngineClient(worker.url)
+            client = self._clients[worker.url] = HTTPEngineClient(worker.url, name=f"{worker.role} worker")
         return client
 
     # ---- EngineClient ---------------------------------------------------------------
@@ -158,6 +159,8 @@ class PDEngineClient(EngineClient):
     async def _generate(self, request: dict) -> AsyncIterator[dict]:
         base_id = str(request.get("request_id") or f"pd-{uuid.uuid4().hex}")
         tried: set[str] = set()
+        streamed = StreamedSoFar()
+        attempt = request
         while True:
             decode = self._pick("decode", request, exclude=tried)
             if decode is None:
@@ -166,20 +169,30 @@ class PDEngineClient(EngineClient):
             attempt_id = base_id if not tried else f"{base_id}-retry{len(tried)}"
             tried.add(decode.url)
             self._count_prefix_hits(decode, request)
-            streamed = False
+            before = len(streamed.token_ids)
             try:
                 with self.pool.lease(decode):
-                    async for chunk in self._run(decode, {**request, "request_id": attempt_id}):
-                        streamed = True
-                        yield chunk
+                    async for chunk in self._run(decode, {**attempt, "request_id": attempt_id}):
+                        streamed.add(chunk)
+                        yield as_original(chunk, request, before)
                 return
             except APIError as exc:
-                if streamed or exc.status != 503:  # 503: the worker is unreachable
+                if exc.status != 503:  # 503: the worker is unreachable, or died mid-stream
                     self.metrics.errors.labels(str(exc.status)).inc()
                     raise
                 self.pool.report_failure(decode, exc.message)
+                resumed = resumed_request(request, streamed.token_ids) if streamed.token_ids else attempt
+                if streamed.finished or resumed is None:
+                    self.metrics.errors.labels(str(exc.status)).inc()
+                    raise
+                attempt = resumed
                 self.metrics.retries.inc()
-                logger.warning("retrying %s on another decode worker: %s", base_id, exc.message)
+                logger.warning(
+                    "resuming %s on another decode worker after %d tokens: %s",
+                    base_id,
+                    len(streamed.token_ids),
+                    exc.message,
+                )
 
     async def _run(self, decode: Worker, body: dict) -> AsyncIterator[dict]:
         tokens = body.get("token_ids")

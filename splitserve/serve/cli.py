@@ -15,6 +15,7 @@ import sys
 from splitserve.engine.api import cli as engine_cli
 from splitserve.frontend import cli as render_cli
 from splitserve.protocol import access
+from splitserve.protocol.drain import serve_draining
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,8 +26,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from splitserve.engine.api.encode_routes import ECSetup
     from splitserve.engine.api.local_client import LocalEngineClient
     from splitserve.engine.async_engine import AsyncEngine
@@ -72,8 +71,12 @@ def run(args: argparse.Namespace) -> int:
         on_startup=start,
         on_shutdown=stop,
     )
-    guarded = access.AccessGuard(app, access.public_policy(args))
-    uvicorn.run(
-        guarded, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
+    serve_draining(
+        access.AccessGuard(app, access.public_policy(args)),
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        drain_timeout_s=args.drain_timeout,
+        max_in_flight=args.max_in_flight,
     )
     return 0

@@ -234,10 +234,16 @@ def test_client_request_ids_are_echoed_never_shared_and_may_be_long(exposed_up):
     long_id = "x" * 256  # the documented limit; the proxy's own suffixes must not break P/D
     before = _pd_push_count(base)
 
+    # prompts no decode worker holds yet: a cached prefix would (rightly) skip prefill
+    fresh = {
+        "shared-id": [{"role": "user", "content": "which request ids may two clients share " * 4}],
+        long_id: [{"role": "user", "content": "how long may a client's request id be " * 4}],
+    }
+
     async def one(request_id: str):
         return await client.chat.completions.create(
             model=None,
-            messages=LONG_PROMPT,
+            messages=fresh[request_id],
             max_tokens=6,
             temperature=0,
             extra_body={"request_id": request_id},

@@ -9,6 +9,7 @@ import re
 from splitserve.config import CacheConfig, EngineConfig, KVEventsConfig, ModelConfig, SchedulerConfig
 from splitserve.engine.api import encode_routes, kv_routes
 from splitserve.protocol import access
+from splitserve.protocol.drain import add_serving_arguments, serve_draining
 
 _SIZE_UNITS = {
     "": 1,
@@ -79,6 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
+    add_serving_arguments(parser)
     kv_routes.add_kv_arguments(parser)  # P/D roles: transport, mode, timeouts
     encode_routes.add_ec_arguments(parser, parse_memory_size)  # images: encoder cache, limits
     access.add_internal_arguments(parser)
@@ -154,8 +156,6 @@ def engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from splitserve.engine.api.app import create_engine_app
     from splitserve.engine.async_engine import AsyncEngine
     from splitserve.model.resolve import resolve_model_or_exit
@@ -193,8 +193,13 @@ def run(args: argparse.Namespace) -> int:
         )
     guarded = access.AccessGuard(app, policy)
     try:
-        uvicorn.run(
-            guarded, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
+        serve_draining(
+            guarded,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            drain_timeout_s=args.drain_timeout,
+            max_in_flight=args.max_in_flight,
         )
     finally:
         ec.close()

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 from splitserve.engine.outputs import RequestOutput
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.protocol.errors import APIError, InvalidRequestError
+from splitserve.protocol.kv_transfer import check_kv_transfer_params
 from splitserve.protocol.multimodal import FeaturesError, ImageInput, features_from_wire
 from splitserve.protocol.openai_chunks import usage_dict
 
@@ -221,6 +222,8 @@ def parse_generate_request(
     kv_transfer_params = body.get("kv_transfer_params")
     if kv_transfer_params is not None and not isinstance(kv_transfer_params, dict):
         raise APIError(400, "kv_transfer_params must be an object", param="kv_transfer_params")
+    if kv_transfer_params is not None:
+        check_kv_transfer_params(kv_transfer_params)
     images = parse_features(body.get("features"), max_pixel_bytes)
 
     return GenerateRequest(
