@@ -1,8 +1,8 @@
 """Builds and loads the compiled CPU kernels (csrc/cpu_ops.cpp) at first use.
 
 The kernels are compiled on the user's machine with `torch.utils.cpp_extension` (a C++
-compiler and ninja are needed; about 20 s once, then cached by torch under
-TORCH_EXTENSIONS_DIR). Where they cannot be built, or with SPLITSERVE_NATIVE_OPS=0, the
+compiler and ninja, which comes with the `ninja` dependency; about 20 s once, then cached
+by torch under TORCH_EXTENSIONS_DIR). Where they cannot be built, or with SPLITSERVE_NATIVE_OPS=0, the
 PyTorch references in ops.py run instead: same results, slower.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -28,6 +29,11 @@ def cpu_ops_available() -> bool:
         return False
     try:
         from torch.utils.cpp_extension import load
+
+        if shutil.which("ninja") is None:  # torch looks on PATH; a venv's bin/ often is not
+            import ninja
+
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
         # -march=native: the kernels are built on the machine that runs them, so they use
         # its vector units (avx512 and avx512_bf16 where present). -fopenmp: at::parallel_for
