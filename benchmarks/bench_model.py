@@ -73,7 +73,7 @@ def compute_dtype() -> str:
     (emulated bf16 matmul runs several times slower than float32)."""
     import torch
 
-    from splitserve.engine.llm_engine import cpu_has_native_half_matmul
+    from splitserve.engine.device import cpu_has_native_half_matmul
 
     return "bfloat16" if cpu_has_native_half_matmul(torch.bfloat16) else "float32"
 

@@ -15,12 +15,12 @@ import torch
 
 from splitserve.config import EngineConfig
 from splitserve.engine.block_manager import BlockManager, cdiv
+from splitserve.engine.device import choose_dtype, default_device
 from splitserve.engine.model_runner import (
     KVCacheAllocator,
     ModelRunner,
     kv_block_bytes,
     kv_cache_shape,
-    resolve_dtype,
 )
 from splitserve.engine.multimodal import EncoderCache, MultiModalInputs, MultiModalRunner
 from splitserve.engine.outputs import EngineStats, RequestOutput
@@ -48,32 +48,6 @@ class ModelInfo(NamedTuple):
     block_size: int
     dtype: str
     device: str
-
-
-def cpu_has_native_half_matmul(dtype: torch.dtype) -> bool:
-    caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
-    if dtype == torch.bfloat16:
-        return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
-    return bool(caps.get("avx512_fp16") or caps.get("amx_fp16"))
-
-
-def choose_dtype(requested: str | None, config_dtype: str, device: torch.device) -> torch.dtype:
-    """The dtype asked for, else the one config.json names. On a CPU without native
-    bf16/fp16 matmul those matmuls are emulated (~5x slower than float32 here): say so,
-    and let the operator choose `dtype="float32"`, rather than silently change precision."""
-    dtype = resolve_dtype(requested or config_dtype)
-    if device.type == "cpu" and dtype != torch.float32 and not cpu_has_native_half_matmul(dtype):
-        logger.warning(
-            "%s matmuls are emulated on this CPU and run several times slower than float32; "
-            "pass dtype float32 (--dtype float32) for speed",
-            dtype,
-        )
-    return dtype
-
-
-def default_device() -> torch.device:
-    """cuda when present, else cpu (ModelConfig.device None)."""
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 class LLMEngine:

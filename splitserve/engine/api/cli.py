@@ -126,7 +126,7 @@ def kv_events_config(args: argparse.Namespace) -> KVEventsConfig | None:
 def engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
     """The engine's config; the device and, when not named, the KV transport are decided
     here: shm for a CPU KV cache, tcp for a GPU one (ValueError for shm on a GPU)."""
-    from splitserve.engine.llm_engine import default_device  # torch: only engines pay for it
+    from splitserve.engine.device import default_device  # torch: only engines pay for it
 
     device = args.device or str(default_device())
     return EngineConfig(

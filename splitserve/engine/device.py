@@ -1,0 +1,37 @@
+"""Where an engine runs and in which dtype."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from splitserve.engine.model_runner import resolve_dtype
+
+logger = logging.getLogger(__name__)
+
+
+def cpu_has_native_half_matmul(dtype: torch.dtype) -> bool:
+    caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+    if dtype == torch.bfloat16:
+        return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
+    return bool(caps.get("avx512_fp16") or caps.get("amx_fp16"))
+
+
+def choose_dtype(requested: str | None, config_dtype: str, device: torch.device) -> torch.dtype:
+    """The dtype asked for, else the one config.json names. On a CPU without native
+    bf16/fp16 matmul those matmuls are emulated (~5x slower than float32 here): say so,
+    and let the operator choose `dtype="float32"`, rather than silently change precision."""
+    dtype = resolve_dtype(requested or config_dtype)
+    if device.type == "cpu" and dtype != torch.float32 and not cpu_has_native_half_matmul(dtype):
+        logger.warning(
+            "%s matmuls are emulated on this CPU and run several times slower than float32; "
+            "pass dtype float32 (--dtype float32) for speed",
+            dtype,
+        )
+    return dtype
+
+
+def default_device() -> torch.device:
+    """cuda when present, else cpu (ModelConfig.device None)."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
