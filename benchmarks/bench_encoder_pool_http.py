@@ -21,7 +21,6 @@ import io
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,12 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from splitserve.model.tiny import TinyModelSpec, write_tiny_model  # noqa: E402
 from splitserve.model.tiny_vl import TinyVisionSpec  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from splitserve.protocol.ports import pick_free_port as free_port  # noqa: E402
 
 
 def picture_url(seed: int) -> str:

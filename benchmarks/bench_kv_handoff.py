@@ -32,7 +32,6 @@ import contextlib
 import itertools
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -44,17 +43,12 @@ import httpx
 from bench_model import DEFAULT_MODEL_DIR, compute_dtype, ensure_bench_model
 
 from splitserve.protocol.http_engine_client import HTTPEngineClient
+from splitserve.protocol.ports import pick_free_port as free_port
 from splitserve.router.pd_engine_client import PDEngineClient
 from splitserve.router.pd_policy import PDPolicy
 from splitserve.router.workers import WorkerPool
 
 VOCAB = 32768
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def prompt(seed: int, length: int) -> list[int]:

@@ -37,6 +37,8 @@ from typing import NamedTuple
 import httpx
 from bench_model import compute_dtype, cpu_isa_flags, resolve_bench_model
 
+from splitserve.protocol.ports import pick_free_port as free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 VLLM = "/work/vllm-peer/bin/vllm"
 
@@ -50,14 +52,6 @@ class Figures(NamedTuple):
     name: str
     latency: dict[int, Latency]  # prompt length -> median latency
     stream_tokens_per_s: float | None
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @contextlib.contextmanager

@@ -23,7 +23,6 @@ import contextlib
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,6 +32,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+
+from splitserve.protocol.ports import pick_free_port as free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_BIN = "/work/vllm-peer/bin/vllm"
@@ -52,12 +53,6 @@ WORDS = (
     "call function weather city today data value result error python json list number string token "
     "block hash router replica conversation template render tokenizer latency goodput budget batch"
 ).split()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @contextlib.contextmanager

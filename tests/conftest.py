@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +18,7 @@ import pytest
 from splitserve.model.demo import ensure_demo_model
 from splitserve.model.tiny import write_tiny_model
 from splitserve.model.tiny_text import TinyModelSpec
+from splitserve.protocol.ports import pick_free_port
 
 
 @pytest.fixture(scope="session")
@@ -56,10 +57,15 @@ def demo_model(demo_home: Path) -> Path:
     return ensure_demo_model(home=demo_home)
 
 
+_RECENT_PORTS: collections.deque[int] = collections.deque(maxlen=256)
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port outside the kernel's ephemeral range (see splitserve.protocol.ports), other
+    than the ones handed to this session's recent servers, some of which bind later."""
+    port = pick_free_port("127.0.0.1", avoid=_RECENT_PORTS)
+    _RECENT_PORTS.append(port)
+    return port
 
 
 @contextlib.contextmanager

@@ -158,9 +158,7 @@ class SessionFactory:
         return Session(index, (), 0, tuple(turns))
 
 
-def load_dataset(
-    path: str | Path, prompts: PromptFactory, output_len: Lengths, seed: int
-) -> list[Session]:
+def load_dataset(path: str | Path, prompts: PromptFactory, output_len: Lengths, seed: int) -> list[Session]:
     """Chats from a JSONL file, one request a line, in a seeded random order.
 
     A line holds `messages` (OpenAI chat format), `conversations` (ShareGPT: from/value)

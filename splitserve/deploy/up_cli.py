@@ -15,7 +15,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -28,18 +27,9 @@ from splitserve.frontend.stream_state import STATE_KEY_ENV
 from splitserve.protocol.access import API_KEY_ENV, INTERNAL_TOKEN_ENV
 from splitserve.protocol.drain import add_serving_arguments
 from splitserve.protocol.http_edge import DEFAULT_MAX_BODY_BYTES
+from splitserve.protocol.ports import pick_free_port
 
 _POLL_S = 0.2
-
-
-def _free_port(host: str, taken: int) -> int:
-    """A free port other than `taken` (the proxy's, bound last: the OS may offer it again)."""
-    while True:
-        with socket.socket() as sock:
-            sock.bind((host, 0))
-            port = sock.getsockname()[1]
-        if port != taken:
-            return port
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -207,6 +197,13 @@ def run(args: argparse.Namespace) -> int:
     previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     parts: list[Part] = []
     cleanup: list[str] = []  # directories of this run
+    picked = {args.port}  # the proxy binds last; every part's port differs from it and each other
+
+    def free_port() -> int:
+        port = pick_free_port(host, avoid=picked)
+        picked.add(port)
+        return port
+
     try:
         render = [
             "render", model, "--host", host, "--log-level", args.log_level,
@@ -223,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
         # is set), so any replica continues any stream.
         render_env = {STATE_KEY_ENV: secrets.token_hex(32), **env}
         for index in range(args.render):
-            render_port = _free_port(host, args.port)
+            render_port = free_port()
             name = "render" if args.render == 1 else f"render-{index}"
             command = [*render, "--port", str(render_port)]
             parts.append(_start(name, command, host, render_port, render_env, token))
@@ -235,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
             cleanup.append(ec_dir)
             ec_flags += ["--ec-shm-dir", ec_dir]
         for role, index in engines:
-            port = _free_port(host, args.port)
+            port = free_port()
             command = [
                 "engine",
                 model,
@@ -250,8 +247,8 @@ def run(args: argparse.Namespace) -> int:
             ]
             if role != "encoder":  # KV events: the proxy's router indexes them (cache-aware routing)
                 command += [
-                    "--kv-events-endpoint", f"tcp://{host}:{_free_port(host, args.port)}",
-                    "--kv-events-replay-endpoint", f"tcp://{host}:{_free_port(host, args.port)}",
+                    "--kv-events-endpoint", f"tcp://{host}:{free_port()}",
+                    "--kv-events-replay-endpoint", f"tcp://{host}:{free_port()}",
                 ]  # fmt: skip
             parts.append(_start(f"{role}-{index}", command, host, port, env, token))
         error = _wait_healthy(parts, args.startup_timeout)

@@ -73,7 +73,13 @@ class KVEventPublisher:
         self.pub.send_multipart([self.config.topic.encode(), encode_seq(seq), payload])
 
     def _answer_replay(self) -> None:
-        client, _empty, start_frame = self.replay.recv_multipart()
+        frames = self.replay.recv_multipart()
+        # Anyone who reaches the port may send anything: a malformed request is dropped,
+        # never allowed to stop the publisher (and with it the engine's events).
+        if len(frames) != 3 or frames[1] != b"" or not 1 <= len(frames[2]) <= 8:
+            logger.warning("dropped a malformed KV event replay request (%d frames)", len(frames))
+            return
+        client, _empty, start_frame = frames
         start_seq = decode_seq(start_frame)
         for seq, payload in self.buffer:
             if seq >= start_seq:

@@ -36,9 +36,7 @@ def test_prompts_have_exact_token_lengths(tiny_model, tokenizer):
 
 def test_synthetic_sessions_lengths_and_prefix_groups(tokenizer):
     prompts = PromptFactory(tokenizer, seed=0)
-    spec = SyntheticSpec(
-        Lengths.parse("20:40"), Lengths.parse("5:9"), prefix_len=32, num_prefix_groups=3
-    )
+    spec = SyntheticSpec(Lengths.parse("20:40"), Lengths.parse("5:9"), prefix_len=32, num_prefix_groups=3)
     workload = SessionFactory(prompts, spec, seed=0)
     sessions = [workload.session(i) for i in range(12)]
     for session in sessions:

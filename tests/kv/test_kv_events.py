@@ -192,3 +192,34 @@ def test_router_index_follows_an_engine_through_a_restart(tiny_model: str) -> No
     finally:
         feed.close()
         engine.shutdown()
+
+
+def test_malformed_replay_requests_do_not_stop_the_publisher() -> None:
+    """Whoever reaches the replay port may send anything; the publisher drops what is not a
+    replay request and goes on publishing and replaying."""
+    import zmq
+
+    from splitserve.kv.events import KVEventPublisher
+
+    events = KVEventsConfig(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
+    publisher = KVEventPublisher(events)
+    context = zmq.Context()
+    stranger = context.socket(zmq.DEALER)
+    stranger.connect(events.replay_endpoint)
+    try:
+        publisher.publish([AllBlocksCleared()])
+        for frames in ([b"hello"], [b"", b"x" * 20], [b"a", b"b", b"c", b"d"], [b"", b""]):
+            stranger.send_multipart(frames)
+        time.sleep(0.3)
+        assert publisher.thread.is_alive()
+        publisher.publish([BlockRemoved([b"h0"], "CPU")])
+        time.sleep(0.2)  # queued batches go out on the publisher thread
+        late = KVEventSubscriber(events.endpoint, events.replay_endpoint)
+        replayed = late.replay(0)
+        late.close()
+        assert [s for s, _b in replayed] == [0, 1]
+        assert not stranger.poll(100), "a malformed request gets no answer"
+    finally:
+        stranger.close(linger=0)
+        context.term()
+        publisher.shutdown()
