@@ -4,6 +4,7 @@ A bf16/fp16 matmul on the CPU through F.linear reorders the weight into oneDNN's
 blocked layout on every call; at decode batch sizes that costs as much as the matmul
 (measured here: 30 layers of the SmolLM2-135M shape, batch 1, ~1.8x faster prepacked).
 Prepacking once, as inductor's weight freezing does, gives the same results bit for bit
+without bias; with a bias, some ISAs round before adding it, one bf16 step apart at most
 (tests/model/test_ops.py). float32 and CUDA keep F.linear.
 """
 

@@ -185,7 +185,12 @@ def test_prepacked_linear_equals_f_linear(bias):
         assert layer.packed_weight is None
     for rows in (1, 5, 64):
         x = torch.randn(rows, 96).to(torch.bfloat16)
-        assert torch.equal(layer(x), F.linear(x, weight, bias_value))
+        if bias_value is None:
+            assert torch.equal(layer(x), F.linear(x, weight, bias_value))
+        else:
+            # oneDNN adds the bias before or after rounding to bf16 depending on the ISA
+            # (seen on a CI machine): at most one bf16 step apart, never more
+            torch.testing.assert_close(layer(x), F.linear(x, weight, bias_value), rtol=1.6e-2, atol=1e-2)
 
 
 def test_float32_linear_is_not_prepacked():
