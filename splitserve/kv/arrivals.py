@@ -31,6 +31,7 @@ class TransferResult(NamedTuple):
 @dataclass
 class _Expectation:
     expected: int  # layers x blocks
+    block_ids: frozenset[int]  # the blocks this transfer may write: its grant
     on_done: Callable[[TransferResult], None]
     started_at: float
     ttl_deadline: float
@@ -60,7 +61,8 @@ class ArrivalTracker:
     ) -> None:
         now = time.monotonic()
         expectation = _Expectation(
-            expected=num_layers * len(block_ids),
+            expected=num_layers * len(set(block_ids)),
+            block_ids=frozenset(block_ids),
             on_done=on_done,
             started_at=time.time(),
             ttl_deadline=now + (self.default_ttl_s if ttl_s is None else ttl_s),
@@ -70,6 +72,13 @@ class ArrivalTracker:
             self._expectations[transfer_id] = expectation
         if expectation.expected == 0:
             self.finish(transfer_id, None)
+
+    def accepts(self, transfer_id: str, block_ids: list[int]) -> bool:
+        """Whether a transfer is expected and may write every one of `block_ids`: data for
+        anything else must not touch the pool (it would land in another request's blocks)."""
+        with self._lock:
+            expectation = self._expectations.get(transfer_id)
+            return expectation is not None and expectation.block_ids.issuperset(block_ids)
 
     def cancel(self, transfer_id: str) -> None:
         with self._lock:
@@ -89,7 +98,7 @@ class ArrivalTracker:
                 return  # cancelled, timed out, or never ours: late data is ignored
             for block_id in block_ids:
                 key = (layer, block_id)
-                if key not in expectation.seen:
+                if block_id in expectation.block_ids and key not in expectation.seen:
                     expectation.seen.add(key)
                     expectation.arrived += 1
             expectation.num_bytes += num_bytes

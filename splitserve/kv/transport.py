@@ -399,6 +399,10 @@ class KVTransport(ABC):
         if kind == b"HELLO":
             self._reply(identity, self.layout()._asdict())
         elif kind == b"PUSH":
+            if not self.arrivals.accepts(header["transfer_id"], [int(block) for block in header["dst"]]):
+                # even a token holder writes only the blocks reserved for its transfer
+                logger.warning("dropped a KV push outside its transfer's blocks")
+                return
             num_bytes = self._on_push(header, frames[3:])
             self.record_arrival(
                 header["transfer_id"], header["layer"], header["dst"], num_bytes, header["ready_at"]

@@ -154,6 +154,7 @@ def test_kv_frames_without_the_deployments_mac_are_dropped(monkeypatch):
         try:
             filled_pool(prefill)
             prefill.start()
+            decode.expect("t-legit", [1], lambda result: None)
             prefill.push_layer(peer, "t-legit", 0, [1], [1])
             assert prefill.flush(10)
             assert _wait_for(lambda: bool(pool[0, :, 1].any()))
@@ -200,3 +201,43 @@ def test_a_pull_reads_only_the_blocks_its_hold_lent(kind):
         from_parent.put(None)
         source_process.join(30)
         puller.close()
+
+
+def test_a_token_holder_writes_only_the_blocks_reserved_for_its_transfer(monkeypatch):
+    """The issue's 'writing into other requests' blocks' with a sender that holds the
+    deployment's token: a push for a transfer decode never reserved, or for blocks outside
+    the reservation, writes nothing and does not count towards completion; the reserved
+    block still lands and completes the transfer."""
+    monkeypatch.setenv("SPLITSERVE_INTERNAL_TOKEN", "the-deployment-token")
+    config = TransferConfig(transport="tcp", timeout_s=5.0)
+    decode = make_transport("decode-0", config)
+    pool = decode.allocate_pool(SHAPE, torch.float32)
+    peer = decode.start()
+    prefill = make_transport("prefill-0", config)
+    outcomes = []
+    done = threading.Event()
+
+    def on_done(result) -> None:
+        outcomes.append(result)
+        done.set()
+
+    try:
+        filled_pool(prefill)
+        prefill.start()
+        decode.expect("granted", [2], on_done)
+        for layer in range(SHAPE[0]):
+            prefill.push_layer(peer, "never-reserved", layer, [0], [0])
+            prefill.push_layer(peer, "granted", layer, [5], [5])  # outside its grant
+        assert prefill.flush(10)
+        assert not done.wait(1.0)  # wrong blocks do not complete the transfer
+        assert not pool.any()
+        for layer in range(SHAPE[0]):
+            prefill.push_layer(peer, "granted", layer, [2], [2])
+        assert prefill.flush(10) and done.wait(10)
+        assert outcomes[0].ok, outcomes[0]
+        assert torch.equal(pool[:, :, [2]], pattern([2]))
+        pool[:, :, [2]] = 0
+        assert not pool.any()
+    finally:
+        prefill.close()
+        decode.close()
