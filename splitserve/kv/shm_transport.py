@@ -20,6 +20,7 @@ import torch
 import zmq
 
 from splitserve.kv.block_copy import copy_blocks
+from splitserve.kv.send_lane import LaneSocket
 from splitserve.kv.transport import KVTransport
 from splitserve.kv.transport_types import (
     PeerInfo,
@@ -104,7 +105,7 @@ class ShmTransport(KVTransport):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._fd: int | None = None
-        self._peer_pools: dict[str, torch.Tensor] = {}
+        self._peer_pools: dict[PeerInfo, torch.Tensor] = {}  # written by each peer's lane
 
     def allocate_pool(self, shape: tuple[int, ...], dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
         if str(device) != "cpu":
@@ -130,14 +131,17 @@ class ShmTransport(KVTransport):
     def _on_handshake(self, peer: PeerInfo, layout: PoolLayout) -> None:
         if layout.shm_pid is None or layout.shm_fd is None:
             raise TransferError(f"KV peer {peer.engine_id} has no shared-memory pool on this host")
-        self._peer_pools[f"{peer.host}:{peer.port}"] = map_peer_pool(
+        self._peer_pools[peer] = map_peer_pool(
             peer.engine_id, layout.shm_pid, layout.shm_fd, layout.shape, dtype_from_name(layout.dtype)
         )
 
-    def _send_push(self, socket: zmq.Socket, job: PushJob) -> int:
+    def _send_push(self, socket: LaneSocket, job: PushJob) -> int:
         assert self.pool is not None
-        target = self._peer_pools[f"{job.peer.host}:{job.peer.port}"]
-        num_bytes = copy_blocks(target[job.layer], job.dst_block_ids, self.pool[job.layer], job.src_block_ids)
+        target = self._peer_pools[job.peer]
+        with socket.writing():
+            num_bytes = copy_blocks(
+                target[job.layer], job.dst_block_ids, self.pool[job.layer], job.src_block_ids
+            )
         header = {
             "transfer_id": job.transfer_id,
             "layer": job.layer,
@@ -151,14 +155,15 @@ class ShmTransport(KVTransport):
     def _on_push(self, header: dict, frames: list[zmq.Frame]) -> int:
         return int(header.get("bytes", 0))  # the sender already wrote into our pool
 
-    def _do_pull(self, socket: zmq.Socket, job: PullJob) -> None:
+    def _do_pull(self, socket: LaneSocket, job: PullJob) -> None:
         assert self.pool is not None
-        source = self._peer_pools[f"{job.peer.host}:{job.peer.port}"]
+        source = self._peer_pools[job.peer]
         # Held before and after the read means held throughout: the blocks were not reused.
         if not self._ask_held(socket, job.transfer_id, job.src_block_ids):
             raise TransferError(f"engine {job.peer.engine_id} no longer holds the blocks")
         for layer in range(self.pool.shape[0]):
-            num_bytes = copy_blocks(self.pool[layer], job.dst_block_ids, source[layer], job.src_block_ids)
+            with socket.writing():  # never into blocks a failed pull gave back for recompute
+                num_bytes = copy_blocks(self.pool[layer], job.dst_block_ids, source[layer], job.src_block_ids)
             last = layer == self.pool.shape[0] - 1
             if last and not self._ask_held(socket, job.transfer_id, job.src_block_ids):
                 raise TransferError(f"engine {job.peer.engine_id} released the blocks during the read")
