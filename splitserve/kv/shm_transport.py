@@ -8,6 +8,7 @@ socket. Pull maps the source's pool and reads from it, then tells the source to 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import mmap
 import os
@@ -31,6 +32,8 @@ from splitserve.kv.transport_types import (
     dtype_from_name,
 )
 
+logger = logging.getLogger(__name__)
+
 
 def _shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
@@ -38,6 +41,7 @@ def _shm_dir() -> str:
 
 _SEGMENT_PREFIX = "splitserve-kv-"
 _ENGINE_ID = re.compile(r"[A-Za-z0-9_.-]{1,128}")
+_SEGMENT_NAME = re.compile(rf"{_SEGMENT_PREFIX}([0-9]{{1,10}})-{_ENGINE_ID.pattern}")
 
 
 def segment_path(pid: int, engine_id: str) -> str:
@@ -62,16 +66,53 @@ def _map_fd(fd: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor
         return torch.frombuffer(mapping, dtype=dtype).view(shape)
 
 
-def create_pool(path: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """This engine's own pool: a new file at `path` (never an existing one), sized here."""
+def create_pool(path: str, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[int, torch.Tensor]:
+    """This engine's own pool: a new file at `path` (never an existing one), unlinked as
+    soon as it is open, so the memory goes away with this process however it dies; peers
+    reach it through the returned descriptor. Returns (descriptor, pool)."""
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    os.unlink(path)  # before sizing and populating, which take long for a large pool
     try:
         os.ftruncate(fd, _pool_bytes(shape, dtype))
-        return _map_fd(fd, shape, dtype)
-    finally:
+        return fd, _map_fd(fd, shape, dtype)
+    except BaseException:
         os.close(fd)
+        raise
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
+
+def remove_stale_segments() -> list[str]:
+    """Remove the segments of this user whose creating process is gone; returns their paths.
+    A pool is unlinked right after it is created, so only a process killed in between leaves
+    one behind, and nobody can map it any more: a peer reaches a pool only through its
+    owner's live /proc/PID/fd. A PID in use again (alive) keeps its segment."""
+    directory, removed = _shm_dir(), []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        match = _SEGMENT_NAME.fullmatch(name)
+        if match is None or _process_alive(int(match.group(1))):
+            continue
+        path = os.path.join(directory, name)
+        with contextlib.suppress(OSError):
+            info = os.lstat(path)
+            if stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid():
+                os.unlink(path)
+                removed.append(path)
+    return removed
 
 
 def map_peer_pool(engine_id: str, pid: int, fd: int, shape: tuple[int, ...], dtype: torch.dtype):
@@ -110,12 +151,9 @@ class ShmTransport(KVTransport):
     def allocate_pool(self, shape: tuple[int, ...], dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
         if str(device) != "cpu":
             raise TransferError("the shm transport keeps KV pools in host memory; use device cpu")
-        path = segment_path(os.getpid(), self.engine_id)
-        self.pool = create_pool(path, tuple(shape), dtype)
-        # Unlinked at once and reached through our open descriptor: the memory goes away
-        # with this process, however it dies.
-        self._fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
-        os.unlink(path)
+        for path in remove_stale_segments():
+            logger.info("removed a KV segment its dead creator left behind: %s", path)
+        self._fd, self.pool = create_pool(segment_path(os.getpid(), self.engine_id), tuple(shape), dtype)
         return self.pool
 
     def _shm_handle(self) -> tuple[int | None, int | None]:
