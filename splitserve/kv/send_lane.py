@@ -51,11 +51,19 @@ HANDSHAKE_TIMEOUT_S = 3.0
 # cap), so a peer that stays dead costs each request one immediate failure, not a wait.
 COOL_DOWN_S = 2.0
 MAX_COOL_DOWN_S = 30.0
+# A lane with nothing to send for this long ends its thread and socket: peers come and go
+# (a restarted decode worker listens on a new port), lanes must not pile up.
+IDLE_LANE_S = 120.0
 POLL_S = 0.02
+_RETIRED = "the KV send lane retired after idling"
 
 
 class LaneAbandoned(TransferError):
     """The lane was declared stalled or the transport is closing: give up the job."""
+
+
+class _LaneRetired(TransferError):
+    """The lane ended idle: a fresh one takes the job."""
 
 
 class LaneWork(Protocol):
@@ -147,6 +155,8 @@ class SendLane:
         deadline = time.monotonic() + timeout_s
         while True:
             with self.lock:
+                if self.error == _RETIRED:
+                    raise _LaneRetired(self.error)
                 if self.error is not None:
                     raise TransferError(self.error)
                 if self.probing and not self.ready.is_set():
@@ -206,15 +216,16 @@ class SendLane:
         for job in jobs:
             if isinstance(job, Barrier):
                 job.event.set()  # nothing before it will be sent any more
-            elif not isinstance(job, CallbackJob):
+            elif not isinstance(job, CallbackJob) and not self.owner.stop.is_set():
                 self.owner.work.fail_job(job, error)
 
     # ---- the lane's thread -----------------------------------------------------------
     def _run(self) -> None:
-        socket = self.owner.new_socket(self.peer)
-        lane_socket = LaneSocket(socket, self, self.owner.timeout_s)
+        self.progressed()
+        socket: zmq.Socket | None = None
         try:
-            self.progressed()
+            socket = self.owner.new_socket(self.peer)
+            lane_socket = LaneSocket(socket, self, self.owner.timeout_s)
             self.owner.work.handshake(lane_socket, self.peer)
             self.busy_since = None
             self.busy_bound = self.owner.stalled_peer_s
@@ -226,18 +237,25 @@ class SendLane:
         except Exception as exc:  # connection set-up failed: the lane cannot carry anything
             self.abandon(f"KV peer {self.peer.engine_id} at {self.peer.host}:{self.peer.port}: {exc}")
         finally:
-            socket.close(linger=0)
+            if socket is not None:
+                socket.close(linger=0)
             with self.lock:
                 self.error = self.error or "the KV transport is closing"
                 drained = self._drain()
             self._fail_all(drained, self.error)
 
     def _serve(self, lane_socket: LaneSocket) -> None:
+        idle_since = time.monotonic()
         while self.error is None and not self.owner.stop.is_set():
             try:
                 job = self.jobs.get(timeout=POLL_S)
             except queue.Empty:
+                if time.monotonic() - idle_since > self.owner.idle_lane_s:
+                    with self.lock:
+                        if self.jobs.empty():
+                            self.error = _RETIRED
                 continue
+            idle_since = time.monotonic()
             if isinstance(job, Barrier):
                 job.event.set()
                 continue
@@ -279,6 +297,7 @@ class SendLanes:
         # never longer than the operator's KV timeout
         self.stalled_peer_s = min(STALLED_PEER_S, timeout_s)
         self.handshake_timeout_s = min(HANDSHAKE_TIMEOUT_S, timeout_s)
+        self.idle_lane_s = IDLE_LANE_S
         self.stop = threading.Event()
         self._lock = threading.Lock()
         self._lanes: dict[PeerInfo, SendLane] = {}
@@ -293,7 +312,10 @@ class SendLanes:
         return socket
 
     def put(self, peer: PeerInfo, job: object, timeout_s: float | None = None) -> None:
-        self._lane_for(peer).put(job, self.timeout_s if timeout_s is None else timeout_s)
+        try:
+            self._lane_for(peer).put(job, self.timeout_s if timeout_s is None else timeout_s)
+        except _LaneRetired:
+            self._lane_for(peer).put(job, self.timeout_s if timeout_s is None else timeout_s)
 
     def _lane_for(self, peer: PeerInfo) -> SendLane:
         with self._lock:

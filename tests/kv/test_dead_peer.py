@@ -21,8 +21,9 @@ import zmq
 
 from splitserve.config import TransferConfig
 from splitserve.kv.arrivals import TransferResult
+from splitserve.kv.send_lane import SendLanes
 from splitserve.kv.transport_factory import make_transport
-from splitserve.kv.transport_types import PeerInfo, TransferError
+from splitserve.kv.transport_types import ControlJob, PeerInfo, TransferError
 from splitserve.router.pd_engine_client import PDEngineClient
 from splitserve.router.pd_policy import PDPolicy
 from splitserve.router.workers import WorkerPool
@@ -128,6 +129,33 @@ def test_a_pull_from_a_silent_source_fails_alone(kind):
         finally:
             puller.close()
             source.close()
+
+
+def test_an_idle_lane_ends_and_a_fresh_one_takes_the_next_job():
+    config = TransferConfig(transport="tcp", timeout_s=10)
+    sender, receiver = make_transport("sender", config), make_transport("live", config)
+    context = zmq.Context()
+    results = Results()
+    try:
+        filled_pool(sender)
+        receiver.allocate_pool(SHAPE, torch.float32)
+        live = receiver.start()
+        lanes = SendLanes(sender, context, {zmq.LINGER: 0}, 8, config.timeout_s)
+        lanes.idle_lane_s = 0.2
+        lane_name = f"kv-lane-{live.host}:{live.port}"
+        for transfer_id in ("first", "second"):
+            receiver.expect(transfer_id, DST, results.on_done)
+            lanes.put(live, ControlJob(live, b"FAIL", {"transfer_id": transfer_id, "error": "told"}))
+            assert "told" in results.wait(transfer_id).error
+            deadline = time.monotonic() + 30
+            while any(thread.name == lane_name for thread in threading.enumerate()):
+                assert time.monotonic() < deadline, "the idle lane's thread did not end"
+                time.sleep(0.05)
+        assert lanes.close(5)
+    finally:
+        context.term()
+        sender.close()
+        receiver.close()
 
 
 # ---- real processes -------------------------------------------------------------------
