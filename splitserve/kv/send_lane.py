@@ -22,11 +22,14 @@ import queue
 import threading
 import time
 from collections.abc import Iterator
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import zmq
 
 from splitserve.kv.transport_types import Barrier, CallbackJob, PeerInfo, PoolLayout, TransferError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "HANDSHAKE_TIMEOUT_S",
@@ -90,6 +93,7 @@ class LaneSocket:
         self.socket = socket
         self.lane = lane
         self.timeout_s = timeout_s
+        self.peer_pool: torch.Tensor | None = None  # the peer's pool mapped here (shm)
 
     def send_multipart(self, frames: list, copy: bool = True) -> None:
         deadline = time.monotonic() + self.timeout_s

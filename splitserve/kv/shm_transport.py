@@ -146,7 +146,6 @@ class ShmTransport(KVTransport):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._fd: int | None = None
-        self._peer_pools: dict[PeerInfo, torch.Tensor] = {}  # written by each peer's lane
 
     def allocate_pool(self, shape: tuple[int, ...], dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
         if str(device) != "cpu":
@@ -164,18 +163,20 @@ class ShmTransport(KVTransport):
             with contextlib.suppress(OSError):
                 os.close(self._fd)
             self._fd = None
-        self._peer_pools.clear()
 
-    def _on_handshake(self, peer: PeerInfo, layout: PoolLayout) -> None:
+    def _on_handshake(self, peer: PeerInfo, layout: PoolLayout) -> torch.Tensor:
         if layout.shm_pid is None or layout.shm_fd is None:
             raise TransferError(f"KV peer {peer.engine_id} has no shared-memory pool on this host")
-        self._peer_pools[peer] = map_peer_pool(
+        # Held by the lane alone: when it ends (stalled, idle, closed) the mapping goes, so
+        # a dead peer's pool is not kept alive by its peers.
+        return map_peer_pool(
             peer.engine_id, layout.shm_pid, layout.shm_fd, layout.shape, dtype_from_name(layout.dtype)
         )
 
     def _send_push(self, socket: LaneSocket, job: PushJob) -> int:
         assert self.pool is not None
-        target = self._peer_pools[job.peer]
+        target = socket.peer_pool
+        assert target is not None  # mapped at the lane's handshake
         with socket.writing():
             num_bytes = copy_blocks(
                 target[job.layer], job.dst_block_ids, self.pool[job.layer], job.src_block_ids
@@ -195,7 +196,8 @@ class ShmTransport(KVTransport):
 
     def _do_pull(self, socket: LaneSocket, job: PullJob) -> None:
         assert self.pool is not None
-        source = self._peer_pools[job.peer]
+        source = socket.peer_pool
+        assert source is not None  # mapped at the lane's handshake
         # Held before and after the read means held throughout: the blocks were not reused.
         if not self._ask_held(socket, job.transfer_id, job.src_block_ids):
             raise TransferError(f"engine {job.peer.engine_id} no longer holds the blocks")

@@ -316,7 +316,7 @@ class KVTransport(ABC):
             or layout.dtype != mine.dtype
         ):
             raise TransferError(f"KV pool layouts differ: ours {mine.shape} {mine.dtype}, peer {layout}")
-        self._on_handshake(peer, layout)
+        socket.peer_pool = self._on_handshake(peer, layout)
         return layout
 
     def _ask_held(self, socket: LaneSocket, transfer_id: str, block_ids: list[int]) -> bool:
@@ -327,7 +327,8 @@ class KVTransport(ABC):
         except zmq.Again as exc:
             raise TransferError("the pull source did not answer") from exc
 
-    def _on_handshake(self, peer: PeerInfo, layout: PoolLayout) -> None:
+    def _on_handshake(self, peer: PeerInfo, layout: PoolLayout) -> torch.Tensor | None:
+        """The peer's pool mapped here, when the transport writes into it (shm)."""
         return None
 
     def _send_control(

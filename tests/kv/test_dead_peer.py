@@ -22,6 +22,7 @@ import zmq
 from splitserve.config import TransferConfig
 from splitserve.kv.arrivals import TransferResult
 from splitserve.kv.send_lane import SendLanes
+from splitserve.kv.shm_transport import segment_path
 from splitserve.kv.transport_factory import make_transport
 from splitserve.kv.transport_types import ControlJob, PeerInfo, TransferError
 from splitserve.router.pd_engine_client import PDEngineClient
@@ -131,8 +132,16 @@ def test_a_pull_from_a_silent_source_fails_alone(kind):
             source.close()
 
 
-def test_an_idle_lane_ends_and_a_fresh_one_takes_the_next_job():
-    config = TransferConfig(transport="tcp", timeout_s=10)
+def mappings_of(path: str) -> int:
+    with open("/proc/self/maps") as maps:
+        return sum(line.rstrip().endswith(f"{path} (deleted)") for line in maps)
+
+
+@pytest.mark.parametrize("kind", ["shm", "tcp"])
+def test_an_idle_lane_ends_and_a_fresh_one_takes_the_next_job(kind):
+    """A lane ends after idling, and with it the sender's mapping of the peer's pool (a
+    dead peer's memory is not kept alive by its peers); the next job gets a fresh lane."""
+    config = TransferConfig(transport=kind, timeout_s=10)
     sender, receiver = make_transport("sender", config), make_transport("live", config)
     context = zmq.Context()
     results = Results()
@@ -140,6 +149,8 @@ def test_an_idle_lane_ends_and_a_fresh_one_takes_the_next_job():
         filled_pool(sender)
         receiver.allocate_pool(SHAPE, torch.float32)
         live = receiver.start()
+        segment = segment_path(os.getpid(), "live")
+        mapped_by_receiver = mappings_of(segment)
         lanes = SendLanes(sender, context, {zmq.LINGER: 0}, 8, config.timeout_s)
         lanes.idle_lane_s = 0.2
         lane_name = f"kv-lane-{live.host}:{live.port}"
@@ -147,10 +158,13 @@ def test_an_idle_lane_ends_and_a_fresh_one_takes_the_next_job():
             receiver.expect(transfer_id, DST, results.on_done)
             lanes.put(live, ControlJob(live, b"FAIL", {"transfer_id": transfer_id, "error": "told"}))
             assert "told" in results.wait(transfer_id).error
+            if kind == "shm":
+                assert mappings_of(segment) == mapped_by_receiver + 1
             deadline = time.monotonic() + 30
             while any(thread.name == lane_name for thread in threading.enumerate()):
                 assert time.monotonic() < deadline, "the idle lane's thread did not end"
                 time.sleep(0.05)
+            assert mappings_of(segment) == mapped_by_receiver
         assert lanes.close(5)
     finally:
         context.term()
