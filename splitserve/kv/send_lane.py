@@ -359,9 +359,10 @@ class SendLanes:
         for lane in lanes:
             lane.check_stall(now)
 
-    def flush(self, timeout_s: float) -> bool:
+    def flush(self, timeout_s: float) -> set[PeerInfo]:
         """Wait until every job queued before now on any lane has been handed over (or
-        failed with its stalled lane); False when `timeout_s` passed first."""
+        failed with its stalled lane); the peers whose lanes had not when `timeout_s`
+        passed (none: all flushed)."""
         deadline = time.monotonic() + timeout_s
         with self._lock:
             lanes = [lane for lane in self._lanes.values() if lane.error is None]
@@ -371,13 +372,15 @@ class SendLanes:
             with contextlib.suppress(TransferError):  # abandoned or probing: nothing pending
                 lane.put(barrier, max(0.0, deadline - time.monotonic()))
                 barriers.append((lane, barrier.event))
+        late: set[PeerInfo] = set()
         for lane, event in barriers:
             while not event.wait(POLL_S):
                 now = time.monotonic()
                 lane.check_stall(now)
                 if now > deadline:
-                    return False
-        return True
+                    late.add(lane.peer)
+                    break
+        return late
 
     def close(self, join_timeout_s: float) -> bool:
         """Stop every lane and join its thread; True when all exited (each closed its own

@@ -229,6 +229,10 @@ class KVTransport(ABC):
         """Wait until every job queued on any lane has been written (shm) or handed to the
         socket (tcp), or failed with its stalled lane: a dead peer holds this up at most
         HANDSHAKE_TIMEOUT_S / STALLED_PEER_S."""
+        return not self.flush_peers(timeout_s)
+
+    def flush_peers(self, timeout_s: float | None = None) -> set[PeerInfo]:
+        """`flush`, answering the peers whose jobs were still queued at `timeout_s`."""
         return self._lanes.flush(self.config.timeout_s if timeout_s is None else timeout_s)
 
     def _note_sent(self, transfer_id: str, seconds: float, num_bytes: int) -> None:
