@@ -13,6 +13,8 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -198,6 +200,24 @@ async def stream_all(prefill: str, decode: str, prompts: list[list[int]]) -> lis
         await client.close()
 
 
+@contextlib.contextmanager
+def servers_started_together(servers: list[tuple[list[str], int]]) -> Iterator[list[str]]:
+    """`running_server` for each (args, port), started at once; all stopped at the end."""
+    managers = [running_server(args, port) for args, port in servers]
+    with contextlib.ExitStack() as stack, ThreadPoolExecutor(len(managers)) as pool:
+        futures = [pool.submit(manager.__enter__) for manager in managers]
+        urls, failure = [], None
+        for manager, future in zip(managers, futures, strict=True):
+            try:
+                urls.append(future.result())
+                stack.push(manager.__exit__)
+            except Exception as exc:
+                failure = failure or exc
+        if failure is not None:
+            raise failure
+        yield urls
+
+
 def test_a_stopped_decode_peer_freezes_no_stream(tiny_model):
     """kv_transfer_params naming a SIGSTOPped decode worker used to freeze every stream of
     the prefill worker for the KV timeout (29 s); now that request fails alone."""
@@ -207,11 +227,11 @@ def test_a_stopped_decode_peer_freezes_no_stream(tiny_model):
     prompts = [list(range(5 + i, 70 + 3 * i)) for i in range(4)]
     doomed_prompt = list(range(7, 64))
     blocks = -(-(len(doomed_prompt) - 1) // BLOCK_SIZE)
-    with (
-        running_server([*engine, "--role", "prefill", "--port", str(prefill_port)], prefill_port) as prefill,
-        running_server([*engine, "--role", "decode", "--port", str(live_port)], live_port) as live,
-        running_server([*engine, "--role", "decode", "--port", str(stopped_port)], stopped_port) as stopped,
-    ):
+    servers = [
+        ([*engine, "--role", role, "--port", str(port)], port)
+        for role, port in (("prefill", prefill_port), ("decode", live_port), ("decode", stopped_port))
+    ]
+    with servers_started_together(servers) as (prefill, live, stopped):
         undisturbed = asyncio.run(stream_all(prefill, live, prompts))
         stopped_info = httpx.get(f"{stopped}/inference/v1/kv/info").json()
         doomed_params = {
