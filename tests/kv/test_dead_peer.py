@@ -37,9 +37,13 @@ SRC, DST = [0, 3, 6], [5, 2, 7]
 
 
 @contextlib.contextmanager
-def silent_peer() -> PeerInfo:
-    """A bound socket whose owner never reads: connecting works, nothing ever answers (as a
-    SIGSTOPped worker)."""
+def silent_peer(how: str = "stopped") -> Iterator[PeerInfo]:
+    """A peer that never answers: "stopped", a bound socket whose owner never reads
+    (connecting works, as with a SIGSTOPped worker), or "gone", nothing listening (as
+    with a killed one)."""
+    if how == "gone":
+        yield PeerInfo("silent", "127.0.0.1", free_port())
+        return
     context = zmq.Context()
     sink = context.socket(zmq.ROUTER)
     port = sink.bind_to_random_port("tcp://127.0.0.1")
@@ -66,13 +70,14 @@ class Results:
             return self.by_id[transfer_id]
 
 
+@pytest.mark.parametrize("how", ["stopped", "gone"])
 @pytest.mark.parametrize("kind", ["shm", "tcp"])
-def test_a_silent_peer_delays_only_its_own_transfers(kind):
+def test_a_silent_peer_delays_only_its_own_transfers(kind, how):
     # the KV timeout is long: only the stalled-peer bound may end the silent peer's transfer
     config = TransferConfig(transport=kind, timeout_s=30)
     sender, receiver = make_transport("sender", config), make_transport("live", config)
     results = Results()
-    with silent_peer() as silent:
+    with silent_peer(how) as silent:
         try:
             filled_pool(sender)
             sender.start()
