@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import torch
 
@@ -61,7 +62,8 @@ def dying_sender(kind: str, peer: tuple, src: list[int], dst: list[int], layers_
     transport.start()
     for layer in range(layers_before_death):
         transport.push_layer(PeerInfo(*peer), "t1", layer, src, dst)
-    transport.flush(10)
+    transport.flush(10)  # handed to ZeroMQ, whose I/O thread writes it to the wire...
+    time.sleep(0.5)  # ...which under load can take longer than reaching the _exit below
     os._exit(0)
 
 
