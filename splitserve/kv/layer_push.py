@@ -1,8 +1,8 @@
 """Prefill side of push mode: ship each request's finished blocks layer by layer.
 
 `save` runs from the model's forward right after layer i wrote its KV; it queues the
-blocks that are complete for that layer (the transport's sender thread copies them while
-layer i+1 computes). A block is sent once per layer: when its positions are all computed,
+blocks that are complete for that layer (the destination peer's send lane copies them
+while layer i+1 computes). A block is sent once per layer: when its positions are all computed,
 or when the prompt ends inside it. Prefix-cached blocks of prefill go with the first chunk.
 """
 
@@ -103,8 +103,9 @@ class LayerPusher:
         if not self._pushed_this_step:
             return
         self._pushed_this_step = False
-        if not self.transport.flush(self.timeout_s):
-            for plan in self._plans.values():
+        late = self.transport.flush_peers(self.timeout_s)
+        for plan in self._plans.values():
+            if plan.peer in late:  # only the requests bound for a late peer fail
                 plan.error = plan.error or f"KV send did not finish within {self.timeout_s:.1f}s"
 
     def finish(self, request_id: str, finish_reason: str | None) -> PushOutcome | None:

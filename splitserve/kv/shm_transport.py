@@ -8,6 +8,7 @@ socket. Pull maps the source's pool and reads from it, then tells the source to 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import mmap
 import os
@@ -20,6 +21,7 @@ import torch
 import zmq
 
 from splitserve.kv.block_copy import copy_blocks
+from splitserve.kv.send_lane import LaneSocket
 from splitserve.kv.transport import KVTransport
 from splitserve.kv.transport_types import (
     PeerInfo,
@@ -30,6 +32,8 @@ from splitserve.kv.transport_types import (
     dtype_from_name,
 )
 
+logger = logging.getLogger(__name__)
+
 
 def _shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
@@ -37,6 +41,7 @@ def _shm_dir() -> str:
 
 _SEGMENT_PREFIX = "splitserve-kv-"
 _ENGINE_ID = re.compile(r"[A-Za-z0-9_.-]{1,128}")
+_SEGMENT_NAME = re.compile(rf"{_SEGMENT_PREFIX}([0-9]{{1,10}})-{_ENGINE_ID.pattern}")
 
 
 def segment_path(pid: int, engine_id: str) -> str:
@@ -61,16 +66,53 @@ def _map_fd(fd: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor
         return torch.frombuffer(mapping, dtype=dtype).view(shape)
 
 
-def create_pool(path: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """This engine's own pool: a new file at `path` (never an existing one), sized here."""
+def create_pool(path: str, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[int, torch.Tensor]:
+    """This engine's own pool: a new file at `path` (never an existing one), unlinked as
+    soon as it is open, so the memory goes away with this process however it dies; peers
+    reach it through the returned descriptor. Returns (descriptor, pool)."""
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    os.unlink(path)  # before sizing and populating, which take long for a large pool
     try:
         os.ftruncate(fd, _pool_bytes(shape, dtype))
-        return _map_fd(fd, shape, dtype)
-    finally:
+        return fd, _map_fd(fd, shape, dtype)
+    except BaseException:
         os.close(fd)
+        raise
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
+
+def remove_stale_segments() -> list[str]:
+    """Remove the segments of this user whose creating process is gone; returns their paths.
+    A pool is unlinked right after it is created, so only a process killed in between leaves
+    one behind, and nobody can map it any more: a peer reaches a pool only through its
+    owner's live /proc/PID/fd. A PID in use again (alive) keeps its segment."""
+    directory, removed = _shm_dir(), []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        match = _SEGMENT_NAME.fullmatch(name)
+        if match is None or _process_alive(int(match.group(1))):
+            continue
+        path = os.path.join(directory, name)
+        with contextlib.suppress(OSError):
+            info = os.lstat(path)
+            if stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid():
+                os.unlink(path)
+                removed.append(path)
+    return removed
 
 
 def map_peer_pool(engine_id: str, pid: int, fd: int, shape: tuple[int, ...], dtype: torch.dtype):
@@ -104,17 +146,13 @@ class ShmTransport(KVTransport):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._fd: int | None = None
-        self._peer_pools: dict[str, torch.Tensor] = {}
 
     def allocate_pool(self, shape: tuple[int, ...], dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
         if str(device) != "cpu":
             raise TransferError("the shm transport keeps KV pools in host memory; use device cpu")
-        path = segment_path(os.getpid(), self.engine_id)
-        self.pool = create_pool(path, tuple(shape), dtype)
-        # Unlinked at once and reached through our open descriptor: the memory goes away
-        # with this process, however it dies.
-        self._fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
-        os.unlink(path)
+        for path in remove_stale_segments():
+            logger.info("removed a KV segment its dead creator left behind: %s", path)
+        self._fd, self.pool = create_pool(segment_path(os.getpid(), self.engine_id), tuple(shape), dtype)
         return self.pool
 
     def _shm_handle(self) -> tuple[int | None, int | None]:
@@ -125,19 +163,24 @@ class ShmTransport(KVTransport):
             with contextlib.suppress(OSError):
                 os.close(self._fd)
             self._fd = None
-        self._peer_pools.clear()
 
-    def _on_handshake(self, peer: PeerInfo, layout: PoolLayout) -> None:
+    def _on_handshake(self, peer: PeerInfo, layout: PoolLayout) -> torch.Tensor:
         if layout.shm_pid is None or layout.shm_fd is None:
             raise TransferError(f"KV peer {peer.engine_id} has no shared-memory pool on this host")
-        self._peer_pools[f"{peer.host}:{peer.port}"] = map_peer_pool(
+        # Held by the lane alone: when it ends (stalled, idle, closed) the mapping goes, so
+        # a dead peer's pool is not kept alive by its peers.
+        return map_peer_pool(
             peer.engine_id, layout.shm_pid, layout.shm_fd, layout.shape, dtype_from_name(layout.dtype)
         )
 
-    def _send_push(self, socket: zmq.Socket, job: PushJob) -> int:
+    def _send_push(self, socket: LaneSocket, job: PushJob) -> int:
         assert self.pool is not None
-        target = self._peer_pools[f"{job.peer.host}:{job.peer.port}"]
-        num_bytes = copy_blocks(target[job.layer], job.dst_block_ids, self.pool[job.layer], job.src_block_ids)
+        target = socket.peer_pool
+        assert target is not None  # mapped at the lane's handshake
+        with socket.writing():
+            num_bytes = copy_blocks(
+                target[job.layer], job.dst_block_ids, self.pool[job.layer], job.src_block_ids
+            )
         header = {
             "transfer_id": job.transfer_id,
             "layer": job.layer,
@@ -151,14 +194,16 @@ class ShmTransport(KVTransport):
     def _on_push(self, header: dict, frames: list[zmq.Frame]) -> int:
         return int(header.get("bytes", 0))  # the sender already wrote into our pool
 
-    def _do_pull(self, socket: zmq.Socket, job: PullJob) -> None:
+    def _do_pull(self, socket: LaneSocket, job: PullJob) -> None:
         assert self.pool is not None
-        source = self._peer_pools[f"{job.peer.host}:{job.peer.port}"]
+        source = socket.peer_pool
+        assert source is not None  # mapped at the lane's handshake
         # Held before and after the read means held throughout: the blocks were not reused.
         if not self._ask_held(socket, job.transfer_id, job.src_block_ids):
             raise TransferError(f"engine {job.peer.engine_id} no longer holds the blocks")
         for layer in range(self.pool.shape[0]):
-            num_bytes = copy_blocks(self.pool[layer], job.dst_block_ids, source[layer], job.src_block_ids)
+            with socket.writing():  # never into blocks a failed pull gave back for recompute
+                num_bytes = copy_blocks(self.pool[layer], job.dst_block_ids, source[layer], job.src_block_ids)
             last = layer == self.pool.shape[0] - 1
             if last and not self._ask_held(socket, job.transfer_id, job.src_block_ids):
                 raise TransferError(f"engine {job.peer.engine_id} released the blocks during the read")

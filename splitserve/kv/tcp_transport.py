@@ -12,6 +12,7 @@ import torch
 import zmq
 
 from splitserve.kv.block_copy import copy_blocks, gather_blocks
+from splitserve.kv.send_lane import LaneSocket
 from splitserve.kv.transport import KVTransport
 from splitserve.kv.transport_types import CallbackJob, PeerInfo, PullJob, PushJob, TransferError
 
@@ -23,9 +24,10 @@ class TcpTransport(KVTransport):
         self.pool = torch.zeros(tuple(shape), dtype=dtype, device=device)
         return self.pool
 
-    def _send_push(self, socket: zmq.Socket, job: PushJob) -> int:
+    def _send_push(self, socket: LaneSocket, job: PushJob) -> int:
         assert self.pool is not None
-        data = gather_blocks(self.pool[job.layer], job.src_block_ids).cpu()
+        with socket.writing():  # after this the frame owns a copy: the blocks may be freed
+            data = gather_blocks(self.pool[job.layer], job.src_block_ids).cpu()
         payload = data.view(torch.uint8).numpy()
         header = {
             "transfer_id": job.transfer_id,
@@ -49,7 +51,7 @@ class TcpTransport(KVTransport):
         copy_blocks(layer_pool, header["dst"], data.to(self.pool.device), list(range(len(header["dst"]))))
         return raw.numel()
 
-    def _do_pull(self, socket: zmq.Socket, job: PullJob) -> None:
+    def _do_pull(self, socket: LaneSocket, job: PullJob) -> None:
         me = self.peer_info()
         header = {
             "transfer_id": job.transfer_id,
@@ -70,4 +72,4 @@ class TcpTransport(KVTransport):
             self.push_layer(peer, transfer_id, layer, header["src"], header["dst"], ready_at=None)
         release = self.on_release
         if release is not None:
-            self._put(CallbackJob(transfer_id, lambda: release(transfer_id)))
+            self._put(peer, CallbackJob(peer, transfer_id, lambda: release(transfer_id)))

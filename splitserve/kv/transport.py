@@ -3,8 +3,10 @@
 A pool is one contiguous tensor `[num_layers, 2, num_blocks, block_size, num_kv_heads,
 head_dim]`; block IDs index dim 2. Every transport has the same control plane: each engine
 binds one ZeroMQ ROUTER socket (its address is the `PeerInfo` that travels in
-`kv_transfer_params`), and one sender thread owns a DEALER socket per peer. Transports
-differ only in the data plane:
+`kv_transfer_params`), and each destination peer gets its own send lane: a queue, a thread
+and a DEALER socket (send_lane.py), so a peer that stops answering delays only its own
+transfers, and only until its lane is declared stalled. Transports differ only in the
+data plane:
 
 - `shm`: every pool lives in a shared-memory file; the sender writes a layer's blocks
   straight into the peer's pool (a one-sided write, like RDMA) and then sends a small
@@ -21,10 +23,8 @@ tells the source it may release its blocks.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import queue
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -36,9 +36,8 @@ import zmq
 from splitserve.config import TransferConfig
 from splitserve.kv.arrivals import ArrivalTracker, TransferResult
 from splitserve.kv.frame_mac import FrameMac
+from splitserve.kv.send_lane import LaneSocket, SendLanes, job_transfer_id
 from splitserve.kv.transport_types import (
-    Barrier,
-    CallbackJob,
     ControlJob,
     PeerInfo,
     PoolLayout,
@@ -54,6 +53,9 @@ __all__ = ["KVTransport"]
 logger = logging.getLogger(__name__)
 
 _POLL_MS = 20
+# How long close() waits for the receiver and lane threads: each polls in 20 ms slices
+# and gives up its socket call at once when closing, so only a copy in progress delays it.
+_JOIN_TIMEOUT_S = 5.0
 
 
 def _optional_int(value: object) -> int | None:
@@ -65,7 +67,7 @@ def _optional_int(value: object) -> int | None:
 
 
 class KVTransport(ABC):
-    """One per engine. Owns the pool allocation, the receiving socket and the sender thread."""
+    """One per engine. Owns the pool allocation, the receiving socket and the send lanes."""
 
     name: str = ""
 
@@ -88,8 +90,8 @@ class KVTransport(ABC):
         self.arrivals = ArrivalTracker(config.timeout_s, config.reservation_ttl_s)
         self._lock = threading.Lock()
         self.max_queued_jobs = max(4, max_queued_jobs)
-        self._jobs: queue.Queue = queue.Queue(maxsize=self.max_queued_jobs)
-        self._peer_layouts: dict[str, PoolLayout] = {}
+        socket_options = {zmq.LINGER: 0, zmq.SNDHWM: self.max_queued_jobs}
+        self._lanes = SendLanes(self, self._context, socket_options, self.max_queued_jobs, config.timeout_s)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._send_errors: dict[str, str] = {}
@@ -127,10 +129,9 @@ class KVTransport(ABC):
         else:
             self.port = router.bind_to_random_port(f"tcp://{self.host}")
         self._router = router
-        for target, name in ((self._receive_loop, "recv"), (self._send_loop, "send")):
-            thread = threading.Thread(target=target, name=f"kv-{self.name}-{name}", daemon=True)
-            thread.start()
-            self._threads.append(thread)
+        thread = threading.Thread(target=self._receive_loop, name=f"kv-{self.name}-recv", daemon=True)
+        thread.start()
+        self._threads.append(thread)
         return self.peer_info()
 
     def peer_info(self) -> PeerInfo:
@@ -140,14 +141,15 @@ class KVTransport(ABC):
         self._stop.set()
         # Each thread closes its own sockets on the way out; closing them from here while
         # a thread still uses one is what made libzmq abort at shutdown
-        # ("Assertion failed: pfd.revents & POLLIN"). A send blocks at most timeout_s.
-        deadline = time.monotonic() + self.config.timeout_s + 2
+        # ("Assertion failed: pfd.revents & POLLIN").
+        lanes_exited = self._lanes.close(_JOIN_TIMEOUT_S)
+        deadline = time.monotonic() + _JOIN_TIMEOUT_S
         for thread in self._threads:
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
         alive = [thread.name for thread in self._threads if thread.is_alive()]
         self._threads.clear()
-        if alive:
-            logger.warning("KV %s transport: %s still running at close; left to exit", self.name, alive)
+        if alive or not lanes_exited:
+            logger.warning("KV %s transport: threads still running at close; left to exit", self.name)
         else:
             self._context.destroy(linger=0)  # no thread uses a socket any more
         self._release_pool()
@@ -194,33 +196,44 @@ class KVTransport(ABC):
         dst_block_ids: list[int],
         ready_at: float | None = None,
     ) -> None:
-        """Queue one layer's blocks for the peer. Blocks (back-pressure) while the queue is
-        full; raises TransferError after `timeout_s`."""
+        """Queue one layer's blocks for the peer. Blocks (back-pressure) while the peer's lane
+        is full; raises TransferError at once when the peer's lane is stalled, else once it is
+        declared stalled (STALLED_PEER_S) or after `timeout_s`."""
         if len(src_block_ids) != len(dst_block_ids):
             raise TransferError("source and destination block lists differ in length")
         job = PushJob(
             peer, transfer_id, layer, list(src_block_ids), list(dst_block_ids), ready_at or time.time()
         )
-        self._put(job)
+        self._lanes.put(peer, job)
 
     def pull(
         self, peer: PeerInfo, transfer_id: str, src_block_ids: list[int], dst_block_ids: list[int]
     ) -> None:
         """Fetch every layer of the peer's `src_block_ids` into our `dst_block_ids`; completion
-        is reported to the expectation registered for `transfer_id`."""
-        self._put(PullJob(peer, transfer_id, list(src_block_ids), list(dst_block_ids)))
+        is reported to the expectation registered for `transfer_id` (a peer that is stalled
+        fails it at once, never the caller)."""
+        try:
+            self._lanes.put(peer, PullJob(peer, transfer_id, list(src_block_ids), list(dst_block_ids)))
+        except TransferError as exc:
+            self.arrivals.finish(transfer_id, f"pull from {peer.engine_id} failed: {exc}")
 
     def send_failure(self, peer: PeerInfo, transfer_id: str, error: str) -> None:
-        self._put(ControlJob(peer, b"FAIL", {"transfer_id": transfer_id, "error": error}))
+        """Tell the receiver a transfer failed; a peer that cannot be reached learns it from
+        its own timeout, so this never raises."""
+        try:
+            self._lanes.put(peer, ControlJob(peer, b"FAIL", {"transfer_id": transfer_id, "error": error}))
+        except TransferError as exc:
+            logger.info("KV %s: could not report transfer %s failed: %s", self.name, transfer_id, exc)
 
     def flush(self, timeout_s: float | None = None) -> bool:
-        """Wait until every queued job has been written (shm) or handed to the socket (tcp)."""
-        barrier = Barrier(threading.Event())
-        try:
-            self._put(barrier, timeout_s)
-        except TransferError:
-            return False
-        return barrier.event.wait(self.config.timeout_s if timeout_s is None else timeout_s)
+        """Wait until every job queued on any lane has been written (shm) or handed to the
+        socket (tcp), or failed with its stalled lane: a dead peer holds this up at most
+        HANDSHAKE_TIMEOUT_S / STALLED_PEER_S."""
+        return not self.flush_peers(timeout_s)
+
+    def flush_peers(self, timeout_s: float | None = None) -> set[PeerInfo]:
+        """`flush`, answering the peers whose jobs were still queued at `timeout_s`."""
+        return self._lanes.flush(self.config.timeout_s if timeout_s is None else timeout_s)
 
     def _note_sent(self, transfer_id: str, seconds: float, num_bytes: int) -> None:
         with self._lock:
@@ -237,20 +250,18 @@ class KVTransport(ABC):
         with self._lock:
             return self._send_errors.pop(transfer_id, None)
 
-    def _put(self, job: object, timeout_s: float | None = None) -> None:
-        try:
-            self._jobs.put(job, timeout=self.config.timeout_s if timeout_s is None else timeout_s)
-        except queue.Full as exc:
-            raise TransferError(f"KV send queue stayed full for {self.config.timeout_s:.1f}s") from exc
+    def _put(self, peer: PeerInfo, job: object) -> None:
+        self._lanes.put(peer, job)
 
     # ---- subclass hooks ------------------------------------------------------------------
     @abstractmethod
-    def _send_push(self, socket: zmq.Socket, job: PushJob) -> int:
-        """Move one layer to the peer; returns the bytes moved."""
+    def _send_push(self, socket: LaneSocket, job: PushJob) -> int:
+        """Move one layer to the peer (touching pools only inside `socket.writing()`);
+        returns the bytes moved."""
 
     @abstractmethod
-    def _do_pull(self, socket: zmq.Socket, job: PullJob) -> None:
-        """Fetch the blocks of a pull job (runs on the sender thread)."""
+    def _do_pull(self, socket: LaneSocket, job: PullJob) -> None:
+        """Fetch the blocks of a pull job (runs on the source peer's lane)."""
 
     @abstractmethod
     def _on_push(self, header: dict, frames: list[zmq.Frame]) -> int:
@@ -260,57 +271,31 @@ class KVTransport(ABC):
         """Pull source side (tcp): send the requested blocks back. shm never gets one."""
         raise TransferError(f"{self.name} transport does not serve pull requests")
 
-    # ---- sender thread -------------------------------------------------------------------
-    def _send_loop(self) -> None:
-        sockets: dict[str, zmq.Socket] = {}
-        while not self._stop.is_set():
-            try:
-                job = self._jobs.get(timeout=_POLL_MS / 1000)
-            except queue.Empty:
-                continue
-            if isinstance(job, Barrier):
-                job.event.set()
-                continue
-            if isinstance(job, CallbackJob):
-                with contextlib.suppress(Exception):
-                    job.fn()
-                continue
-            try:
-                socket = self._socket_for(sockets, job.peer)
-                if isinstance(job, PushJob):
-                    started = time.perf_counter()
-                    num_bytes = self._send_push(socket, job)
-                    self._note_sent(job.transfer_id, time.perf_counter() - started, num_bytes)
-                elif isinstance(job, PullJob):
-                    self._do_pull(socket, job)
-                else:
-                    self._send_control(socket, job.kind, job.header)
-            except Exception as exc:  # a dead or unreachable peer must not kill the thread
-                transfer_id = getattr(job, "transfer_id", None) or job.header.get("transfer_id", "")
-                logger.warning("KV %s transfer %s failed: %s", self.name, transfer_id, exc)
-                with self._lock:
-                    self._send_errors[transfer_id] = str(exc)
-                if isinstance(job, PullJob):
-                    self.arrivals.finish(job.transfer_id, f"pull from {job.peer.engine_id} failed: {exc}")
-        for socket in sockets.values():
-            socket.close(linger=0)
+    # ---- send lanes (LaneWork) -------------------------------------------------------------
+    def run_job(self, socket: LaneSocket, job: object) -> None:
+        """Carry out one job on its peer's lane."""
+        if isinstance(job, PushJob):
+            started = time.perf_counter()
+            num_bytes = self._send_push(socket, job)
+            self._note_sent(job.transfer_id, time.perf_counter() - started, num_bytes)
+        elif isinstance(job, PullJob):
+            self._do_pull(socket, job)
+        elif isinstance(job, ControlJob):
+            self._send_control(socket, job.kind, job.header)
+        else:
+            raise TransferError(f"not a KV send job: {type(job).__name__}")
 
-    def _socket_for(self, sockets: dict[str, zmq.Socket], peer: PeerInfo) -> zmq.Socket:
-        key = f"{peer.host}:{peer.port}"
-        socket = sockets.get(key)
-        if socket is None:
-            socket = self._context.socket(zmq.DEALER)
-            socket.setsockopt(zmq.LINGER, int(self.config.timeout_s * 1000))
-            socket.setsockopt(zmq.SNDHWM, self.max_queued_jobs)
-            socket.setsockopt(zmq.SNDTIMEO, int(self.config.timeout_s * 1000))
-            socket.setsockopt(zmq.RCVTIMEO, int(self.config.timeout_s * 1000))
-            socket.connect(f"tcp://{peer.host}:{peer.port}")
-            sockets[key] = socket
-        if key not in self._peer_layouts:
-            self._peer_layouts[key] = self._handshake(socket, peer)
-        return socket
+    def fail_job(self, job: object, error: str) -> None:
+        """A job that will not be carried out: the transfer it belongs to fails, alone."""
+        transfer_id = job_transfer_id(job)
+        logger.warning("KV %s transfer %s failed: %s", self.name, transfer_id, error)
+        if isinstance(job, PushJob):
+            with self._lock:
+                self._send_errors[transfer_id] = error
+        elif isinstance(job, PullJob):
+            self.arrivals.finish(transfer_id, f"pull from {job.peer.engine_id} failed: {error}")
 
-    def _handshake(self, socket: zmq.Socket, peer: PeerInfo) -> PoolLayout:
+    def handshake(self, socket: LaneSocket, peer: PeerInfo) -> PoolLayout:
         """Connection set-up: learn the peer's pool layout and check it matches ours."""
         self._send_control(socket, b"HELLO", {"engine_id": self.engine_id})
         try:
@@ -335,10 +320,10 @@ class KVTransport(ABC):
             or layout.dtype != mine.dtype
         ):
             raise TransferError(f"KV pool layouts differ: ours {mine.shape} {mine.dtype}, peer {layout}")
-        self._on_handshake(peer, layout)
+        socket.peer_pool = self._on_handshake(peer, layout)
         return layout
 
-    def _ask_held(self, socket: zmq.Socket, transfer_id: str, block_ids: list[int]) -> bool:
+    def _ask_held(self, socket: LaneSocket, transfer_id: str, block_ids: list[int]) -> bool:
         """Does the pull source still hold `block_ids` for `transfer_id`?"""
         self._send_control(socket, b"HELD", {"transfer_id": transfer_id, "src": block_ids})
         try:
@@ -346,21 +331,19 @@ class KVTransport(ABC):
         except zmq.Again as exc:
             raise TransferError("the pull source did not answer") from exc
 
-    def _on_handshake(self, peer: PeerInfo, layout: PoolLayout) -> None:
+    def _on_handshake(self, peer: PeerInfo, layout: PoolLayout) -> torch.Tensor | None:
+        """The peer's pool mapped here, when the transport writes into it (shm)."""
         return None
 
-    def peer_layout(self, peer: PeerInfo) -> PoolLayout:
-        return self._peer_layouts[f"{peer.host}:{peer.port}"]
-
     def _send_control(
-        self, socket: zmq.Socket, kind: bytes, header: dict, data: object | None = None
+        self, socket: LaneSocket, kind: bytes, header: dict, data: object | None = None
     ) -> None:
         frames: list = [kind, json.dumps(header).encode()]
         if data is not None:
             frames.append(data)
         socket.send_multipart(self._mac.seal(frames), copy=data is None)
 
-    def _recv_reply(self, socket: zmq.Socket) -> dict:
+    def _recv_reply(self, socket: LaneSocket) -> dict:
         frames = self._mac.open(socket.recv_multipart())
         if frames is None:
             raise TransferError("a KV peer's reply failed authentication (not this deployment's)")
@@ -387,6 +370,7 @@ class KVTransport(ABC):
                     except Exception:  # a malformed frame must not kill the receiver
                         logger.exception("bad KV control message")
             self.arrivals.check_deadlines()
+            self._lanes.check_stalls()
         self._router.close(linger=0)
 
     def _dispatch(self, frames: list[zmq.Frame]) -> None:

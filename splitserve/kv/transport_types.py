@@ -1,5 +1,5 @@
-"""The values KV transports exchange: peer addresses, pool layouts, errors, and the sender
-thread's jobs (a transport implements the data plane of PushJob and PullJob)."""
+"""The values KV transports exchange: peer addresses, pool layouts, errors, and the send
+lanes' jobs (a transport implements the data plane of PushJob and PullJob)."""
 
 from __future__ import annotations
 
@@ -48,8 +48,8 @@ def dtype_from_name(name: str) -> torch.dtype:
     return dtype
 
 
-# The sender thread's queue items; a transport subclass implements the data plane of
-# PushJob (`_send_push`) and PullJob (`_do_pull`).
+# A send lane's queue items (each job goes to its peer's lane); a transport subclass
+# implements the data plane of PushJob (`_send_push`) and PullJob (`_do_pull`).
 
 
 class PushJob(NamedTuple):
@@ -79,5 +79,8 @@ class Barrier(NamedTuple):
 
 
 class CallbackJob(NamedTuple):
+    """Runs on the peer's lane after the jobs queued before it; dropped if the lane stalls."""
+
+    peer: PeerInfo
     transfer_id: str
     fn: Callable[[], None]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import torch
 
@@ -61,7 +62,8 @@ def dying_sender(kind: str, peer: tuple, src: list[int], dst: list[int], layers_
     transport.start()
     for layer in range(layers_before_death):
         transport.push_layer(PeerInfo(*peer), "t1", layer, src, dst)
-    transport.flush(10)
+    transport.flush(10)  # handed to ZeroMQ, whose I/O thread writes it to the wire...
+    time.sleep(0.5)  # ...which under load can take longer than reaching the _exit below
     os._exit(0)
 
 
@@ -77,3 +79,36 @@ def pull_source(kind: str, to_parent, from_parent) -> None:
     while from_parent.get(timeout=60) is not None:
         to_parent.put(list(released))
     transport.close()
+
+
+def churn(kind: str, rounds: int) -> None:
+    """Start and close a sender and a receiver `rounds` times, each closed with transfers in
+    flight (to the receiver and to a peer that never answers); print this process's pid."""
+    import zmq
+
+    from splitserve.kv.transport_types import PeerInfo
+
+    context = zmq.Context()
+    sink = context.socket(zmq.ROUTER)  # bound, never read: a stalled peer
+    silent = PeerInfo("silent", "127.0.0.1", sink.bind_to_random_port("tcp://127.0.0.1"))
+    config = TransferConfig(transport=kind, timeout_s=5)
+    src, dst = [0, 3, 6], [5, 2, 7]
+    for round_ in range(rounds):
+        receiver_ = make_transport(f"recv{round_}", config)
+        receiver_.allocate_pool(SHAPE, torch.float32)
+        live = receiver_.start()
+        receiver_.expect("t", dst, lambda result: None)
+        sender = make_transport(f"send{round_}", config)
+        filled_pool(sender)
+        sender.start()
+        for layer in range(SHAPE[0]):
+            sender.push_layer(live, "t", layer, src, dst)
+            sender.push_layer(silent, "d", layer, src, dst)
+        sender.pull(live, "p", src, dst)
+        # no flush: both close while jobs are queued, sent or half-received
+        first, second = (sender, receiver_) if round_ % 2 else (receiver_, sender)
+        first.close()
+        second.close()
+    sink.close(0)
+    context.term()
+    print(os.getpid(), flush=True)

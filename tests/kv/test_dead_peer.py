@@ -1,0 +1,276 @@
+"""A KV peer that stops answering costs only the transfers bound for it (issue 15).
+
+In-process: one sender, a live receiver and a peer socket that never answers. Through real
+processes: a prefill worker asked to push to a SIGSTOPped decode worker, while streams go
+through the P/D client (the proxy's) to a live decode worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import torch
+import zmq
+
+from splitserve.config import TransferConfig
+from splitserve.kv.arrivals import TransferResult
+from splitserve.kv.send_lane import SendLanes
+from splitserve.kv.shm_transport import segment_path
+from splitserve.kv.transport_factory import make_transport
+from splitserve.kv.transport_types import ControlJob, PeerInfo, TransferError
+from splitserve.router.pd_engine_client import PDEngineClient
+from splitserve.router.pd_policy import PDPolicy
+from splitserve.router.workers import WorkerPool
+from tests.conftest import free_port, running_server
+from tests.kv.transport_peer import SHAPE, filled_pool, pattern
+
+SRC, DST = [0, 3, 6], [5, 2, 7]
+
+
+@contextlib.contextmanager
+def silent_peer(how: str = "stopped") -> Iterator[PeerInfo]:
+    """A peer that never answers: "stopped", a bound socket whose owner never reads
+    (connecting works, as with a SIGSTOPped worker), or "gone", nothing listening (as
+    with a killed one)."""
+    if how == "gone":
+        yield PeerInfo("silent", "127.0.0.1", free_port())
+        return
+    context = zmq.Context()
+    sink = context.socket(zmq.ROUTER)
+    port = sink.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        yield PeerInfo("silent", "127.0.0.1", port)
+    finally:
+        sink.close(0)
+        context.term()
+
+
+class Results:
+    def __init__(self) -> None:
+        self.by_id: dict[str, TransferResult] = {}
+        self.arrived = threading.Condition()
+
+    def on_done(self, result: TransferResult) -> None:
+        with self.arrived:
+            self.by_id[result.transfer_id] = result
+            self.arrived.notify_all()
+
+    def wait(self, transfer_id: str, timeout_s: float = 30) -> TransferResult:
+        with self.arrived:
+            assert self.arrived.wait_for(lambda: transfer_id in self.by_id, timeout_s)
+            return self.by_id[transfer_id]
+
+
+@pytest.mark.parametrize("how", ["stopped", "gone"])
+@pytest.mark.parametrize("kind", ["shm", "tcp"])
+def test_a_silent_peer_delays_only_its_own_transfers(kind, how):
+    # the KV timeout is long: only the stalled-peer bound may end the silent peer's transfer
+    config = TransferConfig(transport=kind, timeout_s=30)
+    sender, receiver = make_transport("sender", config), make_transport("live", config)
+    results = Results()
+    with silent_peer(how) as silent:
+        try:
+            filled_pool(sender)
+            sender.start()
+            receiver.allocate_pool(SHAPE, torch.float32)
+            live = receiver.start()
+            for transfer_id in ("before", "after"):
+                receiver.expect(transfer_id, DST, results.on_done)
+            # the silent peer's jobs go first; with one sender thread they blocked the rest
+            for layer in range(SHAPE[0]):
+                sender.push_layer(silent, "doomed", layer, SRC, DST)
+                sender.push_layer(live, "before", layer, SRC, DST)
+            landed = results.wait("before")
+            assert landed.ok, landed
+            assert sender.take_send_error("doomed") is None  # still waiting for its handshake
+            assert torch.equal(receiver.pool[:, :, DST], pattern(SRC))
+
+            assert sender.flush()  # bounded by the stalled-peer bound, not the KV timeout
+            error = sender.take_send_error("doomed")
+            assert error is not None and "no progress" in error and "silent" in error
+            # during the cool-down the silent peer's jobs fail at once, the live peer's go on
+            with pytest.raises(TransferError, match="not retried"):
+                sender.push_layer(silent, "doomed-again", 0, SRC, DST)
+            sender.send_failure(silent, "doomed-again", "never sent")  # never raises
+            for layer in range(SHAPE[0]):
+                sender.push_layer(live, "after", layer, SRC, DST)
+            assert results.wait("after").ok
+        finally:
+            sender.close()
+            receiver.close()
+
+
+@pytest.mark.parametrize("kind", ["shm", "tcp"])
+def test_a_pull_from_a_silent_source_fails_alone(kind):
+    config = TransferConfig(transport=kind, timeout_s=30)
+    source, puller = make_transport("source", config), make_transport("puller", config)
+    results = Results()
+    with silent_peer() as silent:
+        try:
+            filled_pool(source)
+            live = source.start()
+            puller.allocate_pool(SHAPE, torch.float32)
+            puller.start()
+            puller.expect("doomed", [1, 4], results.on_done)
+            puller.expect("fine", DST, results.on_done)
+            puller.pull(silent, "doomed", [0, 1], [1, 4])
+            puller.pull(live, "fine", SRC, DST)
+            fine = results.wait("fine")
+            assert fine.ok, fine
+            assert torch.equal(puller.pool[:, :, DST], pattern(SRC))
+            doomed = results.wait("doomed")
+            assert not doomed.ok and "no progress" in doomed.error
+            assert list(results.by_id) == ["fine", "doomed"]  # the live pull did not wait
+            # while the silent peer cools down, a pull from it fails at once, on the caller
+            puller.expect("doomed-again", [1], results.on_done)
+            puller.pull(silent, "doomed-again", [0], [1])
+            assert not results.wait("doomed-again", 0).ok
+        finally:
+            puller.close()
+            source.close()
+
+
+def mappings_of(path: str) -> int:
+    with open("/proc/self/maps") as maps:
+        return sum(line.rstrip().endswith(f"{path} (deleted)") for line in maps)
+
+
+@pytest.mark.parametrize("kind", ["shm", "tcp"])
+def test_an_idle_lane_ends_and_a_fresh_one_takes_the_next_job(kind):
+    """A lane ends after idling, and with it the sender's mapping of the peer's pool (a
+    dead peer's memory is not kept alive by its peers); the next job gets a fresh lane."""
+    config = TransferConfig(transport=kind, timeout_s=10)
+    sender, receiver = make_transport("sender", config), make_transport("live", config)
+    context = zmq.Context()
+    results = Results()
+    try:
+        filled_pool(sender)
+        receiver.allocate_pool(SHAPE, torch.float32)
+        live = receiver.start()
+        segment = segment_path(os.getpid(), "live")
+        mapped_by_receiver = mappings_of(segment)
+        lanes = SendLanes(sender, context, {zmq.LINGER: 0}, 8, config.timeout_s)
+        lanes.idle_lane_s = 0.2
+        lane_name = f"kv-lane-{live.host}:{live.port}"
+        for transfer_id in ("first", "second"):
+            receiver.expect(transfer_id, DST, results.on_done)
+            lanes.put(live, ControlJob(live, b"FAIL", {"transfer_id": transfer_id, "error": "told"}))
+            assert "told" in results.wait(transfer_id).error
+            if kind == "shm":
+                assert mappings_of(segment) == mapped_by_receiver + 1
+            deadline = time.monotonic() + 30
+            while any(thread.name == lane_name for thread in threading.enumerate()):
+                assert time.monotonic() < deadline, "the idle lane's thread did not end"
+                time.sleep(0.05)
+            assert mappings_of(segment) == mapped_by_receiver
+        assert lanes.close(5)
+    finally:
+        context.term()
+        sender.close()
+        receiver.close()
+
+
+# ---- real processes -------------------------------------------------------------------
+
+BLOCK_SIZE = 16
+
+
+async def stream_tokens(client: PDEngineClient, prompt: list[int]) -> tuple[list[int], float]:
+    """The streamed token IDs and the longest wait for a chunk, from the request on."""
+    body = {"token_ids": prompt, "sampling_params": {"max_tokens": 12, "temperature": 0}}
+    tokens: list[int] = []
+    last = time.monotonic()
+    worst_gap = 0.0
+    async for chunk in client.generate(body):
+        now = time.monotonic()
+        worst_gap, last = max(worst_gap, now - last), now
+        tokens += chunk["choices"][0].get("token_ids") or []
+    return tokens, worst_gap
+
+
+async def stream_all(prefill: str, decode: str, prompts: list[list[int]]) -> list[tuple[list[int], float]]:
+    client = PDEngineClient(WorkerPool([prefill], [decode]), PDPolicy(min_prefill_tokens=16))
+    try:
+        return list(await asyncio.gather(*(stream_tokens(client, prompt) for prompt in prompts)))
+    finally:
+        await client.close()
+
+
+@contextlib.contextmanager
+def servers_started_together(servers: list[tuple[list[str], int]]) -> Iterator[list[str]]:
+    """`running_server` for each (args, port), started at once; all stopped at the end."""
+    managers = [running_server(args, port) for args, port in servers]
+    with contextlib.ExitStack() as stack, ThreadPoolExecutor(len(managers)) as pool:
+        futures = [pool.submit(manager.__enter__) for manager in managers]
+        urls, failure = [], None
+        for manager, future in zip(managers, futures, strict=True):
+            try:
+                urls.append(future.result())
+                stack.push(manager.__exit__)
+            except Exception as exc:
+                failure = failure or exc
+        if failure is not None:
+            raise failure
+        yield urls
+
+
+def test_a_stopped_decode_peer_freezes_no_stream(tiny_model):
+    """kv_transfer_params naming a SIGSTOPped decode worker used to freeze every stream of
+    the prefill worker for the KV timeout (29 s); now that request fails alone."""
+    prefill_port, live_port, stopped_port = free_port(), free_port(), free_port()
+    engine = ["engine", tiny_model, "--num-blocks", "512", "--block-size", str(BLOCK_SIZE)]
+    engine += ["--kv-transport", "shm", "--kv-timeout", "30"]
+    prompts = [list(range(5 + i, 70 + 3 * i)) for i in range(4)]
+    doomed_prompt = list(range(7, 64))
+    blocks = -(-(len(doomed_prompt) - 1) // BLOCK_SIZE)
+    servers = [
+        ([*engine, "--role", role, "--port", str(port)], port)
+        for role, port in (("prefill", prefill_port), ("decode", live_port), ("decode", stopped_port))
+    ]
+    with servers_started_together(servers) as (prefill, live, stopped):
+        undisturbed = asyncio.run(stream_all(prefill, live, prompts))
+        stopped_info = httpx.get(f"{stopped}/inference/v1/kv/info").json()
+        doomed_params = {
+            "do_remote_decode": True,
+            "transfer_mode": "push",
+            "remote_engine_id": stopped_info["remote_engine_id"],
+            "remote_host": stopped_info["remote_host"],
+            "remote_port": stopped_info["remote_port"],
+            "remote_block_ids": list(range(1, blocks + 1)),
+        }
+        os.kill(stopped_info["pid"], signal.SIGSTOP)
+        try:
+
+            async def disturbed() -> tuple[dict, list[tuple[list[int], float]]]:
+                async with httpx.AsyncClient(timeout=120) as http:
+                    doomed = asyncio.ensure_future(
+                        http.post(
+                            f"{prefill}/inference/v1/generate",
+                            json={
+                                "token_ids": doomed_prompt,
+                                "sampling_params": {"max_tokens": 1, "temperature": 0},
+                                "kv_transfer_params": doomed_params,
+                            },
+                        )
+                    )
+                    streams = await stream_all(prefill, live, prompts)
+                    return (await doomed).json(), streams
+
+            doomed_answer, streams = asyncio.run(disturbed())
+        finally:
+            os.kill(stopped_info["pid"], signal.SIGKILL)
+        assert [tokens for tokens, _ in streams] == [tokens for tokens, _ in undisturbed]
+        # coarse: it tests freezing (the KV timeout is 30 s), not speed
+        assert max(gap for _, gap in streams) < 10
+        error = doomed_answer["kv_transfer_params"]["kv_transfer_error"]
+        assert "no progress" in error, doomed_answer
+        assert httpx.get(f"{prefill}/health").status_code == 200
