@@ -4,8 +4,9 @@ decode worker serving them (alive, socket open, silent: the proxy's stall probe 
 and the streams migrate), then SIGKILL it (the streams migrate), a render replica
 (derender calls retry on the other) and the prefill worker (decode keeps the streams; new
 prompts fall back to decode). Every stream completes, equal to the undisturbed greedy
-output; `up` starts each dead part again and keeps serving. A slow but healthy worker
-(probed, answers) keeps its streams."""
+output (a seeded sampled stream: equal to its undisturbed run); `up` starts each dead
+part again and keeps serving. A slow but healthy worker (probed, answers) keeps its
+streams."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from tests.router.test_pd_proxy import metric, up_log
 STREAMS = 2
 # Long enough that the engine is still generating when the client has seen some output.
 GREEDY = {"prompt": "the migration", "max_tokens": 3000, "temperature": 0, "ignore_eos": True, "stream": True}
+SEEDED = {**GREEDY, "temperature": 1.0, "top_p": 0.95, "seed": 4242}
 TOKEN = "migration-test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}  # to ask a decode part for its stats
 
@@ -199,3 +201,14 @@ def test_sigkill_of_any_part_mid_stream_loses_nothing(stack: Stack):
     again = Stream(stack.base)
     again.run()
     assert again.text == stack.expected
+
+
+def test_a_seeded_request_migrated_mid_stream_samples_what_an_undisturbed_run_does(stack: Stack):
+    """Its draws follow (seed, output position): resumed after k tokens on another decode
+    worker, it continues with the undisturbed run's token k."""
+    wait_all_healthy(stack.base)
+    reference = Stream(stack.base, SEEDED)
+    reference.run()
+    assert reference.finish_reason == "length", reference.error
+    assert reference.text != stack.expected  # sampled, not greedy
+    streams_survive(stack.base, reference.text, signal_busy_decode(stack, signal.SIGKILL, []), SEEDED)
