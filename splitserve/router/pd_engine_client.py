@@ -178,11 +178,12 @@ class PDEngineClient(EngineClient):
             self._count_prefix_hits(decode, request)
             before = len(streamed.token_ids)
             try:
+                stream = self._run(decode, {**attempt, "request_id": attempt_id})
                 with self.pool.lease(decode):
-                    stream = self._run(decode, {**attempt, "request_id": attempt_id})
-                    async for chunk in self._watched(decode, stream):
-                        streamed.add(chunk)
-                        yield as_original(chunk, request, before)
+                    async with contextlib.aclosing(self._watched(decode, stream)) as chunks:
+                        async for chunk in chunks:
+                            streamed.add(chunk)
+                            yield as_original(chunk, request, before)
                 return
             except APIError as exc:
                 if exc.status != 503:  # 503: the worker is unreachable, died or stalled mid-stream
