@@ -14,6 +14,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -212,3 +214,16 @@ def test_a_seeded_request_migrated_mid_stream_samples_what_an_undisturbed_run_do
     assert reference.finish_reason == "length", reference.error
     assert reference.text != stack.expected  # sampled, not greedy
     streams_survive(stack.base, reference.text, signal_busy_decode(stack, signal.SIGKILL, []), SEEDED)
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan"])
+def test_a_stall_timeout_that_is_not_positive_is_refused_at_start(value: str):
+    args = ["proxy", "--render", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "splitserve.cli", *args, "--stall-timeout", value],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert "stall_timeout" in proc.stderr
