@@ -70,6 +70,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-blocks", type=int, default=None, help="KV blocks per engine")
     parser.add_argument("--kv-overlap-weight", type=float, default=None, help="the proxy's routing weight")
     parser.add_argument("--kv-load-weight", type=float, default=None, help="the proxy's routing weight")
+    parser.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=None,
+        help="the proxy's: seconds a decode stream may be silent before its worker is probed (5)",
+    )
     parser.add_argument("--kv-cache-memory", default=None, help="KV budget per engine, e.g. 512MiB")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -268,6 +274,7 @@ def run(args: argparse.Namespace) -> int:
             for flag, value in (
                 ("--kv-overlap-weight", args.kv_overlap_weight),
                 ("--kv-load-weight", args.kv_load_weight),
+                ("--stall-timeout", args.stall_timeout),
             ):
                 if value is not None:
                     proxy += [flag, str(value)]

@@ -225,10 +225,6 @@ class LLMEngine:
             arrival_time=arrival_time,
             multimodal=multimodal,
         )
-        if sampling_params.seed is not None:
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(sampling_params.seed % 2**64)
-            request.generator = generator
         self.requests[request_id] = request
         self.scheduler.add(request)
 

@@ -14,7 +14,7 @@ from splitserve.kv.connector import KVConnector, RequestSlots, StepKVInfo
 from splitserve.model.attention import AttentionMetadata, PrefillChunk
 from splitserve.model.decoder import DecoderModel
 from splitserve.model.decoder_config import DecoderConfig
-from splitserve.model.sampler import Sampler
+from splitserve.model.sampler import Sampler, SeededDraw
 
 KVCacheAllocator = Callable[..., torch.Tensor]
 
@@ -153,11 +153,14 @@ class ModelRunner:
             self.connector.wait_for_save()
         if not sampling:
             return []
-        out = self.sampler(
-            logits,
-            [s.request.sampling_params for s in sampling],
-            [s.request.generator for s in sampling],
-        )
+        params = [s.request.sampling_params for s in sampling]
+        seeded = [
+            None
+            if p.seed is None
+            else SeededDraw(p.seed, p.preceding_output_tokens + s.request.num_output_tokens)
+            for p, s in zip(params, sampling, strict=True)
+        ]
+        out = self.sampler(logits, params, seeded)
         return [
             SampledToken(s.request, token, lp)
             for s, token, lp in zip(sampling, out.token_ids, out.logprobs, strict=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.kv.block_hash import BlockHash, compute_block_hashes
@@ -58,7 +58,6 @@ class Request:
         self.output_kv_transfer_params: dict | None = None
         self.connector_consulted = False  # the KV connector was asked for external tokens
         self.pending_external_tokens = 0  # tokens an async KV load is bringing in
-        self.generator: Any = None  # torch.Generator of a seeded request, set by the engine
         self.metrics: dict[str, float | None] = {
             "arrival_time": arrival_time if arrival_time is not None else time.monotonic(),
             "first_scheduled_time": None,

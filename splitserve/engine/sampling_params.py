@@ -22,6 +22,10 @@ class SamplingParams:
     ignore_eos: bool = False
     # None: no logprobs; 0: logprob of the sampled token; n > 0: also the top n.
     logprobs: int | None = None
+    # Output tokens that precede this request's: a request resumed after k streamed tokens
+    # (a migrated one, its prompt extended by them) says k, so a seeded request draws
+    # at output position k + i what the undisturbed run drew there. Moves nothing else.
+    preceding_output_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -59,6 +63,8 @@ class SamplingParams:
             not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
             raise bad("logprobs", f"must be null or an integer in [0, {MAX_LOGPROBS}]")
+        if not _is_int(self.preceding_output_tokens) or not 0 <= self.preceding_output_tokens < 2**31:
+            raise bad("preceding_output_tokens", "must be an integer in [0, 2**31)")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> SamplingParams:

@@ -1,5 +1,9 @@
 """Vectorised sampling: greedy fast path, temperature, top-k, top-p, per-request seeds,
-and logprobs of the raw model distribution (before temperature and truncation)."""
+and logprobs of the raw model distribution (before temperature and truncation).
+
+A seeded request's noise at output position p comes from a generator seeded with
+(seed, p) alone: its draws do not depend on the batch, and a request resumed at position
+k on another worker (migration) draws what the undisturbed run drew there."""
 
 from __future__ import annotations
 
@@ -16,24 +20,39 @@ class SamplerOutput(NamedTuple):
     logprobs: list[dict | None]
 
 
+class SeededDraw(NamedTuple):
+    seed: int  # the request's
+    position: int  # the output position being sampled (0: the first output token)
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The generator seed of a seeded request's draw at output `position`: splitmix64 of
+    both, so neighbouring positions and seeds give unrelated streams."""
+    x = (seed + (position + 1) * 0x9E3779B97F4A7C15) % 2**64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) % 2**64
+    return x ^ (x >> 31)
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0) -> None:
         self.device = device
-        self.generator = torch.Generator(device=device)
+        self.generator = torch.Generator(device=device)  # the unseeded requests' shared stream
         self.generator.manual_seed(seed)
+        self.seeded_generator = torch.Generator(device=device)  # reseeded for each seeded draw
 
     def __call__(
         self,
         logits: torch.Tensor,  # [B, V], the model dtype
         params: list[SamplingParams],
-        generators: list[torch.Generator | None],
+        seeded: list[SeededDraw | None],
     ) -> SamplerOutput:
         if all(p.greedy for p in params):
             # widening to float32 is exact, so the argmax is the same without it
             sampled = logits.argmax(dim=-1)
         else:
             logits = logits.float()
-            sampled = self._sample(logits, params, generators)
+            sampled = self._sample(logits, params, seeded)
         token_ids = sampled.tolist()
         logprobs: list[dict | None] = [None] * len(params)
         wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
@@ -57,7 +76,7 @@ class Sampler:
         return SamplerOutput(token_ids, logprobs)
 
     def _sample(
-        self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+        self, logits: torch.Tensor, params: list[SamplingParams], seeded: list[SeededDraw | None]
     ) -> torch.Tensor:
         greedy_rows = torch.tensor([p.greedy for p in params], device=logits.device)
         temperature = torch.tensor(
@@ -81,10 +100,11 @@ class Sampler:
             scaled = scaled.masked_fill(drop, float("-inf"))
         probs = scaled.softmax(dim=-1)
         # Exponential race (Gumbel-max in disguise): argmax(p / E), E ~ Exp(1). Seeded rows
-        # draw their own noise so their stream does not depend on the batch.
+        # draw their own noise, from (seed, position) alone.
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
-        for i, gen in enumerate(generators):
-            if gen is not None and not params[i].greedy:
-                noise[i].exponential_(generator=gen)
+        for i, draw in enumerate(seeded):
+            if draw is not None and not params[i].greedy:
+                self.seeded_generator.manual_seed(position_seed(draw.seed, draw.position))
+                noise[i].exponential_(generator=self.seeded_generator)
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(greedy_rows, logits.argmax(dim=-1), sampled)

@@ -1,11 +1,18 @@
 """The engine API's response side, shared by every tier: `/inference/v1/generate` chunks
 (SSE `data:` events of `{request_id, choices: [{index, token_ids, finish_reason,
 stop_reason, logprobs?}], usage?, prompt_token_ids?, kv_transfer_params?, metrics?}`,
-vLLM's field names) and the non-streaming response they merge into."""
+vLLM's field names) and the non-streaming response they merge into.
+
+One request field is ours: `sampling_params.preceding_output_tokens`, the output tokens
+that precede a resumed request's (a migrated request's prompt ends with them). A seeded
+request draws its noise from (seed, output position), so it continues the undisturbed
+run; the field moves nothing else (not max_tokens, nor usage)."""
 
 from __future__ import annotations
 
 from typing import Any
+
+PRECEDING_OUTPUT_TOKENS = "preceding_output_tokens"  # in sampling_params
 
 
 def merge_chunks(chunks: list[dict]) -> dict:

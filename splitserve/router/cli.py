@@ -34,6 +34,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--reserve-timeout", type=float, default=30.0, help="seconds to wait for a reservation"
     )
     parser.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=5.0,
+        help="seconds a decode stream may be silent before its worker's /health is probed; "
+        "a worker that does not answer is stalled and its streams move to another decode worker",
+    )
+    parser.add_argument(
         "--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="request body limit"
     )
     access.add_public_arguments(parser)
@@ -64,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
-        policy = PDPolicy(args.min_prefill_tokens, args.mode, args.reserve_timeout)
+        policy = PDPolicy(args.min_prefill_tokens, args.mode, args.reserve_timeout, args.stall_timeout)
         pool = WorkerPool(args.prefill, args.decode)
         access.load_internal_token(args)  # every client to the internal parts sends it
     except (OSError, ValueError) as exc:

@@ -23,6 +23,16 @@ class ProxyMetrics:
             ["reason"],
             registry=r,
         )
+        self.decode_stall_probes = Counter(
+            f"{PREFIX}_decode_stall_probes",
+            "Health probes of a decode worker whose stream was silent for --stall-timeout.",
+            registry=r,
+        )
+        self.decode_stalls = Counter(
+            f"{PREFIX}_decode_stalls",
+            "Decode streams migrated because their worker stalled (silent, /health unanswered).",
+            registry=r,
+        )
         self.errors = Counter(
             f"{PREFIX}_errors", "Requests that failed, by HTTP status.", ["status"], registry=r
         )

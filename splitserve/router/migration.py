@@ -1,13 +1,17 @@
-"""Request migration: a generate request whose decode worker died mid-stream resumes on
-another decode worker from the prompt plus the tokens already streamed (the proxy holds
-both as token IDs), asking only for the tokens still owed. The client sees one stream;
-greedy output equals an uninterrupted run. (A seeded sampled request continues with a
-fresh generator state: its tokens stay valid samples but differ from an undisturbed run.)
+"""Request migration: a generate request whose decode worker died or stalled mid-stream
+resumes on another decode worker from the prompt plus the tokens already streamed (the
+proxy holds both as token IDs), asking only for the tokens still owed. The client sees
+one stream; greedy output equals an uninterrupted run. A seeded sampled request does too:
+the resumed request says how many output tokens precede it
+(`sampling_params.preceding_output_tokens`), and the engine draws a seeded request's
+noise from (seed, output position), so it samples what the undisturbed run samples.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from splitserve.protocol.engine_api import PRECEDING_OUTPUT_TOKENS
 
 
 class StreamedSoFar:
@@ -39,6 +43,9 @@ def resumed_request(request: dict[str, Any], streamed: list[int]) -> dict[str, A
     min_tokens = sampling.get("min_tokens")
     if isinstance(min_tokens, int):
         sampling["min_tokens"] = max(0, min_tokens - len(streamed))
+    if sampling.get("seed") is not None:  # only seeded requests: vLLM has no such field
+        preceding = sampling.get(PRECEDING_OUTPUT_TOKENS)
+        sampling[PRECEDING_OUTPUT_TOKENS] = (preceding if isinstance(preceding, int) else 0) + len(streamed)
     resumed = {**request, "token_ids": [*prompt, *streamed], "sampling_params": sampling}
     resumed.pop("kv_transfer_params", None)
     return resumed

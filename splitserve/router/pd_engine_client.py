@@ -9,7 +9,9 @@ then reads them.
 Both workers see the same token IDs (rendered once by the proxy). A prefill that fails
 makes decode compute the prompt itself (told at once in push mode); a decode worker that
 fails before anything was streamed is taken out of rotation and the request is retried
-on another one.
+on another one; one that fails or stalls (silent past the policy's stall timeout, its
+/health unanswered: router/stall.py) mid-stream has the request resumed on another one
+from the prompt plus the tokens streamed so far (router/migration.py).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from splitserve.router.kv_index import KVBlockIndex, KVEventFeed, KVRoutingWeigh
 from splitserve.router.metrics import ProxyMetrics
 from splitserve.router.migration import StreamedSoFar, as_original, resumed_request
 from splitserve.router.pd_policy import PDPolicy
+from splitserve.router.stall import ABORT_TIMEOUT_S, PROBE_TIMEOUT_S, DecodeStalled, watch_for_stall
 from splitserve.router.workers import Worker, WorkerPool, WorkerRole
 
 logger = logging.getLogger(__name__)
@@ -74,6 +77,7 @@ class PDEngineClient(EngineClient):
         self._http = pooled_client(read_timeout_s=None)
         self._clients: dict[str, HTTPEngineClient] = {}
         self._role_checked: set[str] = set()
+        self._background: set[asyncio.Future] = set()  # aborts sent to stalled workers
 
     def _client(self, worker: Worker) -> HTTPEngineClient:
         client = self._clients.get(worker.url)
@@ -94,6 +98,9 @@ class PDEngineClient(EngineClient):
         return self.pool.pick("decode") is not None
 
     async def close(self) -> None:
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
         for client in self._clients.values():
             await client.close()
         await self._http.aclose()
@@ -171,16 +178,21 @@ class PDEngineClient(EngineClient):
             self._count_prefix_hits(decode, request)
             before = len(streamed.token_ids)
             try:
+                stream = self._run(decode, {**attempt, "request_id": attempt_id})
                 with self.pool.lease(decode):
-                    async for chunk in self._run(decode, {**attempt, "request_id": attempt_id}):
-                        streamed.add(chunk)
-                        yield as_original(chunk, request, before)
+                    async with contextlib.aclosing(self._watched(decode, stream)) as chunks:
+                        async for chunk in chunks:
+                            streamed.add(chunk)
+                            yield as_original(chunk, request, before)
                 return
             except APIError as exc:
-                if exc.status != 503:  # 503: the worker is unreachable, or died mid-stream
+                if exc.status != 503:  # 503: the worker is unreachable, died or stalled mid-stream
                     self.metrics.errors.labels(str(exc.status)).inc()
                     raise
                 self.pool.report_failure(decode, exc.message)
+                if isinstance(exc, DecodeStalled):
+                    self.metrics.decode_stalls.inc()
+                    self._abort_in_background(decode, attempt_id)
                 resumed = resumed_request(request, streamed.token_ids) if streamed.token_ids else attempt
                 if streamed.finished or resumed is None:
                     self.metrics.errors.labels(str(exc.status)).inc()
@@ -193,6 +205,36 @@ class PDEngineClient(EngineClient):
                     len(streamed.token_ids),
                     exc.message,
                 )
+
+    def _watched(self, decode: Worker, stream: AsyncIterator[dict]) -> AsyncIterator[dict]:
+        """`stream`, ended with `DecodeStalled` when `decode` goes silent and stops
+        answering its /health."""
+
+        async def probe() -> bool:
+            try:
+                response = await self._http.get(f"{decode.url}/health", timeout=PROBE_TIMEOUT_S)
+            except httpx.HTTPError:
+                return False
+            return response.status_code == 200
+
+        return watch_for_stall(
+            stream, self.policy.stall_timeout_s, probe, self.metrics.decode_stall_probes.inc, decode.url
+        )
+
+    def _abort_in_background(self, decode: Worker, request_id: str) -> None:
+        """Ask a stalled worker to drop the request, without waiting: it may never answer."""
+
+        async def abort() -> None:
+            with contextlib.suppress(httpx.HTTPError):
+                await self._http.post(
+                    f"{decode.url}/inference/v1/abort_requests",
+                    json={"request_ids": [request_id]},
+                    timeout=ABORT_TIMEOUT_S,
+                )
+
+        task = asyncio.ensure_future(abort())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _run(self, decode: Worker, body: dict) -> AsyncIterator[dict]:
         tokens = body.get("token_ids")

@@ -15,12 +15,17 @@ class PDPolicy:
     min_prefill_tokens: int = 64
     mode: TransferMode = "push"
     reserve_timeout_s: float = 30.0
+    # A decode stream silent this long gets its worker's /health probed; a worker that
+    # does not answer is stalled and the stream migrates (router/stall.py).
+    stall_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
         if self.min_prefill_tokens < 0:
             raise ValueError("min_prefill_tokens must be >= 0")
         if self.mode not in ("push", "pull"):
             raise ValueError(f"unknown transfer mode {self.mode!r} (push or pull)")
+        if not self.stall_timeout_s > 0:  # also rejects NaN
+            raise ValueError("stall_timeout_s must be positive")
 
     def use_prefill_pool(self, num_prompt_tokens: int, num_cached_tokens: int = 0) -> bool:
         """Whether the uncached part of the prompt is worth a prefill worker."""

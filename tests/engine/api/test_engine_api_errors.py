@@ -64,6 +64,12 @@ BAD_GENERATE_BODIES = [
         {"token_ids": [1], "sampling_params": {"top_k": -3}}, 400, "sampling_params.top_k", id="bad-top-k"
     ),
     pytest.param(
+        {"token_ids": [1], "sampling_params": {"preceding_output_tokens": -1}},
+        400,
+        "sampling_params.preceding_output_tokens",
+        id="negative-preceding-output-tokens",
+    ),
+    pytest.param(
         {"token_ids": [1], "sampling_params": {"max_tokens": 0}},
         400,
         "sampling_params.max_tokens",
