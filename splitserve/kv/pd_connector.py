@@ -11,7 +11,12 @@ Pull (vLLM NIXL's behaviour, kept for comparison): the prefill worker finishes, 
 blocks and returns where they are; decode reads them after it is scheduled, then tells
 prefill to release them (or the hold expires after the TTL).
 
-A transfer that fails or times out makes decode recompute the prompt itself.
+Bidirectional (push): decode's reservation also offers the leading blocks it already
+holds of the prompt, by chained block hash (`kv/prefix_lend.py`); prefill pulls the run
+whose hashes equal its own request's before computing the rest.
+
+A transfer that fails or times out makes decode recompute the prompt itself; a prefix
+pull that fails makes prefill compute those blocks itself.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from splitserve.kv.block_hash import cdiv
 from splitserve.kv.connector import KVCacheAllocator, KVConnector, StepKVInfo
 from splitserve.kv.handoff_metrics import HandoffMetrics
 from splitserve.kv.layer_push import LayerPusher
+from splitserve.kv.prefix_lend import PrefixLends, lend_id_of, matched_prefix_blocks
 from splitserve.kv.reservations import HoldTable, Reservation, ReservationTable
 from splitserve.kv.transport import KVTransport
 from splitserve.kv.transport_factory import make_transport
@@ -50,10 +56,10 @@ def _wall_to_monotonic(wall: float) -> float:
 
 @dataclass
 class _Load:
-    """Decode side: one request waiting for remote KV."""
+    """One request waiting for remote KV: decode's push or pull, or prefill's prefix pull."""
 
     transfer_id: str
-    mode: str
+    mode: str  # "push" | "pull" (decode) | "prefix" (prefill pulls decode's held prefix)
     started: float  # monotonic
     ready_mono: float | None = None  # when prefill's last layer was computed, in our clock
     last_arrival_mono: float | None = None
@@ -64,6 +70,7 @@ class _Load:
     ok: bool = False
     error: str | None = None
     orphaned: bool = False  # the request finished while the transfer was in flight
+    num_blocks: int = 0  # prefix pull: blocks read
 
 
 class PDConnector(KVConnector):
@@ -83,8 +90,9 @@ class PDConnector(KVConnector):
         self.transport = transport or make_transport(self.engine_id, config, host, port)
         self.reservations = ReservationTable()
         self.holds = HoldTable(config.reservation_ttl_s, self._on_hold_released)
-        self.transport.on_release = lambda transfer_id: self.holds.release(transfer_id)
-        self.transport.is_held = self.holds.is_held
+        self.lends = PrefixLends(config.reservation_ttl_s, self._on_lend_ended)
+        self.transport.on_release = self._on_release
+        self.transport.is_held = self._is_held
         self.metrics = HandoffMetrics(self._gauges)
         self._lock = threading.Lock()
         self._loads: dict[str, _Load] = {}
@@ -92,6 +100,8 @@ class PDConnector(KVConnector):
         self._loaded: set[str] = set()
         self._failed: set[str] = set()
         self._freeable: set[str] = set()
+        self._lent: set[str] = set()  # decode: requests whose prefix blocks are on loan
+        self._finish_waits: dict[str, int] = {}  # finished requests: what still reads/writes their blocks
         self.pusher = LayerPusher(self.transport, config.timeout_s)
         self._wakeup: Callable[[], None] | None = None
         self._abort: Callable[[str], object] | None = None
@@ -142,6 +152,10 @@ class PDConnector(KVConnector):
                 "Prefill (pull): finished requests whose blocks await a reader.",
                 self.holds.active(),
             ),
+            "prefix_lends_active": (
+                "Decode: requests whose held prefix blocks are lent to a prefill worker.",
+                self.lends.active(),
+            ),
         }
 
     def _wake(self) -> None:
@@ -152,7 +166,9 @@ class PDConnector(KVConnector):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """Side-effect free (vLLM's contract): it may be asked again for the same request."""
         params = KVTransferParams.from_wire(request.kv_transfer_params)
-        if not params.do_remote_prefill or params.do_remote_decode:
+        if params.do_remote_decode:
+            return self._prefix_to_pull(request, num_computed_tokens, params), True
+        if not params.do_remote_prefill:
             return 0, False
         external = request.num_prompt_tokens - 1 - num_computed_tokens
         if external <= 0:
@@ -172,6 +188,16 @@ class PDConnector(KVConnector):
             return 0, False
         return external, True
 
+    def _prefix_to_pull(self, request: Request, num_computed_tokens: int, params: KVTransferParams) -> int:
+        """Prefill: tokens of decode's offered prefix beyond our own hit whose chained block
+        hashes equal this request's (0 without a usable offer)."""
+        offer = params.prefix_offer()
+        if offer is None or params.mode(self.config.mode) != "push" or params.invalid:
+            return 0
+        max_blocks = (request.num_prompt_tokens - 1) // self.block_size
+        matched = matched_prefix_blocks(request.block_hashes, offer[2], min(max_blocks, len(offer[1])))
+        return max(0, matched * self.block_size - num_computed_tokens)
+
     def update_state_after_alloc(
         self, request: Request, block_ids: list[int], num_external_tokens: int
     ) -> None:
@@ -179,6 +205,8 @@ class PDConnector(KVConnector):
         if params.do_remote_decode:
             if params.mode(self.config.mode) == "push":
                 self.pusher.plan(request.request_id, request.num_prompt_tokens, params)
+                if num_external_tokens > 0:
+                    self._pull_prefix(request, block_ids, num_external_tokens, params)
             return
         if not params.do_remote_prefill:
             return
@@ -203,8 +231,24 @@ class PDConnector(KVConnector):
             self._request_of_transfer[transfer_id] = request_id
         self.transport.expect(transfer_id, dst, self._on_transfer_done, ttl_s=self.config.reservation_ttl_s)
         if mode == "push":
+            lend_id, lent_ids, lent_hashes = None, (), ()
+            if first > 0:  # our prefix-cache hit, matched by this request's block hashes
+                lent_ids = tuple(block_ids[:first])
+                lent_hashes = tuple(h.hex() for h in request.block_hashes[:first])
+                with self._lock:
+                    self._lent.add(request_id)
+                lend_id = self.lends.lend(request_id, lent_ids)
+                self.metrics.prefix_blocks.labels("lent").inc(first)
             reservation = Reservation(
-                request_id, dst, first, hit, hit + num_external_tokens, time.monotonic()
+                request_id,
+                dst,
+                first,
+                hit,
+                hit + num_external_tokens,
+                time.monotonic(),
+                lend_id,
+                lent_ids,
+                lent_hashes,
             )
             self.reservations.add(reservation)
             return
@@ -214,15 +258,60 @@ class PDConnector(KVConnector):
             return
         self.transport.pull(PeerInfo(*params.remote_address()), transfer_id, list(src), dst)
 
+    def _pull_prefix(
+        self, request: Request, block_ids: list[int], num_external_tokens: int, params: KVTransferParams
+    ) -> None:
+        """Prefill: read decode's lent blocks [our hit, our hit + external) into ours."""
+        offer = params.prefix_offer()
+        assert offer is not None  # _prefix_to_pull found one
+        lend_id, lent_ids, _hashes = offer
+        first = request.num_computed_tokens // self.block_size
+        last = first + num_external_tokens // self.block_size
+        load = _Load(lend_id, "prefix", time.monotonic(), num_blocks=last - first)
+        with self._lock:
+            self._loads[request.request_id] = load
+            self._request_of_transfer[lend_id] = request.request_id
+        request.metrics["pulled_tokens"] = num_external_tokens
+        dst = list(block_ids[first:last])
+        self.transport.expect(lend_id, dst, self._on_transfer_done, ttl_s=self.config.reservation_ttl_s)
+        self.transport.pull(PeerInfo(*params.remote_address()), lend_id, list(lent_ids[first:last]), dst)
+
+    # ---- decode's prefix lends ----------------------------------------------------------
+    def _is_held(self, transfer_id: str, block_ids: list[int]) -> bool:
+        return self.holds.is_held(transfer_id, block_ids) or self.lends.is_held(transfer_id, block_ids)
+
+    def _on_release(self, transfer_id: str) -> None:
+        if not self.lends.release(transfer_id):
+            self.holds.release(transfer_id)
+
+    def _on_lend_ended(self, request_id: str, expired: bool) -> None:
+        with self._lock:
+            self._lent.discard(request_id)
+            if request_id in self._finish_waits:
+                self._finish_one(request_id)
+        self.metrics.prefix_lends.labels("expired" if expired else "ended").inc()
+        self._wake()
+
+    def _finish_one(self, request_id: str) -> None:
+        """Under the lock: one reader or writer of a finished request's blocks is done."""
+        left = self._finish_waits.get(request_id, 1) - 1
+        if left > 0:
+            self._finish_waits[request_id] = left
+        else:
+            self._finish_waits.pop(request_id, None)
+            self._freeable.add(request_id)
+
     def _on_transfer_done(self, result: TransferResult) -> None:
         """Transport thread: the last layer arrived, or the transfer failed."""
         now = time.monotonic()
-        fail_request = self.config.failure_policy == "fail" and self._abort is not None
         with self._lock:
             request_id = self._request_of_transfer.pop(result.transfer_id, None)
             load = self._loads.get(request_id) if request_id else None
             if load is None or request_id is None:
                 return
+            # a prefix pull is an optimization: failing it only means computing those blocks
+            fail_request = self.config.failure_policy == "fail" and self._abort is not None
+            fail_request = fail_request and load.mode != "prefix"
             load.done, load.ok, load.error = True, result.ok, result.error
             load.num_bytes = result.num_bytes
             load.last_arrival_mono = _wall_to_monotonic(result.last_arrival) if result.last_arrival else now
@@ -231,20 +320,27 @@ class PDConnector(KVConnector):
                 load.ready_mono = _wall_to_monotonic(result.sender_ready_at)
             if load.orphaned:
                 self._loads.pop(request_id, None)
-                self._freeable.add(request_id)
+                self._finish_one(request_id)
             elif result.ok:
                 self._loaded.add(request_id)
             elif not fail_request:
                 self._failed.add(request_id)
-        self.reservations.remove(request_id, expired=not result.ok and result.first_arrival is None)
+        side = "prefix_pull" if load.mode == "prefix" else "decode"
+        if load.mode != "prefix":
+            self.reservations.remove(request_id, expired=not result.ok and result.first_arrival is None)
+            if result.ok:  # prefill has pushed, so it is done reading our prefix
+                self.lends.release(lend_id_of(request_id))
         self.metrics.bytes.labels("received").inc(result.num_bytes)
         if result.ok:
-            self.metrics.transfers.labels("decode", "ok").inc()
-            self.metrics.transfer_time.observe(load.transfer_s)
+            self.metrics.transfers.labels(side, "ok").inc()
+            if load.mode == "prefix":
+                self.metrics.prefix_blocks.labels("pulled").inc(load.num_blocks)
+            else:
+                self.metrics.transfer_time.observe(load.transfer_s)
         else:
-            logger.warning("KV transfer for %s failed: %s", request_id, result.error)
-            self.metrics.transfers.labels("decode", "failed").inc()
-            self.metrics.failures.labels("decode").inc()
+            logger.warning("KV transfer %s for %s failed: %s", side, request_id, result.error)
+            self.metrics.transfers.labels(side, "failed").inc()
+            self.metrics.failures.labels(side).inc()
             if result.expired:
                 self.metrics.reservations_expired.inc()
             if not load.orphaned:
@@ -284,24 +380,39 @@ class PDConnector(KVConnector):
         self.transport.fail(transfer_id, error)
         return True
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
-        params = KVTransferParams.from_wire(request.kv_transfer_params)
-        if params.do_remote_decode:
-            return self._prefill_finished(request, block_ids, params)
-        if not params.do_remote_prefill:
-            return False, None
-        request_id = request.request_id
+    def _end_load(self, request_id: str) -> tuple[_Load | None, bool]:
+        """The request finished: its load, and whether bytes may still land in its blocks
+        (then it is orphaned, and its blocks wait until the transport is done with them)."""
         with self._lock:
             load = self._loads.get(request_id)
             if load is not None and not load.done:
-                load.orphaned = True  # keep the blocks until the sender can no longer write
-                return True, None
+                load.orphaned = True
+                self._finish_waits[request_id] = self._finish_waits.get(request_id, 0) + 1
+                return load, True
             self._loads.pop(request_id, None)
+            return load, False
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
+        params = KVTransferParams.from_wire(request.kv_transfer_params)
+        if params.do_remote_decode:
+            load, in_flight = self._end_load(request.request_id)
+            delay, report = self._prefill_finished(request, block_ids, params, load)
+            return delay or in_flight, report
+        if not params.do_remote_prefill:
+            return False, None
+        request_id = request.request_id
+        load, in_flight = self._end_load(request_id)
+        with self._lock:
+            lent = request_id in self._lent  # a prefill worker may still read our prefix
+            if lent:
+                self._finish_waits[request_id] = self._finish_waits.get(request_id, 0) + 1
+        if in_flight:
+            return True, None
         reservation = self.reservations.remove(request_id)
         if load is None:
             cached = reservation.num_cached_tokens if reservation else request.num_cached_tokens
             handoff = {"transferred": False, "num_cached_tokens": cached}
-            return False, KVTransferParams(handoff=handoff).to_wire()
+            return lent, KVTransferParams(handoff=handoff).to_wire()
         handoff: dict = {
             "transferred": load.ok,
             "mode": load.mode,
@@ -320,7 +431,7 @@ class PDConnector(KVConnector):
                 exposed = max(0.0, first_token - load.ready_mono)
                 handoff["exposed_handoff_s"] = exposed
                 self.metrics.exposed_handoff.observe(exposed)
-        return False, KVTransferParams(handoff=handoff).to_wire()
+        return lent, KVTransferParams(handoff=handoff).to_wire()
 
     # ---- prefill side -----------------------------------------------------------------
     def save_kv_layer(self, layer_idx: int, kv_layer: torch.Tensor, step: StepKVInfo) -> None:
@@ -330,11 +441,12 @@ class PDConnector(KVConnector):
         self.pusher.wait()
 
     def _prefill_finished(
-        self, request: Request, block_ids: list[int], params: KVTransferParams
+        self, request: Request, block_ids: list[int], params: KVTransferParams, prefix: _Load | None
     ) -> tuple[bool, dict | None]:
         done_at = time.time()
         address = self.kv_address()
         if params.mode(self.config.mode) == "push":
+            sources = self._prompt_sources(request, params, prefix)
             outcome = self.pusher.finish(request.request_id, request.finish_reason)
             if outcome is None:
                 failed = KVTransferParams(transfer_mode="push", kv_transfer_error="no usable push target")
@@ -352,6 +464,7 @@ class PDConnector(KVConnector):
                 kv_bytes=outcome.num_bytes,
                 send_s=outcome.send_s,
                 kv_transfer_error=outcome.error,
+                prompt_sources=sources,
             )
             return False, pushed.with_address(address).to_wire()
         if request.finish_reason not in ("stop", "length") or not block_ids:
@@ -368,6 +481,24 @@ class PDConnector(KVConnector):
         )
         return True, held.with_address(address).to_wire()
 
+    def _prompt_sources(self, request: Request, params: KVTransferParams, prefix: _Load | None) -> dict:
+        """Prefill: where this prompt's KV came from, and where reuse stopped (the first block
+        neither in our cache nor pulled: the first whose hash differs, or the uncached rest)."""
+        local = int(request.metrics.get("prefix_hit_tokens") or 0)
+        pulled = int(request.metrics.get("pulled_tokens") or 0) if prefix is not None and prefix.ok else 0
+        offer = params.prefix_offer()
+        sources: dict = {
+            "reused_tokens": local,
+            "pulled_tokens": pulled,
+            "recomputed_tokens": max(0, request.num_prompt_tokens - local - pulled),
+            "pulled_blocks": prefix.num_blocks if prefix is not None and prefix.ok else 0,
+            "offered_blocks": len(offer[1]) if offer is not None else 0,
+            "reuse_stopped_block": (local + pulled) // max(self.block_size, 1),
+        }
+        if prefix is not None and not prefix.ok:
+            sources["pull_error"] = prefix.error
+        return sources
+
     def _on_hold_released(self, request_id: str, expired: bool) -> None:
         with self._lock:
             self._freeable.add(request_id)
@@ -379,4 +510,5 @@ class PDConnector(KVConnector):
 
     def shutdown(self) -> None:
         self.holds.clear()
+        self.lends.clear()
         self.transport.close()

@@ -275,6 +275,11 @@ class PDEngineClient(EngineClient):
                     remote_block_ids=reservation.remote_block_ids,
                     remote_first_block=reservation.remote_first_block,
                 ).with_address(reservation.remote_address())
+                offer = reservation.prefix_offer() if self.policy.bidirectional else None
+                if offer is not None:  # decode's held prefix, by block hash: prefill pulls it
+                    kv = dataclasses.replace(
+                        kv, prefix_lend_id=offer[0], prefix_block_ids=offer[1], prefix_block_hashes=offer[2]
+                    )
                 prefill_task = asyncio.ensure_future(
                     self._push_prefill(
                         decode,

@@ -15,6 +15,9 @@ class PDPolicy:
     min_prefill_tokens: int = 64
     mode: TransferMode = "push"
     reserve_timeout_s: float = 30.0
+    # push: prefill pulls the leading blocks decode already holds (by block hash) instead
+    # of computing them; off, KV moves one way only (prefill recomputes them)
+    bidirectional: bool = True
 
     def __post_init__(self) -> None:
         if self.min_prefill_tokens < 0:

@@ -1,0 +1,69 @@
+"""Bidirectional P/D: a decode worker lends the prefix it already holds to prefill, by hash.
+
+For turn N+1 of a conversation, the decode worker that served turn N holds the earlier
+turns' KV, the answer it generated included, which no prefill worker ever computed. When a
+decode request reserves blocks for the KV a prefill worker will push, its leading blocks
+are its own prefix-cache hit: matched by the chained block hash of this request's tokens
+(cache_salt in the first block), never by position. Decode offers exactly those blocks,
+with their hashes, under a lease named `<request_id>@prefix`; the prefill worker pulls the
+leading run of the offer whose hashes equal its own request's, computes everything after
+the first difference, and pushes the new blocks back as usual.
+
+A lease lends only the blocks it names (the transport asks `is_held` before every read)
+and ends when the reader releases it, when decode's own transfer for the request
+succeeded (prefill has long finished reading), or after the reservation TTL. While it is
+active a finished decode request's blocks are not freed. Blocks retained past their TTL
+are never offered: the prefix match that found them already skips them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from splitserve.kv.block_hash import BlockHash
+from splitserve.kv.reservations import HoldTable
+
+LEND_SUFFIX = "@prefix"
+
+
+def lend_id_of(request_id: str) -> str:
+    return request_id + LEND_SUFFIX
+
+
+class PrefixLends:
+    """Decode side: leases on live requests' prefix blocks, one per request."""
+
+    def __init__(self, ttl_s: float, on_ended: Callable[[str, bool], None]):
+        self._on_ended = on_ended  # (request_id, expired)
+        self._table = HoldTable(ttl_s, self._ended)
+
+    def lend(self, request_id: str, block_ids: Sequence[int]) -> str:
+        lend_id = lend_id_of(request_id)
+        self._table.hold(lend_id, list(block_ids))
+        return lend_id
+
+    def is_held(self, lend_id: str, block_ids: list[int]) -> bool:
+        return lend_id.endswith(LEND_SUFFIX) and self._table.is_held(lend_id, block_ids)
+
+    def release(self, lend_id: str) -> bool:
+        return lend_id.endswith(LEND_SUFFIX) and self._table.release(lend_id)
+
+    def active(self) -> int:
+        return self._table.active()
+
+    def clear(self) -> None:
+        self._table.clear()
+
+    def _ended(self, lend_id: str, expired: bool) -> None:
+        self._on_ended(lend_id.removesuffix(LEND_SUFFIX), expired)
+
+
+def matched_prefix_blocks(own: Sequence[BlockHash], offered: Sequence[str], max_blocks: int) -> int:
+    """Prefill side: how many leading blocks of decode's offer carry this request's own
+    chained hashes (the first difference ends the run; everything after is computed)."""
+    count = 0
+    for own_hash, offered_hash in zip(own[:max_blocks], offered, strict=False):
+        if own_hash.hex() != offered_hash:
+            break
+        count += 1
+    return count
