@@ -1,7 +1,10 @@
-"""Per-request P/D decisions: which prompts go through the prefill pool at all."""
+"""Per-request P/D decisions: which prompts go through the prefill pool at all, and the
+clients' conversation hints."""
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Literal
 
@@ -28,3 +31,33 @@ class PDPolicy:
     def use_prefill_pool(self, num_prompt_tokens: int, num_cached_tokens: int = 0) -> bool:
         """Whether the uncached part of the prompt is worth a prefill worker."""
         return num_prompt_tokens - num_cached_tokens >= self.min_prefill_tokens
+
+
+class ConversationHints:
+    """A client's `conversation_id` → the decode worker that last served it (bounded, LRU).
+    Only a tie-breaker: the KV index, by block hash, decides who holds a prompt's prefix;
+    the hint helps when the index knows nothing (no KV events, or a prompt shorter than a
+    block). Any client may name any ID: it moves placement, never access to KV."""
+
+    def __init__(self, capacity: int = 65536) -> None:
+        self.capacity = capacity
+        self._lock = threading.Lock()
+        self._workers: OrderedDict[str, str] = OrderedDict()
+
+    def worker_of(self, conversation_id: str | None) -> str | None:
+        if conversation_id is None:
+            return None
+        with self._lock:
+            url = self._workers.get(conversation_id)
+            if url is not None:
+                self._workers.move_to_end(conversation_id)
+            return url
+
+    def remember(self, conversation_id: str | None, worker_url: str) -> None:
+        if conversation_id is None:
+            return
+        with self._lock:
+            self._workers[conversation_id] = worker_url
+            self._workers.move_to_end(conversation_id)
+            while len(self._workers) > self.capacity:
+                self._workers.popitem(last=False)
