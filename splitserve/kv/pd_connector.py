@@ -26,7 +26,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from splitserve.config import EngineRole, TransferConfig
@@ -35,7 +34,13 @@ from splitserve.kv.block_hash import cdiv
 from splitserve.kv.connector import KVCacheAllocator, KVConnector, StepKVInfo
 from splitserve.kv.handoff_metrics import HandoffMetrics
 from splitserve.kv.layer_push import LayerPusher
-from splitserve.kv.prefix_lend import PrefixLends, lend_id_of, matched_prefix_blocks
+from splitserve.kv.pd_loads import Load, handoff_report, wall_to_monotonic
+from splitserve.kv.prefix_lend import (
+    PrefixLends,
+    lend_id_of,
+    prefill_prompt_sources,
+    pullable_prefix_tokens,
+)
 from splitserve.kv.reservations import HoldTable, Reservation, ReservationTable
 from splitserve.kv.transport import KVTransport
 from splitserve.kv.transport_factory import make_transport
@@ -48,29 +53,6 @@ if TYPE_CHECKING:
     from splitserve.engine.request import Request
 
 logger = logging.getLogger(__name__)
-
-
-def _wall_to_monotonic(wall: float) -> float:
-    return time.monotonic() - (time.time() - wall)
-
-
-@dataclass
-class _Load:
-    """One request waiting for remote KV: decode's push or pull, or prefill's prefix pull."""
-
-    transfer_id: str
-    mode: str  # "push" | "pull" (decode) | "prefix" (prefill pulls decode's held prefix)
-    started: float  # monotonic
-    ready_mono: float | None = None  # when prefill's last layer was computed, in our clock
-    last_arrival_mono: float | None = None
-    noticed_mono: float | None = None  # when the engine picked the finished load up
-    transfer_s: float = 0.0
-    num_bytes: int = 0
-    done: bool = False
-    ok: bool = False
-    error: str | None = None
-    orphaned: bool = False  # the request finished while the transfer was in flight
-    num_blocks: int = 0  # prefix pull: blocks read
 
 
 class PDConnector(KVConnector):
@@ -95,7 +77,7 @@ class PDConnector(KVConnector):
         self.transport.is_held = self._is_held
         self.metrics = HandoffMetrics(self._gauges)
         self._lock = threading.Lock()
-        self._loads: dict[str, _Load] = {}
+        self._loads: dict[str, Load] = {}
         self._request_of_transfer: dict[str, str] = {}
         self._loaded: set[str] = set()
         self._failed: set[str] = set()
@@ -167,7 +149,8 @@ class PDConnector(KVConnector):
         """Side-effect free (vLLM's contract): it may be asked again for the same request."""
         params = KVTransferParams.from_wire(request.kv_transfer_params)
         if params.do_remote_decode:
-            return self._prefix_to_pull(request, num_computed_tokens, params), True
+            mode = params.mode(self.config.mode)
+            return pullable_prefix_tokens(request, num_computed_tokens, params, self.block_size, mode), True
         if not params.do_remote_prefill:
             return 0, False
         external = request.num_prompt_tokens - 1 - num_computed_tokens
@@ -187,16 +170,6 @@ class PDConnector(KVConnector):
             self.metrics.fallbacks.labels("token_mismatch").inc()
             return 0, False
         return external, True
-
-    def _prefix_to_pull(self, request: Request, num_computed_tokens: int, params: KVTransferParams) -> int:
-        """Prefill: tokens of decode's offered prefix beyond our own hit whose chained block
-        hashes equal this request's (0 without a usable offer)."""
-        offer = params.prefix_offer()
-        if offer is None or params.mode(self.config.mode) != "push" or params.invalid:
-            return 0
-        max_blocks = (request.num_prompt_tokens - 1) // self.block_size
-        matched = matched_prefix_blocks(request.block_hashes, offer[2], min(max_blocks, len(offer[1])))
-        return max(0, matched * self.block_size - num_computed_tokens)
 
     def update_state_after_alloc(
         self, request: Request, block_ids: list[int], num_external_tokens: int
@@ -223,34 +196,19 @@ class PDConnector(KVConnector):
         dst = list(block_ids[first:last])
         mode = params.mode(self.config.mode)
         transfer_id = request_id if mode == "push" else params.remote_request_id or request_id
-        load = _Load(transfer_id, mode, time.monotonic())
+        load = Load(transfer_id, mode, time.monotonic())
         if mode == "pull" and params.prefill_done_at is not None:
-            load.ready_mono = _wall_to_monotonic(params.prefill_done_at)
+            load.ready_mono = wall_to_monotonic(params.prefill_done_at)
         with self._lock:
             self._loads[request_id] = load
             self._request_of_transfer[transfer_id] = request_id
         self.transport.expect(transfer_id, dst, self._on_transfer_done, ttl_s=self.config.reservation_ttl_s)
         if mode == "push":
-            lend_id, lent_ids, lent_hashes = None, (), ()
-            if first > 0:  # our prefix-cache hit, matched by this request's block hashes
-                lent_ids = tuple(block_ids[:first])
-                lent_hashes = tuple(h.hex() for h in request.block_hashes[:first])
-                with self._lock:
-                    self._lent.add(request_id)
-                lend_id = self.lends.lend(request_id, lent_ids)
-                self.metrics.prefix_blocks.labels("lent").inc(first)
-            reservation = Reservation(
-                request_id,
-                dst,
-                first,
-                hit,
-                hit + num_external_tokens,
-                time.monotonic(),
-                lend_id,
-                lent_ids,
-                lent_hashes,
+            lend = self._lend_prefix(request, block_ids[:first])
+            num_tokens = hit + num_external_tokens
+            self.reservations.add(
+                Reservation(request_id, dst, first, hit, num_tokens, time.monotonic(), *lend)
             )
-            self.reservations.add(reservation)
             return
         src = params.block_ids()[first:last]
         if len(src) != len(dst):
@@ -267,7 +225,7 @@ class PDConnector(KVConnector):
         lend_id, lent_ids, _hashes = offer
         first = request.num_computed_tokens // self.block_size
         last = first + num_external_tokens // self.block_size
-        load = _Load(lend_id, "prefix", time.monotonic(), num_blocks=last - first)
+        load = Load(lend_id, "prefix", time.monotonic(), num_blocks=last - first)
         with self._lock:
             self._loads[request.request_id] = load
             self._request_of_transfer[lend_id] = request.request_id
@@ -277,6 +235,17 @@ class PDConnector(KVConnector):
         self.transport.pull(PeerInfo(*params.remote_address()), lend_id, list(lent_ids[first:last]), dst)
 
     # ---- decode's prefix lends ----------------------------------------------------------
+    def _lend_prefix(self, request: Request, blocks: list[int]) -> tuple[str | None, tuple, tuple]:
+        """Lease our prefix-cache hit (matched by this request's block hashes) to the
+        prefill worker: (lend ID, block IDs, hex hashes) for the reservation."""
+        if not blocks:
+            return None, (), ()
+        with self._lock:
+            self._lent.add(request.request_id)
+        self.metrics.prefix_blocks.labels("lent").inc(len(blocks))
+        hashes = tuple(h.hex() for h in request.block_hashes[: len(blocks)])
+        return self.lends.lend(request.request_id, blocks), tuple(blocks), hashes
+
     def _is_held(self, transfer_id: str, block_ids: list[int]) -> bool:
         return self.holds.is_held(transfer_id, block_ids) or self.lends.is_held(transfer_id, block_ids)
 
@@ -314,10 +283,10 @@ class PDConnector(KVConnector):
             fail_request = fail_request and load.mode != "prefix"
             load.done, load.ok, load.error = True, result.ok, result.error
             load.num_bytes = result.num_bytes
-            load.last_arrival_mono = _wall_to_monotonic(result.last_arrival) if result.last_arrival else now
+            load.last_arrival_mono = wall_to_monotonic(result.last_arrival) if result.last_arrival else now
             load.transfer_s = load.last_arrival_mono - load.started
             if result.sender_ready_at is not None and load.mode == "push":
-                load.ready_mono = _wall_to_monotonic(result.sender_ready_at)
+                load.ready_mono = wall_to_monotonic(result.sender_ready_at)
             if load.orphaned:
                 self._loads.pop(request_id, None)
                 self._finish_one(request_id)
@@ -380,7 +349,7 @@ class PDConnector(KVConnector):
         self.transport.fail(transfer_id, error)
         return True
 
-    def _end_load(self, request_id: str) -> tuple[_Load | None, bool]:
+    def _end_load(self, request_id: str) -> tuple[Load | None, bool]:
         """The request finished: its load, and whether bytes may still land in its blocks
         (then it is orphaned, and its blocks wait until the transport is done with them)."""
         with self._lock:
@@ -413,24 +382,7 @@ class PDConnector(KVConnector):
             cached = reservation.num_cached_tokens if reservation else request.num_cached_tokens
             handoff = {"transferred": False, "num_cached_tokens": cached}
             return lent, KVTransferParams(handoff=handoff).to_wire()
-        handoff: dict = {
-            "transferred": load.ok,
-            "mode": load.mode,
-            "bytes": load.num_bytes,
-            "wait_s": load.transfer_s,
-            "error": load.error,
-        }
-        # Where the TTFT went, from the moment prefill's last layer was computed: the part
-        # of the transfer left exposed, the notification, then decode's own first step.
-        first_token = request.metrics.get("first_token_time")
-        if load.ok and load.ready_mono is not None and load.last_arrival_mono is not None:
-            handoff["exposed_transfer_s"] = max(0.0, load.last_arrival_mono - load.ready_mono)
-            if load.noticed_mono is not None:
-                handoff["notification_s"] = max(0.0, load.noticed_mono - load.last_arrival_mono)
-            if first_token is not None:
-                exposed = max(0.0, first_token - load.ready_mono)
-                handoff["exposed_handoff_s"] = exposed
-                self.metrics.exposed_handoff.observe(exposed)
+        handoff = handoff_report(load, request, self.metrics)
         return lent, KVTransferParams(handoff=handoff).to_wire()
 
     # ---- prefill side -----------------------------------------------------------------
@@ -441,12 +393,12 @@ class PDConnector(KVConnector):
         self.pusher.wait()
 
     def _prefill_finished(
-        self, request: Request, block_ids: list[int], params: KVTransferParams, prefix: _Load | None
+        self, request: Request, block_ids: list[int], params: KVTransferParams, prefix: Load | None
     ) -> tuple[bool, dict | None]:
         done_at = time.time()
         address = self.kv_address()
         if params.mode(self.config.mode) == "push":
-            sources = self._prompt_sources(request, params, prefix)
+            sources = prefill_prompt_sources(request, params, prefix, self.block_size)
             outcome = self.pusher.finish(request.request_id, request.finish_reason)
             if outcome is None:
                 failed = KVTransferParams(transfer_mode="push", kv_transfer_error="no usable push target")
@@ -480,24 +432,6 @@ class PDConnector(KVConnector):
             prefill_done_at=done_at,
         )
         return True, held.with_address(address).to_wire()
-
-    def _prompt_sources(self, request: Request, params: KVTransferParams, prefix: _Load | None) -> dict:
-        """Prefill: where this prompt's KV came from, and where reuse stopped (the first block
-        neither in our cache nor pulled: the first whose hash differs, or the uncached rest)."""
-        local = int(request.metrics.get("prefix_hit_tokens") or 0)
-        pulled = int(request.metrics.get("pulled_tokens") or 0) if prefix is not None and prefix.ok else 0
-        offer = params.prefix_offer()
-        sources: dict = {
-            "reused_tokens": local,
-            "pulled_tokens": pulled,
-            "recomputed_tokens": max(0, request.num_prompt_tokens - local - pulled),
-            "pulled_blocks": prefix.num_blocks if prefix is not None and prefix.ok else 0,
-            "offered_blocks": len(offer[1]) if offer is not None else 0,
-            "reuse_stopped_block": (local + pulled) // max(self.block_size, 1),
-        }
-        if prefix is not None and not prefix.ok:
-            sources["pull_error"] = prefix.error
-        return sources
 
     def _on_hold_released(self, request_id: str, expired: bool) -> None:
         with self._lock:

@@ -19,9 +19,15 @@ are never offered: the prefix match that found them already skips them.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from splitserve.kv.block_hash import BlockHash
+from splitserve.kv.pd_loads import Load
 from splitserve.kv.reservations import HoldTable
+from splitserve.protocol.kv_transfer import KVTransferParams, TransferMode
+
+if TYPE_CHECKING:
+    from splitserve.engine.request import Request
 
 LEND_SUFFIX = "@prefix"
 
@@ -67,3 +73,38 @@ def matched_prefix_blocks(own: Sequence[BlockHash], offered: Sequence[str], max_
             break
         count += 1
     return count
+
+
+def pullable_prefix_tokens(
+    request: Request, num_computed_tokens: int, params: KVTransferParams, block_size: int, mode: TransferMode
+) -> int:
+    """Prefill: tokens of decode's offered prefix beyond our own hit whose chained block
+    hashes equal this request's (0 without a usable offer)."""
+    offer = params.prefix_offer()
+    if offer is None or mode != "push" or params.invalid:
+        return 0
+    max_blocks = min((request.num_prompt_tokens - 1) // block_size, len(offer[1]))
+    matched = matched_prefix_blocks(request.block_hashes, offer[2], max_blocks)
+    return max(0, matched * block_size - num_computed_tokens)
+
+
+def prefill_prompt_sources(
+    request: Request, params: KVTransferParams, prefix: Load | None, block_size: int
+) -> dict:
+    """Prefill: where this prompt's KV came from, and where reuse stopped (the first block
+    neither in our cache nor pulled: the first whose hash differs, or the uncached rest)."""
+    pulled_ok = prefix is not None and prefix.ok
+    local = int(request.metrics.get("prefix_hit_tokens") or 0)
+    pulled = int(request.metrics.get("pulled_tokens") or 0) if pulled_ok else 0
+    offer = params.prefix_offer()
+    sources: dict = {
+        "reused_tokens": local,
+        "pulled_tokens": pulled,
+        "recomputed_tokens": max(0, request.num_prompt_tokens - local - pulled),
+        "pulled_blocks": prefix.num_blocks if prefix is not None and pulled_ok else 0,
+        "offered_blocks": len(offer[1]) if offer is not None else 0,
+        "reuse_stopped_block": (local + pulled) // max(block_size, 1),
+    }
+    if prefix is not None and not prefix.ok:
+        sources["pull_error"] = prefix.error
+    return sources
