@@ -187,6 +187,23 @@ def test_conversation_id_is_accepted_and_never_reaches_an_engine(up, fresh):
     assert bad.status_code == 400 and bad.json()["error"]["param"]
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("prefix_block_hashes", ["not hex"]), ("prefix_block_ids", [1, "2"]), ("prefix_lend_id", 7)],
+)
+def test_a_malformed_prefix_offer_is_a_400_naming_it(up, field, value):
+    kv = {"do_remote_decode": True, "transfer_mode": "push", field: value}
+    body = {"token_ids": list(range(40, 80)), "sampling_params": {"max_tokens": 1}, "kv_transfer_params": kv}
+    response = httpx.post(
+        f"{up.urls['prefill-0']}/inference/v1/generate",
+        json=body,
+        headers=internal_auth(up.pids["prefill-0"]),
+        timeout=30,
+    )
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == f"kv_transfer_params.{field}"
+
+
 def test_a_restarted_decode_worker_means_recomputing_correctly(up, fresh):
     """Last in the module: it kills decode-0, which `up` starts again empty."""
     turn1 = ids(7, 60)
