@@ -9,6 +9,7 @@ at a time); `usage.prompt_tokens_details.cached_tokens` is reused + pulled."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import re
@@ -20,6 +21,10 @@ import httpx
 import openai
 import pytest
 
+from splitserve.protocol.access import INTERNAL_TOKEN_ENV
+from splitserve.router.pd_engine_client import PDEngineClient
+from splitserve.router.pd_policy import PDPolicy
+from splitserve.router.workers import WorkerPool
 from tests.conftest import free_port, running_server
 from tests.router.test_multiturn_reuse import SYSTEM, common_prefix
 from tests.router.test_pd_proxy import internal_auth, metric, started_parts, up_log
@@ -202,6 +207,42 @@ def test_a_malformed_prefix_offer_is_a_400_naming_it(up, field, value):
     )
     assert response.status_code == 400
     assert response.json()["error"]["param"] == f"kv_transfer_params.{field}"
+
+
+def test_the_proxys_final_chunk_reports_where_the_prompt_came_from(up, monkeypatch):
+    """PDEngineClient (the proxy's engine client) against up's engines: decode's final chunk
+    carries prefill's prompt sources in kv_transfer_params.prefill, and the engines' own
+    metrics; the conversation hint is remembered and never sent."""
+    token = internal_auth(up.pids["prefill-0"])["Authorization"].removeprefix("Bearer ")
+    monkeypatch.setenv(INTERNAL_TOKEN_ENV, token)
+    turn1 = ids(9, 50)
+
+    async def run() -> tuple[dict, PDEngineClient]:
+        client = PDEngineClient(
+            WorkerPool([up.urls["prefill-0"]], [up.urls["decode-0"]]), PDPolicy(min_prefill_tokens=16)
+        )
+        try:
+
+            async def generate(prompt: list[int], max_tokens: int) -> list[dict]:
+                sampling = {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+                body = {"token_ids": prompt, "sampling_params": sampling, "conversation_id": "conv-9"}
+                return [chunk async for chunk in client.generate(body)]
+
+            answer = [
+                t for chunk in await generate(turn1, 40) for c in chunk["choices"] for t in c["token_ids"]
+            ]
+            return (await generate(turn1 + answer + ids(10, 30), 4))[-1], client
+        finally:
+            await client.close()
+
+    final, client = asyncio.run(run())
+    sources = final["kv_transfer_params"]["prefill"]["prompt_sources"]
+    assert sources["reused_tokens"] == 48 and sources["pulled_blocks"] == 2 and sources["pulled_tokens"] == 32
+    # turn 2: 50 + 40 + 30 tokens; decode held 89 computed (5 blocks), prefill turn 1's 3
+    assert sources["reuse_stopped_block"] == 5 and sources["recomputed_tokens"] == 120 - 80
+    assert final["metrics"]["prompt_tokens_reused"] == 80  # decode's own cache
+    assert final["usage"]["prompt_tokens_details"]["cached_tokens"] == 80  # prefill's reused + pulled
+    assert client.conversations.worker_of("conv-9") == up.urls["decode-0"]
 
 
 def test_a_restarted_decode_worker_means_recomputing_correctly(up, fresh):
