@@ -15,7 +15,10 @@ P/D the prefill worker never saw the previous answers (decode generated them), s
 turn recomputes them; bidirectional P/D pulls them from decode instead. Blocks pulled are
 the prefill engine's `splitserve_kv_prefix_blocks_total{direction="pulled"}` per turn.
 
-    .venv/bin/python benchmarks/bench_multiturn.py [--turns 6] [--answer-tokens 48]
+    .venv/bin/python benchmarks/bench_multiturn.py [--turns 6] [--answer-tokens 48] [--repeats 3]
+
+TTFT is the median over `--repeats` conversations (the machine's noise otherwise decides);
+`--model DIR` runs another model (default: the tiny test model).
 
 Ratios last: computed prompt tokens (P/D / collocated) and mean TTFT (P/D / collocated)
 over turns 2..N.
@@ -28,6 +31,7 @@ import asyncio
 import json
 import random
 import re
+import statistics
 import sys
 import tempfile
 import time
@@ -78,23 +82,28 @@ async def token_turn(
     return ttft or 0.0, cached, answer
 
 
-async def conversation(
-    base: str, turns: int, answer_tokens: int, pulled_blocks: Callable[[], float]
+async def conversations(
+    base: str, turns: int, answer_tokens: int, repeats: int, pulled_blocks: Callable[[], float]
 ) -> list[Row]:
-    rng = random.Random(0)
-    prompt = token_ids(rng, 200)  # the system prompt
-    rows = []
+    """Per turn: the median TTFT over `repeats` conversations (each its own system prompt,
+    one after another), and the first conversation's token and block counts."""
+    runs: list[list[Row]] = []
     async with httpx.AsyncClient(timeout=600) as client:
         warm = random.Random(1)  # unrelated prompts first: the first calls compile kernels
         for length in (250, 120, 60):
             await token_turn(client, base, token_ids(warm, length), 4)
-        for _ in range(turns):
-            prompt = prompt + token_ids(rng, 50)  # the user's new message
-            before = pulled_blocks()
-            ttft, cached, answer = await token_turn(client, base, prompt, answer_tokens)
-            rows.append((ttft, len(prompt), cached, int(pulled_blocks() - before)))
-            prompt = prompt + answer
-    return rows
+        for repeat in range(repeats):
+            rng = random.Random(100 + repeat)
+            prompt = token_ids(rng, 200)  # the system prompt
+            rows = []
+            for _ in range(turns):
+                prompt = prompt + token_ids(rng, 50)  # the user's new message
+                before = pulled_blocks()
+                ttft, cached, answer = await token_turn(client, base, prompt, answer_tokens)
+                rows.append((ttft, len(prompt), cached, int(pulled_blocks() - before)))
+                prompt = prompt + answer
+            runs.append(rows)
+    return [(statistics.median(run[turn][0] for run in runs), *runs[0][turn][1:]) for turn in range(turns)]
 
 
 def prefill_pulled_blocks(command_name: str, port: int) -> Callable[[], float]:
@@ -122,6 +131,7 @@ def main() -> int:
     parser.add_argument("--model", default=None)
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--answer-tokens", type=int, default=48)
+    parser.add_argument("--repeats", type=int, default=3, help="conversations per stack (median TTFT)")
     args = parser.parse_args()
     model = tiny_model(args.model)
     pd = ["up", model, "--prefill", "1", "--decode", "1", "--min-prefill-tokens", "16"]
@@ -137,7 +147,9 @@ def main() -> int:
             [sys.executable, "-m", "splitserve.cli", *command, "--port", str(port)], port, command[0]
         ) as base:
             pulled = prefill_pulled_blocks(command[0], port) if command[0] == "up" else lambda: 0.0
-            results[name] = asyncio.run(conversation(base, args.turns, args.answer_tokens, pulled))
+            results[name] = asyncio.run(
+                conversations(base, args.turns, args.answer_tokens, args.repeats, pulled)
+            )
     print("turn  " + "  ".join(f"{name + ' TTFT ms':>24}  computed  pulled" for name in results))
     for index in range(args.turns):
         cells = []
