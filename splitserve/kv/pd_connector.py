@@ -37,7 +37,6 @@ from splitserve.kv.layer_push import LayerPusher
 from splitserve.kv.pd_loads import Load, handoff_report, wall_to_monotonic
 from splitserve.kv.prefix_lend import (
     PrefixLends,
-    lend_id_of,
     prefill_prompt_sources,
     pullable_prefix_tokens,
 )
@@ -298,7 +297,7 @@ class PDConnector(KVConnector):
         if load.mode != "prefix":
             self.reservations.remove(request_id, expired=not result.ok and result.first_arrival is None)
             if result.ok:  # prefill has pushed, so it is done reading our prefix
-                self.lends.release(lend_id_of(request_id))
+                self.lends.release_for(request_id)
         self.metrics.bytes.labels("received").inc(result.num_bytes)
         if result.ok:
             self.metrics.transfers.labels(side, "ok").inc()

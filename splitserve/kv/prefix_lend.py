@@ -5,9 +5,9 @@ turns' KV, the answer it generated included, which no prefill worker ever comput
 decode request reserves blocks for the KV a prefill worker will push, its leading blocks
 are its own prefix-cache hit: matched by the chained block hash of this request's tokens
 (cache_salt in the first block), never by position. Decode offers exactly those blocks,
-with their hashes, under a lease named `<request_id>@prefix`; the prefill worker pulls the
-leading run of the offer whose hashes equal its own request's, computes everything after
-the first difference, and pushes the new blocks back as usual.
+with their hashes, under a lease named `<request_id>@prefix-<random>`; the prefill worker
+pulls the leading run of the offer whose hashes equal its own request's, computes
+everything after the first difference, and pushes the new blocks back as usual.
 
 A lease lends only the blocks it names (the transport asks `is_held` before every read)
 and ends when the reader releases it, when decode's own transfer for the request
@@ -18,6 +18,8 @@ are never offered: the prefix match that found them already skips them.
 
 from __future__ import annotations
 
+import secrets
+import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -29,30 +31,36 @@ from splitserve.protocol.kv_transfer import KVTransferParams, TransferMode
 if TYPE_CHECKING:
     from splitserve.engine.request import Request
 
-LEND_SUFFIX = "@prefix"
-
-
-def lend_id_of(request_id: str) -> str:
-    return request_id + LEND_SUFFIX
+LEND_MARK = "@prefix-"
 
 
 class PrefixLends:
-    """Decode side: leases on live requests' prefix blocks, one per request."""
+    """Decode side: leases on live requests' prefix blocks, one per request. A lease's name
+    carries a random part: knowing a request's ID is not enough to read under its lease."""
 
     def __init__(self, ttl_s: float, on_ended: Callable[[str, bool], None]):
         self._on_ended = on_ended  # (request_id, expired)
         self._table = HoldTable(ttl_s, self._ended)
+        self._lock = threading.Lock()
+        self._lend_of: dict[str, str] = {}  # request ID -> its lease's name
 
     def lend(self, request_id: str, block_ids: Sequence[int]) -> str:
-        lend_id = lend_id_of(request_id)
+        lend_id = f"{request_id}{LEND_MARK}{secrets.token_hex(8)}"
+        with self._lock:
+            self._lend_of[request_id] = lend_id
         self._table.hold(lend_id, list(block_ids))
         return lend_id
 
     def is_held(self, lend_id: str, block_ids: list[int]) -> bool:
-        return lend_id.endswith(LEND_SUFFIX) and self._table.is_held(lend_id, block_ids)
+        return LEND_MARK in lend_id and self._table.is_held(lend_id, block_ids)
 
     def release(self, lend_id: str) -> bool:
-        return lend_id.endswith(LEND_SUFFIX) and self._table.release(lend_id)
+        return LEND_MARK in lend_id and self._table.release(lend_id)
+
+    def release_for(self, request_id: str) -> bool:
+        with self._lock:
+            lend_id = self._lend_of.get(request_id)
+        return lend_id is not None and self._table.release(lend_id)
 
     def active(self) -> int:
         return self._table.active()
@@ -61,7 +69,10 @@ class PrefixLends:
         self._table.clear()
 
     def _ended(self, lend_id: str, expired: bool) -> None:
-        self._on_ended(lend_id.removesuffix(LEND_SUFFIX), expired)
+        request_id = lend_id.rsplit(LEND_MARK, 1)[0]
+        with self._lock:
+            self._lend_of.pop(request_id, None)
+        self._on_ended(request_id, expired)
 
 
 def matched_prefix_blocks(own: Sequence[BlockHash], offered: Sequence[str], max_blocks: int) -> int:

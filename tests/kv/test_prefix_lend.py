@@ -133,6 +133,7 @@ def test_a_lease_lends_only_the_blocks_it_names(tiny_model):
         assert decode[1].transport.is_held(lend_id, [3, 4])
         assert not decode[1].transport.is_held(lend_id, [3, 5])
         assert not decode[1].transport.is_held("req-2@prefix", [3])
+        assert not decode[1].transport.is_held("req-1@prefix-0000000000000000", [3])  # a guessed name
         decode[1].transport.on_release(lend_id)
         assert not decode[1].transport.is_held(lend_id, [3])
     finally:
