@@ -220,7 +220,7 @@ class PDConnector(KVConnector):
     ) -> None:
         """Prefill: read decode's lent blocks [our hit, our hit + external) into ours."""
         offer = params.prefix_offer()
-        assert offer is not None  # _prefix_to_pull found one
+        assert offer is not None  # pullable_prefix_tokens found one
         lend_id, lent_ids, _hashes = offer
         first = request.num_computed_tokens // self.block_size
         last = first + num_external_tokens // self.block_size
