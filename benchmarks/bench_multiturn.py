@@ -1,41 +1,129 @@
 """The six-turn table, live on the CPU: one conversation (a long system prompt, then user
-turns that each append to it), TTFT and prompt tokens computed per turn, for `serve`
-(collocated, prefix cache) and `up` (one-way P/D: a prefill and a decode engine).
+turns that each append to the previous prompt and answer), TTFT, prompt tokens computed
+and KV blocks pulled per turn,
+for `serve` (collocated, prefix cache), `up --no-kv-bidirectional` (one-way P/D: a prefill
+and a decode engine) and `up` (bidirectional P/D: prefill pulls, by block hash, the prefix
+the decode worker holds, the previous answers included).
+
+The conversation travels as token IDs (`/v1/completions`): the tiny model's answers are
+random tokens whose text does not tokenize back to the same IDs, so a chat history would
+hide the answer's reuse in every stack alike; reuse depends on the tokens, never on the
+API that carried them.
 
 Computed tokens = prompt tokens - `usage.prompt_tokens_details.cached_tokens`. In one-way
 P/D the prefill worker never saw the previous answers (decode generated them), so each
-turn recomputes them; a decode-held prefix with a short new turn skips prefill.
+turn recomputes them; bidirectional P/D pulls them from decode instead. Blocks pulled are
+the prefill engine's `splitserve_kv_prefix_blocks_total{direction="pulled"}` per turn.
 
-    .venv/bin/python benchmarks/bench_multiturn.py [--turns 6] [--answer-tokens 48]
+    .venv/bin/python benchmarks/bench_multiturn.py [--turns 6] [--answer-tokens 48] [--repeats 3]
 
-The ratio (P/D computed tokens / collocated computed tokens over turns 2..N) is printed last.
+TTFT is the median over `--repeats` conversations (the machine's noise otherwise decides);
+`--model DIR` runs another model (default: the tiny test model).
+
+Ratios last: computed prompt tokens (P/D / collocated) and mean TTFT (P/D / collocated)
+over turns 2..N.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
+import re
+import statistics
 import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
 
 import httpx
-from bench_kv_routing import text, turn
 from bench_pd_streaming import tiny_model
 from bench_render import free_port, served
 
+Row = tuple[float, int, int, int]  # TTFT, prompt tokens, cached tokens, blocks pulled
 
-async def conversation(base: str, turns: int, answer_tokens: int) -> list[tuple[float, int, int]]:
-    """(TTFT, prompt tokens, cached tokens) per turn."""
-    rng = random.Random(0)
-    messages = [{"role": "system", "content": "You are a careful assistant. " + text(rng, 150)}]
-    rows = []
+
+def token_ids(rng: random.Random, count: int) -> list[int]:
+    return [rng.randrange(300, 1800) for _ in range(count)]
+
+
+async def token_turn(
+    client: httpx.AsyncClient, base: str, prompt: list[int], max_tokens: int
+) -> tuple[float, int, list[int]]:
+    """(TTFT, cached tokens, answer token IDs) of one streaming completion turn."""
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    start, ttft, answer, usage = time.perf_counter(), None, [], {}
+    async with client.stream("POST", f"{base}/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if event.get("choices"):
+                ttft = ttft if ttft is not None else time.perf_counter() - start
+                answer += event["choices"][0].get("token_ids") or []
+            usage = event.get("usage") or usage
+    if len(answer) != usage.get("completion_tokens"):
+        # a chunk whose bytes were not yet text streams no event: ask again (greedy: the same
+        # answer, and a full prefix hit) for the answer's token IDs
+        body = {**body, "stream": False, "stream_options": None}
+        answer = (await client.post(f"{base}/v1/completions", json=body)).json()["choices"][0]["token_ids"]
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return ttft or 0.0, cached, answer
+
+
+async def conversations(
+    base: str, turns: int, answer_tokens: int, repeats: int, pulled_blocks: Callable[[], float]
+) -> list[Row]:
+    """Per turn: the median TTFT over `repeats` conversations (each its own system prompt,
+    one after another), and the first conversation's token and block counts."""
+    runs: list[list[Row]] = []
     async with httpx.AsyncClient(timeout=600) as client:
-        for _ in range(turns):
-            messages.append({"role": "user", "content": text(rng, 40)})
-            ttft, prompt, cached, answer = await turn(client, base, messages, answer_tokens)
-            messages.append({"role": "assistant", "content": answer or "ok"})
-            rows.append((ttft, prompt, cached))
-    return rows
+        warm = random.Random(1)  # unrelated prompts first: the first calls compile kernels
+        for length in (250, 120, 60):
+            await token_turn(client, base, token_ids(warm, length), 4)
+        for repeat in range(repeats):
+            rng = random.Random(100 + repeat)
+            prompt = token_ids(rng, 200)  # the system prompt
+            rows = []
+            for _ in range(turns):
+                prompt = prompt + token_ids(rng, 50)  # the user's new message
+                before = pulled_blocks()
+                ttft, cached, answer = await token_turn(client, base, prompt, answer_tokens)
+                rows.append((ttft, len(prompt), cached, int(pulled_blocks() - before)))
+                prompt = prompt + answer
+            runs.append(rows)
+    return [(statistics.median(run[turn][0] for run in runs), *runs[0][turn][1:]) for turn in range(turns)]
+
+
+def prefill_pulled_blocks(command_name: str, port: int) -> Callable[[], float]:
+    """Reads the prefill engine's pulled-blocks counter: `up` prints its parts' URLs and
+    pids; the engine wants the deployment token `up` put in the part's environment."""
+    log = Path(tempfile.gettempdir()) / f"bench-{command_name}-{port}.log"
+    deadline = time.monotonic() + 60
+    while "OpenAI API:" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    url, pid = re.search(r"^\s+prefill-0\s+(http://\S+)\s+\(pid (\d+)\)", log.read_text(), re.M).groups()
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    token = next(e.split(b"=", 1)[1] for e in environ if e.startswith(b"SPLITSERVE_INTERNAL_TOKEN="))
+    headers = {"Authorization": f"Bearer {token.decode()}"}
+
+    def read() -> float:
+        text = httpx.get(f"{url}/metrics", headers=headers, timeout=10).text
+        found = re.search(r'^splitserve_kv_prefix_blocks_total\{direction="pulled"\} (\S+)$', text, re.M)
+        return float(found.group(1)) if found else 0.0
+
+    return read
 
 
 def main() -> int:
@@ -43,26 +131,42 @@ def main() -> int:
     parser.add_argument("--model", default=None)
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--answer-tokens", type=int, default=48)
+    parser.add_argument("--repeats", type=int, default=3, help="conversations per stack (median TTFT)")
     args = parser.parse_args()
     model = tiny_model(args.model)
+    pd = ["up", model, "--prefill", "1", "--decode", "1", "--min-prefill-tokens", "16"]
     stacks = {
         "collocated": ["serve", model],
-        "one-way P/D": ["up", model, "--prefill", "1", "--decode", "1", "--min-prefill-tokens", "16"],
+        "one-way P/D": [*pd, "--no-kv-bidirectional"],
+        "bidirectional P/D": pd,
     }
-    computed = {}
+    results: dict[str, list[Row]] = {}
     for name, command in stacks.items():
         port = free_port()
         with served(
             [sys.executable, "-m", "splitserve.cli", *command, "--port", str(port)], port, command[0]
         ) as base:
-            rows = asyncio.run(conversation(base, args.turns, args.answer_tokens))
-        print(f"{name}:  turn  TTFT ms  prompt  cached  computed")
-        for index, (ttft, prompt, cached) in enumerate(rows, start=1):
-            pad = " " * (len(name) + 2)
-            print(f"{pad}{index:>5}  {ttft * 1e3:7.1f}  {prompt:6d}  {cached:6d}  {prompt - cached:8d}")
-        computed[name] = sum(prompt - cached for _ttft, prompt, cached in rows[1:])
-    ratio = computed["one-way P/D"] / max(computed["collocated"], 1)
-    print(f"computed prompt tokens, turns 2..{args.turns} (one-way P/D / collocated): {ratio:.2f}")
+            pulled = prefill_pulled_blocks(command[0], port) if command[0] == "up" else lambda: 0.0
+            results[name] = asyncio.run(
+                conversations(base, args.turns, args.answer_tokens, args.repeats, pulled)
+            )
+    print("turn  " + "  ".join(f"{name + ' TTFT ms':>24}  computed  pulled" for name in results))
+    for index in range(args.turns):
+        cells = []
+        for rows in results.values():
+            ttft, prompt, cached, pulled_blocks = rows[index]
+            cells.append(f"{ttft * 1e3:24.1f}  {prompt - cached:8d}  {pulled_blocks:6d}")
+        print(f"{index + 1:>4}  " + "  ".join(cells))
+    base_rows = results["collocated"][1:]
+    for name in ("one-way P/D", "bidirectional P/D"):
+        rows = results[name][1:]
+        computed = sum(p - c for _t, p, c, _b in rows) / max(sum(p - c for _t, p, c, _b in base_rows), 1)
+        ttft = sum(t for t, *_ in rows) / max(sum(t for t, *_ in base_rows), 1e-9)
+        worst = max(t / max(b[0], 1e-9) for (t, *_), b in zip(rows, base_rows, strict=True))
+        print(
+            f"{name} / collocated, turns 2..{args.turns}: computed prompt tokens {computed:.2f}, "
+            f"mean TTFT {ttft:.2f}, worst turn TTFT {worst:.2f}"
+        )
     return 0
 
 

@@ -55,6 +55,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--mode", choices=["push", "pull"], default="push")
     parser.add_argument(
+        "--kv-bidirectional",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="push: prefill pulls the prefix decode holds (by block hash) instead of computing it",
+    )
+    parser.add_argument(
         "--host", default="127.0.0.1", help="the proxy's address; every other part binds loopback"
     )
     parser.add_argument(
@@ -271,6 +277,8 @@ def run(args: argparse.Namespace) -> int:
             ]  # fmt: skip
             if args.open_health_metrics:
                 proxy.append("--open-health-metrics")
+            if not args.kv_bidirectional:
+                proxy.append("--no-kv-bidirectional")
             for flag, value in (
                 ("--kv-overlap-weight", args.kv_overlap_weight),
                 ("--kv-load-weight", args.kv_load_weight),

@@ -143,6 +143,7 @@ class Scheduler:
             # where the prompt's KV came from, reported per request (engine/api/generate.py)
             request.metrics["prefix_hit_tokens"] = num_hit
             request.metrics["received_tokens"] = num_external
+            request.metrics["block_size"] = self.block_manager.block_size
             self.prefix_queried_tokens += request.num_tokens
             self.prefix_hit_tokens += num_hit
 
@@ -168,6 +169,8 @@ class Scheduler:
             else:
                 request.num_cached_tokens -= external
                 request.metrics["received_tokens"] = 0
+                if "pulled_tokens" in request.metrics:
+                    request.metrics["pulled_tokens"] = 0
             request.pending_external_tokens = 0
             request.status = RequestStatus.WAITING
             self.waiting.appendleft(request)

@@ -264,6 +264,8 @@ class Renderer:
             body["stream_options"] = {"include_usage": request.include_usage()}
         if request.return_token_ids:
             body["return_token_ids"] = True
+        if request.conversation_id is not None:
+            body["conversation_id"] = request.conversation_id  # the proxy's hint; engine clients drop it
         return body
 
     def _features(self, images: list[ImageInput] | None) -> dict[str, Any] | None:

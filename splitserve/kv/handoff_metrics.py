@@ -62,6 +62,15 @@ class HandoffMetrics:
         self.fallbacks = Counter(
             f"{PREFIX}_fallbacks", "Requests that could not use transferred KV.", ["action"], registry=r
         )
+        self.prefix_blocks = Counter(
+            f"{PREFIX}_prefix_blocks",
+            "Bidirectional P/D: held prefix blocks lent by decode, and pulled by prefill.",
+            ["direction"],
+            registry=r,
+        )
+        self.prefix_lends = Counter(
+            f"{PREFIX}_prefix_lends", "Decode: prefix leases ended, by how.", ["outcome"], registry=r
+        )
         self.reservations_expired = Counter(
             f"{PREFIX}_reservations_expired", "Reservations released by their TTL.", registry=r
         )

@@ -11,7 +11,12 @@ Pull (vLLM NIXL's behaviour, kept for comparison): the prefill worker finishes, 
 blocks and returns where they are; decode reads them after it is scheduled, then tells
 prefill to release them (or the hold expires after the TTL).
 
-A transfer that fails or times out makes decode recompute the prompt itself.
+Bidirectional (push): decode's reservation also offers the leading blocks it already
+holds of the prompt, by chained block hash (`kv/prefix_lend.py`); prefill pulls the run
+whose hashes equal its own request's before computing the rest.
+
+A transfer that fails or times out makes decode recompute the prompt itself; a prefix
+pull that fails makes prefill compute those blocks itself.
 """
 
 from __future__ import annotations
@@ -21,7 +26,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from splitserve.config import EngineRole, TransferConfig
@@ -30,6 +34,12 @@ from splitserve.kv.block_hash import cdiv
 from splitserve.kv.connector import KVCacheAllocator, KVConnector, StepKVInfo
 from splitserve.kv.handoff_metrics import HandoffMetrics
 from splitserve.kv.layer_push import LayerPusher
+from splitserve.kv.pd_loads import Load, handoff_report, wall_to_monotonic
+from splitserve.kv.prefix_lend import (
+    PrefixLends,
+    prefill_prompt_sources,
+    pullable_prefix_tokens,
+)
 from splitserve.kv.reservations import HoldTable, Reservation, ReservationTable
 from splitserve.kv.transport import KVTransport
 from splitserve.kv.transport_factory import make_transport
@@ -42,28 +52,6 @@ if TYPE_CHECKING:
     from splitserve.engine.request import Request
 
 logger = logging.getLogger(__name__)
-
-
-def _wall_to_monotonic(wall: float) -> float:
-    return time.monotonic() - (time.time() - wall)
-
-
-@dataclass
-class _Load:
-    """Decode side: one request waiting for remote KV."""
-
-    transfer_id: str
-    mode: str
-    started: float  # monotonic
-    ready_mono: float | None = None  # when prefill's last layer was computed, in our clock
-    last_arrival_mono: float | None = None
-    noticed_mono: float | None = None  # when the engine picked the finished load up
-    transfer_s: float = 0.0
-    num_bytes: int = 0
-    done: bool = False
-    ok: bool = False
-    error: str | None = None
-    orphaned: bool = False  # the request finished while the transfer was in flight
 
 
 class PDConnector(KVConnector):
@@ -83,15 +71,18 @@ class PDConnector(KVConnector):
         self.transport = transport or make_transport(self.engine_id, config, host, port)
         self.reservations = ReservationTable()
         self.holds = HoldTable(config.reservation_ttl_s, self._on_hold_released)
-        self.transport.on_release = lambda transfer_id: self.holds.release(transfer_id)
-        self.transport.is_held = self.holds.is_held
+        self.lends = PrefixLends(config.reservation_ttl_s, self._on_lend_ended)
+        self.transport.on_release = self._on_release
+        self.transport.is_held = self._is_held
         self.metrics = HandoffMetrics(self._gauges)
         self._lock = threading.Lock()
-        self._loads: dict[str, _Load] = {}
+        self._loads: dict[str, Load] = {}
         self._request_of_transfer: dict[str, str] = {}
         self._loaded: set[str] = set()
         self._failed: set[str] = set()
         self._freeable: set[str] = set()
+        self._lent: set[str] = set()  # decode: requests whose prefix blocks are on loan
+        self._finish_waits: dict[str, int] = {}  # finished requests: what still reads/writes their blocks
         self.pusher = LayerPusher(self.transport, config.timeout_s)
         self._wakeup: Callable[[], None] | None = None
         self._abort: Callable[[str], object] | None = None
@@ -142,6 +133,10 @@ class PDConnector(KVConnector):
                 "Prefill (pull): finished requests whose blocks await a reader.",
                 self.holds.active(),
             ),
+            "prefix_lends_active": (
+                "Decode: requests whose held prefix blocks are lent to a prefill worker.",
+                self.lends.active(),
+            ),
         }
 
     def _wake(self) -> None:
@@ -152,7 +147,10 @@ class PDConnector(KVConnector):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """Side-effect free (vLLM's contract): it may be asked again for the same request."""
         params = KVTransferParams.from_wire(request.kv_transfer_params)
-        if not params.do_remote_prefill or params.do_remote_decode:
+        if params.do_remote_decode:
+            mode = params.mode(self.config.mode)
+            return pullable_prefix_tokens(request, num_computed_tokens, params, self.block_size, mode), True
+        if not params.do_remote_prefill:
             return 0, False
         external = request.num_prompt_tokens - 1 - num_computed_tokens
         if external <= 0:
@@ -179,6 +177,8 @@ class PDConnector(KVConnector):
         if params.do_remote_decode:
             if params.mode(self.config.mode) == "push":
                 self.pusher.plan(request.request_id, request.num_prompt_tokens, params)
+                if num_external_tokens > 0:
+                    self._pull_prefix(request, block_ids, num_external_tokens, params)
             return
         if not params.do_remote_prefill:
             return
@@ -195,18 +195,19 @@ class PDConnector(KVConnector):
         dst = list(block_ids[first:last])
         mode = params.mode(self.config.mode)
         transfer_id = request_id if mode == "push" else params.remote_request_id or request_id
-        load = _Load(transfer_id, mode, time.monotonic())
+        load = Load(transfer_id, mode, time.monotonic())
         if mode == "pull" and params.prefill_done_at is not None:
-            load.ready_mono = _wall_to_monotonic(params.prefill_done_at)
+            load.ready_mono = wall_to_monotonic(params.prefill_done_at)
         with self._lock:
             self._loads[request_id] = load
             self._request_of_transfer[transfer_id] = request_id
         self.transport.expect(transfer_id, dst, self._on_transfer_done, ttl_s=self.config.reservation_ttl_s)
         if mode == "push":
-            reservation = Reservation(
-                request_id, dst, first, hit, hit + num_external_tokens, time.monotonic()
+            lend = self._lend_prefix(request, block_ids[:first])
+            num_tokens = hit + num_external_tokens
+            self.reservations.add(
+                Reservation(request_id, dst, first, hit, num_tokens, time.monotonic(), *lend)
             )
-            self.reservations.add(reservation)
             return
         src = params.block_ids()[first:last]
         if len(src) != len(dst):
@@ -214,37 +215,100 @@ class PDConnector(KVConnector):
             return
         self.transport.pull(PeerInfo(*params.remote_address()), transfer_id, list(src), dst)
 
+    def _pull_prefix(
+        self, request: Request, block_ids: list[int], num_external_tokens: int, params: KVTransferParams
+    ) -> None:
+        """Prefill: read decode's lent blocks [our hit, our hit + external) into ours."""
+        offer = params.prefix_offer()
+        assert offer is not None  # pullable_prefix_tokens found one
+        lend_id, lent_ids, _hashes = offer
+        first = request.num_computed_tokens // self.block_size
+        last = first + num_external_tokens // self.block_size
+        load = Load(lend_id, "prefix", time.monotonic(), num_blocks=last - first)
+        with self._lock:
+            self._loads[request.request_id] = load
+            self._request_of_transfer[lend_id] = request.request_id
+        request.metrics["pulled_tokens"] = num_external_tokens
+        dst = list(block_ids[first:last])
+        self.transport.expect(lend_id, dst, self._on_transfer_done, ttl_s=self.config.reservation_ttl_s)
+        self.transport.pull(PeerInfo(*params.remote_address()), lend_id, list(lent_ids[first:last]), dst)
+
+    # ---- decode's prefix lends ----------------------------------------------------------
+    def _lend_prefix(self, request: Request, blocks: list[int]) -> tuple[str | None, tuple, tuple]:
+        """Lease our prefix-cache hit (matched by this request's block hashes) to the
+        prefill worker: (lend ID, block IDs, hex hashes) for the reservation."""
+        if not blocks:
+            return None, (), ()
+        with self._lock:
+            self._lent.add(request.request_id)
+        self.metrics.prefix_blocks.labels("lent").inc(len(blocks))
+        hashes = tuple(h.hex() for h in request.block_hashes[: len(blocks)])
+        return self.lends.lend(request.request_id, blocks), tuple(blocks), hashes
+
+    def _is_held(self, transfer_id: str, block_ids: list[int]) -> bool:
+        return self.holds.is_held(transfer_id, block_ids) or self.lends.is_held(transfer_id, block_ids)
+
+    def _on_release(self, transfer_id: str) -> None:
+        if not self.lends.release(transfer_id):
+            self.holds.release(transfer_id)
+
+    def _on_lend_ended(self, request_id: str, expired: bool) -> None:
+        with self._lock:
+            self._lent.discard(request_id)
+            if request_id in self._finish_waits:
+                self._finish_one(request_id)
+        self.metrics.prefix_lends.labels("expired" if expired else "ended").inc()
+        self._wake()
+
+    def _finish_one(self, request_id: str) -> None:
+        """Under the lock: one reader or writer of a finished request's blocks is done."""
+        left = self._finish_waits.get(request_id, 1) - 1
+        if left > 0:
+            self._finish_waits[request_id] = left
+        else:
+            self._finish_waits.pop(request_id, None)
+            self._freeable.add(request_id)
+
     def _on_transfer_done(self, result: TransferResult) -> None:
         """Transport thread: the last layer arrived, or the transfer failed."""
         now = time.monotonic()
-        fail_request = self.config.failure_policy == "fail" and self._abort is not None
         with self._lock:
             request_id = self._request_of_transfer.pop(result.transfer_id, None)
             load = self._loads.get(request_id) if request_id else None
             if load is None or request_id is None:
                 return
+            # a prefix pull is an optimization: failing it only means computing those blocks
+            fail_request = self.config.failure_policy == "fail" and self._abort is not None
+            fail_request = fail_request and load.mode != "prefix"
             load.done, load.ok, load.error = True, result.ok, result.error
             load.num_bytes = result.num_bytes
-            load.last_arrival_mono = _wall_to_monotonic(result.last_arrival) if result.last_arrival else now
+            load.last_arrival_mono = wall_to_monotonic(result.last_arrival) if result.last_arrival else now
             load.transfer_s = load.last_arrival_mono - load.started
             if result.sender_ready_at is not None and load.mode == "push":
-                load.ready_mono = _wall_to_monotonic(result.sender_ready_at)
+                load.ready_mono = wall_to_monotonic(result.sender_ready_at)
             if load.orphaned:
                 self._loads.pop(request_id, None)
-                self._freeable.add(request_id)
+                self._finish_one(request_id)
             elif result.ok:
                 self._loaded.add(request_id)
             elif not fail_request:
                 self._failed.add(request_id)
-        self.reservations.remove(request_id, expired=not result.ok and result.first_arrival is None)
+        side = "prefix_pull" if load.mode == "prefix" else "decode"
+        if load.mode != "prefix":
+            self.reservations.remove(request_id, expired=not result.ok and result.first_arrival is None)
+            if result.ok:  # prefill has pushed, so it is done reading our prefix
+                self.lends.release_for(request_id)
         self.metrics.bytes.labels("received").inc(result.num_bytes)
         if result.ok:
-            self.metrics.transfers.labels("decode", "ok").inc()
-            self.metrics.transfer_time.observe(load.transfer_s)
+            self.metrics.transfers.labels(side, "ok").inc()
+            if load.mode == "prefix":
+                self.metrics.prefix_blocks.labels("pulled").inc(load.num_blocks)
+            else:
+                self.metrics.transfer_time.observe(load.transfer_s)
         else:
-            logger.warning("KV transfer for %s failed: %s", request_id, result.error)
-            self.metrics.transfers.labels("decode", "failed").inc()
-            self.metrics.failures.labels("decode").inc()
+            logger.warning("KV transfer %s for %s failed: %s", side, request_id, result.error)
+            self.metrics.transfers.labels(side, "failed").inc()
+            self.metrics.failures.labels(side).inc()
             if result.expired:
                 self.metrics.reservations_expired.inc()
             if not load.orphaned:
@@ -284,43 +348,41 @@ class PDConnector(KVConnector):
         self.transport.fail(transfer_id, error)
         return True
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
-        params = KVTransferParams.from_wire(request.kv_transfer_params)
-        if params.do_remote_decode:
-            return self._prefill_finished(request, block_ids, params)
-        if not params.do_remote_prefill:
-            return False, None
-        request_id = request.request_id
+    def _end_load(self, request_id: str) -> tuple[Load | None, bool]:
+        """The request finished: its load, and whether bytes may still land in its blocks
+        (then it is orphaned, and its blocks wait until the transport is done with them)."""
         with self._lock:
             load = self._loads.get(request_id)
             if load is not None and not load.done:
-                load.orphaned = True  # keep the blocks until the sender can no longer write
-                return True, None
+                load.orphaned = True
+                self._finish_waits[request_id] = self._finish_waits.get(request_id, 0) + 1
+                return load, True
             self._loads.pop(request_id, None)
+            return load, False
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
+        params = KVTransferParams.from_wire(request.kv_transfer_params)
+        if params.do_remote_decode:
+            load, in_flight = self._end_load(request.request_id)
+            delay, report = self._prefill_finished(request, block_ids, params, load)
+            return delay or in_flight, report
+        if not params.do_remote_prefill:
+            return False, None
+        request_id = request.request_id
+        load, in_flight = self._end_load(request_id)
+        with self._lock:
+            lent = request_id in self._lent  # a prefill worker may still read our prefix
+            if lent:
+                self._finish_waits[request_id] = self._finish_waits.get(request_id, 0) + 1
+        if in_flight:
+            return True, None
         reservation = self.reservations.remove(request_id)
         if load is None:
             cached = reservation.num_cached_tokens if reservation else request.num_cached_tokens
             handoff = {"transferred": False, "num_cached_tokens": cached}
-            return False, KVTransferParams(handoff=handoff).to_wire()
-        handoff: dict = {
-            "transferred": load.ok,
-            "mode": load.mode,
-            "bytes": load.num_bytes,
-            "wait_s": load.transfer_s,
-            "error": load.error,
-        }
-        # Where the TTFT went, from the moment prefill's last layer was computed: the part
-        # of the transfer left exposed, the notification, then decode's own first step.
-        first_token = request.metrics.get("first_token_time")
-        if load.ok and load.ready_mono is not None and load.last_arrival_mono is not None:
-            handoff["exposed_transfer_s"] = max(0.0, load.last_arrival_mono - load.ready_mono)
-            if load.noticed_mono is not None:
-                handoff["notification_s"] = max(0.0, load.noticed_mono - load.last_arrival_mono)
-            if first_token is not None:
-                exposed = max(0.0, first_token - load.ready_mono)
-                handoff["exposed_handoff_s"] = exposed
-                self.metrics.exposed_handoff.observe(exposed)
-        return False, KVTransferParams(handoff=handoff).to_wire()
+            return lent, KVTransferParams(handoff=handoff).to_wire()
+        handoff = handoff_report(load, request, self.metrics)
+        return lent, KVTransferParams(handoff=handoff).to_wire()
 
     # ---- prefill side -----------------------------------------------------------------
     def save_kv_layer(self, layer_idx: int, kv_layer: torch.Tensor, step: StepKVInfo) -> None:
@@ -330,11 +392,12 @@ class PDConnector(KVConnector):
         self.pusher.wait()
 
     def _prefill_finished(
-        self, request: Request, block_ids: list[int], params: KVTransferParams
+        self, request: Request, block_ids: list[int], params: KVTransferParams, prefix: Load | None
     ) -> tuple[bool, dict | None]:
         done_at = time.time()
         address = self.kv_address()
         if params.mode(self.config.mode) == "push":
+            sources = prefill_prompt_sources(request, params, prefix, self.block_size)
             outcome = self.pusher.finish(request.request_id, request.finish_reason)
             if outcome is None:
                 failed = KVTransferParams(transfer_mode="push", kv_transfer_error="no usable push target")
@@ -352,6 +415,7 @@ class PDConnector(KVConnector):
                 kv_bytes=outcome.num_bytes,
                 send_s=outcome.send_s,
                 kv_transfer_error=outcome.error,
+                prompt_sources=sources,
             )
             return False, pushed.with_address(address).to_wire()
         if request.finish_reason not in ("stop", "length") or not block_ids:
@@ -379,4 +443,5 @@ class PDConnector(KVConnector):
 
     def shutdown(self) -> None:
         self.holds.clear()
+        self.lends.clear()
         self.transport.close()

@@ -24,6 +24,11 @@ class Reservation(NamedTuple):
     num_cached_tokens: int  # decode's local prefix-cache hit (never transferred)
     num_tokens: int  # prompt positions with KV after the transfer: [0, num_tokens)
     created_at: float  # time.monotonic()
+    # bidirectional: the leading blocks decode holds of this prompt (its prefix-cache hit,
+    # matched by chained block hash), lent to the prefill worker under lend_id
+    lend_id: str | None = None
+    lent_block_ids: tuple[int, ...] = ()
+    lent_block_hashes: tuple[str, ...] = ()
 
 
 class ReservationTable:

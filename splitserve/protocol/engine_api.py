@@ -13,6 +13,14 @@ from __future__ import annotations
 from typing import Any
 
 PRECEDING_OUTPUT_TOKENS = "preceding_output_tokens"  # in sampling_params
+ROUTING_HINTS = ("conversation_id",)  # for the proxy's placement only, never sent to an engine
+
+
+def without_routing_hints(body: dict) -> dict:
+    """The generate request an engine gets: the proxy's routing hints removed."""
+    if not any(name in body for name in ROUTING_HINTS):
+        return body
+    return {key: value for key, value in body.items() if key not in ROUTING_HINTS}
 
 
 def merge_chunks(chunks: list[dict]) -> dict:

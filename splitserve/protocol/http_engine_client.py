@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 
 import httpx
 
+from splitserve.protocol.engine_api import without_routing_hints
 from splitserve.protocol.engine_client import EngineClient
 from splitserve.protocol.errors import APIError
 from splitserve.protocol.http_pool import pooled_client
@@ -39,7 +40,7 @@ class HTTPEngineClient(EngineClient):
     async def _generate(self, request: dict) -> AsyncIterator[dict]:
         options = request.get("stream_options")
         body = {
-            **request,
+            **without_routing_hints(request),
             "stream": True,
             "stream_options": {**(options if isinstance(options, dict) else {}), "include_usage": True},
         }

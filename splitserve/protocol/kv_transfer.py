@@ -3,10 +3,12 @@
 On the wire it is a JSON object with vLLM's key names (`do_remote_prefill`,
 `do_remote_decode`, `remote_engine_id`, `remote_host`, `remote_port`,
 `remote_request_id`, `remote_block_ids`, `remote_num_tokens`, plus splitserve's
-`transfer_mode`, `remote_first_block`, `prompt_token_ids`, `prefill_done_at`); a finished
-request reports `kv_bytes`, `send_s`, `kv_transfer_error`, `handoff` and, through the
-proxy, `prefill`. The engine keeps the object as it arrived (as vLLM's Request does);
-every tier reads and writes it only through `KVTransferParams`.
+`transfer_mode`, `remote_first_block`, `prompt_token_ids`, `prefill_done_at`, and for
+bidirectional transfer `prefix_lend_id`, `prefix_block_ids`, `prefix_block_hashes`: the
+leading blocks decode holds of this prompt, by chained block hash, that prefill may pull);
+a finished request reports `kv_bytes`, `send_s`, `kv_transfer_error`, `handoff`,
+`prompt_sources` and, through the proxy, `prefill`. The engine keeps the object as it
+arrived (as vLLM's Request does); every tier reads and writes it only through `KVTransferParams`.
 
 Reading is lenient by design: a field that cannot describe a transfer leaves the flags
 readable and makes `remote_address()`/`block_ids()` raise `KVParamsError`, so the engine
@@ -60,12 +62,18 @@ class KVTransferParams:
     remote_num_tokens: int | None = None
     prompt_token_ids: tuple[int, ...] | None = None  # pull: what prefill computed
     prefill_done_at: float | None = None  # wall clock when prefill's last layer was computed
+    # bidirectional (push): decode's leading blocks of this prompt, leased under
+    # prefix_lend_id at decode's remote_* address, with the hex block hashes decode matched
+    prefix_lend_id: str | None = None
+    prefix_block_ids: tuple[int, ...] | None = None
+    prefix_block_hashes: tuple[str, ...] | None = None
     # what a finished request reports
     kv_bytes: int | None = None
     send_s: float | None = None
     kv_transfer_error: str | None = None
     handoff: dict[str, Any] | None = None  # decode: where the TTFT went
     prefill: dict[str, Any] | None = None  # through the proxy: what prefill reported
+    prompt_sources: dict[str, Any] | None = None  # prefill: reused, pulled, recomputed, where reuse stopped
     # why the transfer fields cannot describe a transfer (read leniently), if they cannot
     invalid: str | None = None
 
@@ -95,11 +103,15 @@ class KVTransferParams:
             remote_num_tokens=take("remote_num_tokens", _count(data.get("remote_num_tokens"))),
             prompt_token_ids=take("prompt_token_ids", _int_list(data.get("prompt_token_ids"))),
             prefill_done_at=take("prefill_done_at", _number(data.get("prefill_done_at"))),
+            prefix_lend_id=take("prefix_lend_id", _text(data.get("prefix_lend_id"))),
+            prefix_block_ids=take("prefix_block_ids", _int_list(data.get("prefix_block_ids"))),
+            prefix_block_hashes=take("prefix_block_hashes", _hex_list(data.get("prefix_block_hashes"))),
             kv_bytes=_count(data.get("kv_bytes")),
             send_s=_number(data.get("send_s")),
             kv_transfer_error=_text(data.get("kv_transfer_error")),
             handoff=data.get("handoff") if isinstance(data.get("handoff"), dict) else None,
             prefill=data.get("prefill") if isinstance(data.get("prefill"), dict) else None,
+            prompt_sources=_dict(data.get("prompt_sources")),
             invalid="; ".join(problems) or None,
         )
 
@@ -126,6 +138,13 @@ class KVTransferParams:
             raise KVParamsError(self.invalid or "kv_transfer_params.remote_block_ids is missing")
         return self.remote_block_ids
 
+    def prefix_offer(self) -> tuple[str, tuple[int, ...], tuple[str, ...]] | None:
+        """(lend ID, decode's block IDs, their hex hashes) of a usable prefix offer, else None."""
+        lend, blocks, hashes = self.prefix_lend_id, self.prefix_block_ids, self.prefix_block_hashes
+        if lend is None or not blocks or hashes is None or len(blocks) != len(hashes):
+            return None
+        return lend, blocks, hashes
+
     def with_address(self, address: RemoteAddress) -> KVTransferParams:
         return dataclasses.replace(
             self, remote_engine_id=address.engine_id, remote_host=address.host, remote_port=address.port
@@ -143,6 +162,9 @@ _TRANSFER_FIELDS = (
     "remote_num_tokens",
     "prompt_token_ids",
     "prefill_done_at",
+    "prefix_lend_id",
+    "prefix_block_ids",
+    "prefix_block_hashes",
 )
 
 
@@ -163,6 +185,26 @@ def check_kv_transfer_params(data: dict[str, Any]) -> KVTransferParams:
 
 def _text(value: Any) -> str | None:
     return value if isinstance(value, str) and value else None
+
+
+def _hex_list(value: Any) -> tuple[str, ...] | None:
+    if isinstance(value, (list, tuple)) and all(_is_hex(v) for v in value):
+        return tuple(value)
+    return None
+
+
+def _is_hex(value: Any) -> bool:
+    if not isinstance(value, str) or not 0 < len(value) <= 128:
+        return False
+    try:
+        bytes.fromhex(value)
+    except ValueError:
+        return False
+    return True
+
+
+def _dict(value: Any) -> dict[str, Any] | None:
+    return value if isinstance(value, dict) else None
 
 
 def _count(value: Any) -> int | None:

@@ -201,6 +201,9 @@ class _SamplingFields(BaseModel):
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     user: str | None = None
     request_id: str | None = Field(default=None, max_length=256)
+    # a routing hint for the P/D proxy (which decode worker served this conversation);
+    # the KV index finds the holder without it, and no engine ever sees it
+    conversation_id: str | None = Field(default=None, min_length=1, max_length=256)
 
     @field_validator("stop")
     @classmethod

@@ -24,6 +24,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--mode", choices=["push", "pull"], default="push", help="KV transfer mode")
     parser.add_argument(
+        "--kv-bidirectional",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="push: prefill pulls the leading blocks the decode worker holds (by block hash) "
+        "instead of computing them",
+    )
+    parser.add_argument(
         "--min-prefill-tokens",
         type=int,
         default=64,
@@ -71,7 +78,13 @@ def run(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
-        policy = PDPolicy(args.min_prefill_tokens, args.mode, args.reserve_timeout, args.stall_timeout)
+        policy = PDPolicy(
+            args.min_prefill_tokens,
+            args.mode,
+            args.reserve_timeout,
+            args.stall_timeout,
+            bidirectional=args.kv_bidirectional,
+        )
         pool = WorkerPool(args.prefill, args.decode)
         access.load_internal_token(args)  # every client to the internal parts sends it
     except (OSError, ValueError) as exc:

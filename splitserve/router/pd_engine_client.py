@@ -37,7 +37,7 @@ from splitserve.protocol.kv_transfer import KVParamsError, KVTransferParams
 from splitserve.router.kv_index import KVBlockIndex, KVEventFeed, KVRoutingWeights, request_block_hashes
 from splitserve.router.metrics import ProxyMetrics
 from splitserve.router.migration import StreamedSoFar, as_original, resumed_request
-from splitserve.router.pd_policy import PDPolicy
+from splitserve.router.pd_policy import ConversationHints, PDPolicy
 from splitserve.router.stall import ABORT_TIMEOUT_S, PROBE_TIMEOUT_S, DecodeStalled, watch_for_stall
 from splitserve.router.workers import Worker, WorkerPool, WorkerRole
 
@@ -71,6 +71,7 @@ class PDEngineClient(EngineClient):
         self.kv_index = KVBlockIndex()
         self.kv_feed = KVEventFeed(self.kv_index)
         self.block_sizes: dict[str, int] = {}  # per worker URL, from its KV events info
+        self.conversations = ConversationHints()  # clients' conversation_id → decode worker
         # Control calls (reservations, health) get their own small pool: httpcore scans a
         # whole pool on every request, so the hundreds of long-lived generate streams live
         # in one pool per worker.
@@ -144,18 +145,24 @@ class PDEngineClient(EngineClient):
         )
 
     def _pick(
-        self, role: WorkerRole, body: dict, exclude: set[str] | frozenset[str] = frozenset()
+        self,
+        role: WorkerRole,
+        body: dict,
+        exclude: set[str] | frozenset[str] = frozenset(),
+        hinted: str | None = None,
     ) -> Worker | None:
         """The worker of `role` with the lowest cost: blocks it would prefill (its cached
-        leading blocks, by the KV event index, subtracted) against its load."""
+        leading blocks, by the KV event index, subtracted) against its load. The hinted
+        worker (the conversation's last) wins ties only: half a block's cost."""
         hashes = request_block_hashes(body)
         weights, index = self.routing_weights, self.kv_index
 
         def cost(worker: Worker) -> float:
             uncached = len(hashes) - index.matched_blocks(worker.url, hashes)
-            return weights.overlap_weight * uncached + weights.load_weight * worker.in_flight
+            hint = 0.5 * weights.overlap_weight if worker.url == hinted else 0.0
+            return weights.overlap_weight * uncached + weights.load_weight * worker.in_flight - hint
 
-        return self.pool.pick(role, exclude, cost if hashes else None)
+        return self.pool.pick(role, exclude, cost if hashes or hinted else None)
 
     def cached_tokens(self, worker: Worker, body: dict) -> int:
         """The leading prompt tokens `worker` holds, by the KV event index."""
@@ -165,11 +172,13 @@ class PDEngineClient(EngineClient):
     # ---- the flow -------------------------------------------------------------------
     async def _generate(self, request: dict) -> AsyncIterator[dict]:
         base_id = str(request.get("request_id") or f"pd-{uuid.uuid4().hex}")
+        hint = request.get("conversation_id")
+        conversation = hint if isinstance(hint, str) else None
         tried: set[str] = set()
         streamed = StreamedSoFar()
         attempt = request
         while True:
-            decode = self._pick("decode", request, exclude=tried)
+            decode = self._pick("decode", request, tried, self.conversations.worker_of(conversation))
             if decode is None:
                 self.metrics.errors.labels("503").inc()
                 raise APIError(503, "no decode worker is available", code="no_worker")
@@ -184,6 +193,7 @@ class PDEngineClient(EngineClient):
                         async for chunk in chunks:
                             streamed.add(chunk)
                             yield as_original(chunk, request, before)
+                self.conversations.remember(conversation, decode.url)
                 return
             except APIError as exc:
                 if exc.status != 503:  # 503: the worker is unreachable, died or stalled mid-stream
@@ -317,6 +327,11 @@ class PDEngineClient(EngineClient):
                     remote_block_ids=reservation.remote_block_ids,
                     remote_first_block=reservation.remote_first_block,
                 ).with_address(reservation.remote_address())
+                offer = reservation.prefix_offer() if self.policy.bidirectional else None
+                if offer is not None:  # decode's held prefix, by block hash: prefill pulls it
+                    kv = dataclasses.replace(
+                        kv, prefix_lend_id=offer[0], prefix_block_ids=offer[1], prefix_block_hashes=offer[2]
+                    )
                 prefill_task = asyncio.ensure_future(
                     self._push_prefill(
                         decode,

@@ -1,7 +1,10 @@
-"""Per-request P/D decisions: which prompts go through the prefill pool at all."""
+"""Per-request P/D decisions: which prompts go through the prefill pool at all, and the
+clients' conversation hints."""
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Literal
 
@@ -18,6 +21,9 @@ class PDPolicy:
     # A decode stream silent this long gets its worker's /health probed; a worker that
     # does not answer is stalled and the stream migrates (router/stall.py).
     stall_timeout_s: float = 5.0
+    # push: prefill pulls the leading blocks decode already holds (by block hash) instead
+    # of computing them; off, KV moves one way only (prefill recomputes them)
+    bidirectional: bool = True
 
     def __post_init__(self) -> None:
         if self.min_prefill_tokens < 0:
@@ -30,3 +36,33 @@ class PDPolicy:
     def use_prefill_pool(self, num_prompt_tokens: int, num_cached_tokens: int = 0) -> bool:
         """Whether the uncached part of the prompt is worth a prefill worker."""
         return num_prompt_tokens - num_cached_tokens >= self.min_prefill_tokens
+
+
+class ConversationHints:
+    """A client's `conversation_id` → the decode worker that last served it (bounded, LRU).
+    Only a tie-breaker: the KV index, by block hash, decides who holds a prompt's prefix;
+    the hint helps when the index knows nothing (no KV events, or a prompt shorter than a
+    block). Any client may name any ID: it moves placement, never access to KV."""
+
+    def __init__(self, capacity: int = 65536) -> None:
+        self.capacity = capacity
+        self._lock = threading.Lock()
+        self._workers: OrderedDict[str, str] = OrderedDict()
+
+    def worker_of(self, conversation_id: str | None) -> str | None:
+        if conversation_id is None:
+            return None
+        with self._lock:
+            url = self._workers.get(conversation_id)
+            if url is not None:
+                self._workers.move_to_end(conversation_id)
+            return url
+
+    def remember(self, conversation_id: str | None, worker_url: str) -> None:
+        if conversation_id is None:
+            return
+        with self._lock:
+            self._workers[conversation_id] = worker_url
+            self._workers.move_to_end(conversation_id)
+            while len(self._workers) > self.capacity:
+                self._workers.popitem(last=False)

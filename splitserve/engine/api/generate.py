@@ -252,18 +252,32 @@ def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens:
     return result
 
 
+PROMPT_SOURCES = (
+    "prompt_tokens_reused",
+    "prompt_tokens_pulled",
+    "prompt_tokens_received",
+    "prompt_tokens_computed",
+)
+
+
 def prompt_sources(times: dict | None, num_prompt_tokens: int) -> dict[str, int | None]:
     """Where this request's prompt KV came from: reused from the local prefix cache (by
-    block hash; the first uncached block is where reuse stopped), received from another
-    worker, or computed here. None before the request was scheduled."""
+    block hash), pulled from the prefix a decode worker held (prefill in bidirectional P/D,
+    also by block hash), received from another worker that computed it for this request,
+    or computed here; and the first block neither reused nor pulled (where reuse stopped).
+    None before the request was scheduled."""
     times = times or {}
     local, received = times.get("prefix_hit_tokens"), times.get("received_tokens")
     if local is None or received is None:
-        return {"prompt_tokens_reused": None, "prompt_tokens_received": None, "prompt_tokens_computed": None}
+        return dict.fromkeys((*PROMPT_SOURCES, "prompt_reuse_stopped_block"))
+    pulled = int(times.get("pulled_tokens") or 0)
+    block_size = int(times.get("block_size") or 1)
     return {
         "prompt_tokens_reused": int(local),
-        "prompt_tokens_received": int(received),
+        "prompt_tokens_pulled": pulled,
+        "prompt_tokens_received": max(int(received) - pulled, 0),
         "prompt_tokens_computed": max(num_prompt_tokens - int(local) - int(received), 0),
+        "prompt_reuse_stopped_block": (int(local) + pulled) // block_size,
     }
 
 

@@ -7,6 +7,9 @@ KV flags, the reservation and transfer-failure endpoints, and the handoff metric
   `{request_id, remote_engine_id, remote_host, remote_port, remote_block_ids,
   remote_first_block, num_cached_tokens, remote_num_tokens, transfer_mode: "push"}`.
   An empty `remote_block_ids` means decode's prefix cache already holds the prompt.
+  Bidirectional: `prefix_lend_id, prefix_block_ids, prefix_block_hashes` offer the leading
+  blocks decode already holds (its prefix-cache hit, by chained block hash) for the
+  prefill worker to pull instead of computing them (`kv/prefix_lend.py`).
 - `POST /inference/v1/kv/transfer_failed` `{request_id, error?}` (decode): stop waiting for
   that request's KV now (its prefill failed); it recomputes (or fails, by policy).
 - `GET /inference/v1/kv/info`: role, transport, mode and the KV address.
@@ -182,6 +185,9 @@ def install_kv_routes(app: FastAPI, connector: PDConnector) -> None:
             remote_block_ids=tuple(reservation.block_ids),
             remote_first_block=reservation.first_block,
             remote_num_tokens=reservation.num_tokens,
+            prefix_lend_id=reservation.lend_id,
+            prefix_block_ids=reservation.lent_block_ids or None,
+            prefix_block_hashes=reservation.lent_block_hashes or None,
         ).with_address(connector.kv_address())
         cached = reservation.num_cached_tokens
         return JSONResponse({"request_id": request_id, **where.to_wire(), "num_cached_tokens": cached})

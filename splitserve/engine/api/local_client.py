@@ -17,6 +17,7 @@ from splitserve.engine.api.generate import (
 from splitserve.engine.api.metrics import EngineMetrics
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.outputs import RequestOutput
+from splitserve.protocol.engine_api import without_routing_hints
 from splitserve.protocol.engine_client import EngineClient
 from splitserve.protocol.errors import APIError
 
@@ -47,7 +48,7 @@ class LocalEngineClient(EngineClient):
 
     def generate(self, request: dict) -> AsyncIterator[dict]:
         # A client always gets usage on the final chunk, whatever stream_options say.
-        return self._generate_body(request)
+        return self._generate_body(without_routing_hints(request))
 
     async def _generate_body(self, body: dict) -> AsyncIterator[dict]:
         request = self.parse(body)

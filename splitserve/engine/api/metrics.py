@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from splitserve.engine.api.generate import prompt_sources
+from splitserve.engine.api.generate import PROMPT_SOURCES, prompt_sources
 
 PREFIX = "splitserve"
 _TTFT_BUCKETS = (
@@ -39,6 +39,7 @@ _TTFT_BUCKETS = (
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5)
 _STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12)
 _E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+_BLOCK_INDEX_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 
 
 class _EngineStatsCollector(Collector):
@@ -120,8 +121,15 @@ class EngineMetrics:
         self.prompt_tokens_by_source = Counter(
             f"{PREFIX}_prompt_tokens_by_source",
             "Prompt tokens of finished requests by where their KV came from: reused (local prefix "
-            "cache), received (another worker), computed (here).",
+            "cache), pulled (a decode worker's held prefix, by block hash), received (computed "
+            "for it by another worker), computed (here).",
             ["source"],
+            registry=r,
+        )
+        self.reuse_stopped_block = Histogram(
+            f"{PREFIX}_prompt_reuse_stopped_block",
+            "Per finished request: the first prompt block neither reused nor pulled.",
+            buckets=_BLOCK_INDEX_BUCKETS,
             registry=r,
         )
 
@@ -178,9 +186,14 @@ class RequestTracker:
             self._finished = True
             m.requests.labels(finish_reason=str(finish_reason)).inc()
             m.prompt_tokens.inc(num_prompt_tokens)
-            for name, count in prompt_sources(times, num_prompt_tokens).items():
-                if count:
-                    m.prompt_tokens_by_source.labels(source=name.removeprefix("prompt_tokens_")).inc(count)
+            sources = prompt_sources(times, num_prompt_tokens)
+            for name in PROMPT_SOURCES:
+                if sources[name]:
+                    m.prompt_tokens_by_source.labels(source=name.removeprefix("prompt_tokens_")).inc(
+                        sources[name]
+                    )
+            if sources["prompt_reuse_stopped_block"] is not None:
+                m.reuse_stopped_block.observe(sources["prompt_reuse_stopped_block"])
             end, arrival = (
                 times.get("finished_time") or times.get("last_token_time"),
                 times.get("arrival_time"),
