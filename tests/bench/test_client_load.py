@@ -101,7 +101,8 @@ def test_refused_connection_is_an_error_not_a_crash(prompts):
 def test_stalls_show_in_worst_gap_not_in_averages(prompts):
     with fake_server("--itl", "0.002", "--stall-every", "3", "--stall", "0.5") as url:
         (level,) = bench(url, prompts, [LoadSpec(rate=50, num_requests=9)], output_len="40").levels
-    stalled = [r for r in level.records if r.worst_gap >= 0.5]
+    # a chunk read late before the stall shortens the gap the client sees: hence 0.3, not 0.5
+    stalled = [r for r in level.records if r.worst_gap >= 0.3]
     assert len(stalled) == 3  # the server's requests 3, 6 and 9
     # Thresholds far from 2 ms and 500 ms, so a busy test machine cannot flip them.
     avg, gap = SLO.parse("ttft=2s,tpot=30ms"), SLO.parse("ttft=2s,gap=300ms")
