@@ -1,0 +1,210 @@
+"""`splitserve up --ray` on a local two-node Ray cluster (`ray.cluster_utils.Cluster`):
+prefill placed on one node and decode on the other by custom resources, checked against
+the collocated `splitserve serve`; live scaling, a killed decode replica, `down --ray`;
+config errors stop before anything is deployed."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from splitserve.model.tiny import write_tiny_model
+from splitserve.model.tiny_text import TinyModelSpec
+from tests.conftest import free_port, running_server
+from tests.router.test_pd_proxy import chat_token_ids, chats, metric
+
+ray = pytest.importorskip("ray", reason="ray is not installed: pip install 'splitserve[ray]'")
+
+APP = "splitserve-test"
+STORE_BYTES = 80 * 1024 * 1024  # Ray's minimum object store, per node
+
+
+def splitserve(*args: str, env: dict[str, str] | None = None, timeout: float = 240):
+    return subprocess.run(
+        [sys.executable, "-m", "splitserve.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny_model() -> Iterator[str]:
+    """The default tiny model, in a directory of this module's own: the Ray workers read it
+    for the whole module, past any other pytest session's clean-up of its base temp."""
+    directory = tempfile.mkdtemp(prefix="splitserve-ray-model-")
+    try:
+        yield str(write_tiny_model(Path(directory), TinyModelSpec()))
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[str]:
+    from ray.cluster_utils import Cluster
+
+    node = {"object_store_memory": STORE_BYTES, "include_dashboard": False}
+    with pytest.MonkeyPatch.context() as patch:
+        # Replicas report their load every second (default 10 s), so the scale-up comes soon.
+        patch.setenv("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "1")
+        local = Cluster(
+            initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"prefill_node": 2}, **node}
+        )
+        local.add_node(num_cpus=2, resources={"decode_node": 2}, **node)
+    ray.init(address=local.address, logging_level="warning", log_to_driver=False)
+    try:
+        yield local.address
+    finally:
+        from ray import serve
+
+        serve.shutdown()
+        ray.shutdown()
+        local.shutdown()
+
+
+@pytest.fixture(scope="module")
+def collocated(tiny_model) -> Iterator[str]:
+    port = free_port()
+    with running_server(["serve", tiny_model, "--port", str(port), "--num-blocks", "1024"], port) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def secrets_env() -> dict[str, str]:
+    """The deployment's secrets, set in `up`'s environment so that running `up --ray` again
+    (to scale) keeps the replicas' environment, and so that the test can call the engines."""
+    return {"SPLITSERVE_INTERNAL_TOKEN": secrets.token_urlsafe(16), "SPLITSERVE_STATE_KEY": "ab" * 32}
+
+
+def up_args(address: str, model: str, port: int) -> list[str]:
+    """Prefill on the head node, decode on the other; decode autoscales 1 -> 2 on its load
+    signal (KV blocks in use), at a target any request exceeds."""
+    return [
+        "up", model, "--ray", address, "--ray-app-name", APP, "--port", str(port),
+        "--num-blocks", "512", "--min-prefill-tokens", "16",
+        "--ray-tier", "render:num_cpus=0.5", "--ray-tier", "prefill:num_cpus=0.5,prefill_node=1",
+        "--ray-tier", "decode:num_cpus=0.5,decode_node=1,max_replicas=2,target=0.0001,upscale_delay_s=0",
+    ]  # fmt: skip
+
+
+def workers() -> list[dict]:
+    from ray import serve
+
+    return serve.get_deployment_handle("ProxyIngress", app_name=APP).workers.remote().result()
+
+
+def wait_for(condition, timeout_s: float = 90, what: str = "") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)
+
+
+def test_config_errors_are_clear_and_deploy_nothing(cluster, tiny_model):
+    port = str(free_port())
+    for args, message in (
+        (["--ray-tier", "gpu:num_gpus=1"], "unknown tier 'gpu'"),
+        (["--decode", "0"], "decode: needs at least 1 replica"),
+        (["--ray-tier", "decode:max_replicas=1,min_replicas=2"], "min_replicas"),
+        (["--ray-tier", "decode:decode_node=1,num_gpus=1"], "decode: no node in the cluster has CPU=1, GPU"),
+    ):
+        done = splitserve("up", tiny_model, "--ray", cluster, "--ray-app-name", APP, "--port", port, *args)
+        assert done.returncode == 2, done.stderr
+        assert message in done.stderr and "Traceback" not in done.stderr
+    from ray import serve
+
+    assert APP not in serve.status().applications
+
+
+def test_tiers_on_two_nodes_scale_survive_a_killed_replica_and_go_down(
+    cluster, tiny_model, collocated, secrets_env
+):
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    done = splitserve(*up_args(cluster, tiny_model, port), env=secrets_env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"OpenAI API: {base}/v1" in done.stdout and "KV over tcp" in done.stdout
+
+    # placement: prefill on the head node, decode on the other; the secrets never on a command line
+    members = workers()
+    nodes = {m["role"]: m["node_id"] for m in members}
+    assert set(nodes) == {"render", "prefill", "decode"} and nodes["prefill"] != nodes["decode"]
+    token = secrets_env["SPLITSERVE_INTERNAL_TOKEN"]
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            with contextlib.suppress(OSError):
+                assert token.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
+
+    # the same greedy tokens as `serve`, through the openai client too; KV crossed by tcp
+    messages = chats()
+    expected = asyncio.run(chat_token_ids(collocated, messages))
+    assert asyncio.run(chat_token_ids(base, messages)) == expected
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused")
+    reference = openai.OpenAI(base_url=f"{collocated}/v1", api_key="unused")
+    stream = client.chat.completions.create(
+        model=None, messages=messages[1], max_tokens=8, temperature=0, stream=True
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    want = reference.chat.completions.create(model=None, messages=messages[1], max_tokens=8, temperature=0)
+    assert text == want.choices[0].message.content
+    decode_url = next(m["url"] for m in members if m["role"] == "decode")
+    auth = {"Authorization": f"Bearer {token}"}
+    assert httpx.get(f"{decode_url}/inference/v1/kv/info", headers=auth).json()["transport"] == "tcp"
+    decode_metrics = httpx.get(f"{decode_url}/metrics", headers=auth).text
+    assert metric(decode_metrics, "splitserve_kv_transfer_bytes_total", '{direction="received"}') > 0
+    assert httpx.get(f"{decode_url}/health").status_code == 401  # the token guards the engines
+
+    # decode scaled 1 -> 2 live on its load (the other tiers keep running): the router uses both
+    wait_for(lambda: sum(m["role"] == "decode" and m["healthy"] for m in workers()) == 2, what="scale-up")
+    assert {m["url"] for m in workers() if m["role"] != "decode"} == {
+        m["url"] for m in members if m["role"] != "decode"
+    }
+    asyncio.run(chat_token_ids(base, chats() * 2))
+    decodes = [m for m in workers() if m["role"] == "decode"]
+    assert len(decodes) == 2 and all(m["served"] > 0 for m in decodes), decodes
+
+    # kill one decode replica while requests run: none is lost, Serve replaces it, the
+    # router drops the dead worker and takes in the new one
+    victim = decodes[0]
+
+    async def load_and_kill() -> list[list[int]]:
+        batch = asyncio.ensure_future(chat_token_ids(base, messages * 2, max_tokens=24))
+        await asyncio.sleep(0.5)
+        ray.kill(ray.get_actor(victim["replica"], namespace="serve"), no_restart=True)
+        return await batch
+
+    long_expected = asyncio.run(chat_token_ids(collocated, messages, max_tokens=24))
+    assert asyncio.run(load_and_kill()) == long_expected * 2
+
+    def replaced() -> bool:
+        now = [m for m in workers() if m["role"] == "decode"]
+        urls = {m["url"] for m in now}
+        return len(now) == 2 and victim["url"] not in urls and all(m["healthy"] for m in now)
+
+    wait_for(replaced, what="the killed decode replica to be replaced")
+    assert asyncio.run(chat_token_ids(base, messages)) == expected
+
+    # down: the application and its servers are gone
+    urls = [m["url"] for m in workers()]
+    done = splitserve("down", "--ray", cluster, "--ray-app-name", APP)
+    assert done.returncode == 0, done.stderr
+    from ray import serve
+
+    assert APP not in serve.status().applications
+    for url in urls:
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"{url}/health", timeout=2)
