@@ -138,12 +138,11 @@ def app_builder(args: dict[str, Any]):
     """Serve's application builder for a declarative deployment (`serve deploy`, KubeRay's
     RayService: `import_path: splitserve.ray_serve.app:app_builder`, `args:` the YAML
     config's keys). Checked like `up --ray`; the secrets come from the environment of the
-    process that builds the app (a Kubernetes Secret), a fresh token when none is set."""
-    from splitserve.ray_serve.config import check, check_cluster, config_from_mapping, with_transport
+    process that builds the app (a Kubernetes Secret), a fresh token when none is set.
+    Not checked against the cluster's nodes: there, the autoscaler adds the nodes a tier
+    asks for (and the worker pods may still be starting); set `transport` (tcp)."""
+    from splitserve.ray_serve.config import check, config_from_mapping
 
     config = config_from_mapping(args)
     check(config)
-    nodes = cluster_nodes()
-    check_cluster(config, nodes)
-    config = with_transport(config, len(nodes))
     return build_app(config, deployment_env(os.environ.get(API_KEY_ENV) or None))

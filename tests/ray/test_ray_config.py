@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from splitserve.ray_serve.config import ConfigError, check, check_cluster, load_yaml
+from splitserve.ray_serve.config import ConfigError, check, check_cluster, config_from_mapping, load_yaml
 
 GOOD = """
 model: Qwen/Qwen3-0.6B
@@ -85,3 +85,23 @@ def test_down_needs_ray():
         [sys.executable, "-m", "splitserve.cli", "down"], capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 2 and "--ray" in done.stderr
+
+
+def test_the_kuberay_manifest_deploys_a_valid_config():
+    import importlib
+
+    import yaml
+
+    manifest = yaml.safe_load((Path(__file__).parents[2] / "deploy" / "kuberay-rayservice.yaml").read_text())
+    application = yaml.safe_load(manifest["spec"]["serveConfigV2"])["applications"][0]
+    config = config_from_mapping(application["args"])
+    check(config)
+    assert config.app_name == application["name"]  # replicas find the ingress by the app's name
+    module, _, name = application["import_path"].partition(":")
+    assert callable(getattr(importlib.import_module(module), name))
+    groups = manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    # `rayStartParams.resources` is a quoted JSON string: '"{\\"cpu_node\\": 1}"'
+    resources = [g["rayStartParams"]["resources"].strip('"').replace('\\"', '"') for g in groups]
+    offered = [yaml.safe_load(text) for text in resources]
+    for tier in ("render", "prefill", "decode"):  # each tier's custom resource has a worker group
+        assert any(set(dict(config.tier(tier).resources)) <= set(node) for node in offered), tier
