@@ -123,6 +123,7 @@ class ProxyIngress:
                 "replica": m.replica,
                 "healthy": health.get(m.url, {}).get("healthy", True),
                 "served": health.get(m.url, {}).get("served", 0),
+                "in_flight": health.get(m.url, {}).get("in_flight", 0),
             }
             for m in self.members.values()
         ]

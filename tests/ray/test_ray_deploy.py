@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -107,6 +108,27 @@ def workers() -> list[dict]:
     return serve.get_deployment_handle("ProxyIngress", app_name=APP).workers.remote().result()
 
 
+@contextlib.contextmanager
+def steady_load(base: str, messages: list[dict]) -> Iterator[None]:
+    """Requests one after another (so decode holds KV blocks, its load signal) until the
+    block ends."""
+    stop = threading.Event()
+
+    def run() -> None:
+        with httpx.Client(timeout=120) as client:
+            while not stop.is_set():
+                body = {"messages": messages, "max_tokens": 32, "temperature": 0}
+                assert client.post(f"{base}/v1/chat/completions", json=body).status_code == 200
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
 def wait_for(condition, timeout_s: float = 90, what: str = "") -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -168,8 +190,9 @@ def test_tiers_on_two_nodes_scale_survive_a_killed_replica_and_go_down(
     assert metric(decode_metrics, "splitserve_kv_transfer_bytes_total", '{direction="received"}') > 0
     assert httpx.get(f"{decode_url}/health").status_code == 401  # the token guards the engines
 
-    # decode scaled 1 -> 2 live on its load (the other tiers keep running): the router uses both
-    wait_for(lambda: sum(m["role"] == "decode" and m["healthy"] for m in workers()) == 2, what="scale-up")
+    # decode scales 1 -> 2 live on its load (the other tiers keep running): the router uses both
+    with steady_load(base, messages[0]):
+        wait_for(lambda: sum(m["role"] == "decode" and m["healthy"] for m in workers()) == 2, what="scale-up")
     assert {m["url"] for m in workers() if m["role"] != "decode"} == {
         m["url"] for m in members if m["role"] != "decode"
     }
@@ -181,14 +204,25 @@ def test_tiers_on_two_nodes_scale_survive_a_killed_replica_and_go_down(
     # router drops the dead worker and takes in the new one
     victim = decodes[0]
 
+    async def victim_busy() -> bool:
+        from ray import serve
+
+        now = await serve.get_deployment_handle("ProxyIngress", app_name=APP).workers.remote()
+        return any(m["url"] == victim["url"] and m["in_flight"] > 0 for m in now)
+
     async def load_and_kill() -> list[list[int]]:
         batch = asyncio.ensure_future(chat_token_ids(base, messages * 2, max_tokens=24))
-        await asyncio.sleep(0.5)
+        while not await victim_busy():  # kill it with requests on it
+            assert not batch.done(), "the batch finished before the victim took a request"
+            await asyncio.sleep(0.05)
         ray.kill(ray.get_actor(victim["replica"], namespace="serve"), no_restart=True)
         return await batch
 
+    retries_before = metric(httpx.get(f"{base}/metrics").text, "splitserve_proxy_retries_total")
+
     long_expected = asyncio.run(chat_token_ids(collocated, messages, max_tokens=24))
     assert asyncio.run(load_and_kill()) == long_expected * 2
+    assert metric(httpx.get(f"{base}/metrics").text, "splitserve_proxy_retries_total") > retries_before
 
     def replaced() -> bool:
         now = [m for m in workers() if m["role"] == "decode"]
