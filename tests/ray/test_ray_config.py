@@ -70,6 +70,8 @@ def test_up_ray_stops_on_a_bad_config_before_connecting(tmp_path):
         (["--ray-config", str(tmp_path / "missing.yaml")], "cannot read"),
         (["--ray-tier", "decode:num_gpus"], "is not KEY=NUMBER"),
         (["--ray-tier", "gpu:num_gpus=1"], "unknown tier 'gpu'"),
+        (["--decode", "0"], "decode: needs at least 1 replica"),
+        (["--ray-tier", "decode:max_replicas=1,min_replicas=2"], "min_replicas"),
     ):
         done = subprocess.run(
             [sys.executable, "-m", "splitserve.cli", "up", "--ray", "127.0.0.1:1", *args],

@@ -31,6 +31,21 @@ ray = pytest.importorskip("ray", reason="ray is not installed: pip install 'spli
 
 APP = "splitserve-test"
 STORE_BYTES = 80 * 1024 * 1024  # Ray's minimum object store, per node
+API_KEY = "sk-ray-test"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}  # the ingress's OpenAI API wants the key
+
+
+async def deployed_token_ids(base: str, messages: list[list[dict]], max_tokens: int = 8) -> list[list[int]]:
+    """`chat_token_ids` against the Ray deployment, with its API key."""
+    async with httpx.AsyncClient(timeout=120, headers=AUTH) as client:
+
+        async def one(m: list[dict]) -> list[int]:
+            body = {"messages": m, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True}
+            response = await client.post(f"{base}/v1/chat/completions", json=body)
+            assert response.status_code == 200, response.text
+            return response.json()["choices"][0]["token_ids"]
+
+        return list(await asyncio.gather(*(one(m) for m in messages)))
 
 
 def splitserve(*args: str, env: dict[str, str] | None = None, timeout: float = 240):
@@ -78,17 +93,14 @@ def cluster() -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def collocated(tiny_model) -> Iterator[str]:
-    port = free_port()
-    with running_server(["serve", tiny_model, "--port", str(port), "--num-blocks", "1024"], port) as base:
-        yield base
-
-
-@pytest.fixture(scope="module")
 def secrets_env() -> dict[str, str]:
     """The deployment's secrets, set in `up`'s environment so that running `up --ray` again
     (to scale) keeps the replicas' environment, and so that the test can call the engines."""
-    return {"SPLITSERVE_INTERNAL_TOKEN": secrets.token_urlsafe(16), "SPLITSERVE_STATE_KEY": "ab" * 32}
+    return {
+        "SPLITSERVE_INTERNAL_TOKEN": secrets.token_urlsafe(16),
+        "SPLITSERVE_STATE_KEY": "ab" * 32,
+        "SPLITSERVE_API_KEY": API_KEY,
+    }
 
 
 def up_args(address: str, model: str, port: int) -> list[str]:
@@ -115,7 +127,7 @@ def steady_load(base: str, messages: list[dict]) -> Iterator[None]:
     stop = threading.Event()
 
     def run() -> None:
-        with httpx.Client(timeout=120) as client:
+        with httpx.Client(timeout=120, headers=AUTH) as client:
             while not stop.is_set():
                 body = {"messages": messages, "max_tokens": 32, "temperature": 0}
                 assert client.post(f"{base}/v1/chat/completions", json=body).status_code == 200
@@ -136,30 +148,54 @@ def wait_for(condition, timeout_s: float = 90, what: str = "") -> None:
         time.sleep(0.5)
 
 
-def test_config_errors_are_clear_and_deploy_nothing(cluster, tiny_model):
-    port = str(free_port())
-    for args, message in (
-        (["--ray-tier", "gpu:num_gpus=1"], "unknown tier 'gpu'"),
-        (["--decode", "0"], "decode: needs at least 1 replica"),
-        (["--ray-tier", "decode:max_replicas=1,min_replicas=2"], "min_replicas"),
-        (["--ray-tier", "decode:decode_node=1,num_gpus=1"], "decode: no node in the cluster has CPU=1, GPU"),
-    ):
-        done = splitserve("up", tiny_model, "--ray", cluster, "--ray-app-name", APP, "--port", port, *args)
-        assert done.returncode == 2, done.stderr
-        assert message in done.stderr and "Traceback" not in done.stderr
+def test_resources_no_node_has_stop_the_deploy_with_a_clear_message(cluster, tiny_model):
+    """(The errors told without a cluster: tests/ray/test_ray_config.py.)"""
+    args = [
+        "--ray-tier",
+        "decode:decode_node=1,num_gpus=1",
+        "--ray-app-name",
+        APP,
+        "--port",
+        str(free_port()),
+    ]
+    done = splitserve("up", tiny_model, "--ray", cluster, *args)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert "decode: no node in the cluster has CPU=1, GPU=1, decode_node=1 for one replica" in done.stderr
+    assert "nothing deployed" in done.stderr
     from ray import serve
 
     assert APP not in serve.status().applications
 
 
-def test_tiers_on_two_nodes_scale_survive_a_killed_replica_and_go_down(
-    cluster, tiny_model, collocated, secrets_env
-):
+def test_tiers_on_two_nodes_scale_survive_a_killed_replica_and_go_down(cluster, tiny_model, secrets_env):
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    done = splitserve(*up_args(cluster, tiny_model, port), env=secrets_env)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert f"OpenAI API: {base}/v1" in done.stdout and "KV over tcp" in done.stdout
+    command = [sys.executable, "-m", "splitserve.cli", *up_args(cluster, tiny_model, port)]
+    up = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **secrets_env}
+    )
+    serve_port = free_port()  # the reference starts while the deployment does
+    with running_server(
+        ["serve", tiny_model, "--port", str(serve_port), "--num-blocks", "1024"], serve_port
+    ) as ref:
+        stdout, stderr = up.communicate(timeout=240)
+        assert up.returncode == 0, stdout + stderr
+        check_the_deployment(base, ref, stdout, secrets_env)
+
+    # down: the application and its servers are gone
+    urls = [m["url"] for m in workers()]
+    done = splitserve("down", "--ray", cluster, "--ray-app-name", APP)
+    assert done.returncode == 0, done.stderr
+    from ray import serve
+
+    assert APP not in serve.status().applications
+    for url in urls:
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"{url}/health", timeout=2)
+
+
+def check_the_deployment(base: str, collocated: str, stdout: str, secrets_env: dict[str, str]) -> None:
+    assert f"OpenAI API: {base}/v1" in stdout and "KV over tcp" in stdout
 
     # placement: prefill on the head node, decode on the other; the secrets never on a command line
     members = workers()
@@ -174,8 +210,9 @@ def test_tiers_on_two_nodes_scale_survive_a_killed_replica_and_go_down(
     # the same greedy tokens as `serve`, through the openai client too; KV crossed by tcp
     messages = chats()
     expected = asyncio.run(chat_token_ids(collocated, messages))
-    assert asyncio.run(chat_token_ids(base, messages)) == expected
-    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused")
+    assert asyncio.run(deployed_token_ids(base, messages)) == expected
+    assert httpx.post(f"{base}/v1/chat/completions", json={"messages": messages[0]}).status_code == 401
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key=API_KEY)
     reference = openai.OpenAI(base_url=f"{collocated}/v1", api_key="unused")
     stream = client.chat.completions.create(
         model=None, messages=messages[1], max_tokens=8, temperature=0, stream=True
@@ -196,7 +233,7 @@ def test_tiers_on_two_nodes_scale_survive_a_killed_replica_and_go_down(
     assert {m["url"] for m in workers() if m["role"] != "decode"} == {
         m["url"] for m in members if m["role"] != "decode"
     }
-    asyncio.run(chat_token_ids(base, chats() * 2))
+    asyncio.run(deployed_token_ids(base, chats() * 2))
     decodes = [m for m in workers() if m["role"] == "decode"]
     assert len(decodes) == 2 and all(m["served"] > 0 for m in decodes), decodes
 
@@ -211,18 +248,21 @@ def test_tiers_on_two_nodes_scale_survive_a_killed_replica_and_go_down(
         return any(m["url"] == victim["url"] and m["in_flight"] > 0 for m in now)
 
     async def load_and_kill() -> list[list[int]]:
-        batch = asyncio.ensure_future(chat_token_ids(base, messages * 2, max_tokens=24))
+        batch = asyncio.ensure_future(deployed_token_ids(base, messages * 2, max_tokens=24))
         while not await victim_busy():  # kill it with requests on it
             assert not batch.done(), "the batch finished before the victim took a request"
             await asyncio.sleep(0.05)
         ray.kill(ray.get_actor(victim["replica"], namespace="serve"), no_restart=True)
         return await batch
 
-    retries_before = metric(httpx.get(f"{base}/metrics").text, "splitserve_proxy_retries_total")
+    def retries() -> float:
+        return metric(httpx.get(f"{base}/metrics", headers=AUTH).text, "splitserve_proxy_retries_total")
+
+    retries_before = retries()
 
     long_expected = asyncio.run(chat_token_ids(collocated, messages, max_tokens=24))
     assert asyncio.run(load_and_kill()) == long_expected * 2
-    assert metric(httpx.get(f"{base}/metrics").text, "splitserve_proxy_retries_total") > retries_before
+    assert retries() > retries_before
 
     def replaced() -> bool:
         now = [m for m in workers() if m["role"] == "decode"]
@@ -230,15 +270,4 @@ def test_tiers_on_two_nodes_scale_survive_a_killed_replica_and_go_down(
         return len(now) == 2 and victim["url"] not in urls and all(m["healthy"] for m in now)
 
     wait_for(replaced, what="the killed decode replica to be replaced")
-    assert asyncio.run(chat_token_ids(base, messages)) == expected
-
-    # down: the application and its servers are gone
-    urls = [m["url"] for m in workers()]
-    done = splitserve("down", "--ray", cluster, "--ray-app-name", APP)
-    assert done.returncode == 0, done.stderr
-    from ray import serve
-
-    assert APP not in serve.status().applications
-    for url in urls:
-        with pytest.raises(httpx.TransportError):
-            httpx.get(f"{url}/health", timeout=2)
+    assert asyncio.run(deployed_token_ids(base, messages)) == expected
