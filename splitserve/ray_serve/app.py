@@ -83,7 +83,7 @@ def build_app(config: RayDeployConfig, env: dict[str, str]):
         graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_S,
         max_ongoing_requests=4096,  # the proxy's own limits apply behind it
     )
-    return ingress.bind(config.min_prefill_tokens, config.mode, **tiers)
+    return ingress.bind(config.min_prefill_tokens, config.mode, config.open_health_metrics, **tiers)
 
 
 def cluster_nodes() -> list[dict[str, float]]:

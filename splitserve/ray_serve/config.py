@@ -22,6 +22,7 @@ TIER_KEYS = (
 TOP_KEYS = (
     "model", "served_model_name", "app_name", "http_host", "http_port", "transport", "mode",
     "min_prefill_tokens", "log_level", "engine_args", "render_args", "proxy_location", "tiers",
+    "open_health_metrics",
 )  # fmt: skip
 
 
@@ -90,6 +91,7 @@ class RayDeployConfig:
     engine_args: tuple[str, ...] = ()  # more `splitserve engine` flags for every engine
     render_args: tuple[str, ...] = ()  # more `splitserve render` flags
     proxy_location: str = "HeadOnly"  # Serve's HTTP proxy: HeadOnly or EveryNode
+    open_health_metrics: bool = False  # the ingress's /health and /metrics answer without the API key
 
     def tier(self, name: str) -> TierSpec:
         return dict(self.tiers).get(name, TierSpec(replicas=0))
@@ -261,6 +263,7 @@ def config_from_args(args: argparse.Namespace) -> RayDeployConfig:
         transport=args.transport,
         mode=args.mode,
         min_prefill_tokens=args.min_prefill_tokens,
+        open_health_metrics=args.open_health_metrics,
         log_level=args.log_level,
         engine_args=engine_flags(args),
         render_args=tuple(render_args),

@@ -19,17 +19,18 @@ from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from splitserve.protocol.access import API_KEY_ENV, AccessGuard, AccessPolicy
+from splitserve.protocol.access import API_KEY_ENV, OPEN_WITH_FLAG, AccessGuard, AccessPolicy
 from splitserve.protocol.errors import error_body
 from splitserve.router.app import create_proxy_app
 from splitserve.router.pd_engine_client import PDEngineClient
 from splitserve.router.pd_policy import PDPolicy
-from splitserve.router.workers import WorkerPool
+from splitserve.router.workers import WorkerPool, WorkerRole
 
 logger = logging.getLogger(__name__)
 
 STALE_S = 10.0  # heartbeats come every Serve health check (2 s): five missed, the worker leaves
 HEALTH_INTERVAL_S = 1.0  # the router's own checks of each worker
+ENGINE_ROLES: dict[str, WorkerRole] = {"prefill": "prefill", "decode": "decode"}
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ class StartingGate:
 class ProxyIngress:
     """The ingress deployment's class (`app.py` wraps it with `serve.ingress`)."""
 
-    def __init__(self, min_prefill_tokens: int, mode: str, **tiers: Any) -> None:
+    def __init__(self, min_prefill_tokens: int, mode: str, open_health_metrics: bool, **tiers: Any) -> None:
         # `tiers`: the tier deployments' handles, bound here only to make them part of the
         # application; their replicas register themselves.
         self.pool = WorkerPool([], [], allow_no_decode=True)
@@ -71,7 +72,8 @@ class ProxyIngress:
         self.frontend = self.proxy_app.state.service.frontend
         self.members: dict[str, Member] = {}
         api_key = os.environ.get(API_KEY_ENV) or None
-        self.policy = AccessPolicy((api_key,) if api_key else ())
+        open_paths = OPEN_WITH_FLAG if open_health_metrics else frozenset()
+        self.policy = AccessPolicy((api_key,) if api_key else (), open_paths)
 
     def __serve_build_asgi_app__(self) -> ASGIApp:
         return StartingGate(AccessGuard(self.proxy_app, self.policy), self)
@@ -86,7 +88,7 @@ class ProxyIngress:
         if role == "render":
             self.sync_render_urls()
         else:
-            self.pool.add(url, role)  # type: ignore[arg-type]
+            self.pool.add(url, ENGINE_ROLES[role])
 
     async def deregister(self, url: str) -> None:
         member = self.members.pop(url, None)

@@ -108,7 +108,7 @@ def up_args(address: str, model: str, port: int) -> list[str]:
     signal (KV blocks in use), at a target any request exceeds."""
     return [
         "up", model, "--ray", address, "--ray-app-name", APP, "--port", str(port),
-        "--num-blocks", "512", "--min-prefill-tokens", "16",
+        "--num-blocks", "512", "--min-prefill-tokens", "16", "--open-health-metrics",
         "--ray-tier", "render:num_cpus=0.5", "--ray-tier", "prefill:num_cpus=0.5,prefill_node=1",
         "--ray-tier", "decode:num_cpus=0.5,decode_node=1,max_replicas=2,target=0.0001,upscale_delay_s=0",
     ]  # fmt: skip
@@ -212,6 +212,7 @@ def check_the_deployment(base: str, collocated: str, stdout: str, secrets_env: d
     expected = asyncio.run(chat_token_ids(collocated, messages))
     assert asyncio.run(deployed_token_ids(base, messages)) == expected
     assert httpx.post(f"{base}/v1/chat/completions", json={"messages": messages[0]}).status_code == 401
+    assert httpx.get(f"{base}/health").status_code == 200  # --open-health-metrics: probes need no key
     client = openai.OpenAI(base_url=f"{base}/v1", api_key=API_KEY)
     reference = openai.OpenAI(base_url=f"{collocated}/v1", api_key="unused")
     stream = client.chat.completions.create(
