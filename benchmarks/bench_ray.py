@@ -17,6 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import httpx
 from bench_pd_streaming import tiny_model
 from bench_render import free_port, served
 
@@ -25,7 +26,15 @@ POOLS += ["--min-prefill-tokens", "16"]
 STORE_BYTES = 80 * 1024 * 1024
 
 
+def warm_up(base: str) -> None:
+    """One request through every part before measuring: the first forward pass of a fresh
+    engine loads (or builds) the compiled CPU kernels, which is no part of serving."""
+    body = {"messages": [{"role": "user", "content": "warm " * 40}], "max_tokens": 4, "temperature": 0}
+    httpx.post(f"{base}/v1/chat/completions", json=body, timeout=600).raise_for_status()
+
+
 def bench(base: str, model: str, args: argparse.Namespace, out: Path) -> dict:
+    warm_up(base)
     command = [
         sys.executable, "-m", "splitserve.cli", "bench", "--url", base, "--quiet", "--json", str(out),
         "--tokenizer", model,
