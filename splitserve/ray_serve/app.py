@@ -93,15 +93,19 @@ def cluster_nodes() -> list[dict[str, float]]:
 
 
 def deploy(config: RayDeployConfig, api_key: str | None) -> str:
-    """Deploy on the cluster `ray.init` connected to; the OpenAI endpoint."""
+    """Deploy on the cluster `ray.init` connected to; the OpenAI endpoint. Serve's HTTP
+    proxy keeps the host and port it was first started with on this cluster (`remove`
+    stops Serve with the last application, so the next deploy sets them again)."""
     from ray import serve
+    from ray.serve.context import _get_global_client
 
     serve.start(
         http_options={"host": config.http_host, "port": config.http_port, "location": config.proxy_location}
     )
     serve.run(build_app(config, deployment_env(api_key)), name=config.app_name, route_prefix="/")
-    host = config.http_host if config.http_host not in ("0.0.0.0", "::") else "127.0.0.1"
-    return f"http://{host}:{config.http_port}"
+    http = _get_global_client().http_config  # what Serve runs with, not what was asked
+    host = http.host if http.host not in ("0.0.0.0", "::") else "127.0.0.1"
+    return f"http://{host}:{http.port}"
 
 
 def workers(app_name: str) -> list[dict]:
@@ -124,13 +128,30 @@ def wait_registered(config: RayDeployConfig, timeout_s: float) -> list[dict]:
         time.sleep(0.5)
 
 
+def deployment_errors(app_name: str) -> list[str]:
+    """Why the application's deployments failed: each failing one's last error (for a tier,
+    its server's exit code and the end of its log)."""
+    from ray import serve
+
+    app = serve.status().applications.get(app_name)
+    errors = []
+    for name, deployment in (app.deployments if app else {}).items():
+        if deployment.message and "Error" in deployment.message:
+            first_line, _, rest = deployment.message.rpartition("Error: ")[2].strip().partition("\n")
+            errors.append(f"{name}: {first_line}\n{rest[-1200:]}")  # the log's end says why
+    return errors
+
+
 def remove(app_name: str) -> bool:
-    """Delete the application (replicas drain and leave); whether it was there."""
+    """Delete the application (replicas drain and leave), and Serve once no application
+    is left; whether it was there."""
     from ray import serve
 
     if app_name not in serve.status().applications:
         return False
     serve.delete(app_name)
+    if not serve.status().applications:  # Serve with no application left: stop it too
+        serve.shutdown()
     return True
 
 

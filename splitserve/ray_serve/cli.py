@@ -35,10 +35,16 @@ def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--ray-app-name", default=DEFAULT_APP_NAME, help="the Serve application's name")
 
 
-def connect(address: str) -> None:
+def connect(address: str, command: str) -> bool:
+    """Join the cluster at `address` as a driver; False (and why, on stderr) when it fails."""
     import ray
 
-    ray.init(address=address, logging_level="warning", log_to_driver=False)
+    try:
+        ray.init(address=address, logging_level="warning", log_to_driver=False)
+    except Exception as exc:  # ray raises ConnectionError, RuntimeError, TimeoutError, ...
+        print(f"splitserve {command}: cannot join the Ray cluster at {address}: {exc}", file=sys.stderr)
+        return False
+    return True
 
 
 def run_up(args: argparse.Namespace) -> int:
@@ -55,8 +61,9 @@ def run_up(args: argparse.Namespace) -> int:
     except ImportError:
         print("splitserve up --ray: needs ray: pip install 'splitserve[ray]'", file=sys.stderr)
         return 2
-    connect(args.ray)
-    from splitserve.ray_serve.app import cluster_nodes, deploy, wait_registered
+    if not connect(args.ray, "up --ray"):
+        return 1
+    from splitserve.ray_serve.app import cluster_nodes, deploy, deployment_errors, remove, wait_registered
     from splitserve.ray_serve.config import with_transport
 
     nodes = cluster_nodes()
@@ -66,11 +73,14 @@ def run_up(args: argparse.Namespace) -> int:
         print(f"splitserve up --ray: {exc}; nothing deployed", file=sys.stderr)
         return 2
     config = with_transport(config, len(nodes))
-    endpoint = deploy(config, args.api_key or os.environ.get(API_KEY_ENV) or None)
     try:
+        endpoint = deploy(config, args.api_key or os.environ.get(API_KEY_ENV) or None)
         members = wait_registered(config, args.startup_timeout)
-    except TimeoutError as exc:
-        print(f"splitserve up --ray: {exc}", file=sys.stderr)
+    except (RuntimeError, TimeoutError) as exc:  # Serve's error carries the replica's (its server's log)
+        for reason in [str(exc), *deployment_errors(config.app_name)]:
+            print(f"splitserve up --ray: {reason}", file=sys.stderr)
+        print("splitserve up --ray: removing the application", file=sys.stderr)
+        remove(config.app_name)
         return 1
     print_endpoints(config, len(nodes), endpoint, members)
     return 0
@@ -83,6 +93,8 @@ def print_endpoints(config: RayDeployConfig, num_nodes: int, endpoint: str, memb
     print(f"splitserve up --ray: {where}: {counts}; KV over {transport}")
     for member in sorted(members, key=lambda m: (m["role"], m["url"])):
         print(f"  {member['role']:<8} {member['url']}  (node {member['node_id'][:12]})")
+    if not endpoint.endswith(f":{config.http_port}"):
+        print(f"  (Serve already ran on this cluster: its HTTP proxy keeps {endpoint})")
     print(f"OpenAI API: {endpoint}/v1  (`splitserve down --ray` removes it)", flush=True)
 
 
@@ -102,7 +114,8 @@ def run_down(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    connect(args.ray)
+    if not connect(args.ray, "down --ray"):
+        return 1
     from splitserve.ray_serve.app import remove
 
     if not remove(args.ray_app_name):

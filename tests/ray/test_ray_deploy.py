@@ -84,10 +84,7 @@ def cluster() -> Iterator[str]:
     ray.init(address=local.address, logging_level="warning", log_to_driver=False)
     try:
         yield local.address
-    finally:
-        from ray import serve
-
-        serve.shutdown()
+    finally:  # Serve goes with the cluster
         ray.shutdown()
         local.shutdown()
 
@@ -112,6 +109,14 @@ def up_args(address: str, model: str, port: int) -> list[str]:
         "--ray-tier", "render:num_cpus=0.5", "--ray-tier", "prefill:num_cpus=0.5,prefill_node=1",
         "--ray-tier", "decode:num_cpus=0.5,decode_node=1,max_replicas=2,target=0.0001,upscale_delay_s=0",
     ]  # fmt: skip
+
+
+def app_replicas() -> list[str]:
+    """The application's replica actors on the cluster. (Asked of Ray, not of Serve: `up`
+    and `down` are other drivers, and Serve's controller may have stopped and started
+    since this process last talked to it.)"""
+    actors = ray.util.list_named_actors(all_namespaces=True)
+    return [a["name"] for a in actors if a["namespace"] == "serve" and f"{APP}#" in a["name"]]
 
 
 def workers() -> list[dict]:
@@ -162,9 +167,21 @@ def test_resources_no_node_has_stop_the_deploy_with_a_clear_message(cluster, tin
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert "decode: no node in the cluster has CPU=1, GPU=1, decode_node=1 for one replica" in done.stderr
     assert "nothing deployed" in done.stderr
-    from ray import serve
+    assert not app_replicas()
 
-    assert APP not in serve.status().applications
+
+def test_a_tier_that_cannot_start_fails_the_deploy_with_its_reason(cluster, tiny_model, tmp_path):
+    config = tmp_path / "ray.yaml"
+    config.write_text(
+        f"model: {tiny_model}\napp_name: {APP}\nhttp_port: {free_port()}\n"
+        "engine_args: [--no-such-flag]\nrender_args: [--no-such-flag]\n"
+        "tiers: {render: {num_cpus: 0.5}, decode: {num_cpus: 0.5}}\n"
+    )
+    done = splitserve("up", "--ray", cluster, "--ray-config", str(config))
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    for why in ("render server exited (2)", "unrecognized arguments: --no-such-flag", "removing the app"):
+        assert why in done.stderr, done.stderr
+    assert not app_replicas()
 
 
 def test_tiers_on_two_nodes_scale_survive_a_killed_replica_and_go_down(cluster, tiny_model, secrets_env):
@@ -186,9 +203,7 @@ def test_tiers_on_two_nodes_scale_survive_a_killed_replica_and_go_down(cluster, 
     urls = [m["url"] for m in workers()]
     done = splitserve("down", "--ray", cluster, "--ray-app-name", APP)
     assert done.returncode == 0, done.stderr
-    from ray import serve
-
-    assert APP not in serve.status().applications
+    assert not app_replicas()
     for url in urls:
         with pytest.raises(httpx.TransportError):
             httpx.get(f"{url}/health", timeout=2)
