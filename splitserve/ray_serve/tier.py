@@ -11,7 +11,9 @@ replica and registered with the ingress.
   drains what it still serves.
 - A replica that dies outright takes its server with it (the child gets SIGKILL when the
   replica's thread goes, PR_SET_PDEATHSIG); the router's health check takes the URL out of
-  rotation at once and the ingress drops it once its heartbeats stop.
+  rotation at once and the ingress drops it once its heartbeats stop. Its server's log
+  (splitserve-ray-ROLE-*.log in the node's temp directory) stays for the post-mortem;
+  a replica that stops normally, or never came up, removes its log.
 
 The internal token (and the render tier's state key) reach the server through the
 environment the deployment gives the replica, never its command line.
@@ -100,7 +102,14 @@ class TierReplica:
                 preexec_fn=die_with_parent,
             )
         self.cpu_mark = (time.monotonic(), 0.0)
-        await self.wait_healthy()
+        try:
+            await self.wait_healthy()
+        except BaseException:  # Serve retries with a new replica: leave nothing behind
+            self.process.kill()
+            self.process.wait()
+            with contextlib.suppress(OSError):
+                os.unlink(self.log_path)
+            raise
         self.deregistered = False
 
     async def wait_healthy(self) -> None:
