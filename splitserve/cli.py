@@ -17,7 +17,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "render": ("splitserve.frontend.cli", "serve the CPU render/derender tier"),
     "serve": ("splitserve.serve.cli", "serve the collocated OpenAI-compatible API"),
     "proxy": ("splitserve.router.cli", "serve the P/D proxy in front of the tiers"),
-    "up": ("splitserve.deploy.up_cli", "start the whole disaggregated stack locally"),
+    "up": ("splitserve.deploy.up_cli", "start the whole disaggregated stack locally (or --ray: on Ray)"),
+    "down": ("splitserve.ray_serve.down_cli", "remove a Ray deployment `up --ray` made"),
     "sim": ("splitserve.sim.cli", "simulate and plan deployments (roofline, goodput)"),
     "bench": ("splitserve.bench.cli", "goodput benchmark for any OpenAI-compatible server"),
 }

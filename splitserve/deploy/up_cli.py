@@ -28,6 +28,7 @@ from splitserve.protocol.access import API_KEY_ENV, INTERNAL_TOKEN_ENV
 from splitserve.protocol.drain import add_serving_arguments
 from splitserve.protocol.http_edge import DEFAULT_MAX_BODY_BYTES
 from splitserve.protocol.ports import pick_free_port
+from splitserve.ray_serve.cli import add_ray_arguments
 
 _POLL_S = 0.2
 
@@ -108,6 +109,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"]
     )
+    add_ray_arguments(parser)  # --ray [ADDRESS]: the same stack as a Ray Serve application
 
 
 def _engine_args(args: argparse.Namespace) -> list[str]:
@@ -185,6 +187,10 @@ def _stop_draining(parts: list[Part], drain_timeout_s: float, at_once: list[int]
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.ray is not None:
+        from splitserve.ray_serve.cli import run_up
+
+        return run_up(args)
     if args.decode < 1 or args.prefill < 0 or args.render < 1:
         print("splitserve up: need --decode >= 1, --render >= 1 and --prefill >= 0", file=sys.stderr)
         return 2

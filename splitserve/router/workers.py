@@ -40,8 +40,11 @@ class Worker:
 
 
 class WorkerPool:
-    def __init__(self, prefill_urls: list[str], decode_urls: list[str]):
-        if not decode_urls:
+    """`allow_no_decode`: the pool starts empty and workers join later (`add`, as a Ray
+    Serve deployment brings them up); until a decode worker joins, requests get 503."""
+
+    def __init__(self, prefill_urls: list[str], decode_urls: list[str], *, allow_no_decode: bool = False):
+        if not decode_urls and not allow_no_decode:
             raise ValueError("at least one decode worker is needed")
         self._lock = threading.Lock()
         self._workers: list[Worker] = [Worker(u.rstrip("/"), "prefill") for u in prefill_urls]
@@ -49,6 +52,30 @@ class WorkerPool:
 
     def workers(self, role: WorkerRole | None = None) -> list[Worker]:
         return [w for w in self._workers if role is None or w.role == role]
+
+    def add(self, url: str, role: WorkerRole) -> Worker:
+        """Join `url` to the `role` pool (no-op when it is there already); the health loop
+        checks it like any other worker."""
+        url = url.rstrip("/")
+        with self._lock:
+            for worker in self._workers:
+                if worker.url == url and worker.role == role:
+                    return worker
+            worker = Worker(url, role)
+            self._workers = [*self._workers, worker]  # a new list: readers iterate the old one
+        logger.warning("%s worker %s joined", role, url)
+        return worker
+
+    def remove(self, url: str) -> bool:
+        """Take `url` out of its pool for good (its requests in flight finish or fail as
+        they would); whether it was there."""
+        url = url.rstrip("/")
+        with self._lock:
+            kept = [w for w in self._workers if w.url != url]
+            removed, self._workers = len(kept) != len(self._workers), kept
+        if removed:
+            logger.warning("worker %s left", url)
+        return removed
 
     def pick(
         self,

@@ -78,3 +78,17 @@ def test_short_prompts_skip_the_prefill_pool():
         PDPolicy(mode="sideways")
     with pytest.raises(ValueError):
         PDPolicy(min_prefill_tokens=-1)
+
+
+def test_workers_join_and_leave_a_pool_that_starts_empty():
+    pool = WorkerPool([], [], allow_no_decode=True)
+    assert pool.pick("decode") is None
+    joined = pool.add("http://d0/", "decode")
+    assert pool.add("http://d0", "decode") is joined  # registering again changes nothing
+    pool.add("http://p0", "prefill")
+    assert pool.pick("decode").url == "http://d0" and pool.pick("prefill").url == "http://p0"
+    with pool.lease(joined):
+        assert pool.remove("http://d0") and not pool.remove("http://d0")
+    assert pool.pick("decode") is None and [w.url for w in pool.workers()] == ["http://p0"]
+    with pytest.raises(ValueError):
+        WorkerPool([], [])

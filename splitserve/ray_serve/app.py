@@ -1,0 +1,169 @@
+"""Building, deploying and removing the Ray Serve application (`splitserve up --ray`,
+`splitserve down --ray`)."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from typing import Any
+
+from splitserve.frontend.stream_state import STATE_KEY_ENV
+from splitserve.protocol.access import API_KEY_ENV, INTERNAL_TOKEN_ENV
+from splitserve.ray_serve.config import DEFAULT_TARGETS, RayDeployConfig, TierSpec
+from splitserve.ray_serve.ingress import ProxyIngress
+from splitserve.ray_serve.tier import INGRESS_NAME, TierReplica
+
+HEALTH_CHECK_PERIOD_S = 2.0  # also the tier replicas' heartbeat to the ingress
+GRACEFUL_SHUTDOWN_S = 30.0  # a replica torn down drains its server first
+
+
+def deployment_options(name: str, spec: TierSpec, env: dict[str, str]) -> dict[str, Any]:
+    """Serve options of one tier's deployment: placement, replicas or autoscaling bounds."""
+    actor: dict[str, Any] = {
+        "num_cpus": spec.num_cpus,
+        "num_gpus": spec.num_gpus,
+        "runtime_env": {"env_vars": env},
+    }
+    if spec.resources:
+        actor["resources"] = dict(spec.resources)
+    options: dict[str, Any] = {
+        "name": name,
+        "ray_actor_options": actor,
+        "health_check_period_s": HEALTH_CHECK_PERIOD_S,
+        "graceful_shutdown_timeout_s": GRACEFUL_SHUTDOWN_S,
+        "max_ongoing_requests": 64,  # handle calls only: traffic reaches the servers directly
+    }
+    if spec.autoscaling:
+        options["autoscaling_config"] = {
+            "min_replicas": spec.lowest_replicas,
+            "initial_replicas": spec.replicas,
+            "max_replicas": spec.max_replicas,
+            "upscale_delay_s": spec.upscale_delay_s,
+            "downscale_delay_s": spec.downscale_delay_s,
+            "policy": {
+                "policy_function": "splitserve.ray_serve.autoscaling:TierLoadPolicy",
+                "policy_kwargs": {"target": spec.target or DEFAULT_TARGETS[name]},
+            },
+        }
+    else:
+        options["num_replicas"] = spec.replicas
+    return options
+
+
+def deployment_env(api_key: str | None) -> dict[str, str]:
+    """The secrets every replica gets through its environment (Ray's runtime_env), never a
+    command line: one internal token per deployment (or the one this shell has), the render
+    replicas' shared state key, and the API key the ingress checks."""
+    env = {
+        INTERNAL_TOKEN_ENV: os.environ.get(INTERNAL_TOKEN_ENV) or secrets.token_urlsafe(32),
+        STATE_KEY_ENV: os.environ.get(STATE_KEY_ENV) or secrets.token_hex(32),
+    }
+    if api_key:
+        env[API_KEY_ENV] = api_key
+    return env
+
+
+def build_app(config: RayDeployConfig, env: dict[str, str]):
+    """The bound Serve application: the ingress, with one deployment per tier bound to it
+    (so they are part of the app; they reach the ingress by name, not the other way)."""
+    from ray import serve
+
+    tiers = {}
+    for name, spec in config.tiers:
+        if spec.replicas == 0 and not spec.autoscaling:
+            continue
+        deployment = serve.deployment(TierReplica).options(**deployment_options(name, spec, env))
+        tiers[name] = deployment.bind(name, config.server())
+    ingress = serve.deployment(serve.ingress()(ProxyIngress)).options(
+        name=INGRESS_NAME,
+        num_replicas=1,
+        ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": env}},
+        health_check_period_s=HEALTH_CHECK_PERIOD_S,
+        graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_S,
+        max_ongoing_requests=4096,  # the proxy's own limits apply behind it
+    )
+    return ingress.bind(config.min_prefill_tokens, config.mode, config.open_health_metrics, **tiers)
+
+
+def cluster_nodes() -> list[dict[str, float]]:
+    import ray
+
+    return [dict(node["Resources"]) for node in ray.nodes() if node.get("Alive")]
+
+
+def deploy(config: RayDeployConfig, api_key: str | None) -> str:
+    """Deploy on the cluster `ray.init` connected to; the OpenAI endpoint. Serve's HTTP
+    proxy keeps the host and port it was first started with on this cluster (`remove`
+    stops Serve with the last application, so the next deploy sets them again)."""
+    from ray import serve
+    from ray.serve.context import _get_global_client
+
+    serve.start(
+        http_options={"host": config.http_host, "port": config.http_port, "location": config.proxy_location}
+    )
+    serve.run(build_app(config, deployment_env(api_key)), name=config.app_name, route_prefix="/")
+    http = _get_global_client().http_config  # what Serve runs with, not what was asked
+    host = http.host if http.host not in ("0.0.0.0", "::") else "127.0.0.1"
+    return f"http://{host}:{http.port}"
+
+
+def workers(app_name: str) -> list[dict]:
+    from ray import serve
+
+    return serve.get_deployment_handle(INGRESS_NAME, app_name=app_name).workers.remote().result()
+
+
+def wait_registered(config: RayDeployConfig, timeout_s: float) -> list[dict]:
+    """The registered workers once every tier has its replicas in the router; TimeoutError."""
+    wanted = {name: spec.replicas for name, spec in config.tiers if spec.replicas}
+    deadline = time.monotonic() + timeout_s
+    while True:
+        members = workers(config.app_name)
+        counts = {name: sum(1 for m in members if m["role"] == name and m["healthy"]) for name in wanted}
+        if all(counts[name] >= wanted[name] for name in wanted):
+            return members
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not every replica registered after {timeout_s:.0f}s: {counts} of {wanted}")
+        time.sleep(0.5)
+
+
+def deployment_errors(app_name: str) -> list[str]:
+    """Why the application's deployments failed: each failing one's last error (for a tier,
+    its server's exit code and the end of its log)."""
+    from ray import serve
+
+    app = serve.status().applications.get(app_name)
+    errors = []
+    for name, deployment in (app.deployments if app else {}).items():
+        if deployment.message and "Error" in deployment.message:
+            first_line, _, rest = deployment.message.rpartition("Error: ")[2].strip().partition("\n")
+            errors.append(f"{name}: {first_line}\n{rest[-1200:]}")  # the log's end says why
+    return errors
+
+
+def remove(app_name: str) -> bool:
+    """Delete the application (replicas drain and leave), and Serve once no application
+    is left; whether it was there."""
+    from ray import serve
+
+    if app_name not in serve.status().applications:
+        return False
+    serve.delete(app_name)
+    if not serve.status().applications:  # Serve with no application left: stop it too
+        serve.shutdown()
+    return True
+
+
+def app_builder(args: dict[str, Any]):
+    """Serve's application builder for a declarative deployment (`serve deploy`, KubeRay's
+    RayService: `import_path: splitserve.ray_serve.app:app_builder`, `args:` the YAML
+    config's keys). Checked like `up --ray`; the secrets come from the environment of the
+    process that builds the app (a Kubernetes Secret), a fresh token when none is set.
+    Not checked against the cluster's nodes: there, the autoscaler adds the nodes a tier
+    asks for (and the worker pods may still be starting); set `transport` (tcp)."""
+    from splitserve.ray_serve.config import check, config_from_mapping
+
+    config = config_from_mapping(args)
+    check(config)
+    return build_app(config, deployment_env(os.environ.get(API_KEY_ENV) or None))

@@ -1,0 +1,335 @@
+"""The Ray deployment's config: one frozen value, from a YAML file or from `splitserve up`'s
+flags, checked before anything is deployed (`check`, then `check_cluster` against the
+nodes the cluster has)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+TIERS = ("render", "prefill", "decode", "encoder")
+# The tier each replica's load signal comes from (autoscaling.py, docs/ray.md).
+DEFAULT_TARGETS = {"render": 0.7, "prefill": 2.0, "decode": 0.7, "encoder": 2.0}
+HIDDEN_RESOURCES = ("memory", "object_store_memory")  # not asked for by any tier: left out of messages
+TIER_KEYS = (
+    "replicas", "num_cpus", "num_gpus", "resources",
+    "min_replicas", "max_replicas", "target", "upscale_delay_s", "downscale_delay_s",
+)  # fmt: skip
+TOP_KEYS = (
+    "model", "served_model_name", "app_name", "http_host", "http_port", "transport", "mode",
+    "min_prefill_tokens", "log_level", "engine_args", "render_args", "proxy_location", "tiers",
+    "open_health_metrics",
+)  # fmt: skip
+
+
+class ConfigError(ValueError):
+    """A config that cannot be deployed; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class TierSpec:
+    """One tier's replicas and what each replica asks of its node. `max_replicas` set:
+    Serve autoscales the tier between `min_replicas` and `max_replicas` on the tier's own
+    load signal, aiming at `target` per replica (autoscaling.py)."""
+
+    replicas: int
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    resources: tuple[tuple[str, float], ...] = ()  # custom Ray resources, for placement
+    min_replicas: int | None = None
+    max_replicas: int | None = None
+    target: float | None = None
+    upscale_delay_s: float = 10.0  # how long the signal must ask for more before Serve adds one
+    downscale_delay_s: float = 60.0
+
+    def demand(self) -> dict[str, float]:
+        """What one replica needs from one node, in Ray's resource names."""
+        needs = {"CPU": self.num_cpus, "GPU": self.num_gpus, **dict(self.resources)}
+        return {name: amount for name, amount in needs.items() if amount > 0}
+
+    @property
+    def autoscaling(self) -> bool:
+        return self.max_replicas is not None
+
+    @property
+    def lowest_replicas(self) -> int:
+        return self.min_replicas if self.autoscaling and self.min_replicas is not None else self.replicas
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """What a tier replica needs to start its server: the part of the config that, when
+    it changes, restarts replicas (the replica counts are not in it, so scaling a tier
+    leaves the others running)."""
+
+    model: str | None
+    served_model_name: str | None
+    app_name: str
+    transport: str | None
+    mode: str
+    log_level: str
+    engine_args: tuple[str, ...]
+    render_args: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class RayDeployConfig:
+    model: str | None  # a path every node has, or an HF ID each node resolves (None: the demo model)
+    tiers: tuple[tuple[str, TierSpec], ...]
+    served_model_name: str | None = None
+    app_name: str = "splitserve"
+    http_host: str = "127.0.0.1"
+    http_port: int = 8000
+    transport: str | None = None  # None: tcp on a cluster of several nodes, the engines' default on one
+    mode: str = "push"
+    min_prefill_tokens: int = 64
+    log_level: str = "warning"
+    engine_args: tuple[str, ...] = ()  # more `splitserve engine` flags for every engine
+    render_args: tuple[str, ...] = ()  # more `splitserve render` flags
+    proxy_location: str = "HeadOnly"  # Serve's HTTP proxy: HeadOnly or EveryNode
+    open_health_metrics: bool = False  # the ingress's /health and /metrics answer without the API key
+
+    def tier(self, name: str) -> TierSpec:
+        return dict(self.tiers).get(name, TierSpec(replicas=0))
+
+    def server(self) -> ServerConfig:
+        return ServerConfig(
+            model=self.model,
+            served_model_name=self.served_model_name,
+            app_name=self.app_name,
+            transport=self.transport,
+            mode=self.mode,
+            log_level=self.log_level,
+            engine_args=self.engine_args,
+            render_args=self.render_args,
+        )
+
+
+def _number(where: str, value: Any, minimum: float = 0.0) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"{where}: expected a number, got {value!r}")
+    if value < minimum:
+        raise ConfigError(f"{where}: must be >= {minimum:g}, got {value!r}")
+    return float(value)
+
+
+def _count(where: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{where}: expected a whole number >= 0, got {value!r}")
+    return value
+
+
+def tier_from_mapping(name: str, raw: Mapping[str, Any]) -> TierSpec:
+    if name not in TIERS:
+        raise ConfigError(f"unknown tier {name!r} (tiers: {', '.join(TIERS)})")
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"tiers.{name}: expected a mapping, got {raw!r}")
+    unknown = sorted(set(raw) - set(TIER_KEYS))
+    if unknown:
+        raise ConfigError(f"tiers.{name}: unknown key(s) {', '.join(unknown)} (keys: {', '.join(TIER_KEYS)})")
+    resources = raw.get("resources") or {}
+    if not isinstance(resources, Mapping):
+        raise ConfigError(f"tiers.{name}.resources: expected a mapping of resource name to amount")
+    optional = {key: raw.get(key) for key in ("min_replicas", "max_replicas")}
+    return TierSpec(
+        replicas=_count(f"tiers.{name}.replicas", raw.get("replicas", 1)),
+        num_cpus=_number(f"tiers.{name}.num_cpus", raw.get("num_cpus", 1.0)),
+        num_gpus=_number(f"tiers.{name}.num_gpus", raw.get("num_gpus", 0.0)),
+        resources=tuple(
+            sorted((str(k), _number(f"tiers.{name}.resources.{k}", v)) for k, v in resources.items())
+        ),
+        min_replicas=None if optional["min_replicas"] is None else _count(
+            f"tiers.{name}.min_replicas", optional["min_replicas"]
+        ),
+        max_replicas=None if optional["max_replicas"] is None else _count(
+            f"tiers.{name}.max_replicas", optional["max_replicas"]
+        ),
+        target=None if raw.get("target") is None else _number(f"tiers.{name}.target", raw["target"], 1e-9),
+        upscale_delay_s=_number(f"tiers.{name}.upscale_delay_s", raw.get("upscale_delay_s", 10.0)),
+        downscale_delay_s=_number(f"tiers.{name}.downscale_delay_s", raw.get("downscale_delay_s", 60.0)),
+    )  # fmt: skip
+
+
+def config_from_mapping(raw: Mapping[str, Any]) -> RayDeployConfig:
+    """A config from parsed YAML (or any mapping); ConfigError names the bad key."""
+    if not isinstance(raw, Mapping):
+        raise ConfigError("the config must be a mapping (YAML keys: " + ", ".join(TOP_KEYS) + ")")
+    unknown = sorted(set(raw) - set(TOP_KEYS))
+    if unknown:
+        raise ConfigError(f"unknown key(s) {', '.join(unknown)} (keys: {', '.join(TOP_KEYS)})")
+    tiers = raw.get("tiers") or {}
+    if not isinstance(tiers, Mapping):
+        raise ConfigError("tiers: expected a mapping of tier name to its settings")
+    fields: dict[str, Any] = {k: v for k, v in raw.items() if k != "tiers"}
+    for key in ("engine_args", "render_args"):
+        if key in fields:
+            if not isinstance(fields[key], list) or not all(isinstance(a, str) for a in fields[key]):
+                raise ConfigError(f"{key}: expected a list of strings (command-line flags)")
+            fields[key] = tuple(fields[key])
+    if "model" not in fields:
+        fields["model"] = None
+    return RayDeployConfig(
+        tiers=tuple((str(name), tier_from_mapping(str(name), spec)) for name, spec in tiers.items()), **fields
+    )
+
+
+def load_yaml(path: str) -> RayDeployConfig:
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as config_file:
+            raw = yaml.safe_load(config_file)
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"cannot read {path}: {exc}") from exc
+    return config_from_mapping(raw or {})
+
+
+def parse_tier_flag(text: str) -> tuple[str, dict[str, Any]]:
+    """`decode:num_gpus=1,max_replicas=4,gpu_node=1` → ("decode", {...}); keys other than
+    the tier keys are custom resources."""
+    name, _, settings = text.partition(":")
+    raw: dict[str, Any] = {}
+    resources: dict[str, float] = {}
+    for item in filter(None, settings.split(",")):
+        key, sep, value = item.partition("=")
+        try:
+            number = float(value)
+        except ValueError:
+            raise ConfigError(f"--ray-tier {text}: {item!r} is not KEY=NUMBER") from None
+        if not sep:
+            raise ConfigError(f"--ray-tier {text}: {item!r} is not KEY=NUMBER")
+        if key in ("replicas", "min_replicas", "max_replicas"):
+            raw[key] = int(number) if number.is_integer() else number
+        elif key in TIER_KEYS:
+            raw[key] = number
+        else:
+            resources[key] = number
+    if resources:
+        raw["resources"] = resources
+    return name, raw
+
+
+def engine_flags(args: argparse.Namespace) -> tuple[str, ...]:
+    """`splitserve up`'s engine flags that every engine of the Ray deployment gets too."""
+    flags: list[str] = ["--drain-timeout", str(args.drain_timeout)]
+    for flag, value in (
+        ("--num-blocks", args.num_blocks),
+        ("--kv-cache-memory", args.kv_cache_memory),
+        ("--max-model-len", args.max_model_len),
+        ("--max-num-batched-tokens", args.max_num_batched_tokens),
+        ("--dtype", args.dtype),
+        ("--kv-timeout", args.kv_timeout),
+        ("--kv-reservation-ttl", args.kv_reservation_ttl),
+    ):
+        if value is not None:
+            flags += [flag, str(value)]
+    return tuple(flags)
+
+
+def config_from_args(args: argparse.Namespace) -> RayDeployConfig:
+    """The config `splitserve up --ray` deploys: `--ray-config FILE`, or the same flags as
+    `up` (`--prefill/--decode/--render/--encoder`, model, engine flags) with `--ray-tier`
+    settings per tier."""
+    if args.ray_config:
+        return load_yaml(args.ray_config)
+    tiers: dict[str, dict[str, Any]] = {
+        "render": {"replicas": args.render},
+        "prefill": {"replicas": args.prefill},
+        "decode": {"replicas": args.decode},
+        "encoder": {"replicas": args.encoder},
+    }
+    for text in args.ray_tier or ():
+        name, settings = parse_tier_flag(text)
+        if name not in TIERS:
+            raise ConfigError(f"--ray-tier {text}: unknown tier {name!r} (tiers: {', '.join(TIERS)})")
+        tiers[name].update(settings)
+    render_args = [
+        "--reasoning-parser", args.reasoning_parser, "--tool-call-parser", args.tool_call_parser,
+        "--max-body-bytes", str(args.max_body_bytes), "--drain-timeout", str(args.drain_timeout),
+    ]  # fmt: skip
+    if args.max_model_len:
+        render_args += ["--max-model-len", str(args.max_model_len)]
+    return RayDeployConfig(
+        model=args.model,
+        served_model_name=args.served_model_name,
+        tiers=tuple((name, tier_from_mapping(name, spec)) for name, spec in tiers.items()),
+        app_name=args.ray_app_name,
+        http_host=args.host,
+        http_port=args.port,
+        transport=args.transport,
+        mode=args.mode,
+        min_prefill_tokens=args.min_prefill_tokens,
+        open_health_metrics=args.open_health_metrics,
+        log_level=args.log_level,
+        engine_args=engine_flags(args),
+        render_args=tuple(render_args),
+    )
+
+
+def check(config: RayDeployConfig) -> None:
+    """What can be told without a cluster; ConfigError says what is wrong."""
+    names = [name for name, _ in config.tiers]
+    for name in names:
+        if name not in TIERS:
+            raise ConfigError(f"unknown tier {name!r} (tiers: {', '.join(TIERS)})")
+    if len(set(names)) != len(names):
+        raise ConfigError("a tier is named twice")
+    for name, spec in config.tiers:
+        if spec.autoscaling:
+            low = spec.min_replicas if spec.min_replicas is not None else spec.replicas
+            if spec.max_replicas is not None and not low <= spec.replicas <= spec.max_replicas:
+                raise ConfigError(
+                    f"{name}: replicas {spec.replicas} must lie within min_replicas {low} "
+                    f"and max_replicas {spec.max_replicas}"
+                )
+        elif spec.min_replicas is not None:
+            raise ConfigError(f"{name}: min_replicas needs max_replicas (autoscaling bounds)")
+    for name in ("render", "decode"):
+        if config.tier(name).lowest_replicas < 1:
+            raise ConfigError(f"{name}: needs at least 1 replica (got {config.tier(name).lowest_replicas})")
+    if config.tier("encoder").replicas or config.tier("encoder").max_replicas:
+        raise ConfigError(
+            "encoder: not yet supported on Ray (the encoder cache is shared through one host's "
+            "tmpfs); use `splitserve up --encoder` on one host"
+        )
+    if config.mode not in ("push", "pull"):
+        raise ConfigError(f"mode: push or pull, not {config.mode!r}")
+    if config.transport not in (None, "shm", "tcp"):
+        raise ConfigError(f"transport: shm, tcp or unset (chosen by the cluster), not {config.transport!r}")
+    if config.proxy_location not in ("HeadOnly", "EveryNode"):
+        raise ConfigError(f"proxy_location: HeadOnly or EveryNode, not {config.proxy_location!r}")
+
+
+def shown_resource(name: str) -> bool:
+    """Resources a message lists: not memory, nor Ray's per-node labels (node:IP, ...)."""
+    return name not in HIDDEN_RESOURCES and ":" not in name
+
+
+def check_cluster(config: RayDeployConfig, nodes: list[dict[str, float]]) -> None:
+    """Every tier that runs a replica fits on at least one node (`nodes`: each alive node's
+    total resources, as `ray.nodes()` reports them)."""
+    for name, spec in config.tiers:
+        if spec.replicas == 0 and not spec.max_replicas:
+            continue
+        demand = spec.demand()
+        if not any(all(node.get(k, 0.0) >= v for k, v in demand.items()) for node in nodes):
+            offered = "; ".join(
+                ", ".join(f"{k}={v:g}" for k, v in sorted(n.items()) if shown_resource(k)) for n in nodes
+            )
+            wanted = ", ".join(f"{k}={v:g}" for k, v in sorted(demand.items()))
+            raise ConfigError(
+                f"{name}: no node in the cluster has {wanted} for one replica (nodes: {offered or 'none'})"
+            )
+
+
+def with_transport(config: RayDeployConfig, num_nodes: int) -> RayDeployConfig:
+    """KV transport chosen by the cluster when the config leaves it open: tcp once the
+    engines may sit on different nodes (a replica replaced lands wherever it fits), else
+    the engines' own default (shm for a CPU KV cache, tcp on a GPU)."""
+    if config.transport is not None or num_nodes <= 1:
+        return config
+    return dataclasses.replace(config, transport="tcp")

@@ -1,0 +1,185 @@
+"""A tier's Serve replica: the tier's own server (`splitserve render` or `splitserve engine
+--role ROLE`) as a child process on the replica's node, on a free port, supervised by the
+replica and registered with the ingress.
+
+- Up: the replica starts the server, waits for its /health, and Serve's first health
+  check registers its URL with the ingress (`ProxyIngress.register`); every later check
+  registers again (a heartbeat, so a restarted ingress learns every worker within one
+  period) and fails once the server has exited, so Serve replaces the replica.
+- Down (scale-down, redeploy, `splitserve down --ray`): Serve calls `__del__`, which
+  deregisters first (the router sends nothing new) and then stops the server, which
+  drains what it still serves.
+- A replica that dies outright takes its server with it (the child gets SIGKILL when the
+  replica's thread goes, PR_SET_PDEATHSIG); the router's health check takes the URL out of
+  rotation at once and the ingress drops it once its heartbeats stop. Its server's log
+  (splitserve-ray-ROLE-*.log in the node's temp directory) stays for the post-mortem;
+  a replica that stops normally, or never came up, removes its log.
+
+The internal token (and the render tier's state key) reach the server through the
+environment the deployment gives the replica, never its command line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+from splitserve.protocol.access import internal_headers
+from splitserve.protocol.ports import pick_free_port
+from splitserve.ray_serve.config import ServerConfig
+
+logger = logging.getLogger(__name__)
+
+INGRESS_NAME = "ProxyIngress"
+LOAD_METRIC = "tier_load"  # the custom autoscaling metric every tier replica reports
+REGISTER_TIMEOUT_S = 5.0
+STARTUP_TIMEOUT_S = 300.0
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """In the child, before exec: SIGKILL when the thread that started it goes."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def server_command(role: str, config: ServerConfig, host: str, ports: list[int]) -> list[str]:
+    """The `splitserve` command line a replica of `role` runs (no secrets on it)."""
+    model = [config.model] if config.model else []
+    base = ["--host", host, "--port", str(ports[0]), "--log-level", config.log_level]
+    if role == "render":
+        name = ["--served-model-name", config.served_model_name] if config.served_model_name else []
+        return ["render", *model, *base, *name, *config.render_args]
+    command = ["engine", *model, "--role", role, *base, "--kv-mode", config.mode, *config.engine_args]
+    if config.transport:
+        command += ["--kv-transport", config.transport]
+    # KV events: the proxy's router indexes them (cache-aware routing), dialling this node.
+    command += ["--kv-events-endpoint", f"tcp://{host}:{ports[1]}"]
+    command += ["--kv-events-replay-endpoint", f"tcp://{host}:{ports[2]}"]
+    return command
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) the process has used so far."""
+    with open(f"/proc/{pid}/stat", encoding="ascii") as stat_file:
+        fields = stat_file.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class TierReplica:
+    """One replica of `role` (render, prefill or decode); see the module docstring."""
+
+    async def __init__(self, role: str, config: ServerConfig) -> None:
+        import ray
+
+        self.role = role
+        self.config = config
+        context = ray.get_runtime_context()
+        self.node_id = context.get_node_id()
+        self.replica = context.get_actor_name() or ""
+        host = ray.util.get_node_ip_address()
+        ports: list[int] = []
+        for _ in range(3):
+            ports.append(pick_free_port(host, avoid=ports))
+        self.url = f"http://{host}:{ports[0]}"
+        log_fd, self.log_path = tempfile.mkstemp(prefix=f"splitserve-ray-{role}-", suffix=".log")
+        with os.fdopen(log_fd, "wb") as log_file:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "splitserve.cli", *server_command(role, config, host, ports)],
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                env=dict(os.environ),  # the deployment's token (and state key) are in here
+                preexec_fn=die_with_parent,
+            )
+        self.cpu_mark = (time.monotonic(), 0.0)
+        try:
+            await self.wait_healthy()
+        except BaseException:  # Serve retries with a new replica: leave nothing behind
+            self.process.kill()
+            self.process.wait()
+            with contextlib.suppress(OSError):
+                os.unlink(self.log_path)
+            raise
+        self.deregistered = False
+
+    async def wait_healthy(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        async with httpx.AsyncClient(timeout=2.0, headers=internal_headers()) as client:
+            while True:
+                if self.process.poll() is not None:
+                    raise RuntimeError(self.exited())
+                with contextlib.suppress(httpx.HTTPError):
+                    if (await client.get(f"{self.url}/health")).status_code == 200:
+                        return
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{self.role} server not healthy after {STARTUP_TIMEOUT_S:.0f}s")
+                await asyncio.sleep(0.2)
+
+    def exited(self, limit: int = 3000) -> str:
+        """Why the server is gone: its exit code and the end of its log."""
+        with open(self.log_path, encoding="utf-8", errors="replace") as log_file:
+            tail = log_file.read()[-limit:]
+        return f"{self.role} server exited ({self.process.returncode}):\n{tail}"
+
+    def ingress(self):
+        from ray import serve
+
+        return serve.get_deployment_handle(INGRESS_NAME, app_name=self.config.app_name)
+
+    async def check_health(self) -> None:
+        """Serve's health check: the server runs (else Serve replaces this replica), and
+        the ingress knows it (a heartbeat)."""
+        if self.process.poll() is not None:
+            raise RuntimeError(self.exited())
+        try:
+            await asyncio.wait_for(
+                self.ingress().register.remote(self.role, self.url, self.node_id, self.replica),
+                REGISTER_TIMEOUT_S,
+            )
+        except Exception as exc:  # the ingress restarting: the next heartbeat registers again
+            logger.warning("%s %s: registering with the ingress failed: %r", self.role, self.url, exc)
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """The tier's own load signal (docs/ray.md): decode, the fraction of KV blocks in
+        use; prefill, requests running or queued; render, CPU seconds per second."""
+        if self.role == "render":
+            now, used = time.monotonic(), cpu_seconds(self.process.pid)
+            then, used_before = self.cpu_mark
+            self.cpu_mark = (now, used)
+            return {LOAD_METRIC: (used - used_before) / max(now - then, 1e-3)}
+        async with httpx.AsyncClient(timeout=2.0, headers=internal_headers()) as client:
+            stats = (await client.get(f"{self.url}/inference/v1/stats")).json()
+        if self.role == "decode":
+            return {LOAD_METRIC: float(stats["kv_usage"])}
+        return {LOAD_METRIC: float(stats["num_running"] + stats["num_waiting"])}
+
+    def info(self) -> dict[str, str]:
+        """Where this replica's server is (for tests and `up --ray`'s listing)."""
+        return {"role": self.role, "url": self.url, "node_id": self.node_id, "replica": self.replica}
+
+    async def __del__(self) -> None:
+        """Serve's graceful shutdown: leave the router, then stop the server (draining)."""
+        if getattr(self, "deregistered", True):
+            return
+        self.deregistered = True
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.ingress().deregister.remote(self.url), REGISTER_TIMEOUT_S)
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 15.0
+        while self.process.poll() is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        if self.process.poll() is None:
+            self.process.kill()
+        with contextlib.suppress(OSError):
+            os.unlink(self.log_path)

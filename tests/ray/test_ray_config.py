@@ -1,0 +1,109 @@
+"""The Ray deployment's config: from YAML or `up`'s flags, and the errors that stop
+`splitserve up --ray` before it connects to anything (no Ray needed for these)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from splitserve.ray_serve.config import ConfigError, check, check_cluster, config_from_mapping, load_yaml
+
+GOOD = """
+model: Qwen/Qwen3-0.6B
+http_host: 0.0.0.0
+engine_args: ["--num-blocks", "4096"]
+tiers:
+  render: {replicas: 2, num_cpus: 2}
+  prefill: {replicas: 1, num_gpus: 1, resources: {a100: 1}}
+  decode: {replicas: 2, num_gpus: 1, min_replicas: 1, max_replicas: 4, target: 0.6}
+"""
+
+
+def write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "ray.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_a_yaml_config_reads_and_checks(tmp_path):
+    config = load_yaml(write(tmp_path, GOOD))
+    check(config)
+    decode = config.tier("decode")
+    assert decode.autoscaling and (decode.lowest_replicas, decode.max_replicas, decode.target) == (1, 4, 0.6)
+    assert config.tier("prefill").demand() == {"CPU": 1.0, "GPU": 1.0, "a100": 1.0}
+    assert config.tier("encoder").replicas == 0 and config.engine_args == ("--num-blocks", "4096")
+    gpu_node = {"CPU": 8.0, "GPU": 1.0, "a100": 1.0}
+    check_cluster(config, [{"CPU": 16.0}, gpu_node])
+    with pytest.raises(ConfigError, match=r"prefill: no node in the cluster has CPU=1, GPU=1, a100=1"):
+        check_cluster(config, [{"CPU": 16.0}, {"CPU": 8.0, "GPU": 1.0}])
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("tiers: {render: {}, decode: {}, gpu: {}}", "unknown tier 'gpu'"),
+        ("tiers: {render: {}, decode: {replicas: 0}}", "decode: needs at least 1 replica"),
+        ("tiers: {decode: {}}", "render: needs at least 1 replica"),
+        ("tiers: {render: {}, decode: {num_gpu: 1}}", "tiers.decode: unknown key(s) num_gpu"),
+        ("tiers: {render: {}, decode: {replicas: -1}}", "tiers.decode.replicas: expected a whole number"),
+        ("tiers: {render: {}, decode: {replicas: 3, max_replicas: 2}}", "within min_replicas"),
+        ("tiers: {render: {}, decode: {}, encoder: {replicas: 1}}", "encoder: not yet supported on Ray"),
+        ("replicas: 3", "unknown key(s) replicas"),
+        ("- a list", "must be a mapping"),
+        ("tiers: {render: {}, decode: {}}\nmode: both", "mode: push or pull"),
+    ],
+)
+def test_config_errors_name_what_to_change(tmp_path, text, message):
+    with pytest.raises(ConfigError) as error:
+        check(load_yaml(write(tmp_path, text)))
+    assert message in str(error.value)
+
+
+def test_up_ray_stops_on_a_bad_config_before_connecting(tmp_path):
+    """No cluster runs at this address: the config error comes first, with no traceback."""
+    bad = write(tmp_path, "tiers: {render: {}, decode: {replicas: 0}}")
+    for args, message in (
+        (["--ray-config", bad], "decode: needs at least 1 replica"),
+        (["--ray-config", str(tmp_path / "missing.yaml")], "cannot read"),
+        (["--ray-tier", "decode:num_gpus"], "is not KEY=NUMBER"),
+        (["--ray-tier", "gpu:num_gpus=1"], "unknown tier 'gpu'"),
+        (["--decode", "0"], "decode: needs at least 1 replica"),
+        (["--ray-tier", "decode:max_replicas=1,min_replicas=2"], "min_replicas"),
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "splitserve.cli", "up", "--ray", "127.0.0.1:1", *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_down_needs_ray():
+    done = subprocess.run(
+        [sys.executable, "-m", "splitserve.cli", "down"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2 and "--ray" in done.stderr
+
+
+def test_the_kuberay_manifest_deploys_a_valid_config():
+    import importlib
+
+    import yaml
+
+    manifest = yaml.safe_load((Path(__file__).parents[2] / "deploy" / "kuberay-rayservice.yaml").read_text())
+    application = yaml.safe_load(manifest["spec"]["serveConfigV2"])["applications"][0]
+    config = config_from_mapping(application["args"])
+    check(config)
+    assert config.app_name == application["name"]  # replicas find the ingress by the app's name
+    module, _, name = application["import_path"].partition(":")
+    assert callable(getattr(importlib.import_module(module), name))
+    groups = manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    # `rayStartParams.resources` is a quoted JSON string: '"{\\"cpu_node\\": 1}"'
+    resources = [g["rayStartParams"]["resources"].strip('"').replace('\\"', '"') for g in groups]
+    offered = [yaml.safe_load(text) for text in resources]
+    for tier in ("render", "prefill", "decode"):  # each tier's custom resource has a worker group
+        assert any(set(dict(config.tier(tier).resources)) <= set(node) for node in offered), tier

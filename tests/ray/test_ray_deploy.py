@@ -1,0 +1,289 @@
+"""`splitserve up --ray` on a local two-node Ray cluster (`ray.cluster_utils.Cluster`):
+prefill placed on one node and decode on the other by custom resources, checked against
+the collocated `splitserve serve`; live scaling, a killed decode replica, `down --ray`;
+config errors stop before anything is deployed."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from splitserve.model.tiny import write_tiny_model
+from splitserve.model.tiny_text import TinyModelSpec
+from tests.conftest import free_port, running_server
+from tests.router.test_pd_proxy import chat_token_ids, chats, metric
+
+ray = pytest.importorskip("ray", reason="ray is not installed: pip install 'splitserve[ray]'")
+
+APP = "splitserve-test"
+STORE_BYTES = 80 * 1024 * 1024  # Ray's minimum object store, per node
+API_KEY = "sk-ray-test"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}  # the ingress's OpenAI API wants the key
+
+
+async def deployed_token_ids(base: str, messages: list[list[dict]], max_tokens: int = 8) -> list[list[int]]:
+    """`chat_token_ids` against the Ray deployment, with its API key."""
+    async with httpx.AsyncClient(timeout=120, headers=AUTH) as client:
+
+        async def one(m: list[dict]) -> list[int]:
+            body = {"messages": m, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True}
+            response = await client.post(f"{base}/v1/chat/completions", json=body)
+            assert response.status_code == 200, response.text
+            return response.json()["choices"][0]["token_ids"]
+
+        return list(await asyncio.gather(*(one(m) for m in messages)))
+
+
+def splitserve(*args: str, env: dict[str, str] | None = None, timeout: float = 240):
+    return subprocess.run(
+        [sys.executable, "-m", "splitserve.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny_model() -> Iterator[str]:
+    """The default tiny model, in a directory of this module's own: the Ray workers read it
+    for the whole module, past any other pytest session's clean-up of its base temp."""
+    directory = tempfile.mkdtemp(prefix="splitserve-ray-model-")
+    try:
+        yield str(write_tiny_model(Path(directory), TinyModelSpec()))
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[str]:
+    from ray.cluster_utils import Cluster
+
+    node = {"object_store_memory": STORE_BYTES, "include_dashboard": False}
+    with pytest.MonkeyPatch.context() as patch:
+        # Replicas report their load every second (default 10 s), so the scale-up comes soon.
+        patch.setenv("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "1")
+        local = Cluster(
+            initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"prefill_node": 2}, **node}
+        )
+        local.add_node(num_cpus=2, resources={"decode_node": 2}, **node)
+    ray.init(address=local.address, logging_level="warning", log_to_driver=False)
+    try:
+        yield local.address
+    finally:  # Serve goes with the cluster
+        ray.shutdown()
+        local.shutdown()
+
+
+@pytest.fixture(scope="module")
+def secrets_env() -> dict[str, str]:
+    """The deployment's secrets, set in `up`'s environment so that running `up --ray` again
+    (to scale) keeps the replicas' environment, and so that the test can call the engines."""
+    return {
+        "SPLITSERVE_INTERNAL_TOKEN": secrets.token_urlsafe(16),
+        "SPLITSERVE_STATE_KEY": "ab" * 32,
+        "SPLITSERVE_API_KEY": API_KEY,
+    }
+
+
+def up_args(address: str, model: str, port: int) -> list[str]:
+    """Prefill on the head node, decode on the other; decode autoscales 1 -> 2 on its load
+    signal (KV blocks in use), at a target any request exceeds."""
+    return [
+        "up", model, "--ray", address, "--ray-app-name", APP, "--port", str(port),
+        "--num-blocks", "512", "--min-prefill-tokens", "16", "--open-health-metrics",
+        "--ray-tier", "render:num_cpus=0.5", "--ray-tier", "prefill:num_cpus=0.5,prefill_node=1",
+        "--ray-tier", "decode:num_cpus=0.5,decode_node=1,max_replicas=2,target=0.0001,upscale_delay_s=0",
+    ]  # fmt: skip
+
+
+def app_replicas() -> list[str]:
+    """The application's replica actors on the cluster. (Asked of Ray, not of Serve: `up`
+    and `down` are other drivers, and Serve's controller may have stopped and started
+    since this process last talked to it.)"""
+    actors = ray.util.list_named_actors(all_namespaces=True)
+    return [a["name"] for a in actors if a["namespace"] == "serve" and f"{APP}#" in a["name"]]
+
+
+def workers() -> list[dict]:
+    from ray import serve
+
+    return serve.get_deployment_handle("ProxyIngress", app_name=APP).workers.remote().result()
+
+
+@contextlib.contextmanager
+def steady_load(base: str, messages: list[dict]) -> Iterator[None]:
+    """Requests one after another (so decode holds KV blocks, its load signal) until the
+    block ends."""
+    stop = threading.Event()
+
+    def run() -> None:
+        with httpx.Client(timeout=120, headers=AUTH) as client:
+            while not stop.is_set():
+                body = {"messages": messages, "max_tokens": 32, "temperature": 0}
+                assert client.post(f"{base}/v1/chat/completions", json=body).status_code == 200
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def wait_for(condition, timeout_s: float = 90, what: str = "") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)
+
+
+def test_resources_no_node_has_stop_the_deploy_with_a_clear_message(cluster, tiny_model):
+    """(The errors told without a cluster: tests/ray/test_ray_config.py.)"""
+    args = [
+        "--ray-tier",
+        "decode:decode_node=1,num_gpus=1",
+        "--ray-app-name",
+        APP,
+        "--port",
+        str(free_port()),
+    ]
+    done = splitserve("up", tiny_model, "--ray", cluster, *args)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert "decode: no node in the cluster has CPU=1, GPU=1, decode_node=1 for one replica" in done.stderr
+    assert "nothing deployed" in done.stderr
+    assert not app_replicas()
+
+
+def test_a_tier_that_cannot_start_fails_the_deploy_with_its_reason(cluster, tiny_model, tmp_path):
+    config = tmp_path / "ray.yaml"
+    config.write_text(
+        f"model: {tiny_model}\napp_name: {APP}\nhttp_port: {free_port()}\n"
+        "engine_args: [--no-such-flag]\nrender_args: [--no-such-flag]\n"
+        "tiers: {render: {num_cpus: 0.5}, decode: {num_cpus: 0.5}}\n"
+    )
+    done = splitserve("up", "--ray", cluster, "--ray-config", str(config))
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    for why in ("render server exited (2)", "unrecognized arguments: --no-such-flag", "removing the app"):
+        assert why in done.stderr, done.stderr
+    assert not app_replicas()
+
+
+def test_tiers_on_two_nodes_scale_survive_a_killed_replica_and_go_down(cluster, tiny_model, secrets_env):
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    command = [sys.executable, "-m", "splitserve.cli", *up_args(cluster, tiny_model, port)]
+    up = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **secrets_env}
+    )
+    serve_port = free_port()  # the reference starts while the deployment does
+    with running_server(
+        ["serve", tiny_model, "--port", str(serve_port), "--num-blocks", "1024"], serve_port
+    ) as ref:
+        stdout, stderr = up.communicate(timeout=240)
+        assert up.returncode == 0, stdout + stderr
+        check_the_deployment(base, ref, stdout, secrets_env)
+
+    # down: the application and its servers are gone
+    urls = [m["url"] for m in workers()]
+    done = splitserve("down", "--ray", cluster, "--ray-app-name", APP)
+    assert done.returncode == 0, done.stderr
+    assert not app_replicas()
+    for url in urls:
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"{url}/health", timeout=2)
+
+
+def check_the_deployment(base: str, collocated: str, stdout: str, secrets_env: dict[str, str]) -> None:
+    assert f"OpenAI API: {base}/v1" in stdout and "KV over tcp" in stdout
+
+    # placement: prefill on the head node, decode on the other; the secrets never on a command line
+    members = workers()
+    nodes = {m["role"]: m["node_id"] for m in members}
+    assert set(nodes) == {"render", "prefill", "decode"} and nodes["prefill"] != nodes["decode"]
+    token = secrets_env["SPLITSERVE_INTERNAL_TOKEN"]
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            with contextlib.suppress(OSError):
+                assert token.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
+
+    # the same greedy tokens as `serve`, through the openai client too; KV crossed by tcp
+    messages = chats()
+    expected = asyncio.run(chat_token_ids(collocated, messages))
+    assert asyncio.run(deployed_token_ids(base, messages)) == expected
+    assert httpx.post(f"{base}/v1/chat/completions", json={"messages": messages[0]}).status_code == 401
+    assert httpx.get(f"{base}/health").status_code == 200  # --open-health-metrics: probes need no key
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key=API_KEY)
+    reference = openai.OpenAI(base_url=f"{collocated}/v1", api_key="unused")
+    stream = client.chat.completions.create(
+        model=None, messages=messages[1], max_tokens=8, temperature=0, stream=True
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    want = reference.chat.completions.create(model=None, messages=messages[1], max_tokens=8, temperature=0)
+    assert text == want.choices[0].message.content
+    decode_url = next(m["url"] for m in members if m["role"] == "decode")
+    auth = {"Authorization": f"Bearer {token}"}
+    assert httpx.get(f"{decode_url}/inference/v1/kv/info", headers=auth).json()["transport"] == "tcp"
+    decode_metrics = httpx.get(f"{decode_url}/metrics", headers=auth).text
+    assert metric(decode_metrics, "splitserve_kv_transfer_bytes_total", '{direction="received"}') > 0
+    assert httpx.get(f"{decode_url}/health").status_code == 401  # the token guards the engines
+
+    # decode scales 1 -> 2 live on its load (the other tiers keep running): the router uses both
+    with steady_load(base, messages[0]):
+        wait_for(lambda: sum(m["role"] == "decode" and m["healthy"] for m in workers()) == 2, what="scale-up")
+    assert {m["url"] for m in workers() if m["role"] != "decode"} == {
+        m["url"] for m in members if m["role"] != "decode"
+    }
+    asyncio.run(deployed_token_ids(base, chats() * 2))
+    decodes = [m for m in workers() if m["role"] == "decode"]
+    assert len(decodes) == 2 and all(m["served"] > 0 for m in decodes), decodes
+
+    # kill one decode replica while requests run: none is lost, Serve replaces it, the
+    # router drops the dead worker and takes in the new one
+    victim = decodes[0]
+
+    async def victim_busy() -> bool:
+        from ray import serve
+
+        now = await serve.get_deployment_handle("ProxyIngress", app_name=APP).workers.remote()
+        return any(m["url"] == victim["url"] and m["in_flight"] > 0 for m in now)
+
+    async def load_and_kill() -> list[list[int]]:
+        batch = asyncio.ensure_future(deployed_token_ids(base, messages * 2, max_tokens=24))
+        while not await victim_busy():  # kill it with requests on it
+            assert not batch.done(), "the batch finished before the victim took a request"
+            await asyncio.sleep(0.05)
+        ray.kill(ray.get_actor(victim["replica"], namespace="serve"), no_restart=True)
+        return await batch
+
+    def retries() -> float:
+        return metric(httpx.get(f"{base}/metrics", headers=AUTH).text, "splitserve_proxy_retries_total")
+
+    retries_before = retries()
+
+    long_expected = asyncio.run(chat_token_ids(collocated, messages, max_tokens=24))
+    assert asyncio.run(load_and_kill()) == long_expected * 2
+    assert retries() > retries_before
+
+    def replaced() -> bool:
+        now = [m for m in workers() if m["role"] == "decode"]
+        urls = {m["url"] for m in now}
+        return len(now) == 2 and victim["url"] not in urls and all(m["healthy"] for m in now)
+
+    wait_for(replaced, what="the killed decode replica to be replaced")
+    assert asyncio.run(deployed_token_ids(base, messages)) == expected
