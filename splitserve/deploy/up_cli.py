@@ -29,6 +29,7 @@ from splitserve.protocol.drain import add_serving_arguments
 from splitserve.protocol.http_edge import DEFAULT_MAX_BODY_BYTES
 from splitserve.protocol.ports import pick_free_port
 from splitserve.ray_serve.cli import add_ray_arguments
+from splitserve.ray_serve.config import engine_flags
 
 _POLL_S = 0.2
 
@@ -114,20 +115,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _engine_args(args: argparse.Namespace) -> list[str]:
     extra: list[str] = ["--kv-mode", args.mode, "--log-level", args.log_level]
-    extra += ["--drain-timeout", str(args.drain_timeout)]
-    for flag, value in (
-        ("--kv-transport", args.transport),
-        ("--num-blocks", args.num_blocks),
-        ("--kv-cache-memory", args.kv_cache_memory),
-        ("--max-model-len", args.max_model_len),
-        ("--max-num-batched-tokens", args.max_num_batched_tokens),
-        ("--dtype", args.dtype),
-        ("--kv-timeout", args.kv_timeout),
-        ("--kv-reservation-ttl", args.kv_reservation_ttl),
-    ):
-        if value is not None:
-            extra += [flag, str(value)]
-    return extra
+    if args.transport is not None:
+        extra += ["--kv-transport", args.transport]
+    return extra + list(engine_flags(args))
 
 
 def ec_directory() -> str:

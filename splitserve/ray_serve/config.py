@@ -214,7 +214,8 @@ def parse_tier_flag(text: str) -> tuple[str, dict[str, Any]]:
 
 
 def engine_flags(args: argparse.Namespace) -> tuple[str, ...]:
-    """`splitserve up`'s engine flags that every engine of the Ray deployment gets too."""
+    """The engine flags `splitserve up` passes to every engine, local or on Ray (the KV
+    transport and mode are the caller's: Ray picks the transport by placement)."""
     flags: list[str] = ["--drain-timeout", str(args.drain_timeout)]
     for flag, value in (
         ("--num-blocks", args.num_blocks),
