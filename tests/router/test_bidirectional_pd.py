@@ -133,6 +133,30 @@ def test_tenants_with_different_cache_salts_never_pull_each_others_blocks(up, fr
     assert counted["pulled"] > 0 and cached > 0
 
 
+@pytest.mark.parametrize("edit", ["rewritten tool call", "compacted history"])
+def test_an_edited_history_reuses_up_to_the_first_differing_block(up, fresh, edit):
+    """A harness that rewrites the tool call the model made (a token inside decode's
+    answer) or compacts older turns into a summary: reuse stops at the first block that
+    differs, wherever it lies, and the output equals a fresh run."""
+    seed = 20 if edit == "rewritten tool call" else 30
+    turn1 = ids(seed, 70)
+    answer, _, _ = up.complete(turn1, 40)
+    if edit == "rewritten tool call":
+        first_difference = len(turn1) + 10
+        rewritten = [*answer[:10], 1 + answer[10] % 1800, *answer[11:]]
+        turn2 = [*turn1, *rewritten, *ids(seed + 1, 30)]
+    else:
+        first_difference = 40
+        summary = [token for token in ids(seed + 2, 12) if token != turn1[40]]
+        turn2 = [*turn1[:40], *summary, *ids(seed + 3, 30)]
+    tokens, cached, counted = up.complete(turn2, 6)
+    assert tokens == fresh_tokens(fresh, turn2, 6)
+    held = len(turn1) + len(answer) - 1  # decode computed all but the answer's last token
+    matching_blocks = min(first_difference, held) // BLOCK
+    assert counted["reused"] + counted["pulled"] == matching_blocks * BLOCK == cached
+    assert counted["computed"] == len(turn2) - matching_blocks * BLOCK
+
+
 def test_dropped_reasoning_pulls_only_blocks_that_match_and_equals_a_fresh_run(up, fresh):
     """vLLM #43094: the template drops turn 1's reasoning, so what decode generated differs
     from turn 2's prompt from some point on; reuse stops at the first differing block."""
