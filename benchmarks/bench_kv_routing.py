@@ -76,8 +76,13 @@ async def workload(base: str, args: argparse.Namespace) -> dict[str, float]:
         for _ in range(args.turns):
             for messages in sessions:
                 messages.append({"role": "user", "content": text(rng, 20)})
-            results = await asyncio.gather(*(turn(client, base, m) for m in sessions))
-            for messages, (ttft, prompt, cached, answer) in zip(sessions, results, strict=True):
+            # sessions arrive in a new order each turn: in a fixed order, round-robin would
+            # send every session back to its last replica whenever their count divides evenly
+            order = list(range(len(sessions)))
+            rng.shuffle(order)
+            arriving = [sessions[i] for i in order]
+            results = await asyncio.gather(*(turn(client, base, m) for m in arriving))
+            for messages, (ttft, prompt, cached, answer) in zip(arriving, results, strict=True):
                 messages.append({"role": "assistant", "content": answer or "ok"})
                 ttfts.append(ttft)
                 prompt_tokens += prompt

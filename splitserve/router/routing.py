@@ -78,11 +78,12 @@ class TextPrefixMemory:
         """The longest common prefix of `text` with a remembered prompt of the worker;
         0 when below the minimum."""
         text = text[: self.limits.max_text_chars]
-        with self._lock:
-            best = max(
-                (common_prefix_length(text, seen) for seen in self._texts.get(worker_url, ())), default=0
-            )
-        return best if best >= self.limits.min_prefix_chars else 0
+        head = text[: self.limits.min_prefix_chars]
+        if len(head) < self.limits.min_prefix_chars:
+            return 0
+        with self._lock:  # only prompts that reach the minimum are measured
+            seen = [t for t in self._texts.get(worker_url, ()) if t.startswith(head)]
+        return max((common_prefix_length(text, t) for t in seen), default=0)
 
 
 class Router:
