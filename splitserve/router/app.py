@@ -3,7 +3,8 @@
 The same `OpenAIService` as `serve`, wired to the render tier over HTTP
 (`HTTPFrontendClient`: one render per request, batched derender calls on pooled
 keep-alive connections) and to `PDEngineClient` (prefill worker → KV transfer → decode
-worker, chosen least loaded). Adds `/workers` and the proxy's `/metrics`.
+worker, each picked by the `--routing` policy: router/routing.py). Adds `/workers` and the
+proxy's `/metrics`.
 """
 
 from __future__ import annotations
