@@ -113,7 +113,7 @@ def main() -> int:
     parser.add_argument("--sessions", type=int, default=12)
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--num-blocks", type=int, default=128, help="per replica: less than all tenants need")
-    parser.add_argument("--ttft-slo", type=float, default=0.5, help="seconds: the goodput's TTFT SLO")
+    parser.add_argument("--ttft-slo", type=float, default=0.25, help="seconds: the goodput's TTFT SLO")
     args = parser.parse_args()
     model = tiny_model(args.model)
     print(f"SLO: TTFT <= {args.ttft_slo * 1e3:.0f} ms; goodput = requests meeting it per second")
