@@ -79,6 +79,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-overlap-weight", type=float, default=None, help="the proxy's routing weight")
     parser.add_argument("--kv-load-weight", type=float, default=None, help="the proxy's routing weight")
     parser.add_argument(
+        "--routing",
+        choices=["cache-aware", "least-loaded", "round-robin", "text-prefix"],  # the proxy's --routing
+        default=None,
+        help="the proxy's worker picking (default cache-aware)",
+    )
+    parser.add_argument(
         "--stall-timeout",
         type=float,
         default=None,
@@ -278,6 +284,7 @@ def run(args: argparse.Namespace) -> int:
             for flag, value in (
                 ("--kv-overlap-weight", args.kv_overlap_weight),
                 ("--kv-load-weight", args.kv_load_weight),
+                ("--routing", args.routing),
                 ("--stall-timeout", args.stall_timeout),
             ):
                 if value is not None:

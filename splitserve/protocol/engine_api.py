@@ -13,7 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 PRECEDING_OUTPUT_TOKENS = "preceding_output_tokens"  # in sampling_params
-ROUTING_HINTS = ("conversation_id",)  # for the proxy's placement only, never sent to an engine
+PROMPT_TEXT = "prompt_text"  # the client's prompt text, for the proxy's text-prefix router
+ROUTING_HINTS = ("conversation_id", PROMPT_TEXT)  # for the proxy's placement only, never sent to an engine
 
 
 def without_routing_hints(body: dict) -> dict:

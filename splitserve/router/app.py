@@ -3,7 +3,8 @@
 The same `OpenAIService` as `serve`, wired to the render tier over HTTP
 (`HTTPFrontendClient`: one render per request, batched derender calls on pooled
 keep-alive connections) and to `PDEngineClient` (prefill worker → KV transfer → decode
-worker, chosen least loaded). Adds `/workers` and the proxy's `/metrics`.
+worker, each picked by the `--routing` policy: router/routing.py). Adds `/workers` and the
+proxy's `/metrics`.
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ import asyncio
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
+from splitserve.protocol.frontend_client import FrontendClient
 from splitserve.protocol.http_edge import DEFAULT_MAX_BODY_BYTES
 from splitserve.protocol.http_frontend_client import HTTPFrontendClient
 from splitserve.router.encoder_pool import EncoderPool, EncoderPoolEngineClient
 from splitserve.router.pd_engine_client import PDEngineClient
+from splitserve.router.routing import PromptTextFrontend, RoutingPolicy
 from splitserve.router.workers import health_loop
 from splitserve.service.app import create_openai_app
 
@@ -43,8 +46,11 @@ def create_proxy_app(
     service_engine = engine
     if encoder_urls:
         service_engine = EncoderPoolEngineClient(engine, EncoderPool(encoder_urls, engine.metrics.registry))
+    frontend: FrontendClient = HTTPFrontendClient(render_url)
+    if engine.router.policy is RoutingPolicy.TEXT_PREFIX:  # it routes on the client's text
+        frontend = PromptTextFrontend(frontend)
     app = create_openai_app(
-        HTTPFrontendClient(render_url),
+        frontend,
         service_engine,
         title="splitserve P/D proxy",
         max_body_bytes=max_body_bytes,
@@ -59,6 +65,7 @@ def create_proxy_app(
             {
                 "workers": engine.pool.snapshot(),
                 "policy": engine.policy.__dict__,
+                "routing": str(engine.router.policy),
                 "kv_index_blocks": engine.kv_index.num_blocks(),
             }
         )

@@ -9,6 +9,7 @@ import sys
 from splitserve.protocol import access
 from splitserve.protocol.drain import add_serving_arguments, serve_draining
 from splitserve.protocol.http_edge import DEFAULT_MAX_BODY_BYTES
+from splitserve.router.routing import RoutingPolicy
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,6 +63,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-load-weight", type=float, default=4.0, help="routing cost per request a worker has in flight"
     )
     parser.add_argument(
+        "--routing",
+        choices=[str(p) for p in RoutingPolicy],
+        default=str(RoutingPolicy.CACHE_AWARE),
+        help="how each pool's worker is picked: cache-aware (KV event index vs load), "
+        "least-loaded, round-robin, text-prefix (longest common prefix of the client's text)",
+    )
+    parser.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
     add_serving_arguments(parser)
@@ -96,7 +104,10 @@ def run(args: argparse.Namespace) -> int:
     app = create_proxy_app(
         args.render,
         PDEngineClient(
-            pool, policy, routing_weights=KVRoutingWeights(args.kv_overlap_weight, args.kv_load_weight)
+            pool,
+            policy,
+            routing_weights=KVRoutingWeights(args.kv_overlap_weight, args.kv_load_weight),
+            routing=RoutingPolicy(args.routing),
         ),
         health_interval_s=args.health_interval,
         max_body_bytes=args.max_body_bytes,

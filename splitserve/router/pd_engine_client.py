@@ -38,6 +38,7 @@ from splitserve.router.kv_index import KVBlockIndex, KVEventFeed, KVRoutingWeigh
 from splitserve.router.metrics import ProxyMetrics
 from splitserve.router.migration import StreamedSoFar, as_original, resumed_request
 from splitserve.router.pd_policy import ConversationHints, PDPolicy
+from splitserve.router.routing import Router, RoutingPolicy
 from splitserve.router.stall import ABORT_TIMEOUT_S, PROBE_TIMEOUT_S, DecodeStalled, watch_for_stall
 from splitserve.router.workers import Worker, WorkerPool, WorkerRole
 
@@ -62,6 +63,7 @@ class PDEngineClient(EngineClient):
         policy: PDPolicy,
         metrics: ProxyMetrics | None = None,
         routing_weights: KVRoutingWeights | None = None,
+        routing: RoutingPolicy = RoutingPolicy.CACHE_AWARE,
     ):
         self.pool = pool
         self.policy = policy
@@ -70,6 +72,7 @@ class PDEngineClient(EngineClient):
         self.routing_weights = routing_weights or KVRoutingWeights()
         self.kv_index = KVBlockIndex()
         self.kv_feed = KVEventFeed(self.kv_index)
+        self.router = Router(routing, self.kv_index, self.routing_weights)
         self.block_sizes: dict[str, int] = {}  # per worker URL, from its KV events info
         self.conversations = ConversationHints()  # clients' conversation_id → decode worker
         # Control calls (reservations, health) get their own small pool: httpcore scans a
@@ -151,18 +154,9 @@ class PDEngineClient(EngineClient):
         exclude: set[str] | frozenset[str] = frozenset(),
         hinted: str | None = None,
     ) -> Worker | None:
-        """The worker of `role` with the lowest cost: blocks it would prefill (its cached
-        leading blocks, by the KV event index, subtracted) against its load. The hinted
-        worker (the conversation's last) wins ties only: half a block's cost."""
-        hashes = request_block_hashes(body)
-        weights, index = self.routing_weights, self.kv_index
-
-        def cost(worker: Worker) -> float:
-            uncached = len(hashes) - index.matched_blocks(worker.url, hashes)
-            hint = 0.5 * weights.overlap_weight if worker.url == hinted else 0.0
-            return weights.overlap_weight * uncached + weights.load_weight * worker.in_flight - hint
-
-        return self.pool.pick(role, exclude, cost if hashes or hinted else None)
+        """The worker of `role` the routing policy picks (router/routing.py); `hinted`:
+        the conversation's last decode worker."""
+        return self.router.pick(self.pool, role, body, exclude, hinted)
 
     def cached_tokens(self, worker: Worker, body: dict) -> int:
         """The leading prompt tokens `worker` holds, by the KV event index."""
