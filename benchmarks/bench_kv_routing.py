@@ -114,14 +114,23 @@ def main() -> int:
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--num-blocks", type=int, default=128, help="per replica: less than all tenants need")
     parser.add_argument("--ttft-slo", type=float, default=0.25, help="seconds: the goodput's TTFT SLO")
+    parser.add_argument(
+        "--kv-load-weight", type=float, default=None, help="cache-aware's cost per request in flight"
+    )
+    parser.add_argument(
+        "--policies", nargs="+", choices=POLICIES, default=list(POLICIES), help="round-robin always runs"
+    )
     args = parser.parse_args()
     model = tiny_model(args.model)
     print(f"SLO: TTFT <= {args.ttft_slo * 1e3:.0f} ms; goodput = requests meeting it per second")
     results = {}
-    for policy in POLICIES:
+    policies = [policy for policy in POLICIES if policy in args.policies or policy == "round-robin"]
+    for policy in policies:
         port = free_port()
         command = [sys.executable, "-m", "splitserve.cli", "up", model, "--port", str(port)]
         command += ["--prefill", "0", "--decode", str(args.replicas), "--num-blocks", str(args.num_blocks)]
+        if args.kv_load_weight is not None:
+            command += ["--kv-load-weight", str(args.kv_load_weight)]
         with served([*command, "--routing", policy], port, policy) as base:
             results[policy] = asyncio.run(workload(base, args))
         r = results[policy]
@@ -131,7 +140,7 @@ def main() -> int:
             f"goodput {r['goodput']:.2f} req/s"
         )
     baseline = results["round-robin"]
-    for policy in POLICIES:
+    for policy in policies:
         if policy == "round-robin":
             continue
         r = results[policy]
