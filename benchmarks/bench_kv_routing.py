@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import re
 import statistics
@@ -28,7 +27,7 @@ import time
 
 import httpx
 from bench_pd_streaming import tiny_model
-from bench_render import free_port, served
+from bench_render import free_port, served, stream_openai
 
 WORDS = "the of and to in is that for it as was with be by on not this are or from at".split()
 
@@ -48,19 +47,10 @@ async def turn(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    start, ttft, answer, usage = time.perf_counter(), None, [], {}
-    async with client.stream("POST", f"{base}/v1/chat/completions", json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = json.loads(line[6:])
-            if event.get("choices"):
-                ttft = ttft if ttft is not None else time.perf_counter() - start
-                answer.append(event["choices"][0]["delta"].get("content") or "")
-            usage = event.get("usage") or usage
+    ttft, choices, usage = await stream_openai(client, f"{base}/v1/chat/completions", body)
+    answer = "".join(choice["delta"].get("content") or "" for choice in choices)
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-    return ttft or 0.0, usage.get("prompt_tokens", 0), cached, "".join(answer)
+    return ttft, usage.get("prompt_tokens", 0), cached, answer
 
 
 POLICIES = ("cache-aware", "least-loaded", "round-robin", "text-prefix")

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import re
 import statistics
@@ -40,7 +39,7 @@ from pathlib import Path
 
 import httpx
 from bench_pd_streaming import tiny_model
-from bench_render import free_port, served
+from bench_render import free_port, served, stream_openai
 
 Row = tuple[float, int, int, int]  # TTFT, prompt tokens, cached tokens, blocks pulled
 
@@ -62,24 +61,15 @@ async def token_turn(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    start, ttft, answer, usage = time.perf_counter(), None, [], {}
-    async with client.stream("POST", f"{base}/v1/completions", json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = json.loads(line[6:])
-            if event.get("choices"):
-                ttft = ttft if ttft is not None else time.perf_counter() - start
-                answer += event["choices"][0].get("token_ids") or []
-            usage = event.get("usage") or usage
+    ttft, choices, usage = await stream_openai(client, f"{base}/v1/completions", body)
+    answer = [token for choice in choices for token in choice.get("token_ids") or []]
     if len(answer) != usage.get("completion_tokens"):
         # a chunk whose bytes were not yet text streams no event: ask again (greedy: the same
         # answer, and a full prefix hit) for the answer's token IDs
         body = {**body, "stream": False, "stream_options": None}
         answer = (await client.post(f"{base}/v1/completions", json=body)).json()["choices"][0]["token_ids"]
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-    return ttft or 0.0, cached, answer
+    return ttft, cached, answer
 
 
 async def conversations(

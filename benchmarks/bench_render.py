@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import random
 import signal
@@ -30,6 +31,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx
 
@@ -89,6 +91,28 @@ def served(command: list[str], port: int, name: str, env: dict[str, str] | None 
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+class Streamed(NamedTuple):
+    ttft: float  # seconds to the first event with a choice
+    choices: list[dict]  # the first choice of every event that had one
+    usage: dict  # the final usage (stream_options.include_usage)
+
+
+async def stream_openai(client: httpx.AsyncClient, url: str, body: dict) -> Streamed:
+    """POST a streaming OpenAI request and collect its events."""
+    start, ttft, choices, usage = time.perf_counter(), None, [], {}
+    async with client.stream("POST", url, json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if event.get("choices"):
+                ttft = ttft if ttft is not None else time.perf_counter() - start
+                choices.append(event["choices"][0])
+            usage = event.get("usage") or usage
+    return Streamed(ttft or 0.0, choices, usage)
 
 
 def splitserve_render(model: str, port: int) -> contextlib.AbstractContextManager[str]:
