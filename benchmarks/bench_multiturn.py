@@ -16,6 +16,8 @@ turn recomputes them; bidirectional P/D pulls them from decode instead. Blocks p
 the prefill engine's `splitserve_kv_prefix_blocks_total{direction="pulled"}` per turn.
 
     .venv/bin/python benchmarks/bench_multiturn.py [--turns 6] [--answer-tokens 48] [--repeats 3]
+    .venv/bin/python benchmarks/bench_multiturn.py --agent --repeats 1   # 40 turns, tool outputs,
+                                                                         # reasoning stripped
 
 TTFT is the median over `--repeats` conversations (the machine's noise otherwise decides);
 `--model DIR` runs another model (default: the tiny test model).
@@ -72,11 +74,12 @@ async def token_turn(
     return ttft, cached, answer
 
 
-async def conversations(
-    base: str, turns: int, answer_tokens: int, repeats: int, pulled_blocks: Callable[[], float]
-) -> list[Row]:
+async def conversations(base: str, args: argparse.Namespace, pulled_blocks: Callable[[], float]) -> list[Row]:
     """Per turn: the median TTFT over `repeats` conversations (each its own system prompt,
-    one after another), and the first conversation's token and block counts."""
+    one after another), and the first conversation's token and block counts. The first
+    `reasoning_tokens` of each answer count as its reasoning, which the next turn's
+    history drops (as Qwen3's template does): what decode holds stops matching there."""
+    turns, answer_tokens, repeats = args.turns, args.answer_tokens, args.repeats
     runs: list[list[Row]] = []
     async with httpx.AsyncClient(timeout=600) as client:
         warm = random.Random(1)  # unrelated prompts first: the first calls compile kernels
@@ -87,11 +90,11 @@ async def conversations(
             prompt = token_ids(rng, 200)  # the system prompt
             rows = []
             for _ in range(turns):
-                prompt = prompt + token_ids(rng, 50)  # the user's new message
+                prompt = prompt + token_ids(rng, args.message_tokens)  # a user message or tool output
                 before = pulled_blocks()
                 ttft, cached, answer = await token_turn(client, base, prompt, answer_tokens)
                 rows.append((ttft, len(prompt), cached, int(pulled_blocks() - before)))
-                prompt = prompt + answer
+                prompt = prompt + answer[args.reasoning_tokens :]
             runs.append(rows)
     return [(statistics.median(run[turn][0] for run in runs), *runs[0][turn][1:]) for turn in range(turns)]
 
@@ -122,7 +125,19 @@ def main() -> int:
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--answer-tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3, help="conversations per stack (median TTFT)")
+    parser.add_argument("--message-tokens", type=int, default=50, help="each turn's new message")
+    parser.add_argument(
+        "--reasoning-tokens", type=int, default=0, help="leading answer tokens the next turn's history drops"
+    )
+    parser.add_argument(
+        "--agent",
+        action="store_true",
+        help="40 agent-like turns (3,750 tokens at the end): 72-token tool outputs, 32-token"
+        " answers whose first 16 (reasoning) the next turn drops",
+    )
     args = parser.parse_args()
+    if args.agent:
+        args.turns, args.message_tokens, args.reasoning_tokens, args.answer_tokens = 40, 72, 16, 32
     model = tiny_model(args.model)
     pd = ["up", model, "--prefill", "1", "--decode", "1", "--min-prefill-tokens", "16"]
     stacks = {
@@ -137,9 +152,7 @@ def main() -> int:
             [sys.executable, "-m", "splitserve.cli", *command, "--port", str(port)], port, command[0]
         ) as base:
             pulled = prefill_pulled_blocks(command[0], port) if command[0] == "up" else lambda: 0.0
-            results[name] = asyncio.run(
-                conversations(base, args.turns, args.answer_tokens, args.repeats, pulled)
-            )
+            results[name] = asyncio.run(conversations(base, args, pulled))
     print("turn  " + "  ".join(f"{name + ' TTFT ms':>24}  computed  pulled" for name in results))
     for index in range(args.turns):
         cells = []
