@@ -264,10 +264,11 @@ def check_the_deployment(base: str, collocated: str, stdout: str, secrets_env: d
         return any(m["url"] == victim["url"] and m["in_flight"] > 0 for m in now)
 
     async def load_and_kill() -> list[list[int]]:
-        batch = asyncio.ensure_future(deployed_token_ids(base, messages * 2, max_tokens=24))
+        batch = asyncio.ensure_future(deployed_token_ids(base, messages * 2, max_tokens=128))
         while not await victim_busy():  # kill it with requests on it
             assert not batch.done(), "the batch finished before the victim took a request"
             await asyncio.sleep(0.05)
+        # long answers (128 tokens): the kill lands while they stream, so the proxy must retry
         ray.kill(ray.get_actor(victim["replica"], namespace="serve"), no_restart=True)
         return await batch
 
@@ -276,7 +277,7 @@ def check_the_deployment(base: str, collocated: str, stdout: str, secrets_env: d
 
     retries_before = retries()
 
-    long_expected = asyncio.run(chat_token_ids(collocated, messages, max_tokens=24))
+    long_expected = asyncio.run(chat_token_ids(collocated, messages, max_tokens=128))
     assert asyncio.run(load_and_kill()) == long_expected * 2
     assert retries() > retries_before
 
