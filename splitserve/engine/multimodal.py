@@ -17,7 +17,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -26,9 +26,6 @@ from splitserve.kv.ec_connector import IMAGE_HASH_PATTERN, ECConnector
 from splitserve.model.qwen2_vl import ImagePlacement, Qwen2VLConfig, Qwen2VLModel, mrope_positions
 from splitserve.protocol.errors import InvalidRequestError
 from splitserve.protocol.multimodal import ImageInput
-
-if TYPE_CHECKING:
-    from splitserve.engine.scheduler import ScheduledRequest
 
 logger = logging.getLogger(__name__)
 
@@ -177,7 +174,7 @@ class MultiModalRunner:
         return build_multimodal_inputs(prompt, images, config, self.ec_connector)
 
     def step_inputs(
-        self, ordered: Sequence[ScheduledRequest], input_ids: torch.Tensor, positions: torch.Tensor
+        self, ordered: Sequence[StepSlice], input_ids: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(positions [3, T], inputs_embeds [T, hidden]) for the step's flattened tokens,
         laid out as `ordered` (the runner's order): text tokens embedded, visual tokens
@@ -272,3 +269,22 @@ class MultiModalRunner:
             self.cache.misses,
             self.encode_seconds,
         )
+
+
+class RequestWithImages(Protocol):
+    @property
+    def multimodal(self) -> MultiModalInputs | None: ...
+
+
+class StepSlice(Protocol):
+    """What `step_inputs` reads of the scheduler's ScheduledRequest; named by shape, not
+    imported, so this module does not depend on the scheduler (which depends on kv)."""
+
+    @property
+    def request(self) -> RequestWithImages: ...
+
+    @property
+    def position_start(self) -> int: ...
+
+    @property
+    def num_tokens(self) -> int: ...
