@@ -88,7 +88,7 @@ class ModelRunner:
             table = torch.tensor(s.request.block_ids[: -(-end // bs)], dtype=torch.long)
             pos = torch.arange(start, end)
             prefill_slot_parts.append(table[pos // bs] * bs + pos % bs)
-            chunks.append(PrefillChunk(offset, s.num_tokens, start, table.to(self.device)))
+            chunks.append(PrefillChunk(offset, s.num_tokens, start, table.to(self.device, torch.int32)))
             offset += s.num_tokens
         slot_mapping = torch.tensor(slots, dtype=torch.long)
         if prefill_slot_parts:

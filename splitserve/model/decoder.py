@@ -96,15 +96,8 @@ class Attention(nn.Module):
             self.num_heads,
             self.num_kv_heads,
         )
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=1)
-        out = paged_attention(
-            q.view(num_tokens, self.num_heads, self.head_dim),
-            k.view(num_tokens, self.num_kv_heads, self.head_dim),
-            v.view(num_tokens, self.num_kv_heads, self.head_dim),
-            kv_layer,
-            meta,
-            self.scale,
-        )
+        q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim)
+        out = paged_attention(q, kv_layer, meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
     def qk_norm_weight(self) -> torch.Tensor:

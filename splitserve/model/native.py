@@ -1,4 +1,4 @@
-"""Builds and loads the compiled CPU kernels (csrc/cpu_ops.cpp) at first use.
+"""Builds and loads the compiled CPU kernels (csrc/*.cpp) at first use.
 
 The kernels are compiled on the user's machine with `torch.utils.cpp_extension` (a C++
 compiler and ninja, which comes with the `ninja` dependency; about 20 s once, then cached
@@ -9,6 +9,7 @@ PyTorch references in ops.py run instead: same results, slower.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import shutil
@@ -18,7 +19,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+SOURCES = (Path(__file__).parent / "csrc" / "cpu_ops.cpp", Path(__file__).parent / "csrc" / "prefill_attention.cpp")
 DISABLE_ENV = "SPLITSERVE_NATIVE_OPS"
 
 
@@ -38,9 +39,13 @@ def cpu_ops_available() -> bool:
         # -march=native: the kernels are built on the machine that runs them, so they use
         # its vector units (avx512 and avx512_bf16 where present). -fopenmp: at::parallel_for
         # is inlined into the extension; the OpenMP runtime is torch's own libgomp.
+        # the name carries the source's hash: torch builds each name in its own folder, so
+        # two versions of the package (two checkouts, an upgrade beside a running server)
+        # never rebuild over each other's library
+        digest = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES)).hexdigest()[:12]
         load(
-            name="splitserve_cpu_ops",
-            sources=[str(SOURCE)],
+            name=f"splitserve_cpu_ops_{digest}",
+            sources=[str(source) for source in SOURCES],
             extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
@@ -49,7 +54,7 @@ def cpu_ops_available() -> bool:
     except Exception as exc:  # no compiler, no ninja, unsupported platform: fall back
         logger.warning("compiled CPU kernels unavailable (%s); using the PyTorch reference ops", exc)
         return False
-    return hasattr(torch.ops.splitserve_cpu, "paged_decode_attention")
+    return hasattr(torch.ops.splitserve_cpu, "argmax_rows") and hasattr(torch.ops.splitserve_cpu, "prefill_attention")
 
 
 def use_cpu_ops(tensor: torch.Tensor) -> bool:

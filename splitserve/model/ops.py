@@ -54,6 +54,15 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [rows, n] -> int64 [rows]: torch.argmax(x, dim=-1) (first maximum; NaN wins)."""
+    if use_cpu_ops(x) and x.stride(-1) == 1 and x.shape[-1] > 0:
+        out = torch.empty(x.shape[0], dtype=torch.long)
+        torch.ops.splitserve_cpu.argmax_rows(out, x)
+        return out
+    return x.argmax(dim=-1)
+
+
 def rope_and_cache(
     qkv: torch.Tensor,  # [tokens, (heads + 2 * kv_heads) * head_dim], rotated in place
     cos: torch.Tensor,  # [tokens, head_dim], model dtype
@@ -140,3 +149,55 @@ def paged_decode_attention_reference(
         enable_gqa=num_heads != num_kv_heads,
     )
     out.copy_(attn.view(seqs, num_heads, head_dim))
+
+
+def prefill_attention(
+    out: torch.Tensor,  # [tokens, heads, head_dim], written
+    q: torch.Tensor,  # [tokens, heads, head_dim]: a prefill chunk's queries
+    kv_layer: torch.Tensor,  # [2, blocks, block_size, kv_heads, head_dim], the chunk's KV written
+    block_table: torch.Tensor,  # int32 [blocks covering position_start + tokens]
+    position_start: int,  # tokens of the sequence before the chunk (cached)
+    scale: float,
+) -> None:
+    """Causal attention of a chunk's queries over every key of their sequence up to their
+    own position, read from the cache."""
+    if (
+        use_cpu_ops(q)
+        and q.dtype == torch.bfloat16
+        and torch.ops.splitserve_cpu.prefill_attention_supported(q.shape[-1])
+    ):
+        torch.ops.splitserve_cpu.prefill_attention(out, q, kv_layer, block_table, position_start, scale)
+        return
+    prefill_attention_reference(out, q, kv_layer, block_table, position_start, scale)
+
+
+def prefill_attention_reference(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    kv_layer: torch.Tensor,
+    block_table: torch.Tensor,
+    position_start: int,
+    scale: float,
+) -> None:
+    """The chunk's keys gathered from the cache, under a causal mask aligned to the end
+    (the fused SDPA kernel needs 4-D inputs; 3-D GQA falls back to the math path)."""
+    tokens, num_heads, head_dim = q.shape
+    num_kv_heads = kv_layer.shape[3]
+    context = position_start + tokens
+    keys = kv_layer[0, block_table.long()].reshape(-1, num_kv_heads, head_dim)[:context]
+    values = kv_layer[1, block_table.long()].reshape(-1, num_kv_heads, head_dim)[:context]
+    if position_start == 0:
+        mask, causal = None, True
+    else:
+        query_pos = torch.arange(position_start, context, device=q.device)
+        mask, causal = torch.arange(context, device=q.device)[None, :] <= query_pos[:, None], False
+    attn = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],
+        keys.transpose(0, 1)[None],
+        values.transpose(0, 1)[None],
+        attn_mask=mask,
+        is_causal=causal,
+        scale=scale,
+        enable_gqa=num_heads != num_kv_heads,
+    )
+    out.copy_(attn[0].transpose(0, 1))

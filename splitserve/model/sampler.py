@@ -12,6 +12,7 @@ from typing import NamedTuple
 import torch
 
 from splitserve.engine.sampling_params import SamplingParams
+from splitserve.model.ops import argmax_rows
 
 
 class SamplerOutput(NamedTuple):
@@ -48,8 +49,7 @@ class Sampler:
         seeded: list[SeededDraw | None],
     ) -> SamplerOutput:
         if all(p.greedy for p in params):
-            # widening to float32 is exact, so the argmax is the same without it
-            sampled = logits.argmax(dim=-1)
+            sampled = argmax_rows(logits)
         else:
             logits = logits.float()
             sampled = self._sample(logits, params, seeded)
@@ -107,4 +107,4 @@ class Sampler:
                 self.seeded_generator.manual_seed(position_seed(draw.seed, draw.position))
                 noise[i].exponential_(generator=self.seeded_generator)
         sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(greedy_rows, logits.argmax(dim=-1), sampled)
+        return torch.where(greedy_rows, argmax_rows(logits), sampled)

@@ -87,6 +87,82 @@ def test_paged_decode_attention_reads_strided_queries():
     torch.testing.assert_close(native, reference)
 
 
+def prefill_attention_float64(q, cache, table, position_start, scale) -> torch.Tensor:
+    """Every query row against the keys up to its own position, in float64."""
+    tokens, heads, head_dim = q.shape
+    kv_heads = cache.shape[3]
+    context = position_start + tokens
+    keys = cache[0, table.long()].reshape(-1, kv_heads, head_dim)[:context].double()
+    values = cache[1, table.long()].reshape(-1, kv_heads, head_dim)[:context].double()
+    visible = torch.arange(context)[None, :] <= (position_start + torch.arange(tokens))[:, None]
+    out = torch.empty(tokens, heads, head_dim, dtype=torch.float64)
+    for h in range(heads):
+        kv = h // (heads // kv_heads)
+        scores = (q[:, h].double() @ keys[:, kv].T * scale).masked_fill(~visible, float("-inf"))
+        out[:, h] = scores.softmax(-1) @ values[:, kv]
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim"), [(8, 4, 64), (9, 3, 64), (4, 4, 16), (4, 2, 32), (2, 1, 128)]
+)
+@pytest.mark.parametrize(("tokens", "position_start"), [(1, 0), (37, 0), (300, 0), (33, 100), (20, 700)])
+def test_prefill_attention(dtype, heads, kv_heads, head_dim, tokens, position_start):
+    """A chunk's queries (a view into fused qkv rows, as the decoder passes them) after a
+    cached prefix or none; the kernel (bf16, where built) and the reference."""
+    context = position_start + tokens
+    cache, tables = random_paged_cache([context], 16, kv_heads, head_dim, dtype, seed=tokens)
+    table = tables[0]
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim).to(dtype)
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    scale = head_dim**-0.5
+    expected = prefill_attention_float64(q, cache, table, position_start, scale)
+
+    reference = torch.empty_like(q)
+    ops.prefill_attention_reference(reference, q, cache, table, position_start, scale)
+    torch.testing.assert_close(reference.double(), expected, **tolerances(dtype))
+    dispatched = torch.empty_like(q)
+    ops.prefill_attention(dispatched, q, cache, table, position_start, scale)
+    torch.testing.assert_close(dispatched.double(), expected, **tolerances(dtype))
+
+
+@needs_kernels
+def test_prefill_attention_kernel_runs_where_built():
+    """Where the CPU has AVX512-BF16 the bf16 kernel serves every head size the models use."""
+    supported = [torch.ops.splitserve_cpu.prefill_attention_supported(d) for d in (16, 32, 64, 128)]
+    assert all(supported) or not any(supported)
+    if not any(supported):
+        pytest.skip("this CPU has no AVX512-BF16: the reference runs")
+    assert not torch.ops.splitserve_cpu.prefill_attention_supported(80)
+    cache, tables = random_paged_cache([40], 16, 2, 64, torch.bfloat16)
+    q = torch.randn(40, 4, 64).to(torch.bfloat16)
+    out = torch.empty_like(q)
+    torch.ops.splitserve_cpu.prefill_attention(out, q, cache, tables[0], 0, 0.125)
+    torch.testing.assert_close(
+        out.double(), prefill_attention_float64(q, cache, tables[0], 0, 0.125), **tolerances(torch.bfloat16)
+    )
+    with pytest.raises(RuntimeError, match="too short"):
+        torch.ops.splitserve_cpu.prefill_attention(out, q, cache, tables[0][:1], 0, 0.125)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_argmax_rows_equals_torch_argmax(dtype):
+    """First maximum on ties, a NaN beats every number (the first NaN), as torch.argmax."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 49152, generator=gen).to(dtype)
+    x[1, :] = 1.0  # all tied: index 0
+    x[2, 100] = x[2, 40000] = 1e4  # tie between two maxima: the first
+    x[3, 7] = float("nan")
+    x[3, 9] = 1e4
+    x[4, :] = float("-inf")
+    x[5, 30000] = float("nan")
+    x[5, 20] = float("nan")
+    assert ops.argmax_rows(x).tolist() == x.argmax(dim=-1).tolist() == [int(x[0].argmax()), 0, 100, 7, 0, 20]
+    strided = x[:, ::2]  # not contiguous rows: the reference path
+    assert ops.argmax_rows(strided).tolist() == strided.argmax(dim=-1).tolist()
+
+
 def rms_norm_float64(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x = x.double()
     return weight.double() * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)

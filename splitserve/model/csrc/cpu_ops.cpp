@@ -9,12 +9,17 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -192,6 +197,36 @@ void silu_and_mul_impl(at::Tensor& out, const at::Tensor& gate_up) {
   });
 }
 
+// Each row's index of its largest value, the first one on ties; a NaN beats every number
+// (the first NaN), as torch.argmax. ATen's bf16 argmax is a scalar loop: at the decode
+// batch and vocabulary sizes it took as long as the model's matmuls.
+template <typename T>
+void argmax_rows_impl(at::Tensor& out, const at::Tensor& x) {
+  const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
+  const T* x_ptr = x.const_data_ptr<T>();
+  int64_t* out_ptr = out.mutable_data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(n);
+    for (int64_t r = begin; r < end; ++r) {
+      load_row(row.data(), x_ptr + r * stride, n);
+      float best = -std::numeric_limits<float>::infinity();
+      int32_t nans = 0;
+#pragma omp simd reduction(max : best) reduction(+ : nans)
+      for (int64_t i = 0; i < n; ++i) {
+        best = row[i] > best ? row[i] : best;
+        nans += row[i] != row[i];
+      }
+      int64_t index = 0;
+      if (nans > 0) {
+        while (row[index] == row[index]) ++index;
+      } else {
+        while (row[index] != best) ++index;
+      }
+      out_ptr[r] = index;
+    }
+  });
+}
+
 // In place on each row of qkv = [q heads | k heads | v heads]: optional per-head RMSNorm
 // of q and k, rotary embedding of q and k (x * cos + roll(x, D/2) * sin, the sign of
 // rotate_half folded into sin's first half), then k and v written to the cache slot.
@@ -257,6 +292,148 @@ struct WorkItem {
   int64_t seq, start, end, partial;  // partial: row in the scratch, or -1 if the only one
 };
 
+// One partition's view of the cache: where each of its tokens lives.
+template <typename T>
+struct PartitionKV {
+  const T* key_cache;
+  const T* value_cache;
+  const int32_t* table;  // the sequence's block table
+  int64_t block_size, token_stride, start, end;
+
+  int64_t slot(int64_t pos) const {
+    return static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size;
+  }
+};
+
+// Scratch of one thread: per head, the partition's scores, their max and sum of exp, and
+// the unnormalised output (float32).
+struct PartitionScratch {
+  std::vector<float> query, rows, scores, acc, head_max, head_sum;
+  PartitionScratch(int64_t num_heads, int64_t head_dim, int64_t token_stride)
+      : query(num_heads * head_dim), rows(token_stride), scores(num_heads * kPartition),
+        acc(num_heads * head_dim), head_max(num_heads), head_sum(num_heads) {}
+};
+
+// scores -> exp(scores - max) in place; records each head's max and sum.
+inline void softmax_partition(PartitionScratch& s, int64_t num_heads, int64_t n) {
+  for (int64_t h = 0; h < num_heads; ++h) {
+    float* row = s.scores.data() + h * kPartition;
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < n; ++t) m = std::max(m, row[t]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < n; ++t) {
+      row[t] = exp_approx(row[t] - m);
+      sum += row[t];
+    }
+    s.head_max[h] = m;
+    s.head_sum[h] = sum;
+  }
+}
+
+// Portable partition kernel (any head_dim, any ISA): rows converted to float32, then
+// plain loops the compiler vectorizes.
+template <typename T>
+void attend_partition(const PartitionKV<T>& kv, PartitionScratch& s, int64_t num_heads, int64_t group,
+                      int64_t head_dim) {
+  const int64_t n = kv.end - kv.start;
+  for (int64_t t = 0; t < n; ++t) {
+    load_row(s.rows.data(), kv.key_cache + kv.slot(kv.start + t) * kv.token_stride, kv.token_stride);
+    for (int64_t h = 0; h < num_heads; ++h) {
+      s.scores[h * kPartition + t] =
+          dot(s.query.data() + h * head_dim, s.rows.data() + (h / group) * head_dim, head_dim);
+    }
+  }
+  softmax_partition(s, num_heads, n);
+  std::fill(s.acc.begin(), s.acc.end(), 0.f);
+  for (int64_t t = 0; t < n; ++t) {
+    load_row(s.rows.data(), kv.value_cache + kv.slot(kv.start + t) * kv.token_stride, kv.token_stride);
+    for (int64_t h = 0; h < num_heads; ++h) {
+      const float w = s.scores[h * kPartition + t];
+      const float* v = s.rows.data() + (h / group) * head_dim;
+      float* a = s.acc.data() + h * head_dim;
+#pragma omp simd
+      for (int64_t d = 0; d < head_dim; ++d) a[d] += w * v[d];
+    }
+  }
+}
+
+#if defined(__AVX512F__)
+// 16 values of T as float32.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// AVX-512 partition kernel for head_dim = 16 * kVecs: a head's key or value row is held in
+// kVecs registers and converted once, a head's output accumulates in registers over the
+// partition, and tokens are walked block by block (no division per token). The memory
+// reads are the same as the portable kernel's; the work per byte is what shrinks.
+template <typename T, int kVecs>
+void attend_partition_avx512(const PartitionKV<T>& kv, PartitionScratch& s, int64_t num_heads,
+                             int64_t group) {
+  constexpr int64_t kHeadDim = 16 * kVecs;
+  const int64_t n = kv.end - kv.start, num_kv_heads = num_heads / group;
+  const float* query = s.query.data();
+  for (int64_t pos = kv.start; pos < kv.end;) {
+    const int64_t offset = pos % kv.block_size;
+    const int64_t run = std::min(kv.block_size - offset, kv.end - pos);
+    const T* row = kv.key_cache + kv.slot(pos) * kv.token_stride;
+    for (int64_t t = pos - kv.start; t < pos - kv.start + run; ++t, row += kv.token_stride) {
+      for (int64_t g = 0; g < num_kv_heads; ++g) {
+        __m512 key[kVecs];
+        for (int v = 0; v < kVecs; ++v) key[v] = load16(row + g * kHeadDim + 16 * v);
+        for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+          __m512 sum = _mm512_mul_ps(key[0], _mm512_loadu_ps(query + h * kHeadDim));
+          for (int v = 1; v < kVecs; ++v)
+            sum = _mm512_fmadd_ps(key[v], _mm512_loadu_ps(query + h * kHeadDim + 16 * v), sum);
+          s.scores[h * kPartition + t] = _mm512_reduce_add_ps(sum);
+        }
+      }
+    }
+    pos += run;
+  }
+  softmax_partition(s, num_heads, n);
+  for (int64_t h = 0; h < num_heads; ++h) {
+    const int64_t value_offset = (h / group) * kHeadDim;
+    const float* weights = s.scores.data() + h * kPartition;
+    __m512 acc[kVecs];
+    for (int v = 0; v < kVecs; ++v) acc[v] = _mm512_setzero_ps();
+    for (int64_t pos = kv.start; pos < kv.end;) {
+      const int64_t offset = pos % kv.block_size;
+      const int64_t run = std::min(kv.block_size - offset, kv.end - pos);
+      const T* row = kv.value_cache + kv.slot(pos) * kv.token_stride + value_offset;
+      for (int64_t t = pos - kv.start; t < pos - kv.start + run; ++t, row += kv.token_stride) {
+        const __m512 w = _mm512_set1_ps(weights[t]);
+        for (int v = 0; v < kVecs; ++v) acc[v] = _mm512_fmadd_ps(w, load16(row + 16 * v), acc[v]);
+      }
+      pos += run;
+    }
+    for (int v = 0; v < kVecs; ++v) _mm512_storeu_ps(s.acc.data() + h * kHeadDim + 16 * v, acc[v]);
+  }
+}
+#endif
+
+template <typename T>
+void attend_partition_dispatch(const PartitionKV<T>& kv, PartitionScratch& s, int64_t num_heads,
+                               int64_t group, int64_t head_dim) {
+#if defined(__AVX512F__)
+  if constexpr (!std::is_same_v<T, double>) {  // float64 keeps the portable kernel
+    switch (head_dim) {
+      case 32: return attend_partition_avx512<T, 2>(kv, s, num_heads, group);
+      case 64: return attend_partition_avx512<T, 4>(kv, s, num_heads, group);
+      case 128: return attend_partition_avx512<T, 8>(kv, s, num_heads, group);
+      default: break;
+    }
+  }
+#endif
+  attend_partition(kv, s, num_heads, group, head_dim);
+}
+
 template <typename T>
 void paged_decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_layer,
                                  const at::Tensor& block_tables, const at::Tensor& context_lens,
@@ -292,59 +469,25 @@ void paged_decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at:
   std::vector<float> partial_out(num_partials * num_heads * head_dim);
 
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> query(num_heads * head_dim), rows(token_stride);
-    std::vector<float> scores(num_heads * kPartition), acc(num_heads * head_dim);
-    std::vector<float> head_max(num_heads), head_sum(num_heads);
+    PartitionScratch s(num_heads, head_dim, token_stride);
     for (int64_t i = begin; i < end; ++i) {
       const WorkItem item = items[i];
-      const int64_t n = item.end - item.start;
-      const int32_t* table = tables + item.seq * table_stride;
-      load_row(query.data(), q_ptr + item.seq * q_stride, num_heads * head_dim);
-      for (float& v : query) v *= static_cast<float>(scale);
-      for (int64_t t = 0; t < n; ++t) {
-        const int64_t pos = item.start + t;
-        const int64_t slot = static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size;
-        load_row(rows.data(), key_cache + slot * token_stride, token_stride);  // every kv head
-        for (int64_t h = 0; h < num_heads; ++h) {
-          scores[h * kPartition + t] = dot(query.data() + h * head_dim, rows.data() + (h / group) * head_dim, head_dim);
-        }
-      }
-      for (int64_t h = 0; h < num_heads; ++h) {
-        float* s = scores.data() + h * kPartition;
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < n; ++t) m = std::max(m, s[t]);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < n; ++t) {
-          s[t] = exp_approx(s[t] - m);
-          sum += s[t];
-        }
-        head_max[h] = m;
-        head_sum[h] = sum;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < n; ++t) {
-        const int64_t pos = item.start + t;
-        const int64_t slot = static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size;
-        load_row(rows.data(), value_cache + slot * token_stride, token_stride);
-        for (int64_t h = 0; h < num_heads; ++h) {
-          const float w = scores[h * kPartition + t];
-          const float* v = rows.data() + (h / group) * head_dim;
-          float* a = acc.data() + h * head_dim;
-#pragma omp simd
-          for (int64_t d = 0; d < head_dim; ++d) a[d] += w * v[d];
-        }
-      }
+      load_row(s.query.data(), q_ptr + item.seq * q_stride, num_heads * head_dim);
+      for (float& v : s.query) v *= static_cast<float>(scale);
+      const PartitionKV<T> kv{key_cache,    value_cache, tables + item.seq * table_stride,
+                              block_size,   token_stride, item.start,
+                              item.end};
+      attend_partition_dispatch(kv, s, num_heads, group, head_dim);
       if (item.partial < 0) {
         for (int64_t h = 0; h < num_heads; ++h) {
-          const float inv = 1.0f / head_sum[h];
-          for (int64_t d = 0; d < head_dim; ++d) acc[h * head_dim + d] *= inv;
+          const float inv = 1.0f / s.head_sum[h];
+          for (int64_t d = 0; d < head_dim; ++d) s.acc[h * head_dim + d] *= inv;
         }
-        store_row(out_ptr + item.seq * out_stride, acc.data(), num_heads * head_dim);
+        store_row(out_ptr + item.seq * out_stride, s.acc.data(), num_heads * head_dim);
       } else {
-        std::copy(head_max.begin(), head_max.end(), partial_max.begin() + item.partial * num_heads);
-        std::copy(head_sum.begin(), head_sum.end(), partial_sum.begin() + item.partial * num_heads);
-        std::copy(acc.begin(), acc.end(), partial_out.begin() + item.partial * num_heads * head_dim);
+        std::copy(s.head_max.begin(), s.head_max.end(), partial_max.begin() + item.partial * num_heads);
+        std::copy(s.head_sum.begin(), s.head_sum.end(), partial_sum.begin() + item.partial * num_heads);
+        std::copy(s.acc.begin(), s.acc.end(), partial_out.begin() + item.partial * num_heads * head_dim);
       }
     }
   });
@@ -405,6 +548,15 @@ void silu_and_mul(at::Tensor out, const at::Tensor& gate_up) {
                                   [&] { silu_and_mul_impl<scalar_t>(out, gate_up); });
 }
 
+void argmax_rows(at::Tensor out, const at::Tensor& x) {
+  check_rows(x, "x");
+  TORCH_CHECK(out.scalar_type() == at::kLong && out.is_contiguous() && out.numel() == x.size(0),
+              "out: int64, one per row");
+  TORCH_CHECK(x.size(1) > 0, "argmax of empty rows");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "argmax_rows",
+                                  [&] { argmax_rows_impl<scalar_t>(out, x); });
+}
+
 void rope_and_cache(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin,
                     const std::optional<at::Tensor>& qk_norm_weight, double eps, at::Tensor kv_layer,
                     const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads) {
@@ -439,6 +591,7 @@ TORCH_LIBRARY(splitserve_cpu, m) {
   m.def("add_rms_norm(Tensor(a!) out, Tensor(b!) residual, Tensor delta, Tensor weight, float eps) -> ()",
         &add_rms_norm);
   m.def("silu_and_mul(Tensor(a!) out, Tensor gate_up) -> ()", &silu_and_mul);
+  m.def("argmax_rows(Tensor(a!) out, Tensor x) -> ()", &argmax_rows);
   m.def(
       "rope_and_cache(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor? qk_norm_weight, float eps, "
       "Tensor(b!) kv_layer, Tensor slot_mapping, int num_heads, int num_kv_heads) -> ()",
