@@ -28,14 +28,14 @@ import logging
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import zmq
 
 from splitserve.config import TransferConfig
 from splitserve.kv.arrivals import ArrivalTracker, TransferResult
-from splitserve.kv.frame_mac import FrameMac
+from splitserve.kv.frame_mac import FrameMac, ReplayGuard, hello_stamp
 from splitserve.kv.send_lane import LaneSocket, SendLanes, job_transfer_id
 from splitserve.kv.transport_types import (
     ControlJob,
@@ -97,10 +97,11 @@ class KVTransport(ABC):
         self._send_errors: dict[str, str] = {}
         self._send_stats: dict[str, tuple[float, int]] = {}
         self.on_release: Callable[[str], None] | None = None  # pull source: a peer has read the blocks
-        # pull source: does this transfer still hold these blocks?
-        self.is_held: Callable[[str, list[int]], bool] | None = None
+        # pull source: does this transfer still hold these blocks, with KV of these hashes?
+        self.is_held: Callable[[str, list[int], list[str]], bool] | None = None
         self.bytes_sent = 0
         self._mac = FrameMac(internal_token())  # every message tagged with the deployment's key
+        self.sessions = ReplayGuard()  # the sessions this receiver issued (replays are dropped)
 
     # ---- pool ----------------------------------------------------------------------------
     @abstractmethod
@@ -164,11 +165,16 @@ class KVTransport(ABC):
         block_ids: list[int],
         on_done: Callable[[TransferResult], None],
         ttl_s: float | None = None,
+        block_hashes: Sequence[str] = (),
     ) -> None:
-        """Count arrivals for `block_ids` (every layer); `on_done` runs once, on any thread."""
+        """Count arrivals for `block_ids` (every layer); `on_done` runs once, on any thread.
+        With `block_hashes` (one per block) the transfer is bound to those tokens: data
+        sent under other hashes is dropped."""
         if self.pool is None:
             raise TransferError("the KV pool is not allocated yet")
-        self.arrivals.expect(transfer_id, self.pool.shape[0], list(block_ids), on_done, ttl_s)
+        self.arrivals.expect(
+            transfer_id, self.pool.shape[0], list(block_ids), on_done, ttl_s, list(block_hashes)
+        )
 
     def cancel(self, transfer_id: str) -> None:
         """Stop expecting; later arrivals for it are ignored and `on_done` is not called."""
@@ -195,6 +201,7 @@ class KVTransport(ABC):
         src_block_ids: list[int],
         dst_block_ids: list[int],
         ready_at: float | None = None,
+        block_hashes: Sequence[str] = (),
     ) -> None:
         """Queue one layer's blocks for the peer. Blocks (back-pressure) while the peer's lane
         is full; raises TransferError at once when the peer's lane is stalled, else once it is
@@ -202,18 +209,31 @@ class KVTransport(ABC):
         if len(src_block_ids) != len(dst_block_ids):
             raise TransferError("source and destination block lists differ in length")
         job = PushJob(
-            peer, transfer_id, layer, list(src_block_ids), list(dst_block_ids), ready_at or time.time()
+            peer,
+            transfer_id,
+            layer,
+            list(src_block_ids),
+            list(dst_block_ids),
+            ready_at or time.time(),
+            list(block_hashes),
         )
         self._lanes.put(peer, job)
 
     def pull(
-        self, peer: PeerInfo, transfer_id: str, src_block_ids: list[int], dst_block_ids: list[int]
+        self,
+        peer: PeerInfo,
+        transfer_id: str,
+        src_block_ids: list[int],
+        dst_block_ids: list[int],
+        block_hashes: Sequence[str] = (),
     ) -> None:
         """Fetch every layer of the peer's `src_block_ids` into our `dst_block_ids`; completion
         is reported to the expectation registered for `transfer_id` (a peer that is stalled
-        fails it at once, never the caller)."""
+        fails it at once, never the caller). The source lends the blocks only if they hold
+        KV of `block_hashes` (our prompt's, one per block)."""
+        job = PullJob(peer, transfer_id, list(src_block_ids), list(dst_block_ids), list(block_hashes))
         try:
-            self._lanes.put(peer, PullJob(peer, transfer_id, list(src_block_ids), list(dst_block_ids)))
+            self._lanes.put(peer, job)
         except TransferError as exc:
             self.arrivals.finish(transfer_id, f"pull from {peer.engine_id} failed: {exc}")
 
@@ -320,12 +340,18 @@ class KVTransport(ABC):
             or layout.dtype != mine.dtype
         ):
             raise TransferError(f"KV pool layouts differ: ours {mine.shape} {mine.dtype}, peer {layout}")
+        if self._mac.enabled:
+            try:
+                socket.session.start(bytes.fromhex(str(reply["session"])))
+            except (KeyError, ValueError) as exc:
+                raise TransferError(f"KV peer {peer.engine_id} answered HELLO without a session") from exc
         socket.peer_pool = self._on_handshake(peer, layout)
         return layout
 
-    def _ask_held(self, socket: LaneSocket, transfer_id: str, block_ids: list[int]) -> bool:
-        """Does the pull source still hold `block_ids` for `transfer_id`?"""
-        self._send_control(socket, b"HELD", {"transfer_id": transfer_id, "src": block_ids})
+    def _ask_held(self, socket: LaneSocket, job: PullJob) -> bool:
+        """Does the pull source still hold the job's blocks, with KV of its hashes?"""
+        header = {"transfer_id": job.transfer_id, "src": job.src_block_ids, "hashes": job.block_hashes}
+        self._send_control(socket, b"HELD", header)
         try:
             return bool(self._recv_reply(socket)["held"])
         except zmq.Again as exc:
@@ -341,17 +367,26 @@ class KVTransport(ABC):
         frames: list = [kind, json.dumps(header).encode()]
         if data is not None:
             frames.append(data)
+        if self._mac.enabled:  # the stamp, inside the MAC: a replayed message is refused
+            socket.last_stamp = hello_stamp() if kind == b"HELLO" else socket.session.next_stamp()
+            frames.append(socket.last_stamp)
         socket.send_multipart(self._mac.seal(frames), copy=data is None)
 
     def _recv_reply(self, socket: LaneSocket) -> dict:
         frames = self._mac.open(socket.recv_multipart())
         if frames is None:
             raise TransferError("a KV peer's reply failed authentication (not this deployment's)")
+        if self._mac.enabled and (len(frames) != 2 or frames[1] != socket.last_stamp):
+            raise TransferError("a KV peer's reply does not answer our request (replayed?)")
         return json.loads(frames[0])
 
-    def _reply(self, identity: zmq.Frame, answer: dict) -> None:
+    def _reply(self, identity: zmq.Frame, answer: dict, request_stamp: bytes) -> None:
+        """Answer a request; the MAC covers the request's stamp, binding the reply to it."""
         assert self._router is not None
-        self._router.send_multipart([identity, *self._mac.seal([json.dumps(answer).encode()])])
+        frames: list = [json.dumps(answer).encode()]
+        if self._mac.enabled:
+            frames.append(request_stamp)
+        self._router.send_multipart([identity, *self._mac.seal(frames)])
 
     # ---- receiver thread -----------------------------------------------------------------
     def _receive_loop(self) -> None:
@@ -378,23 +413,37 @@ class KVTransport(ABC):
         if body is None:
             logger.warning("dropped a KV message that failed authentication")
             return
+        message_stamp = b""
+        if self._mac.enabled:
+            if len(body) < 3:
+                logger.warning("dropped a KV message without a stamp")
+                return
+            message_stamp, body = body[-1].bytes, body[:-1]
+            if body[0].bytes != b"HELLO" and not self.sessions.admit(message_stamp):
+                logger.warning("dropped a replayed KV message (or of a session we did not issue)")
+                return
         frames = [frames[0], *body]
         identity, kind, header = frames[0], frames[1].bytes, json.loads(frames[2].bytes)
         if kind == b"HELLO":
-            self._reply(identity, self.layout()._asdict())
+            answer = self.layout()._asdict()
+            if self._mac.enabled:
+                answer["session"] = self.sessions.issue().hex()
+            self._reply(identity, answer, message_stamp)
         elif kind == b"PUSH":
-            if not self.arrivals.accepts(header["transfer_id"], [int(block) for block in header["dst"]]):
-                # even a token holder writes only the blocks reserved for its transfer
-                logger.warning("dropped a KV push outside its transfer's blocks")
+            blocks = [int(block) for block in header["dst"]]
+            if not self.arrivals.accepts(header["transfer_id"], blocks, header.get("hashes", [])):
+                # even a token holder writes only the blocks reserved for its transfer, and
+                # only KV of the tokens the transfer is bound to
+                logger.warning("dropped a KV push outside its transfer's blocks or tokens")
                 return
             num_bytes = self._on_push(header, frames[3:])
             self.record_arrival(
                 header["transfer_id"], header["layer"], header["dst"], num_bytes, header["ready_at"]
             )
         elif kind == b"HELD":
-            blocks = [int(block) for block in header["src"]]
-            held = self.is_held(header["transfer_id"], blocks) if self.is_held is not None else True
-            self._reply(identity, {"held": held})
+            blocks, hashes = [int(block) for block in header["src"]], list(header.get("hashes", []))
+            held = self.is_held(header["transfer_id"], blocks, hashes) if self.is_held is not None else True
+            self._reply(identity, {"held": held}, message_stamp)
         elif kind == b"PULL":
             self._on_pull_request(header)
         elif kind == b"RELEASE":
