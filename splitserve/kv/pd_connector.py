@@ -385,6 +385,11 @@ class PDConnector(KVConnector):
             if lent:
                 self._finish_waits[request_id] = self._finish_waits.get(request_id, 0) + 1
         if in_flight:
+            # Ended before its KV arrived (its client left, or it was aborted): where the
+            # transport can promise nothing lands afterwards, its reservation ends now
+            # instead of at the TTL (the orphaned load then frees the blocks).
+            assert load is not None
+            self.transport.stop(load.transfer_id, "the request ended before its KV arrived")
             return True, None
         reservation = self.reservations.remove(request_id)
         if load is None:

@@ -142,6 +142,7 @@ def map_peer_pool(engine_id: str, pid: int, fd: int, shape: tuple[int, ...], dty
 
 class ShmTransport(KVTransport):
     name = "shm"
+    stops_at_once = False  # a peer writes into our pool itself: we cannot stop it mid-copy
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -70,6 +70,10 @@ class KVTransport(ABC):
     """One per engine. Owns the pool allocation, the receiving socket and the send lanes."""
 
     name: str = ""
+    # Can a transfer be stopped with the guarantee that none of its bytes land afterwards
+    # (so its blocks may be reused at once)? tcp: yes, the receiver writes every byte
+    # itself. shm: no, the sender writes one-sided into our pool.
+    stops_at_once: bool = True
 
     def __init__(
         self,
@@ -89,6 +93,7 @@ class KVTransport(ABC):
         self.port = 0
         self.arrivals = ArrivalTracker(config.timeout_s, config.reservation_ttl_s)
         self._lock = threading.Lock()
+        self._landing = threading.Lock()  # held while a push is checked and written into the pool
         self.max_queued_jobs = max(4, max_queued_jobs)
         socket_options = {zmq.LINGER: 0, zmq.SNDHWM: self.max_queued_jobs}
         self._lanes = SendLanes(self, self._context, socket_options, self.max_queued_jobs, config.timeout_s)
@@ -184,6 +189,16 @@ class KVTransport(ABC):
         """Fail an expected transfer now (e.g. the proxy saw the prefill worker die)."""
         self.arrivals.finish(transfer_id, error)
 
+    def stop(self, transfer_id: str, error: str) -> bool:
+        """Fail a transfer whose request ended (its client left) so that its blocks can be
+        reused now: True when nothing of it can land after this returns (`stops_at_once`);
+        False, doing nothing, when the transport cannot promise that."""
+        if not self.stops_at_once:
+            return False
+        with self._landing:  # a push being written finishes first; later ones are refused
+            self.arrivals.finish(transfer_id, error)
+        return True
+
     def pending_transfers(self) -> int:
         return self.arrivals.pending()
 
@@ -193,6 +208,11 @@ class KVTransport(ABC):
         self.arrivals.record(transfer_id, layer, block_ids, num_bytes, ready_at)
 
     # ---- sender API ----------------------------------------------------------------------
+    def may_dial(self, host: str, port: int) -> bool:
+        """Is (host, port) a KV peer registered with the deployment (any, without a list)?"""
+        allowed = self.config.allowed_peers
+        return not allowed or (host, port) in allowed
+
     def push_layer(
         self,
         peer: PeerInfo,
@@ -217,7 +237,7 @@ class KVTransport(ABC):
             ready_at or time.time(),
             list(block_hashes),
         )
-        self._lanes.put(peer, job)
+        self._enqueue(peer, job)
 
     def pull(
         self,
@@ -233,7 +253,7 @@ class KVTransport(ABC):
         KV of `block_hashes` (our prompt's, one per block)."""
         job = PullJob(peer, transfer_id, list(src_block_ids), list(dst_block_ids), list(block_hashes))
         try:
-            self._lanes.put(peer, job)
+            self._enqueue(peer, job)
         except TransferError as exc:
             self.arrivals.finish(transfer_id, f"pull from {peer.engine_id} failed: {exc}")
 
@@ -241,7 +261,7 @@ class KVTransport(ABC):
         """Tell the receiver a transfer failed; a peer that cannot be reached learns it from
         its own timeout, so this never raises."""
         try:
-            self._lanes.put(peer, ControlJob(peer, b"FAIL", {"transfer_id": transfer_id, "error": error}))
+            self._enqueue(peer, ControlJob(peer, b"FAIL", {"transfer_id": transfer_id, "error": error}))
         except TransferError as exc:
             logger.info("KV %s: could not report transfer %s failed: %s", self.name, transfer_id, exc)
 
@@ -271,6 +291,12 @@ class KVTransport(ABC):
             return self._send_errors.pop(transfer_id, None)
 
     def _put(self, peer: PeerInfo, job: object) -> None:
+        self._enqueue(peer, job)
+
+    def _enqueue(self, peer: PeerInfo, job: object) -> None:
+        """Queue a job for a peer's lane; a peer not registered is never dialled."""
+        if not self.may_dial(peer.host, peer.port):
+            raise TransferError(f"KV peer {peer.host}:{peer.port} is not registered with this deployment")
         self._lanes.put(peer, job)
 
     # ---- subclass hooks ------------------------------------------------------------------
@@ -431,15 +457,16 @@ class KVTransport(ABC):
             self._reply(identity, answer, message_stamp)
         elif kind == b"PUSH":
             blocks = [int(block) for block in header["dst"]]
-            if not self.arrivals.accepts(header["transfer_id"], blocks, header.get("hashes", [])):
-                # even a token holder writes only the blocks reserved for its transfer, and
-                # only KV of the tokens the transfer is bound to
-                logger.warning("dropped a KV push outside its transfer's blocks or tokens")
-                return
-            num_bytes = self._on_push(header, frames[3:])
-            self.record_arrival(
-                header["transfer_id"], header["layer"], header["dst"], num_bytes, header["ready_at"]
-            )
+            with self._landing:
+                if not self.arrivals.accepts(header["transfer_id"], blocks, header.get("hashes", [])):
+                    # even a token holder writes only the blocks reserved for its transfer,
+                    # and only KV of the tokens the transfer is bound to
+                    logger.warning("dropped a KV push outside its transfer's blocks or tokens")
+                    return
+                num_bytes = self._on_push(header, frames[3:])
+                self.record_arrival(
+                    header["transfer_id"], header["layer"], header["dst"], num_bytes, header["ready_at"]
+                )
         elif kind == b"HELD":
             blocks, hashes = [int(block) for block in header["src"]], list(header.get("hashes", []))
             held = self.is_held(header["transfer_id"], blocks, hashes) if self.is_held is not None else True
