@@ -47,6 +47,9 @@ class TransferConfig:
     # reserve; past either, a new one is refused (429) rather than pinning the cache.
     max_reservations: int = 512
     max_reserved_fraction: float = 0.9
+    # the KV peers (host, port) this engine may dial, registered with the deployment
+    # (`up` passes every P/D engine's); empty: any peer the (authenticated) proxy names
+    allowed_peers: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)

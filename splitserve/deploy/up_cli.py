@@ -71,6 +71,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--open-health-metrics", action="store_true", help="the proxy's /health and /metrics need no key"
     )
+    parser.add_argument(
+        "--max-in-flight-per-client",
+        type=int,
+        default=None,
+        help="the proxy's: chat/completions requests one client address may have in flight (0: any)",
+    )
     parser.add_argument("--port", type=int, default=8000, help="the proxy's (OpenAI API) port")
     parser.add_argument(
         "--min-prefill-tokens", type=int, default=64, help="shorter prompts skip the prefill pool"
@@ -245,6 +251,10 @@ def run(args: argparse.Namespace) -> int:
             ec_dir = ec_directory()
             cleanup.append(ec_dir)
             ec_flags += ["--ec-shm-dir", ec_dir]
+        # Every P/D engine's KV socket is known up front, and each engine may dial only
+        # those: a request naming any other host or port is refused (egress allow-list).
+        kv_ports = {(role, index): free_port() for role, index in engines if role != "encoder"}
+        kv_peers = [f"{host}:{kv_port}" for kv_port in kv_ports.values()]
         for role, index in engines:
             port = free_port()
             command = [
@@ -260,6 +270,7 @@ def run(args: argparse.Namespace) -> int:
                 *ec_flags,
             ]
             if role != "encoder":  # KV events: the proxy's router indexes them (cache-aware routing)
+                command += ["--kv-port", str(kv_ports[role, index]), "--kv-peers", *kv_peers]
                 command += [
                     "--kv-events-endpoint", f"tcp://{host}:{free_port()}",
                     "--kv-events-replay-endpoint", f"tcp://{host}:{free_port()}",
@@ -286,6 +297,7 @@ def run(args: argparse.Namespace) -> int:
                 ("--kv-load-weight", args.kv_load_weight),
                 ("--routing", args.routing),
                 ("--stall-timeout", args.stall_timeout),
+                ("--max-in-flight-per-client", args.max_in_flight_per_client),
             ):
                 if value is not None:
                     proxy += [flag, str(value)]

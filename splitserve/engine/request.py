@@ -7,7 +7,7 @@ import time
 from typing import TYPE_CHECKING
 
 from splitserve.engine.sampling_params import SamplingParams
-from splitserve.kv.block_hash import BlockHash, compute_block_hashes
+from splitserve.kv.block_hash import BlockHash, compute_block_hashes, kv_block_hashes
 
 if TYPE_CHECKING:
     from splitserve.engine.multimodal import MultiModalInputs
@@ -100,6 +100,20 @@ class Request:
             mm_spans=self.multimodal.spans if self.multimodal is not None else (),
             parent_hashes=self.block_hashes,
         )
+
+    def prompt_kv_hashes(self) -> list[str]:
+        """Hex hashes of the blocks holding the prompt's KV for a P/D handoff (positions
+        [0, prompt - 1), the last block's partial tail included): what a transfer of this
+        request's KV is bound to, on both ends."""
+        hashes = kv_block_hashes(
+            self.prompt_token_ids,
+            self.num_prompt_tokens - 1,
+            self.block_size,
+            self.block_hashes,
+            cache_salt=self.cache_salt,
+            mm_spans=self.multimodal.spans if self.multimodal is not None else (),
+        )
+        return [block_hash.hex() for block_hash in hashes]
 
     def __repr__(self) -> str:
         return (

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -32,6 +32,9 @@ class TransferResult(NamedTuple):
 class _Expectation:
     expected: int  # layers x blocks
     block_ids: frozenset[int]  # the blocks this transfer may write: its grant
+    # block -> the hash of the KV it must receive (kv_block_hashes: the prompt's chained
+    # hashes, cache_salt included); empty for a transfer not bound to tokens
+    block_hashes: dict[int, str]
     on_done: Callable[[TransferResult], None]
     started_at: float
     ttl_deadline: float
@@ -58,11 +61,15 @@ class ArrivalTracker:
         block_ids: list[int],
         on_done: Callable[[TransferResult], None],
         ttl_s: float | None = None,
+        block_hashes: Sequence[str] = (),
     ) -> None:
+        if block_hashes and len(block_hashes) != len(block_ids):
+            raise ValueError(f"{len(block_hashes)} block hashes for {len(block_ids)} blocks")
         now = time.monotonic()
         expectation = _Expectation(
             expected=num_layers * len(set(block_ids)),
             block_ids=frozenset(block_ids),
+            block_hashes=dict(zip(block_ids, block_hashes, strict=False)),
             on_done=on_done,
             started_at=time.time(),
             ttl_deadline=now + (self.default_ttl_s if ttl_s is None else ttl_s),
@@ -73,12 +80,19 @@ class ArrivalTracker:
         if expectation.expected == 0:
             self.finish(transfer_id, None)
 
-    def accepts(self, transfer_id: str, block_ids: list[int]) -> bool:
-        """Whether a transfer is expected and may write every one of `block_ids`: data for
-        anything else must not touch the pool (it would land in another request's blocks)."""
+    def accepts(self, transfer_id: str, block_ids: list[int], block_hashes: Sequence[str] = ()) -> bool:
+        """Whether a transfer is expected and may write every one of `block_ids`, with the
+        KV of the tokens it is bound to (`block_hashes`, the sender's, one per block): data
+        for anything else must not touch the pool (it would land in another request's
+        blocks, or give this one KV of other tokens)."""
         with self._lock:
             expectation = self._expectations.get(transfer_id)
-            return expectation is not None and expectation.block_ids.issuperset(block_ids)
+            if expectation is None or not expectation.block_ids.issuperset(block_ids):
+                return False
+            if not expectation.block_hashes:
+                return True
+            expected = [expectation.block_hashes.get(block) for block in block_ids]
+            return list(block_hashes) == expected
 
     def cancel(self, transfer_id: str) -> None:
         with self._lock:

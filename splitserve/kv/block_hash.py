@@ -74,3 +74,27 @@ def compute_block_hashes(
         extra = block_extra_keys(index, block_size, cache_salt, mm_spans)
         hashes.append(hash_block_tokens(parent, block, extra))
     return hashes
+
+
+def kv_block_hashes(
+    token_ids: Sequence[int],
+    num_tokens: int,
+    block_size: int,
+    full_hashes: Sequence[BlockHash],
+    *,
+    cache_salt: str | None = None,
+    mm_spans: Sequence[MultiModalSpan] = (),
+) -> list[BlockHash]:
+    """Hashes of the blocks that hold KV for positions [0, num_tokens): the chained hashes
+    of the full blocks (`full_hashes`, as the prefix cache computed them), then for a
+    partial last block its tokens hashed the same way. What a KV transfer is bound to:
+    both ends compute it from their own prompt and cache_salt, and must agree."""
+    num_full = num_tokens // block_size
+    if len(full_hashes) < num_full:
+        raise ValueError(f"{len(full_hashes)} block hashes for {num_full} full blocks")
+    hashes = list(full_hashes[:num_full])
+    if num_tokens % block_size:
+        tail = token_ids[num_full * block_size : num_tokens]
+        extra = block_extra_keys(num_full, block_size, cache_salt, mm_spans)
+        hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tail, extra))
+    return hashes

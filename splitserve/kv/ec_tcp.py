@@ -3,30 +3,36 @@ hash over ZeroMQ (the messaging the KV transport uses), and `TcpECConnector` is 
 connector a prefill/decode engine (or an encoder worker) on another host uses to reach it.
 
 One request, one reply, each a JSON header frame plus, for embeddings, one raw data frame:
-  {"op": "has" | "get" | "put", "id": n, "hash": hex, "token": str, ["dtype", "shape"]}
-  -> {"id": n, "ok": bool, "found": bool, ["dtype", "shape"], ["error"]}
+  {"op": "has" | "get" | "put", "id": n, "nonce": hex, "hash": hex, ["dtype", "shape"]}
+  -> {"id": n, "nonce": hex, "ok": bool, "found": bool, ["dtype", "shape"], ["error"]}
 The server binds to loopback unless told otherwise; with a token (the deployment's internal
-token) it answers only requests carrying it. A client that gets no answer within its
-timeout reports a miss, so the engine falls back to its own encoder (slower, never lost).
+token: engines pass `protocol.access.internal_token()`) every message carries a keyed MAC
+derived from it (`kv/frame_mac.py`, its own label), the token itself never crosses the
+wire, the server refuses a request without a valid MAC (an untagged "unauthorized"), and
+a client takes only a reply with a valid MAC that echoes its request's random nonce. A client that gets
+no answer within its timeout reports a miss, so the engine falls back to its own encoder
+(slower, never lost).
 """
 
 from __future__ import annotations
 
-import hmac
 import itertools
 import json
 import logging
+import secrets
 import threading
 
 import torch
 import zmq
 
 from splitserve.kv.ec_connector import ECConnector, check_image_hash
+from splitserve.kv.frame_mac import FrameMac
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _POLL_MS = 50
+_MAC_LABEL = b"splitserve encoder cache v1"
 
 
 def _tensor_frames(embeddings: torch.Tensor) -> tuple[dict, bytes]:
@@ -42,6 +48,15 @@ def _tensor_from(meta: dict, data: bytes, max_bytes: int) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=dtype).view(shape)
 
 
+def _request_ids(frames: list[bytes]) -> dict:
+    """The id and nonce a request names, for its answer (empty when unreadable)."""
+    try:
+        header = json.loads(frames[0])
+        return {"id": header.get("id"), "nonce": header.get("nonce")} if isinstance(header, dict) else {}
+    except (ValueError, IndexError):
+        return {}
+
+
 class ECServer:
     """Serves `store` (e.g. this host's SharedMemoryECConnector) to other hosts."""
 
@@ -54,7 +69,7 @@ class ECServer:
         max_entry_bytes: int = 256 * 2**20,
     ) -> None:
         self.store = store
-        self.token = token
+        self._mac = FrameMac(token, _MAC_LABEL)
         self.max_entry_bytes = max_entry_bytes
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
@@ -80,16 +95,20 @@ class ECServer:
             if not self._socket.poll(_POLL_MS):
                 continue
             identity, *frames = self._socket.recv_multipart()
-            reply, data = self._answer(frames)
-            self._socket.send_multipart([identity, json.dumps(reply).encode(), *([data] if data else [])])
+            body = self._mac.open(frames)
+            if body is None:  # refused at once, untagged: no answer carries our MAC to it
+                refusal = {**_request_ids(frames), "ok": False, "found": False, "error": "unauthorized"}
+                self._socket.send_multipart([identity, json.dumps(refusal).encode()])
+                continue
+            reply, data = self._answer(body)
+            answer = self._mac.seal([json.dumps(reply).encode(), *([data] if data else [])])
+            self._socket.send_multipart([identity, *answer])
 
     def _answer(self, frames: list[bytes]) -> tuple[dict, bytes | None]:
         reply: dict = {"id": None, "ok": True, "found": False}
         try:
+            reply |= _request_ids(frames)
             header = json.loads(frames[0])
-            reply["id"] = header.get("id")
-            if self.token is not None and not hmac.compare_digest(str(header.get("token", "")), self.token):
-                return {**reply, "ok": False, "error": "unauthorized"}, None
             image_hash = header["hash"]
             check_image_hash(image_hash)
             if header["op"] == "has":
@@ -120,7 +139,7 @@ class TcpECConnector(ECConnector):
         max_entry_bytes: int = 256 * 2**20,
     ) -> None:
         self.address = f"tcp://{host}:{port}"
-        self.token = token
+        self._mac = FrameMac(token, _MAC_LABEL)
         self.timeout_ms = int(timeout_s * 1000)
         self.max_entry_bytes = max_entry_bytes
         self._context = zmq.Context()
@@ -137,14 +156,18 @@ class TcpECConnector(ECConnector):
     def _request(self, header: dict, data: bytes | None = None) -> tuple[dict, bytes | None] | None:
         """The reply, or None when the server does not answer in time (or refuses)."""
         with self._lock:
-            request_id = next(self._ids)
-            header = {**header, "id": request_id, "token": self.token or ""}
-            self._socket.send_multipart([json.dumps(header).encode(), *([data] if data is not None else [])])
+            request_id, nonce = next(self._ids), secrets.token_hex(16)
+            header = {**header, "id": request_id, "nonce": nonce}
+            frames = [json.dumps(header).encode(), *([data] if data is not None else [])]
+            self._socket.send_multipart(self._mac.seal(frames))
             while self._socket.poll(self.timeout_ms):
-                reply_frames = self._socket.recv_multipart()
+                reply_frames = self._mac.open(self._socket.recv_multipart())
+                if reply_frames is None:  # the server refused us (another token), or a forgery
+                    logger.warning("encoder cache server %s: a reply failed authentication", self.address)
+                    return None
                 reply = json.loads(reply_frames[0])
-                if reply.get("id") != request_id:
-                    continue  # the late answer to a request that timed out
+                if reply.get("id") != request_id or reply.get("nonce") != nonce:
+                    continue  # the late answer to a request that timed out, or a replayed one
                 if not reply.get("ok"):
                     logger.warning("encoder cache server refused %s: %s", header["op"], reply.get("error"))
                     return None

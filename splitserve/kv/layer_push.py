@@ -30,6 +30,7 @@ class _PushPlan:
     first_block: int
     num_tokens: int  # the decode side needs positions [0, num_tokens - 1)
     next_block: int  # first block not yet sent for every layer
+    block_hashes: list[str]  # the prompt's KV hashes (Request.prompt_kv_hashes), by our block index
     error: str | None = None
 
 
@@ -50,7 +51,9 @@ class LayerPusher:
         self._plans: dict[str, _PushPlan] = {}
         self._pushed_this_step = False
 
-    def plan(self, request_id: str, num_prompt_tokens: int, params: KVTransferParams) -> None:
+    def plan(
+        self, request_id: str, num_prompt_tokens: int, params: KVTransferParams, block_hashes: list[str]
+    ) -> None:
         """Remember where a request's blocks go (idempotent: admission may be retried)."""
         if request_id in self._plans:
             return
@@ -62,7 +65,7 @@ class LayerPusher:
             return
         first = params.remote_first_block or 0
         transfer_id = params.remote_request_id or request_id
-        plan = _PushPlan(peer, transfer_id, dst, first, num_prompt_tokens, first)
+        plan = _PushPlan(peer, transfer_id, dst, first, num_prompt_tokens, first, block_hashes)
         needed_blocks = cdiv(num_prompt_tokens - 1, self.block_size) - first
         if needed_blocks != len(dst):
             plan.error = (
@@ -90,7 +93,8 @@ class LayerPusher:
             src = slots.block_ids[plan.next_block : ready]
             dst = plan.dst[plan.next_block - plan.first_block : ready - plan.first_block]
             try:
-                self.transport.push_layer(plan.peer, plan.transfer_id, layer_idx, src, dst, ready_at)
+                hashes = plan.block_hashes[plan.next_block : ready]
+                self.transport.push_layer(plan.peer, plan.transfer_id, layer_idx, src, dst, ready_at, hashes)
             except TransferError as exc:
                 plan.error = str(exc)
                 continue

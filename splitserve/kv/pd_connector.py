@@ -176,7 +176,9 @@ class PDConnector(KVConnector):
         params = KVTransferParams.from_wire(request.kv_transfer_params)
         if params.do_remote_decode:
             if params.mode(self.config.mode) == "push":
-                self.pusher.plan(request.request_id, request.num_prompt_tokens, params)
+                self.pusher.plan(
+                    request.request_id, request.num_prompt_tokens, params, request.prompt_kv_hashes()
+                )
                 if num_external_tokens > 0:
                     self._pull_prefix(request, block_ids, num_external_tokens, params)
             return
@@ -201,7 +203,10 @@ class PDConnector(KVConnector):
         with self._lock:
             self._loads[request_id] = load
             self._request_of_transfer[transfer_id] = request_id
-        self.transport.expect(transfer_id, dst, self._on_transfer_done, ttl_s=self.config.reservation_ttl_s)
+        # the grant is bound to this prompt's tokens and salt: KV of anything else is refused
+        hashes = request.prompt_kv_hashes()[first:last]
+        ttl_s = self.config.reservation_ttl_s
+        self.transport.expect(transfer_id, dst, self._on_transfer_done, ttl_s=ttl_s, block_hashes=hashes)
         if mode == "push":
             lend = self._lend_prefix(request, block_ids[:first])
             num_tokens = hit + num_external_tokens
@@ -213,7 +218,7 @@ class PDConnector(KVConnector):
         if len(src) != len(dst):
             self.transport.fail(transfer_id, f"prefill holds {len(src)} of the {len(dst)} blocks needed")
             return
-        self.transport.pull(PeerInfo(*params.remote_address()), transfer_id, list(src), dst)
+        self.transport.pull(PeerInfo(*params.remote_address()), transfer_id, list(src), dst, hashes)
 
     def _pull_prefix(
         self, request: Request, block_ids: list[int], num_external_tokens: int, params: KVTransferParams
@@ -230,8 +235,11 @@ class PDConnector(KVConnector):
             self._request_of_transfer[lend_id] = request.request_id
         request.metrics["pulled_tokens"] = num_external_tokens
         dst = list(block_ids[first:last])
-        self.transport.expect(lend_id, dst, self._on_transfer_done, ttl_s=self.config.reservation_ttl_s)
-        self.transport.pull(PeerInfo(*params.remote_address()), lend_id, list(lent_ids[first:last]), dst)
+        hashes = [block_hash.hex() for block_hash in request.block_hashes[first:last]]
+        ttl_s = self.config.reservation_ttl_s
+        self.transport.expect(lend_id, dst, self._on_transfer_done, ttl_s=ttl_s, block_hashes=hashes)
+        peer = PeerInfo(*params.remote_address())
+        self.transport.pull(peer, lend_id, list(lent_ids[first:last]), dst, hashes)
 
     # ---- decode's prefix lends ----------------------------------------------------------
     def _lend_prefix(self, request: Request, blocks: list[int]) -> tuple[str | None, tuple, tuple]:
@@ -243,10 +251,12 @@ class PDConnector(KVConnector):
             self._lent.add(request.request_id)
         self.metrics.prefix_blocks.labels("lent").inc(len(blocks))
         hashes = tuple(h.hex() for h in request.block_hashes[: len(blocks)])
-        return self.lends.lend(request.request_id, blocks), tuple(blocks), hashes
+        return self.lends.lend(request.request_id, blocks, hashes), tuple(blocks), hashes
 
-    def _is_held(self, transfer_id: str, block_ids: list[int]) -> bool:
-        return self.holds.is_held(transfer_id, block_ids) or self.lends.is_held(transfer_id, block_ids)
+    def _is_held(self, transfer_id: str, block_ids: list[int], block_hashes: list[str]) -> bool:
+        return self.holds.is_held(transfer_id, block_ids, block_hashes) or self.lends.is_held(
+            transfer_id, block_ids, block_hashes
+        )
 
     def _on_release(self, transfer_id: str) -> None:
         if not self.lends.release(transfer_id):
@@ -375,6 +385,11 @@ class PDConnector(KVConnector):
             if lent:
                 self._finish_waits[request_id] = self._finish_waits.get(request_id, 0) + 1
         if in_flight:
+            # Ended before its KV arrived (its client left, or it was aborted): where the
+            # transport can promise nothing lands afterwards, its reservation ends now
+            # instead of at the TTL (the orphaned load then frees the blocks).
+            assert load is not None
+            self.transport.stop(load.transfer_id, "the request ended before its KV arrived")
             return True, None
         reservation = self.reservations.remove(request_id)
         if load is None:
@@ -420,7 +435,7 @@ class PDConnector(KVConnector):
             return False, pushed.with_address(address).to_wire()
         if request.finish_reason not in ("stop", "length") or not block_ids:
             return False, None
-        self.holds.hold(request.request_id, block_ids)
+        self.holds.hold(request.request_id, block_ids, request.prompt_kv_hashes())
         held = KVTransferParams(
             do_remote_prefill=True,
             transfer_mode="pull",

@@ -44,15 +44,15 @@ class PrefixLends:
         self._lock = threading.Lock()
         self._lend_of: dict[str, str] = {}  # request ID -> its lease's name
 
-    def lend(self, request_id: str, block_ids: Sequence[int]) -> str:
+    def lend(self, request_id: str, block_ids: Sequence[int], block_hashes: Sequence[str]) -> str:
         lend_id = f"{request_id}{LEND_MARK}{secrets.token_hex(8)}"
         with self._lock:
             self._lend_of[request_id] = lend_id
-        self._table.hold(lend_id, list(block_ids))
+        self._table.hold(lend_id, list(block_ids), block_hashes)
         return lend_id
 
-    def is_held(self, lend_id: str, block_ids: list[int]) -> bool:
-        return LEND_MARK in lend_id and self._table.is_held(lend_id, block_ids)
+    def is_held(self, lend_id: str, block_ids: list[int], block_hashes: list[str]) -> bool:
+        return LEND_MARK in lend_id and self._table.is_held(lend_id, block_ids, block_hashes)
 
     def release(self, lend_id: str) -> bool:
         return LEND_MARK in lend_id and self._table.release(lend_id)

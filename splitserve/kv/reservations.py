@@ -13,7 +13,7 @@ Both are shared between the engine thread, the transport threads and the HTTP lo
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 
@@ -111,23 +111,32 @@ class HoldTable:
         self.ttl_s = ttl_s
         self._on_release = on_release  # (request_id, expired)
         self._lock = threading.Lock()
-        self._holds: dict[str, frozenset[int]] = {}  # request -> the blocks it holds
+        # request -> the blocks it holds, each with the hash of the KV it holds
+        self._holds: dict[str, dict[int, str]] = {}
         self._timers: dict[str, threading.Timer] = {}
 
-    def hold(self, request_id: str, block_ids: list[int]) -> None:
+    def hold(self, request_id: str, block_ids: list[int], block_hashes: Sequence[str]) -> None:
+        """Hold `block_ids` for a reader; a block without a hash (past `block_hashes`) is
+        never lent."""
         timer = threading.Timer(self.ttl_s, self.release, args=(request_id, True))
         timer.daemon = True
         with self._lock:
-            self._holds[request_id] = frozenset(block_ids)
+            self._holds[request_id] = dict(zip(block_ids, block_hashes, strict=False))
             self._timers[request_id] = timer
         timer.start()
 
-    def is_held(self, request_id: str, block_ids: list[int]) -> bool:
-        """Are `block_ids` among the blocks `request_id` holds? A reader names the hold and
-        the blocks; blocks of any other request are never lent under it."""
+    def is_held(self, request_id: str, block_ids: list[int], block_hashes: Sequence[str]) -> bool:
+        """Are `block_ids` among the blocks `request_id` holds, and do they hold KV of
+        `block_hashes` (the reader's own prompt, cache_salt included)? A reader names the
+        hold, the blocks and its tokens: blocks of any other request, or of other tokens
+        or another tenant's salt, are never lent under it."""
         with self._lock:
             held = self._holds.get(request_id)
-            return held is not None and held.issuperset(block_ids)
+            if held is None or len(block_hashes) != len(block_ids):
+                return False
+            return all(
+                held.get(block) == wanted for block, wanted in zip(block_ids, block_hashes, strict=True)
+            )
 
     def release(self, request_id: str, expired: bool = False) -> bool:
         with self._lock:

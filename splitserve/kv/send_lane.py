@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import zmq
 
+from splitserve.kv.frame_mac import SenderSession
 from splitserve.kv.transport_types import Barrier, CallbackJob, PeerInfo, PoolLayout, TransferError
 
 if TYPE_CHECKING:
@@ -94,6 +95,8 @@ class LaneSocket:
         self.lane = lane
         self.timeout_s = timeout_s
         self.peer_pool: torch.Tensor | None = None  # the peer's pool mapped here (shm)
+        self.session = SenderSession()  # issued by the peer at HELLO; stamps every message
+        self.last_stamp = b""  # of the last request sent: its reply must be bound to it
 
     def send_multipart(self, frames: list, copy: bool = True) -> None:
         deadline = time.monotonic() + self.timeout_s

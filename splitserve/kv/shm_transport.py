@@ -142,6 +142,7 @@ def map_peer_pool(engine_id: str, pid: int, fd: int, shape: tuple[int, ...], dty
 
 class ShmTransport(KVTransport):
     name = "shm"
+    stops_at_once = False  # a peer writes into our pool itself: we cannot stop it mid-copy
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -187,6 +188,7 @@ class ShmTransport(KVTransport):
             "dst": job.dst_block_ids,
             "ready_at": job.ready_at,
             "bytes": num_bytes,
+            "hashes": job.block_hashes,
         }
         self._send_control(socket, b"PUSH", header)
         return num_bytes
@@ -199,13 +201,15 @@ class ShmTransport(KVTransport):
         source = socket.peer_pool
         assert source is not None  # mapped at the lane's handshake
         # Held before and after the read means held throughout: the blocks were not reused.
-        if not self._ask_held(socket, job.transfer_id, job.src_block_ids):
-            raise TransferError(f"engine {job.peer.engine_id} no longer holds the blocks")
+        if not self._ask_held(socket, job):
+            raise TransferError(
+                f"engine {job.peer.engine_id} no longer holds the blocks (or not of these tokens)"
+            )
         for layer in range(self.pool.shape[0]):
             with socket.writing():  # never into blocks a failed pull gave back for recompute
                 num_bytes = copy_blocks(self.pool[layer], job.dst_block_ids, source[layer], job.src_block_ids)
             last = layer == self.pool.shape[0] - 1
-            if last and not self._ask_held(socket, job.transfer_id, job.src_block_ids):
+            if last and not self._ask_held(socket, job):
                 raise TransferError(f"engine {job.peer.engine_id} released the blocks during the read")
             self.record_arrival(job.transfer_id, layer, job.dst_block_ids, num_bytes, None)
         self._send_control(socket, b"RELEASE", {"transfer_id": job.transfer_id})

@@ -34,6 +34,7 @@ class TcpTransport(KVTransport):
             "layer": job.layer,
             "dst": job.dst_block_ids,
             "ready_at": job.ready_at,
+            "hashes": job.block_hashes,
         }
         self._send_control(socket, b"PUSH", header, memoryview(payload.reshape(-1)))
         return payload.nbytes
@@ -57,19 +58,21 @@ class TcpTransport(KVTransport):
             "transfer_id": job.transfer_id,
             "src": job.src_block_ids,
             "dst": job.dst_block_ids,
+            "hashes": job.block_hashes,
             "reply_to": list(me),
         }
         self._send_control(socket, b"PULL", header)
 
     def _on_pull_request(self, header: dict) -> None:
         peer = PeerInfo(*header["reply_to"])
-        transfer_id = header["transfer_id"]
-        if self.is_held is not None and not self.is_held(transfer_id, list(header["src"])):
-            self.send_failure(peer, transfer_id, f"engine {self.engine_id} no longer holds the blocks")
+        transfer_id, hashes = header["transfer_id"], list(header.get("hashes", []))
+        if self.is_held is not None and not self.is_held(transfer_id, list(header["src"]), hashes):
+            error = f"engine {self.engine_id} no longer holds the blocks (or not of these tokens)"
+            self.send_failure(peer, transfer_id, error)
             return
         assert self.pool is not None
         for layer in range(self.pool.shape[0]):
-            self.push_layer(peer, transfer_id, layer, header["src"], header["dst"], ready_at=None)
+            self.push_layer(peer, transfer_id, layer, header["src"], header["dst"], None, hashes)
         release = self.on_release
         if release is not None:
             self._put(peer, CallbackJob(peer, transfer_id, lambda: release(transfer_id)))

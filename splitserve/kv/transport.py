@@ -28,14 +28,14 @@ import logging
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import zmq
 
 from splitserve.config import TransferConfig
 from splitserve.kv.arrivals import ArrivalTracker, TransferResult
-from splitserve.kv.frame_mac import FrameMac
+from splitserve.kv.frame_mac import FrameMac, ReplayGuard, hello_stamp
 from splitserve.kv.send_lane import LaneSocket, SendLanes, job_transfer_id
 from splitserve.kv.transport_types import (
     ControlJob,
@@ -70,6 +70,10 @@ class KVTransport(ABC):
     """One per engine. Owns the pool allocation, the receiving socket and the send lanes."""
 
     name: str = ""
+    # Can a transfer be stopped with the guarantee that none of its bytes land afterwards
+    # (so its blocks may be reused at once)? tcp: yes, the receiver writes every byte
+    # itself. shm: no, the sender writes one-sided into our pool.
+    stops_at_once: bool = True
 
     def __init__(
         self,
@@ -89,6 +93,7 @@ class KVTransport(ABC):
         self.port = 0
         self.arrivals = ArrivalTracker(config.timeout_s, config.reservation_ttl_s)
         self._lock = threading.Lock()
+        self._landing = threading.Lock()  # held while a push is checked and written into the pool
         self.max_queued_jobs = max(4, max_queued_jobs)
         socket_options = {zmq.LINGER: 0, zmq.SNDHWM: self.max_queued_jobs}
         self._lanes = SendLanes(self, self._context, socket_options, self.max_queued_jobs, config.timeout_s)
@@ -97,10 +102,11 @@ class KVTransport(ABC):
         self._send_errors: dict[str, str] = {}
         self._send_stats: dict[str, tuple[float, int]] = {}
         self.on_release: Callable[[str], None] | None = None  # pull source: a peer has read the blocks
-        # pull source: does this transfer still hold these blocks?
-        self.is_held: Callable[[str, list[int]], bool] | None = None
+        # pull source: does this transfer still hold these blocks, with KV of these hashes?
+        self.is_held: Callable[[str, list[int], list[str]], bool] | None = None
         self.bytes_sent = 0
         self._mac = FrameMac(internal_token())  # every message tagged with the deployment's key
+        self.sessions = ReplayGuard()  # the sessions this receiver issued (replays are dropped)
 
     # ---- pool ----------------------------------------------------------------------------
     @abstractmethod
@@ -164,11 +170,16 @@ class KVTransport(ABC):
         block_ids: list[int],
         on_done: Callable[[TransferResult], None],
         ttl_s: float | None = None,
+        block_hashes: Sequence[str] = (),
     ) -> None:
-        """Count arrivals for `block_ids` (every layer); `on_done` runs once, on any thread."""
+        """Count arrivals for `block_ids` (every layer); `on_done` runs once, on any thread.
+        With `block_hashes` (one per block) the transfer is bound to those tokens: data
+        sent under other hashes is dropped."""
         if self.pool is None:
             raise TransferError("the KV pool is not allocated yet")
-        self.arrivals.expect(transfer_id, self.pool.shape[0], list(block_ids), on_done, ttl_s)
+        self.arrivals.expect(
+            transfer_id, self.pool.shape[0], list(block_ids), on_done, ttl_s, list(block_hashes)
+        )
 
     def cancel(self, transfer_id: str) -> None:
         """Stop expecting; later arrivals for it are ignored and `on_done` is not called."""
@@ -177,6 +188,16 @@ class KVTransport(ABC):
     def fail(self, transfer_id: str, error: str) -> None:
         """Fail an expected transfer now (e.g. the proxy saw the prefill worker die)."""
         self.arrivals.finish(transfer_id, error)
+
+    def stop(self, transfer_id: str, error: str) -> bool:
+        """Fail a transfer whose request ended (its client left) so that its blocks can be
+        reused now: True when nothing of it can land after this returns (`stops_at_once`);
+        False, doing nothing, when the transport cannot promise that."""
+        if not self.stops_at_once:
+            return False
+        with self._landing:  # a push being written finishes first; later ones are refused
+            self.arrivals.finish(transfer_id, error)
+        return True
 
     def pending_transfers(self) -> int:
         return self.arrivals.pending()
@@ -187,6 +208,11 @@ class KVTransport(ABC):
         self.arrivals.record(transfer_id, layer, block_ids, num_bytes, ready_at)
 
     # ---- sender API ----------------------------------------------------------------------
+    def may_dial(self, host: str, port: int) -> bool:
+        """Is (host, port) a KV peer registered with the deployment (any, without a list)?"""
+        allowed = self.config.allowed_peers
+        return not allowed or (host, port) in allowed
+
     def push_layer(
         self,
         peer: PeerInfo,
@@ -195,6 +221,7 @@ class KVTransport(ABC):
         src_block_ids: list[int],
         dst_block_ids: list[int],
         ready_at: float | None = None,
+        block_hashes: Sequence[str] = (),
     ) -> None:
         """Queue one layer's blocks for the peer. Blocks (back-pressure) while the peer's lane
         is full; raises TransferError at once when the peer's lane is stalled, else once it is
@@ -202,18 +229,31 @@ class KVTransport(ABC):
         if len(src_block_ids) != len(dst_block_ids):
             raise TransferError("source and destination block lists differ in length")
         job = PushJob(
-            peer, transfer_id, layer, list(src_block_ids), list(dst_block_ids), ready_at or time.time()
+            peer,
+            transfer_id,
+            layer,
+            list(src_block_ids),
+            list(dst_block_ids),
+            ready_at or time.time(),
+            list(block_hashes),
         )
-        self._lanes.put(peer, job)
+        self._enqueue(peer, job)
 
     def pull(
-        self, peer: PeerInfo, transfer_id: str, src_block_ids: list[int], dst_block_ids: list[int]
+        self,
+        peer: PeerInfo,
+        transfer_id: str,
+        src_block_ids: list[int],
+        dst_block_ids: list[int],
+        block_hashes: Sequence[str] = (),
     ) -> None:
         """Fetch every layer of the peer's `src_block_ids` into our `dst_block_ids`; completion
         is reported to the expectation registered for `transfer_id` (a peer that is stalled
-        fails it at once, never the caller)."""
+        fails it at once, never the caller). The source lends the blocks only if they hold
+        KV of `block_hashes` (our prompt's, one per block)."""
+        job = PullJob(peer, transfer_id, list(src_block_ids), list(dst_block_ids), list(block_hashes))
         try:
-            self._lanes.put(peer, PullJob(peer, transfer_id, list(src_block_ids), list(dst_block_ids)))
+            self._enqueue(peer, job)
         except TransferError as exc:
             self.arrivals.finish(transfer_id, f"pull from {peer.engine_id} failed: {exc}")
 
@@ -221,7 +261,7 @@ class KVTransport(ABC):
         """Tell the receiver a transfer failed; a peer that cannot be reached learns it from
         its own timeout, so this never raises."""
         try:
-            self._lanes.put(peer, ControlJob(peer, b"FAIL", {"transfer_id": transfer_id, "error": error}))
+            self._enqueue(peer, ControlJob(peer, b"FAIL", {"transfer_id": transfer_id, "error": error}))
         except TransferError as exc:
             logger.info("KV %s: could not report transfer %s failed: %s", self.name, transfer_id, exc)
 
@@ -251,6 +291,12 @@ class KVTransport(ABC):
             return self._send_errors.pop(transfer_id, None)
 
     def _put(self, peer: PeerInfo, job: object) -> None:
+        self._enqueue(peer, job)
+
+    def _enqueue(self, peer: PeerInfo, job: object) -> None:
+        """Queue a job for a peer's lane; a peer not registered is never dialled."""
+        if not self.may_dial(peer.host, peer.port):
+            raise TransferError(f"KV peer {peer.host}:{peer.port} is not registered with this deployment")
         self._lanes.put(peer, job)
 
     # ---- subclass hooks ------------------------------------------------------------------
@@ -320,12 +366,18 @@ class KVTransport(ABC):
             or layout.dtype != mine.dtype
         ):
             raise TransferError(f"KV pool layouts differ: ours {mine.shape} {mine.dtype}, peer {layout}")
+        if self._mac.enabled:
+            try:
+                socket.session.start(bytes.fromhex(str(reply["session"])))
+            except (KeyError, ValueError) as exc:
+                raise TransferError(f"KV peer {peer.engine_id} answered HELLO without a session") from exc
         socket.peer_pool = self._on_handshake(peer, layout)
         return layout
 
-    def _ask_held(self, socket: LaneSocket, transfer_id: str, block_ids: list[int]) -> bool:
-        """Does the pull source still hold `block_ids` for `transfer_id`?"""
-        self._send_control(socket, b"HELD", {"transfer_id": transfer_id, "src": block_ids})
+    def _ask_held(self, socket: LaneSocket, job: PullJob) -> bool:
+        """Does the pull source still hold the job's blocks, with KV of its hashes?"""
+        header = {"transfer_id": job.transfer_id, "src": job.src_block_ids, "hashes": job.block_hashes}
+        self._send_control(socket, b"HELD", header)
         try:
             return bool(self._recv_reply(socket)["held"])
         except zmq.Again as exc:
@@ -341,17 +393,26 @@ class KVTransport(ABC):
         frames: list = [kind, json.dumps(header).encode()]
         if data is not None:
             frames.append(data)
+        if self._mac.enabled:  # the stamp, inside the MAC: a replayed message is refused
+            socket.last_stamp = hello_stamp() if kind == b"HELLO" else socket.session.next_stamp()
+            frames.append(socket.last_stamp)
         socket.send_multipart(self._mac.seal(frames), copy=data is None)
 
     def _recv_reply(self, socket: LaneSocket) -> dict:
         frames = self._mac.open(socket.recv_multipart())
         if frames is None:
             raise TransferError("a KV peer's reply failed authentication (not this deployment's)")
+        if self._mac.enabled and (len(frames) != 2 or frames[1] != socket.last_stamp):
+            raise TransferError("a KV peer's reply does not answer our request (replayed?)")
         return json.loads(frames[0])
 
-    def _reply(self, identity: zmq.Frame, answer: dict) -> None:
+    def _reply(self, identity: zmq.Frame, answer: dict, request_stamp: bytes) -> None:
+        """Answer a request; the MAC covers the request's stamp, binding the reply to it."""
         assert self._router is not None
-        self._router.send_multipart([identity, *self._mac.seal([json.dumps(answer).encode()])])
+        frames: list = [json.dumps(answer).encode()]
+        if self._mac.enabled:
+            frames.append(request_stamp)
+        self._router.send_multipart([identity, *self._mac.seal(frames)])
 
     # ---- receiver thread -----------------------------------------------------------------
     def _receive_loop(self) -> None:
@@ -378,23 +439,38 @@ class KVTransport(ABC):
         if body is None:
             logger.warning("dropped a KV message that failed authentication")
             return
+        message_stamp = b""
+        if self._mac.enabled:
+            if len(body) < 3:
+                logger.warning("dropped a KV message without a stamp")
+                return
+            message_stamp, body = body[-1].bytes, body[:-1]
+            if body[0].bytes != b"HELLO" and not self.sessions.admit(message_stamp):
+                logger.warning("dropped a replayed KV message (or of a session we did not issue)")
+                return
         frames = [frames[0], *body]
         identity, kind, header = frames[0], frames[1].bytes, json.loads(frames[2].bytes)
         if kind == b"HELLO":
-            self._reply(identity, self.layout()._asdict())
+            answer = self.layout()._asdict()
+            if self._mac.enabled:
+                answer["session"] = self.sessions.issue().hex()
+            self._reply(identity, answer, message_stamp)
         elif kind == b"PUSH":
-            if not self.arrivals.accepts(header["transfer_id"], [int(block) for block in header["dst"]]):
-                # even a token holder writes only the blocks reserved for its transfer
-                logger.warning("dropped a KV push outside its transfer's blocks")
-                return
-            num_bytes = self._on_push(header, frames[3:])
-            self.record_arrival(
-                header["transfer_id"], header["layer"], header["dst"], num_bytes, header["ready_at"]
-            )
+            blocks = [int(block) for block in header["dst"]]
+            with self._landing:
+                if not self.arrivals.accepts(header["transfer_id"], blocks, header.get("hashes", [])):
+                    # even a token holder writes only the blocks reserved for its transfer,
+                    # and only KV of the tokens the transfer is bound to
+                    logger.warning("dropped a KV push outside its transfer's blocks or tokens")
+                    return
+                num_bytes = self._on_push(header, frames[3:])
+                self.record_arrival(
+                    header["transfer_id"], header["layer"], header["dst"], num_bytes, header["ready_at"]
+                )
         elif kind == b"HELD":
-            blocks = [int(block) for block in header["src"]]
-            held = self.is_held(header["transfer_id"], blocks) if self.is_held is not None else True
-            self._reply(identity, {"held": held})
+            blocks, hashes = [int(block) for block in header["src"]], list(header.get("hashes", []))
+            held = self.is_held(header["transfer_id"], blocks, hashes) if self.is_held is not None else True
+            self._reply(identity, {"held": held}, message_stamp)
         elif kind == b"PULL":
             self._on_pull_request(header)
         elif kind == b"RELEASE":

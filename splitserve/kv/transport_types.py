@@ -59,6 +59,7 @@ class PushJob(NamedTuple):
     src_block_ids: list[int]
     dst_block_ids: list[int]
     ready_at: float
+    block_hashes: list[str]  # the KV's chained block hashes, one per block: what it is bound to
 
 
 class PullJob(NamedTuple):
@@ -66,6 +67,7 @@ class PullJob(NamedTuple):
     transfer_id: str
     src_block_ids: list[int]
     dst_block_ids: list[int]
+    block_hashes: list[str]  # of the puller's own prompt: the source lends only matching blocks
 
 
 class ControlJob(NamedTuple):

@@ -7,6 +7,7 @@ import logging
 import sys
 
 from splitserve.protocol import access
+from splitserve.protocol.client_quota import ClientQuota
 from splitserve.protocol.drain import add_serving_arguments, serve_draining
 from splitserve.protocol.http_edge import DEFAULT_MAX_BODY_BYTES
 from splitserve.router.routing import RoutingPolicy
@@ -53,6 +54,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     access.add_public_arguments(parser)
     access.add_internal_arguments(parser)
+    parser.add_argument(
+        "--max-in-flight-per-client",
+        type=int,
+        default=0,
+        help="chat/completions requests one client address may have in flight (each holds "
+        "at most one KV reservation); past it: 429 with Retry-After. Default 0: no bound",
+    )
     parser.add_argument(
         "--kv-overlap-weight",
         type=float,
@@ -114,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
         encoder_urls=args.encoder,
     )
     serve_draining(
-        access.AccessGuard(app, access.public_policy(args)),
+        access.AccessGuard(ClientQuota(app, args.max_in_flight_per_client), access.public_policy(args)),
         host=args.host,
         port=args.port,
         log_level=args.log_level,

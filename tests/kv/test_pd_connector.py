@@ -163,6 +163,31 @@ def test_disaggregated_greedy_equals_collocated(tiny_model, collocated, kind, mo
             )
             prefill[1].holds.release(params["remote_request_id"])  # nobody will read it
 
+            # the same tokens under another tenant's cache_salt: the hold is not lent to it
+            _, prefill_out = await collect(
+                prefill[0].generate(
+                    f"salted-{kind}",
+                    PROMPTS["long"],
+                    GREEDY,
+                    cache_salt="tenant-a",
+                    kv_transfer_params={"do_remote_decode": True},
+                )
+            )
+            params = prefill_out.kv_transfer_params
+            out, final = await collect(
+                decode[0].generate(
+                    f"salted-{kind}",
+                    PROMPTS["long"],
+                    GREEDY,
+                    cache_salt="tenant-b",
+                    kv_transfer_params=params,
+                )
+            )
+            assert out == expected["long"]
+            assert final.kv_transfer_params["handoff"]["transferred"] is False
+            assert "no longer holds" in final.kv_transfer_params["handoff"]["error"]
+            prefill[1].holds.release(params["remote_request_id"])
+
     try:
         asyncio.run(run())
         text = decode[1].metrics.registry

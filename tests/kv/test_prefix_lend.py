@@ -129,13 +129,16 @@ def test_a_lease_lends_only_the_blocks_it_names(tiny_model):
     decode = make_engine(tiny_model, "decode", transfer)
     try:
         lends = decode[1].lends
-        lend_id = lends.lend("req-1", [3, 4])
-        assert decode[1].transport.is_held(lend_id, [3, 4])
-        assert not decode[1].transport.is_held(lend_id, [3, 5])
-        assert not decode[1].transport.is_held("req-2@prefix", [3])
-        assert not decode[1].transport.is_held("req-1@prefix-0000000000000000", [3])  # a guessed name
+        lend_id = lends.lend("req-1", [3, 4], ["hash-3", "hash-4"])
+        is_held = decode[1].transport.is_held
+        assert is_held(lend_id, [3, 4], ["hash-3", "hash-4"])
+        assert not is_held(lend_id, [3, 5], ["hash-3", "hash-4"])
+        assert not is_held(lend_id, [3, 4], ["hash-3", "other-tokens"])  # KV of another prompt
+        assert not is_held(lend_id, [3, 4], [])
+        assert not is_held("req-2@prefix", [3], ["hash-3"])
+        assert not is_held("req-1@prefix-0000000000000000", [3], ["hash-3"])  # a guessed name
         decode[1].transport.on_release(lend_id)
-        assert not decode[1].transport.is_held(lend_id, [3])
+        assert not is_held(lend_id, [3], ["hash-3"])
     finally:
         decode[0].shutdown()
 

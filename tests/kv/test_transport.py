@@ -12,7 +12,15 @@ import torch
 from splitserve.config import TransferConfig
 from splitserve.kv.transport_factory import make_transport
 from splitserve.kv.transport_types import PeerInfo, TransferError
-from tests.kv.transport_peer import SHAPE, dying_sender, filled_pool, pattern, pull_source, receiver
+from tests.kv.transport_peer import (
+    SHAPE,
+    dying_sender,
+    filled_pool,
+    kv_hashes,
+    pattern,
+    pull_source,
+    receiver,
+)
 
 CTX = multiprocessing.get_context("spawn")
 SRC, DST = [0, 3, 6], [5, 2, 7]
@@ -81,9 +89,9 @@ def test_pull_reads_the_sources_blocks_and_releases_them(kind):
                 finished.set()
 
         puller.expect("t1", DST, on_done)
-        puller.pull(source, "t1", SRC, DST)
+        puller.pull(source, "t1", SRC, DST, kv_hashes(SRC))
         puller.expect("gone", [1], on_done)
-        puller.pull(source, "gone", [1], [1])
+        puller.pull(source, "gone", [1], [1], kv_hashes([1]))
         assert finished.wait(30)
         assert outcomes["t1"].ok, outcomes["t1"]
         assert torch.equal(puller.pool[:, :, DST], pattern(SRC))

@@ -67,13 +67,23 @@ def dying_sender(kind: str, peer: tuple, src: list[int], dst: list[int], layers_
     os._exit(0)
 
 
+def kv_hashes(block_ids: list[int]) -> list[str]:
+    """The token hashes `pull_source` holds its blocks under (a pull must name them)."""
+    return [f"kv-of-block-{block}" for block in block_ids]
+
+
 def pull_source(kind: str, to_parent, from_parent) -> None:
-    """Hold a filled pool and serve pulls; report released transfer IDs."""
+    """Hold a filled pool and serve pulls, each hold once; report released transfer IDs."""
     transport = make_transport("source", TransferConfig(transport=kind, timeout_s=5))
     filled_pool(transport)
     released = []
-    held = {0, 3, 6}  # the blocks lent under every transfer but "gone"
-    transport.is_held = lambda transfer_id, blocks: transfer_id != "gone" and held.issuperset(blocks)
+    held = {0, 3, 6}  # the blocks lent under every transfer but "gone", until it is released
+
+    def is_held(transfer_id: str, blocks: list[int], hashes: list[str]) -> bool:
+        usable = transfer_id != "gone" and transfer_id not in released
+        return usable and held.issuperset(blocks) and hashes == kv_hashes(blocks)
+
+    transport.is_held = is_held
     transport.on_release = released.append
     to_parent.put(tuple(transport.start()))
     while from_parent.get(timeout=60) is not None:

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -26,6 +26,7 @@ from tests.router.test_pd_proxy import internal_auth, started_parts, up_log
 
 API_KEY = "sk-test-public-key"
 LONG_PROMPT = [{"role": "user", "content": "tell me about the weather tomorrow please " * 4}]
+PER_CLIENT = 3  # requests in flight per client address on `exposed_up` (its tests send <= 3)
 
 
 def _assert_unauthorized(response: httpx.Response) -> None:
@@ -88,6 +89,7 @@ def exposed_up(tiny_model) -> Iterator[tuple[str, dict[str, str]]]:
     port = free_port()
     args = ["up", tiny_model, "--port", str(port), "--num-blocks", "256", "--min-prefill-tokens", "16"]
     args += ["--host", "0.0.0.0", "--api-key", API_KEY, "--open-health-metrics", "--transport", "shm"]
+    args += ["--max-in-flight-per-client", str(PER_CLIENT)]
     with running_server(args, port, timeout=180) as base:
         started_parts(port)
         urls = dict(re.findall(r"^\s+(\S+)\s+(http://\S+)\s+\(pid", up_log(port), re.M))
@@ -176,6 +178,10 @@ def test_internal_parts_refuse_callers_without_the_token(exposed_up):
             assert httpx.get(f"{url}/docs").status_code == 404
             good = {"Authorization": f"Bearer {token}"}
             assert httpx.get(f"{url}/health", headers=good).status_code == 200
+            # even with the token, an engine dials only the KV peers `up` registered with it
+            refused = httpx.post(f"{url}/inference/v1/generate", json=attack, headers=good)
+            assert refused.status_code == 403, refused.text
+            assert refused.json()["error"]["code"] == "kv_peer_not_registered"
         render = urls["render"]
         _assert_unauthorized(
             httpx.post(f"{render}/v1/chat/completions/render", json={"messages": LONG_PROMPT})
@@ -277,3 +283,60 @@ def test_bench_runs_against_the_proxy_with_the_key(exposed_up, tiny_model, tmp_p
     (level,) = json.loads(out.read_text())["levels"]
     assert level["summary"]["completed"] == 3
     assert API_KEY not in out.read_text()
+
+
+def _held_request(base: str) -> socket.socket:
+    """A chat request whose body never finishes arriving: in flight until the socket closes."""
+    host, port = base.removeprefix("http://").split(":")
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {API_KEY}\r\n"
+        "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"
+    )
+    held = socket.create_connection((host, int(port)), timeout=30)
+    held.sendall(head.encode())
+    return held
+
+
+def _post_until(base: str, body: dict, done: Callable[[int], bool], timeout_s: float = 30) -> httpx.Response:
+    """POST the chat request again until its status satisfies `done` (or the time is up)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        response = httpx.post(
+            f"{base}/v1/chat/completions",
+            json=body,
+            headers={"Authorization": f"Bearer {API_KEY}"},
+            timeout=60,
+        )
+        if done(response.status_code) or time.monotonic() > deadline:
+            return response
+        time.sleep(0.2)
+
+
+def test_one_client_cannot_take_every_slot_and_others_keep_being_served(exposed_up):
+    """`--max-in-flight-per-client`: a client (an address) past its bound gets 429 with
+    Retry-After and an OpenAI error body at once; a client at another address is served;
+    once the first client's requests end (here: it disconnects) it is served again."""
+    base, _ = exposed_up
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    held = [_held_request(base) for _ in range(PER_CLIENT)]
+    try:
+        refused = _post_until(base, body, lambda status: status == 429)  # the held ones are counted
+        assert refused.headers["retry-after"] == "1"
+        error = refused.json()["error"]
+        assert (error["type"], error["code"]) == ("rate_limit_error", "client_quota_exceeded")
+        with pytest.raises(openai.RateLimitError):
+            openai.OpenAI(base_url=f"{base}/v1", api_key=API_KEY, max_retries=0).chat.completions.create(
+                model=None, **body
+            )
+        other_address = httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.2"), timeout=60)
+        with other_address:
+            other = openai.OpenAI(
+                base_url=f"{base}/v1", api_key=API_KEY, max_retries=0, http_client=other_address
+            )
+            answer = other.chat.completions.create(model=None, **body)
+            assert answer.choices[0].finish_reason in {"length", "stop"}
+    finally:
+        for connection in held:
+            connection.close()
+    again = _post_until(base, body, lambda status: status != 429)  # the disconnected ones stop counting
+    assert again.status_code == 200, again.text

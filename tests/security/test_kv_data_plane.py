@@ -18,7 +18,7 @@ import zmq
 from splitserve.config import TransferConfig
 from splitserve.kv.transport_factory import make_transport
 from splitserve.kv.transport_types import PeerInfo
-from tests.kv.transport_peer import SHAPE, filled_pool, pattern, pull_source
+from tests.kv.transport_peer import SHAPE, filled_pool, kv_hashes, pattern, pull_source
 
 PRECIOUS = b"precious data that KV must never overwrite\n"
 
@@ -168,9 +168,12 @@ def test_kv_frames_without_the_deployments_mac_are_dropped(monkeypatch):
 
 
 @pytest.mark.parametrize("kind", ["shm", "tcp"])
-def test_a_pull_reads_only_the_blocks_its_hold_lent(kind):
+def test_a_pull_reads_only_the_blocks_its_hold_lent(kind, monkeypatch):
     """The issue's cross-tenant read: a pull names a real hold but another request's block
-    IDs; the source lends only the hold's own blocks, so nothing of the victim is read."""
+    IDs, or the hold's blocks under other token hashes (another prompt, or the same prompt
+    under another tenant's cache_salt); the source lends only the hold's own blocks and only
+    to a reader of the same tokens, so nothing is read. A hold is lent once."""
+    monkeypatch.setenv("SPLITSERVE_INTERNAL_TOKEN", "the-deployment-token")  # the source inherits it
     context = multiprocessing.get_context("spawn")
     to_parent, from_parent = context.Queue(), context.Queue()
     source_process = context.Process(target=pull_source, args=(kind, to_parent, from_parent))
@@ -185,18 +188,34 @@ def test_a_pull_reads_only_the_blocks_its_hold_lent(kind):
 
         def on_done(result) -> None:
             outcomes[result.transfer_id] = result
-            if len(outcomes) == 2:
+            if len(outcomes) == 3:
                 finished.set()
 
         puller.expect("victim", [1, 2], on_done)
-        puller.pull(source, "victim", [1, 2], [1, 2])  # blocks 1, 2: not lent under this hold
+        # blocks 1, 2: not lent under this hold
+        puller.pull(source, "victim", [1, 2], [1, 2], kv_hashes([1, 2]))
+        puller.expect("other-salt", [5], on_done)
+        puller.pull(source, "other-salt", [6], [5], ["kv-of-other-tokens"])  # a lent block, other hashes
         puller.expect("mine", [4], on_done)
-        puller.pull(source, "mine", [3], [4])
+        puller.pull(source, "mine", [3], [4], kv_hashes([3]))
         assert finished.wait(30)
-        assert not outcomes["victim"].ok and "no longer holds" in outcomes["victim"].error
-        assert not puller.pool[:, :, [1, 2]].any()
+        for refused in ("victim", "other-salt"):
+            assert not outcomes[refused].ok and "no longer holds" in outcomes[refused].error
+        assert not puller.pool[:, :, [1, 2, 5]].any()
         assert outcomes["mine"].ok, outcomes["mine"]
         assert torch.equal(puller.pool[:, :, [4]], pattern([3]))
+
+        released: list[str] = []  # the source releases the hold once the reader is done
+        deadline = time.monotonic() + 10
+        while "mine" not in released and time.monotonic() < deadline:
+            from_parent.put("report")
+            released = to_parent.get(timeout=30)
+        again = threading.Event()
+        puller.expect("mine", [7], lambda result: (outcomes.__setitem__("again", result), again.set()))
+        puller.pull(source, "mine", [3], [7], kv_hashes([3]))  # the same grant, a second time
+        assert again.wait(30)
+        assert not outcomes["again"].ok and "no longer holds" in outcomes["again"].error
+        assert not puller.pool[:, :, [7]].any()
     finally:
         from_parent.put(None)
         source_process.join(30)
@@ -205,9 +224,10 @@ def test_a_pull_reads_only_the_blocks_its_hold_lent(kind):
 
 def test_a_token_holder_writes_only_the_blocks_reserved_for_its_transfer(monkeypatch):
     """The issue's 'writing into other requests' blocks' with a sender that holds the
-    deployment's token: a push for a transfer decode never reserved, or for blocks outside
-    the reservation, writes nothing and does not count towards completion; the reserved
-    block still lands and completes the transfer."""
+    deployment's token: a push for a transfer decode never reserved, for blocks outside
+    the reservation, or of KV computed for other tokens (other block hashes) writes nothing
+    and does not count towards completion; the reserved block still lands and completes
+    the transfer, and the grant is then spent: the same push again writes nothing."""
     monkeypatch.setenv("SPLITSERVE_INTERNAL_TOKEN", "the-deployment-token")
     config = TransferConfig(transport="tcp", timeout_s=5.0)
     decode = make_transport("decode-0", config)
@@ -224,20 +244,120 @@ def test_a_token_holder_writes_only_the_blocks_reserved_for_its_transfer(monkeyp
     try:
         filled_pool(prefill)
         prefill.start()
-        decode.expect("granted", [2], on_done)
+        decode.expect("granted", [2], on_done, block_hashes=kv_hashes([2]))
         for layer in range(SHAPE[0]):
             prefill.push_layer(peer, "never-reserved", layer, [0], [0])
-            prefill.push_layer(peer, "granted", layer, [5], [5])  # outside its grant
+            prefill.push_layer(peer, "granted", layer, [5], [5], None, kv_hashes([5]))  # outside its grant
+            prefill.push_layer(peer, "granted", layer, [2], [2], None, ["kv-of-other-tokens"])
+            prefill.push_layer(peer, "granted", layer, [2], [2])  # not bound to any tokens
         assert prefill.flush(10)
         assert not done.wait(1.0)  # wrong blocks do not complete the transfer
         assert not pool.any()
         for layer in range(SHAPE[0]):
-            prefill.push_layer(peer, "granted", layer, [2], [2])
+            prefill.push_layer(peer, "granted", layer, [2], [2], None, kv_hashes([2]))
         assert prefill.flush(10) and done.wait(10)
         assert outcomes[0].ok, outcomes[0]
         assert torch.equal(pool[:, :, [2]], pattern([2]))
         pool[:, :, [2]] = 0
         assert not pool.any()
+        for layer in range(SHAPE[0]):  # a second transfer under the spent grant
+            prefill.push_layer(peer, "granted", layer, [2], [2], None, kv_hashes([2]))
+        assert prefill.flush(10)
+        time.sleep(0.5)  # give a wrongly accepted push time to land
+        assert not pool.any()
+        assert len(outcomes) == 1
     finally:
         prefill.close()
+        decode.close()
+
+
+class Tap:
+    """A man in the middle on the KV link: forwards a sender's messages to the real
+    receiver (and the replies back) and keeps a copy of each, as a network capture would."""
+
+    def __init__(self, target: PeerInfo):
+        self.context = zmq.Context()
+        self.front = self.context.socket(zmq.ROUTER)
+        self.port = self.front.bind_to_random_port("tcp://127.0.0.1")
+        self.back = self.context.socket(zmq.DEALER)
+        self.back.connect(f"tcp://{target.host}:{target.port}")
+        self.captured: list[list[bytes]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.front, zmq.POLLIN)
+        poller.register(self.back, zmq.POLLIN)
+        identity = b""
+        while not self._stop.is_set():
+            ready = dict(poller.poll(20))
+            if self.front in ready:
+                identity, *message = self.front.recv_multipart()
+                self.captured.append(message)
+                self.back.send_multipart(message)
+            if self.back in ready:
+                self.front.send_multipart([identity, *self.back.recv_multipart()])
+
+    def replay(self, message: list[bytes]) -> None:
+        """Send a captured message again: on the tap's own connection, then on a new one."""
+        self.back.send_multipart(message)
+        fresh = self.context.socket(zmq.DEALER)
+        fresh.connect(self.back.getsockopt_string(zmq.LAST_ENDPOINT))
+        fresh.send_multipart(message)
+        time.sleep(0.3)  # let both reach the receiver before the socket goes
+        fresh.close(linger=0)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.front.close(linger=0)
+        self.back.close(linger=0)
+        self.context.term()
+
+
+def test_a_captured_kv_message_replayed_is_dropped(monkeypatch):
+    """Someone who captured the deployment's own, validly tagged PUSH messages sends them
+    again (and an older one after a newer): decode drops them, nothing is written, and
+    the real transfer still completes."""
+    monkeypatch.setenv("SPLITSERVE_INTERNAL_TOKEN", "the-deployment-token")
+    config = TransferConfig(transport="tcp", timeout_s=5.0)
+    decode = make_transport("decode-0", config)
+    pool = decode.allocate_pool(SHAPE, torch.float32)
+    tap = Tap(decode.start())
+    prefill = make_transport("prefill-0", config)
+    outcomes = []
+    done = threading.Event()
+
+    def on_done(result) -> None:
+        outcomes.append(result)
+        done.set()
+
+    try:
+        filled_pool(prefill)
+        prefill.start()
+        decode.expect("t", [2], on_done)
+        via_tap = PeerInfo("decode-0", "127.0.0.1", tap.port)
+        prefill.push_layer(via_tap, "t", 0, [2], [2])
+        prefill.push_layer(via_tap, "t", 1, [2], [2])
+        assert prefill.flush(10)
+        assert _wait_for(lambda: bool(pool[1, :, 2].any()))
+        pushes = [message for message in tap.captured if message[0] == b"PUSH"]
+        assert len(pushes) == 2
+        pool[:, :, 2] = 0  # what a replayed layer 0 or 1 would write again
+        refused_before = decode.sessions.refused
+        for message in (pushes[0], pushes[1]):  # a replay, and an older one after a newer
+            tap.replay(message)
+        assert _wait_for(lambda: decode.sessions.refused >= refused_before + 4)
+        assert not pool.any()
+        assert not done.is_set()
+        for layer in range(SHAPE[0]):  # the live session goes on: the transfer completes
+            prefill.push_layer(via_tap, "t", layer, [2], [2])
+        assert prefill.flush(10) and done.wait(10)
+        assert outcomes[0].ok, outcomes[0]
+        assert torch.equal(pool[:, :, [2]], pattern([2]))
+    finally:
+        prefill.close()
+        tap.close()
         decode.close()

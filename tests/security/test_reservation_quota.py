@@ -1,14 +1,19 @@
 """Block pinning (the issue's attack 6): a decode worker bounds the requests waiting for
 remote KV; past its limit a new one gets 429 with `Retry-After`, and is served again
-once the reservations are gone."""
+once the reservations are gone, which happens as soon as their clients disconnect.
+SSRF (attack 5): an engine dials only the KV peers registered with it (`--kv-peers`)."""
 
 from __future__ import annotations
 
-import threading
+import contextlib
+import json
+import socket
+import time
 
 import httpx
 
 from tests.conftest import free_port, running_server
+from tests.security.test_access import DialCounter
 
 PROMPT = list(range(10, 90))  # 80 tokens: 5 blocks of 16
 
@@ -22,39 +27,101 @@ def _waiting_request(request_id: str) -> dict:
     }
 
 
-def test_decode_refuses_reservations_past_its_limit_with_429(tiny_model):
-    port = free_port()
+def _gauge(base: str, name: str) -> float:
+    for line in httpx.get(f"{base}/metrics", timeout=10).text.splitlines():
+        if line.startswith(f"splitserve_kv_{name} "):
+            return float(line.split()[1])
+    raise AssertionError(f"no gauge {name}")
+
+
+def _wait_until(condition, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+class WaitingClient:
+    """A client whose request waits for remote KV that never comes, until it disconnects
+    (a raw socket: closed while the server has not answered yet)."""
+
+    def __init__(self, base: str, request_id: str):
+        host, port = base.removeprefix("http://").split(":")
+        body = json.dumps({**_waiting_request(request_id), "stream": True}).encode()
+        head = (
+            f"POST /inference/v1/generate HTTP/1.1\r\nHost: {host}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        )
+        self.socket = socket.create_connection((host, int(port)), timeout=30)
+        self.socket.sendall(head.encode() + body)
+
+    def close(self) -> None:
+        self.socket.close()
+
+
+def test_decode_refuses_reservations_past_its_limit_and_frees_them_when_clients_leave(tiny_model):
+    """A request naming a KV peer outside `--kv-peers` is refused (403) and nothing is
+    dialled. Past `--kv-max-reservations`, 429 with Retry-After; a client that disconnects while
+    its request waits for KV gives its reserved blocks back at once, long before the TTL
+    (tcp: the receiver writes every byte itself, so nothing lands after it stops)."""
+    port, registered = free_port(), free_port()
     args = ["engine", tiny_model, "--role", "decode", "--port", str(port), "--num-blocks", "64"]
-    args += ["--kv-transport", "shm", "--kv-max-reservations", "2", "--kv-reservation-ttl", "2"]
-    with running_server(args, port) as decode:
-        answers: dict[str, int] = {}
+    args += ["--kv-transport", "tcp", "--kv-max-reservations", "2", "--kv-reservation-ttl", "300"]
+    args += ["--kv-peers", f"127.0.0.1:{registered}"]
+    elsewhere = DialCounter()
+    with running_server(args, port) as decode, contextlib.closing(elsewhere):
+        # the issue's SSRF: a pull naming a host and port the deployment never registered
+        pull = {
+            **_waiting_request("ssrf"),
+            "kv_transfer_params": {
+                "do_remote_prefill": True,
+                "transfer_mode": "pull",
+                "remote_engine_id": "prefill-x",
+                "remote_host": "127.0.0.1",
+                "remote_port": elsewhere.port,
+                "remote_request_id": "hold",
+                "remote_block_ids": [0, 1, 2, 3, 4],
+            },
+        }
+        refused = httpx.post(f"{decode}/inference/v1/generate", json=pull, timeout=60)
+        assert refused.status_code == 403, refused.text
+        assert refused.json()["error"]["code"] == "kv_peer_not_registered"
+        time.sleep(0.5)  # a dial, had one started, would have reached the listener by now
+        assert elsewhere.dials == 0
 
-        def send(request_id: str) -> None:  # nobody ever pushes: each waits out the TTL
-            response = httpx.post(
-                f"{decode}/inference/v1/generate", json=_waiting_request(request_id), timeout=60
+        pins = [WaitingClient(decode, f"pin-{i}") for i in range(2)]
+        try:
+            for i in range(2):  # both have reserved their blocks
+                reserved = httpx.post(
+                    f"{decode}/inference/v1/kv/reserve", json={"request_id": f"pin-{i}", "timeout_s": 30}
+                )
+                assert reserved.status_code == 200, reserved.text
+            assert _gauge(decode, "reserved_blocks") == 10  # 79 positions: 5 blocks each
+            refused = httpx.post(
+                f"{decode}/inference/v1/generate", json=_waiting_request("third"), timeout=60
             )
-            answers[request_id] = response.status_code
-
-        pinning = [threading.Thread(target=send, args=(f"pin-{i}",)) for i in range(2)]
-        for thread in pinning:
-            thread.start()
-        for i in range(2):  # both have reserved their blocks
+            assert refused.status_code == 429, refused.text
+            assert refused.headers["retry-after"] == "1"
+            assert refused.json()["error"]["code"] == "kv_reservations_full"
+            # a request that needs no remote KV is still served at once
+            plain = {"token_ids": PROMPT, "sampling_params": {"max_tokens": 2}}
+            assert httpx.post(f"{decode}/inference/v1/generate", json=plain, timeout=60).status_code == 200
+        finally:
+            for pin in pins:
+                pin.close()  # the clients leave: their reservations go now, not at the TTL
+        assert _wait_until(lambda: _gauge(decode, "reservations_active") == 0, 60)
+        assert _gauge(decode, "reserved_blocks") == 0
+        again = WaitingClient(decode, "third")
+        try:
             reserved = httpx.post(
-                f"{decode}/inference/v1/kv/reserve", json={"request_id": f"pin-{i}", "timeout_s": 30}
+                f"{decode}/inference/v1/kv/reserve", json={"request_id": "third", "timeout_s": 30}
             )
             assert reserved.status_code == 200, reserved.text
-        refused = httpx.post(f"{decode}/inference/v1/generate", json=_waiting_request("third"), timeout=60)
-        assert refused.status_code == 429, refused.text
-        assert refused.headers["retry-after"] == "1"
-        assert refused.json()["error"]["code"] == "kv_reservations_full"
-        # a request that needs no remote KV is still served at once
-        plain = {"token_ids": PROMPT, "sampling_params": {"max_tokens": 2}}
-        assert httpx.post(f"{decode}/inference/v1/generate", json=plain, timeout=60).status_code == 200
-        for thread in pinning:
-            thread.join(60)
-        assert answers == {"pin-0": 200, "pin-1": 200}  # the TTL passed: decode recomputed
-        again = httpx.post(f"{decode}/inference/v1/generate", json=_waiting_request("third"), timeout=60)
-        assert again.status_code == 200, again.text
+        finally:
+            again.close()
+        assert _wait_until(lambda: _gauge(decode, "reserved_blocks") == 0, 60)
 
 
 def test_the_proxy_passes_the_429_and_its_retry_after_on(tiny_model):

@@ -13,6 +13,9 @@ KV flags, the reservation and transfer-failure endpoints, and the handoff metric
 - `POST /inference/v1/kv/transfer_failed` `{request_id, error?}` (decode): stop waiting for
   that request's KV now (its prefill failed); it recomputes (or fails, by policy).
 - `GET /inference/v1/kv/info`: role, transport, mode and the KV address.
+
+With `--kv-peers`, a generate request whose `kv_transfer_params` name any other KV peer
+is refused (403, `kv_peer_not_registered`) before anything is dialled.
 """
 
 from __future__ import annotations
@@ -52,6 +55,15 @@ def add_kv_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-host", default=None, help="address the KV socket binds and peers dial (default: --host)"
     )
     group.add_argument(
+        "--kv-peers",
+        nargs="+",
+        type=_peer_address,
+        default=(),
+        metavar="HOST:PORT",
+        help="the KV peers (their --kv-host:--kv-port) this engine may dial; any other a "
+        "request names is refused with 403 (`up` passes its engines'). Default: any",
+    )
+    group.add_argument(
         "--kv-timeout", type=float, default=transfer.timeout_s, help="seconds without progress"
     )
     group.add_argument("--kv-failure-policy", choices=["recompute", "fail"], default=transfer.failure_policy)
@@ -75,6 +87,13 @@ def add_kv_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _peer_address(text: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit():
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
+    return host, int(port)
+
+
 def transfer_config(args: argparse.Namespace, device: str) -> TransferConfig:
     return TransferConfig(
         transport=args.kv_transport or ("shm" if device.startswith("cpu") else "tcp"),
@@ -84,7 +103,29 @@ def transfer_config(args: argparse.Namespace, device: str) -> TransferConfig:
         reservation_ttl_s=args.kv_reservation_ttl,
         max_reservations=args.kv_max_reservations,
         max_reserved_fraction=args.kv_max_reserved_fraction,
+        allowed_peers=tuple(args.kv_peers),
     )
+
+
+def check_kv_peer(connector: PDConnector, params: dict | None) -> None:
+    """Refuse (403) a request naming a KV peer not registered with the deployment: the
+    engine never dials a host a request picks."""
+    parsed = KVTransferParams.from_wire(params)
+    if parsed.remote_host is None and parsed.remote_port is None:
+        return
+    if not connector.transport.may_dial(str(parsed.remote_host), int(parsed.remote_port or 0)):
+        raise APIError(
+            403,
+            f"KV peer {parsed.remote_host}:{parsed.remote_port} is not registered with this deployment",
+            param="kv_transfer_params",
+            code="kv_peer_not_registered",
+        )
+
+
+def admit_generate(connector: PDConnector, params: dict | None) -> None:
+    """What a generate request's kv_transfer_params must pass before the engine takes it."""
+    check_kv_peer(connector, params)
+    check_reservation_quota(connector, params)
 
 
 def check_reservation_quota(connector: PDConnector, params: dict | None) -> None:
@@ -147,7 +188,7 @@ def install_kv_routes(app: FastAPI, connector: PDConnector) -> None:
     engine = getattr(app.state, "engine", None)
     if engine is not None:
         connector.set_abort(engine.abort)  # failure_policy "fail" ends the request
-    app.state.admit_generate = lambda params: check_reservation_quota(connector, params)
+    app.state.admit_generate = lambda params: admit_generate(connector, params)
 
     async def request_id_of(raw: Request) -> tuple[str, dict]:
         body = await read_json_body(raw, 64 * 1024)
