@@ -10,6 +10,7 @@ long before it is dropped.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -99,6 +100,9 @@ class ProxyIngress:
             self.sync_render_urls()
         else:
             self.pool.remove(url)
+            # its KV events: the subscription ends and the index forgets its blocks, so
+            # cache-aware routing never scores a worker that is gone
+            await asyncio.to_thread(self.engine.kv_feed.unwatch, url)
 
     def sync_render_urls(self) -> None:
         """The render client's replicas are the registered ones; the last one stays until
