@@ -38,7 +38,8 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class TransferConfig:
-    transport: Literal["shm", "tcp"] = "shm"
+    # auto: shm with peers on the same node, tcp with the others (kv/auto_transport.py)
+    transport: Literal["shm", "tcp", "auto"] = "shm"
     mode: Literal["push", "pull"] = "push"
     timeout_s: float = 30.0
     failure_policy: Literal["recompute", "fail"] = "recompute"
@@ -47,6 +48,7 @@ class TransferConfig:
     # reserve; past either, a new one is refused (429) rather than pinning the cache.
     max_reservations: int = 512
     max_reserved_fraction: float = 0.9
+    node_id: str | None = None  # auto: the node this engine runs on (None: this host's boot ID)
 
 
 @dataclass(frozen=True)
