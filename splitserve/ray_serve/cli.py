@@ -72,7 +72,7 @@ def run_up(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"splitserve up --ray: {exc}; nothing deployed", file=sys.stderr)
         return 2
-    config = with_transport(config, len(nodes))
+    config = with_transport(config)
     try:
         endpoint = deploy(config, args.api_key or os.environ.get(API_KEY_ENV) or None)
         members = wait_registered(config, args.startup_timeout)
@@ -88,7 +88,9 @@ def run_up(args: argparse.Namespace) -> int:
 
 def print_endpoints(config: RayDeployConfig, num_nodes: int, endpoint: str, members: list[dict]) -> None:
     counts = ", ".join(f"{spec.replicas} {name}" for name, spec in config.tiers if spec.replicas)
-    transport = config.transport or "the engines' default"
+    transport = config.transport
+    if transport == "auto":
+        transport = "auto (shm within a node, tcp across nodes)"
     where = f"app {config.app_name!r} on {num_nodes} node(s)"
     print(f"splitserve up --ray: {where}: {counts}; KV over {transport}")
     for member in sorted(members, key=lambda m: (m["role"], m["url"])):

@@ -50,7 +50,7 @@ def test_a_yaml_config_reads_and_checks(tmp_path):
         ("tiers: {render: {}, decode: {num_gpu: 1}}", "tiers.decode: unknown key(s) num_gpu"),
         ("tiers: {render: {}, decode: {replicas: -1}}", "tiers.decode.replicas: expected a whole number"),
         ("tiers: {render: {}, decode: {replicas: 3, max_replicas: 2}}", "within min_replicas"),
-        ("tiers: {render: {}, decode: {}, encoder: {replicas: 1}}", "encoder: not yet supported on Ray"),
+        ("tiers: {render: {}, decode: {}}\ntransport: rdma", "transport: shm, tcp, auto or unset"),
         ("replicas: 3", "unknown key(s) replicas"),
         ("- a list", "must be a mapping"),
         ("tiers: {render: {}, decode: {}}\nmode: both", "mode: push or pull"),

@@ -26,6 +26,7 @@ from splitserve.model.tiny import write_tiny_model
 from splitserve.model.tiny_text import TinyModelSpec
 from tests.conftest import free_port, running_server
 from tests.router.test_pd_proxy import chat_token_ids, chats, metric
+from tests.service.image_requests import PICTURES, counter, image_chat_body
 
 ray = pytest.importorskip("ray", reason="ray is not installed: pip install 'splitserve[ray]'")
 
@@ -210,7 +211,9 @@ def test_tiers_on_two_nodes_scale_survive_a_killed_replica_and_go_down(cluster, 
 
 
 def check_the_deployment(base: str, collocated: str, stdout: str, secrets_env: dict[str, str]) -> None:
-    assert f"OpenAI API: {base}/v1" in stdout and "KV over tcp" in stdout
+    assert (
+        f"OpenAI API: {base}/v1" in stdout and "KV over auto (shm within a node, tcp across nodes)" in stdout
+    )
 
     # placement: prefill on the head node, decode on the other; the secrets never on a command line
     members = workers()
@@ -238,7 +241,9 @@ def check_the_deployment(base: str, collocated: str, stdout: str, secrets_env: d
     assert text == want.choices[0].message.content
     decode_url = next(m["url"] for m in members if m["role"] == "decode")
     auth = {"Authorization": f"Bearer {token}"}
-    assert httpx.get(f"{decode_url}/inference/v1/kv/info", headers=auth).json()["transport"] == "tcp"
+    kv_info = httpx.get(f"{decode_url}/inference/v1/kv/info", headers=auth).json()
+    assert kv_info["transport"] == "auto" and kv_info["received_bytes"]["shm"] == 0  # another node
+    assert kv_info["received_bytes"]["tcp"] > 0
     decode_metrics = httpx.get(f"{decode_url}/metrics", headers=auth).text
     assert metric(decode_metrics, "splitserve_kv_transfer_bytes_total", '{direction="received"}') > 0
     assert httpx.get(f"{decode_url}/health").status_code == 401  # the token guards the engines
@@ -288,3 +293,75 @@ def check_the_deployment(base: str, collocated: str, stdout: str, secrets_env: d
 
     wait_for(replaced, what="the killed decode replica to be replaced")
     assert asyncio.run(deployed_token_ids(base, messages)) == expected
+    # the dropped worker left the router's KV-event index too (it held blocks before)
+    index = httpx.get(f"{base}/workers", headers=AUTH).json()["kv_index_blocks"]
+    assert victim["url"] not in index and any(index.get(m["url"]) for m in workers()), index
+
+
+def test_an_encoder_tier_on_another_node_and_kv_over_shm_within_one(cluster, secrets_env):
+    """`--encoder 1` on the second node, prefill and decode together on the head node: an
+    image request through the ingress gets `serve`'s greedy tokens; the engines loaded the
+    embeddings the encoder made (one of them crossing nodes, over tcp: one side reaches the
+    ingress's encoder cache through its server) and decode received its KV through shared
+    memory."""
+    directory = tempfile.mkdtemp(prefix="splitserve-ray-vl-")
+    vl_model = str(write_tiny_model(Path(directory), TinyModelSpec(arch="qwen2_vl")))
+    port, serve_port = free_port(), free_port()
+    base = f"http://127.0.0.1:{port}"
+    flags = ["--num-blocks", "256", "--max-model-len", "1024"]
+    up = [
+        "up", vl_model, "--ray", cluster, "--ray-app-name", APP, "--port", str(port), *flags,
+        "--min-prefill-tokens", "16", "--encoder", "1",
+        "--ray-tier", "render:num_cpus=0.5", "--ray-tier", "encoder:num_cpus=0.5,decode_node=1",
+        "--ray-tier", "prefill:num_cpus=0.5,prefill_node=1",
+        "--ray-tier", "decode:num_cpus=0.5,prefill_node=1",
+    ]  # fmt: skip
+    try:
+        deploying = subprocess.Popen(
+            [sys.executable, "-m", "splitserve.cli", *up],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **secrets_env},
+        )
+        with running_server(["serve", vl_model, "--port", str(serve_port), *flags], serve_port) as ref:
+            stdout, stderr = deploying.communicate(timeout=240)
+            assert deploying.returncode == 0, stdout + stderr
+            requests = [PICTURES[:1], PICTURES[1:3], PICTURES[:1]]  # the first image twice
+            expected = [answer_token_ids(ref, p, {}) for p in requests]
+        assert [answer_token_ids(base, p, AUTH) for p in requests] == expected
+
+        nodes = {m["role"]: m["node_id"] for m in workers()}
+        assert nodes["prefill"] == nodes["decode"] != nodes["encoder"]
+        from ray import serve
+
+        ec = {
+            role: serve.get_deployment_handle(role, app_name=APP).info.remote().result()["ec"][0]
+            for role in ("encoder", "prefill", "decode")
+        }  # the cache is on one of the two nodes: the other side reaches it over tcp
+        assert ec["prefill"] == ec["decode"] and {ec["encoder"], ec["decode"]} == {
+            "--ec-shm-dir",
+            "--ec-remote",
+        }
+
+        auth = {"Authorization": f"Bearer {secrets_env['SPLITSERVE_INTERNAL_TOKEN']}"}
+        url = {m["role"]: m["url"] for m in workers()}
+        metrics = {role: httpx.get(f"{url[role]}/metrics", headers=auth).text for role in url}
+        assert counter(metrics["encoder"], "splitserve_images_encoded") == 3
+        for role in ("prefill", "decode"):  # never their own vision tower
+            assert counter(metrics[role], "splitserve_images_encoded") == 0
+        assert counter(metrics["prefill"], "splitserve_images_loaded") == 3
+        received = httpx.get(f"{url['decode']}/inference/v1/kv/info", headers=auth).json()["received_bytes"]
+        assert received["shm"] > 0 and received["tcp"] == 0, received  # one node: shared memory
+    finally:
+        splitserve("down", "--ray", cluster, "--ray-app-name", APP)
+        shutil.rmtree(directory, ignore_errors=True)
+    assert not app_replicas()
+
+
+def answer_token_ids(base: str, pictures: list[bytes], headers: dict[str, str]) -> list[int]:
+    """The greedy tokens of a chat request with `pictures` (no model named: the one served)."""
+    body = {k: v for k, v in image_chat_body("", pictures).items() if k != "model"}
+    response = httpx.post(f"{base}/v1/chat/completions", json=body, headers=headers, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["token_ids"]

@@ -96,14 +96,15 @@ class ECSetup:
 
         self.connector: ECConnector | None = None
         self.server: ECServer | None = None
+        token = access.internal_token()  # the deployment's: another host's cache answers only it
         if args.ec_remote is not None:
-            self.connector = TcpECConnector(*args.ec_remote)
+            self.connector = TcpECConnector(*args.ec_remote, token=token)
         elif args.ec_shm_dir is not None or encoder_role:
             self.connector = SharedMemoryECConnector(args.ec_shm_dir or default_shm_directory())
         if args.ec_serve_port is not None:
             if not isinstance(self.connector, SharedMemoryECConnector):
                 raise ValueError("--ec-serve-port serves a local cache: give --ec-shm-dir")
-            self.server = ECServer(self.connector, host=args.host, port=args.ec_serve_port)
+            self.server = ECServer(self.connector, host=args.host, port=args.ec_serve_port, token=token)
 
     def close(self) -> None:
         if self.server is not None:
