@@ -3,9 +3,11 @@ proxy, with its worker pools filled by the tier replicas as Serve brings them up
 
 Tier replicas call `register` on every Serve health check (a heartbeat) and `deregister`
 when Serve tears them down; a worker whose heartbeats stop (its replica died) leaves
-after `STALE_S`. The router's own health checks, routing, retries and stream migration
-run unchanged: a dead worker is out of rotation at its first failed request or check,
-long before it is dropped.
+after `STALE_S`, and a prefill/decode worker that leaves also leaves the KV-event index.
+Encoder replicas join the proxy's encoder pool; with an encoder tier the ingress keeps
+the deployment's encoder cache (`EncoderCacheHome`). The router's own health checks,
+routing, retries and stream migration run unchanged: a dead worker is out of rotation at
+its first failed request or check, long before it is dropped.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class Member:
     node_id: str
     replica: str
     last_seen: float
+    encoder_cache: str | None  # how its server reaches the encoder cache: shm, tcp or not at all
 
 
 class StartingGate:
@@ -132,12 +135,14 @@ class ProxyIngress:
     def render_urls(self) -> list[str]:
         return self.frontend.base_urls
 
-    async def register(self, role: str, url: str, node_id: str, replica: str) -> dict[str, Any] | None:
+    async def register(
+        self, role: str, url: str, node_id: str, replica: str, encoder_cache: str | None = None
+    ) -> dict[str, Any] | None:
         """A replica's heartbeat; answers where the encoder cache is (a replica whose server
         was started against another one restarts: the ingress, and its cache, were replaced)."""
         if url not in self.members:
             logger.warning("%s replica %s registered: %s", role, replica, url)
-        self.members[url] = Member(role, url, node_id, replica, time.monotonic())
+        self.members[url] = Member(role, url, node_id, replica, time.monotonic(), encoder_cache)
         if role == "render":
             self.sync_render_urls()
         elif role == "encoder":
@@ -148,20 +153,21 @@ class ProxyIngress:
         return self.encoder_cache()
 
     async def deregister(self, url: str) -> None:
-        member = self.members.pop(url, None)
+        member = self.members.get(url)
         if member is None:
             return
+        if member.role in ENGINE_ROLES:
+            self.pool.remove(url)
+            # its KV events: the subscription ends and the index forgets its blocks (before
+            # it leaves the listing), so cache-aware routing never scores a worker that is gone
+            await asyncio.to_thread(self.engine.kv_feed.unwatch, url)
+        if self.members.pop(url, None) is None:
+            return  # another call took it out meanwhile
         logger.warning("%s replica %s left: %s", member.role, member.replica, url)
         if member.role == "render":
             self.sync_render_urls()
-        elif member.role == "encoder":
-            if self.encoders is not None:
-                self.encoders.remove(url)
-        else:
-            self.pool.remove(url)
-            # its KV events: the subscription ends and the index forgets its blocks, so
-            # cache-aware routing never scores a worker that is gone
-            await asyncio.to_thread(self.engine.kv_feed.unwatch, url)
+        elif member.role == "encoder" and self.encoders is not None:
+            self.encoders.remove(url)
 
     def sync_render_urls(self) -> None:
         """The render client's replicas are the registered ones; the last one stays until
@@ -178,7 +184,8 @@ class ProxyIngress:
                 await self.deregister(url)
 
     async def workers(self) -> list[dict]:
-        """Every registered worker: role, URL, node, replica and the router's view of it."""
+        """Every registered worker: role, URL, node, replica, how it reaches the encoder
+        cache, and the router's view of it."""
         health = {w["url"]: w for w in self.pool.snapshot()}
         return [
             {
@@ -186,6 +193,7 @@ class ProxyIngress:
                 "url": m.url,
                 "node_id": m.node_id,
                 "replica": m.replica,
+                "encoder_cache": m.encoder_cache,
                 "healthy": health.get(m.url, {}).get("healthy", True),
                 "served": health.get(m.url, {}).get("served", 0),
                 "in_flight": health.get(m.url, {}).get("in_flight", 0),

@@ -14,6 +14,12 @@ replica and registered with the ingress.
   rotation at once and the ingress drops it once its heartbeats stop. Its server's log
   (splitserve-ray-ROLE-*.log in the node's temp directory) stays for the post-mortem;
   a replica that stops normally, or never came up, removes its log.
+- Placement-aware wiring: an engine gets `--kv-transport auto --kv-node-id NODE` (shm
+  with engines on its node, tcp with the others); with an encoder tier, every engine and
+  encoder asks the ingress where the encoder cache is before starting its server and gets
+  its directory on that node (shm) or its server's address elsewhere (tcp). A heartbeat
+  answered with another cache (the ingress was replaced) fails the health check, so Serve
+  restarts the replica against the new one.
 
 The internal token (and the render tier's state key) reach the server through the
 environment the deployment gives the replica, never its command line.
@@ -62,6 +68,13 @@ def encoder_cache_flags(node_id: str, home: dict[str, Any] | None) -> list[str]:
     if home["node_id"] == node_id:
         return ["--ec-shm-dir", home["shm_dir"]]
     return ["--ec-remote", f"{home['host']}:{home['port']}"]
+
+
+def encoder_cache_path(flags: list[str]) -> str | None:
+    """How `encoder_cache_flags` reach the cache: "shm", "tcp", or None (no encoder tier)."""
+    if not flags:
+        return None
+    return "shm" if flags[0] == "--ec-shm-dir" else "tcp"
 
 
 def server_command(
@@ -114,9 +127,9 @@ class TierReplica:
         self.ec_home: dict[str, Any] | None = None
         if config.encoder_cache and role != "render":  # where the ingress keeps the encoder cache
             self.ec_home = await asyncio.wait_for(self.ingress().encoder_cache.remote(), STARTUP_TIMEOUT_S)
-        command = server_command(
-            role, config, host, ports, self.node_id, encoder_cache_flags(self.node_id, self.ec_home)
-        )
+        ec_flags = encoder_cache_flags(self.node_id, self.ec_home)
+        self.ec_path = encoder_cache_path(ec_flags)
+        command = server_command(role, config, host, ports, self.node_id, ec_flags)
         log_fd, self.log_path = tempfile.mkstemp(prefix=f"splitserve-ray-{role}-", suffix=".log")
         with os.fdopen(log_fd, "wb") as log_file:
             self.process = subprocess.Popen(
@@ -168,7 +181,7 @@ class TierReplica:
             raise RuntimeError(self.exited())
         try:
             home = await asyncio.wait_for(
-                self.ingress().register.remote(self.role, self.url, self.node_id, self.replica),
+                self.ingress().register.remote(self.role, self.url, self.node_id, self.replica, self.ec_path),
                 REGISTER_TIMEOUT_S,
             )
         except Exception as exc:  # the ingress restarting: the next heartbeat registers again
@@ -192,14 +205,13 @@ class TierReplica:
         return {LOAD_METRIC: float(stats["num_running"] + stats["num_waiting"])}
 
     def info(self) -> dict[str, Any]:
-        """Where this replica's server is (for tests and `up --ray`'s listing)."""
-        ec = encoder_cache_flags(self.node_id, self.ec_home)
+        """Where this replica's server is, and how it reaches the encoder cache."""
         return {
             "role": self.role,
             "url": self.url,
             "node_id": self.node_id,
             "replica": self.replica,
-            "ec": ec,
+            "encoder_cache": self.ec_path,
         }
 
     async def __del__(self) -> None:

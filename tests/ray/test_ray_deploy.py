@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import secrets
 import shutil
 import subprocess
@@ -331,21 +332,18 @@ def test_an_encoder_tier_on_another_node_and_kv_over_shm_within_one(cluster, sec
             expected = [answer_token_ids(ref, p, {}) for p in requests]
         assert [answer_token_ids(base, p, AUTH) for p in requests] == expected
 
-        nodes = {m["role"]: m["node_id"] for m in workers()}
-        assert nodes["prefill"] == nodes["decode"] != nodes["encoder"]
-        from ray import serve
-
-        ec = {
-            role: serve.get_deployment_handle(role, app_name=APP).info.remote().result()["ec"][0]
-            for role in ("encoder", "prefill", "decode")
-        }  # the cache is on one of the two nodes: the other side reaches it over tcp
-        assert ec["prefill"] == ec["decode"] and {ec["encoder"], ec["decode"]} == {
-            "--ec-shm-dir",
-            "--ec-remote",
-        }
+        # `up` lists each worker, its node and how it reaches the encoder cache (this
+        # process asks Serve nothing: the earlier test's `down` stopped the Serve it knew)
+        listed = re.findall(
+            r"^\s+(\w+)\s+(http://\S+)\s+\(node (\w+), encoder cache over (\w+)\)", stdout, re.M
+        )
+        url, node, ec = ({role: fields[k] for role, *fields in listed} for k in range(3))
+        assert set(url) == {"encoder", "prefill", "decode"} and "render " in stdout
+        assert node["prefill"] == node["decode"] != node["encoder"]
+        # the cache is on the ingress's node, one of the two: the other side reaches it over tcp
+        assert ec["prefill"] == ec["decode"] and {ec["encoder"], ec["decode"]} == {"shm", "tcp"}
 
         auth = {"Authorization": f"Bearer {secrets_env['SPLITSERVE_INTERNAL_TOKEN']}"}
-        url = {m["role"]: m["url"] for m in workers()}
         metrics = {role: httpx.get(f"{url[role]}/metrics", headers=auth).text for role in url}
         assert counter(metrics["encoder"], "splitserve_images_encoded") == 3
         for role in ("prefill", "decode"):  # never their own vision tower
