@@ -62,7 +62,12 @@ class AutoTransport(ShmTransport, TcpTransport):
         return super().layout()._replace(node_id=self.node_id)
 
     def received_by_path(self) -> dict[str, int]:
-        return dict(self.received_bytes)
+        with self._lock:
+            return dict(self.received_bytes)
+
+    def _count_received(self, path: str, num_bytes: int) -> None:
+        with self._lock:  # the receiver thread (pushes) and the lanes (shm pulls) both count
+            self.received_bytes[path] += num_bytes
 
     def _on_handshake(self, peer: PeerInfo, layout: PoolLayout) -> torch.Tensor | None:
         """The peer's pool mapped here when it sits on this node (shm), else None (tcp)."""
@@ -86,10 +91,10 @@ class AutoTransport(ShmTransport, TcpTransport):
     def _on_push(self, header: dict, frames: list[zmq.Frame]) -> int:
         if frames:
             num_bytes = TcpTransport._on_push(self, header, frames)
-            self.received_bytes["tcp"] += num_bytes
+            self._count_received("tcp", num_bytes)
         else:
             num_bytes = ShmTransport._on_push(self, header, frames)
-            self.received_bytes["shm"] += num_bytes
+            self._count_received("shm", num_bytes)
         return num_bytes
 
     def _do_pull(self, socket: LaneSocket, job: PullJob) -> None:
@@ -106,7 +111,7 @@ class AutoTransport(ShmTransport, TcpTransport):
         self, transfer_id: str, layer: int, block_ids: list[int], num_bytes: int, ready_at: float | None
     ) -> None:
         if transfer_id in self.shm_pulls:
-            self.received_bytes["shm"] += num_bytes
+            self._count_received("shm", num_bytes)
         super().record_arrival(transfer_id, layer, block_ids, num_bytes, ready_at)
 
     def _on_pull_request(self, header: dict) -> None:
