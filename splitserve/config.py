@@ -38,7 +38,8 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class TransferConfig:
-    transport: Literal["shm", "tcp"] = "shm"
+    # auto: shm with peers on the same node, tcp with the others (kv/auto_transport.py)
+    transport: Literal["shm", "tcp", "auto"] = "shm"
     mode: Literal["push", "pull"] = "push"
     timeout_s: float = 30.0
     failure_policy: Literal["recompute", "fail"] = "recompute"
@@ -50,6 +51,7 @@ class TransferConfig:
     # the KV peers (host, port) this engine may dial, registered with the deployment
     # (`up` passes every P/D engine's); empty: any peer the (authenticated) proxy names
     allowed_peers: tuple[tuple[str, int], ...] = ()
+    node_id: str | None = None  # auto: the node this engine runs on (None: this host's boot ID)
 
 
 @dataclass(frozen=True)

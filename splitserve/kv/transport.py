@@ -122,6 +122,10 @@ class KVTransport(ABC):
         """(pid, descriptor) of this engine's shared-memory pool, for the shm transport."""
         return None, None
 
+    def received_by_path(self) -> dict[str, int]:
+        """Bytes received per data path ("shm", "tcp") where a transport uses both (auto)."""
+        return {}
+
     # ---- lifecycle -----------------------------------------------------------------------
     def start(self) -> PeerInfo:
         if self._router is not None:
@@ -356,6 +360,7 @@ class KVTransport(ABC):
                 str(reply["dtype"]),
                 _optional_int(reply.get("shm_pid")),
                 _optional_int(reply.get("shm_fd")),
+                None if reply.get("node_id") is None else str(reply["node_id"]),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise TransferError(f"KV peer {peer.engine_id} answered a malformed HELLO") from exc

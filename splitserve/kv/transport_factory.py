@@ -20,4 +20,8 @@ def make_transport(
         from splitserve.kv.tcp_transport import TcpTransport
 
         return TcpTransport(engine_id, config, host, port, max_queued_jobs)
-    raise TransferError(f"unknown KV transport {config.transport!r} (shm or tcp)")
+    if config.transport == "auto":
+        from splitserve.kv.auto_transport import AutoTransport
+
+        return AutoTransport(engine_id, config, host, port, max_queued_jobs)
+    raise TransferError(f"unknown KV transport {config.transport!r} (shm, tcp or auto)")

@@ -27,6 +27,7 @@ class PoolLayout(NamedTuple):
     dtype: str
     shm_pid: int | None = None
     shm_fd: int | None = None
+    node_id: str | None = None  # the auto transport's node: shm only with a peer on the same one
 
     @property
     def num_layers(self) -> int:

@@ -83,7 +83,9 @@ def build_app(config: RayDeployConfig, env: dict[str, str]):
         graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_S,
         max_ongoing_requests=4096,  # the proxy's own limits apply behind it
     )
-    return ingress.bind(config.min_prefill_tokens, config.mode, config.open_health_metrics, **tiers)
+    return ingress.bind(
+        config.min_prefill_tokens, config.mode, config.open_health_metrics, config.runs("encoder"), **tiers
+    )
 
 
 def cluster_nodes() -> list[dict[str, float]]:
@@ -161,9 +163,9 @@ def app_builder(args: dict[str, Any]):
     config's keys). Checked like `up --ray`; the secrets come from the environment of the
     process that builds the app (a Kubernetes Secret), a fresh token when none is set.
     Not checked against the cluster's nodes: there, the autoscaler adds the nodes a tier
-    asks for (and the worker pods may still be starting); set `transport` (tcp)."""
-    from splitserve.ray_serve.config import check, config_from_mapping
+    asks for (and the worker pods may still be starting)."""
+    from splitserve.ray_serve.config import check, config_from_mapping, with_transport
 
     config = config_from_mapping(args)
     check(config)
-    return build_app(config, deployment_env(os.environ.get(API_KEY_ENV) or None))
+    return build_app(with_transport(config), deployment_env(os.environ.get(API_KEY_ENV) or None))

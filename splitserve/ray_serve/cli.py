@@ -10,6 +10,35 @@ from splitserve.protocol.access import API_KEY_ENV
 from splitserve.ray_serve.config import ConfigError, RayDeployConfig, check, check_cluster, config_from_args
 
 DEFAULT_APP_NAME = "splitserve"
+RAY_CLIENT_PORT = 10001  # Ray Client's default port on the head node (`ray start --head`)
+
+
+def ray_address(text: str) -> str:
+    """`--ray`'s ADDRESS, checked before connecting: `auto` (the cluster this host belongs
+    to), `HOST:PORT` (its GCS), or `ray://HOST[:PORT]` (Ray Client, port 10001 when left
+    out); argparse turns the ValueError into a usage error (exit 2)."""
+    if text == "auto":
+        return text
+    client = text.startswith("ray://")
+    rest = text.removeprefix("ray://") if client else text
+    if "://" in rest or "/" in rest:
+        raise ValueError(f"{text!r}: expected auto, HOST:PORT or ray://HOST[:PORT]")
+    bare = ":" not in rest or rest.endswith("]")  # no port (an IPv6 host is in brackets)
+    host, colon, port = (rest, "", "") if bare else rest.rpartition(":")
+    if not host or (colon and not (port.isdigit() and 0 < int(port) < 65536)):
+        raise ValueError(f"{text!r}: expected auto, HOST:PORT or ray://HOST[:PORT]")
+    if client:
+        return f"ray://{host}:{port or RAY_CLIENT_PORT}"
+    if not colon:
+        raise ValueError(f"{text!r}: a GCS address needs its port (HOST:PORT, usually 6379)")
+    return text
+
+
+def address_argument(text: str) -> str:
+    try:
+        return ray_address(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,6 +49,7 @@ def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="?",
         const="auto",
         default=None,
+        type=address_argument,
         metavar="ADDRESS",
         help="deploy on a running Ray cluster instead (auto, HOST:PORT or ray://HOST:10001) and exit",
     )
@@ -72,7 +102,7 @@ def run_up(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"splitserve up --ray: {exc}; nothing deployed", file=sys.stderr)
         return 2
-    config = with_transport(config, len(nodes))
+    config = with_transport(config)
     try:
         endpoint = deploy(config, args.api_key or os.environ.get(API_KEY_ENV) or None)
         members = wait_registered(config, args.startup_timeout)
@@ -88,11 +118,14 @@ def run_up(args: argparse.Namespace) -> int:
 
 def print_endpoints(config: RayDeployConfig, num_nodes: int, endpoint: str, members: list[dict]) -> None:
     counts = ", ".join(f"{spec.replicas} {name}" for name, spec in config.tiers if spec.replicas)
-    transport = config.transport or "the engines' default"
+    transport = config.transport
+    if transport == "auto":
+        transport = "auto (shm within a node, tcp across nodes)"
     where = f"app {config.app_name!r} on {num_nodes} node(s)"
     print(f"splitserve up --ray: {where}: {counts}; KV over {transport}")
     for member in sorted(members, key=lambda m: (m["role"], m["url"])):
-        print(f"  {member['role']:<8} {member['url']}  (node {member['node_id'][:12]})")
+        ec = f", encoder cache over {member['encoder_cache']}" if member.get("encoder_cache") else ""
+        print(f"  {member['role']:<8} {member['url']}  (node {member['node_id'][:12]}{ec})")
     if not endpoint.endswith(f":{config.http_port}"):
         print(f"  (Serve already ran on this cluster: its HTTP proxy keeps {endpoint})")
     print(f"OpenAI API: {endpoint}/v1  (`splitserve down --ray` removes it)", flush=True)
@@ -100,7 +133,7 @@ def print_endpoints(config: RayDeployConfig, num_nodes: int, endpoint: str, memb
 
 def add_down_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--ray", nargs="?", const="auto", default=None, metavar="ADDRESS",
+        "--ray", nargs="?", const="auto", default=None, type=address_argument, metavar="ADDRESS",
         help="the Ray cluster the deployment runs on (auto, HOST:PORT or ray://HOST:10001)",
     )  # fmt: skip
     parser.add_argument("--ray-app-name", default=DEFAULT_APP_NAME, help="the Serve application's name")

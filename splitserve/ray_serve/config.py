@@ -74,6 +74,7 @@ class ServerConfig:
     log_level: str
     engine_args: tuple[str, ...]
     render_args: tuple[str, ...]
+    encoder_cache: bool = False  # an encoder tier runs: engines load embeddings from its cache
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,7 @@ class RayDeployConfig:
     app_name: str = "splitserve"
     http_host: str = "127.0.0.1"
     http_port: int = 8000
-    transport: str | None = None  # None: tcp on a cluster of several nodes, the engines' default on one
+    transport: str | None = None  # None: auto (shm between engines on one node, tcp across nodes)
     mode: str = "push"
     min_prefill_tokens: int = 64
     log_level: str = "warning"
@@ -106,7 +107,13 @@ class RayDeployConfig:
             log_level=self.log_level,
             engine_args=self.engine_args,
             render_args=self.render_args,
+            encoder_cache=self.runs("encoder"),
         )
+
+    def runs(self, name: str) -> bool:
+        """Whether the tier has a replica now or may get one (autoscaling)."""
+        spec = self.tier(name)
+        return spec.replicas > 0 or bool(spec.max_replicas)
 
 
 def _number(where: str, value: Any, minimum: float = 0.0) -> float:
@@ -292,15 +299,10 @@ def check(config: RayDeployConfig) -> None:
     for name in ("render", "decode"):
         if config.tier(name).lowest_replicas < 1:
             raise ConfigError(f"{name}: needs at least 1 replica (got {config.tier(name).lowest_replicas})")
-    if config.tier("encoder").replicas or config.tier("encoder").max_replicas:
-        raise ConfigError(
-            "encoder: not yet supported on Ray (the encoder cache is shared through one host's "
-            "tmpfs); use `splitserve up --encoder` on one host"
-        )
     if config.mode not in ("push", "pull"):
         raise ConfigError(f"mode: push or pull, not {config.mode!r}")
-    if config.transport not in (None, "shm", "tcp"):
-        raise ConfigError(f"transport: shm, tcp or unset (chosen by the cluster), not {config.transport!r}")
+    if config.transport not in (None, "shm", "tcp", "auto"):
+        raise ConfigError(f"transport: shm, tcp, auto or unset (auto), not {config.transport!r}")
     if config.proxy_location not in ("HeadOnly", "EveryNode"):
         raise ConfigError(f"proxy_location: HeadOnly or EveryNode, not {config.proxy_location!r}")
 
@@ -314,7 +316,7 @@ def check_cluster(config: RayDeployConfig, nodes: list[dict[str, float]]) -> Non
     """Every tier that runs a replica fits on at least one node (`nodes`: each alive node's
     total resources, as `ray.nodes()` reports them)."""
     for name, spec in config.tiers:
-        if spec.replicas == 0 and not spec.max_replicas:
+        if not config.runs(name):
             continue
         demand = spec.demand()
         if not any(all(node.get(k, 0.0) >= v for k, v in demand.items()) for node in nodes):
@@ -327,10 +329,10 @@ def check_cluster(config: RayDeployConfig, nodes: list[dict[str, float]]) -> Non
             )
 
 
-def with_transport(config: RayDeployConfig, num_nodes: int) -> RayDeployConfig:
-    """KV transport chosen by the cluster when the config leaves it open: tcp once the
-    engines may sit on different nodes (a replica replaced lands wherever it fits), else
-    the engines' own default (shm for a CPU KV cache, tcp on a GPU)."""
-    if config.transport is not None or num_nodes <= 1:
+def with_transport(config: RayDeployConfig) -> RayDeployConfig:
+    """KV transport chosen per pair when the config leaves it open: `auto`, each engine
+    told its Ray node, so two engines on one node move KV through shared memory and two on
+    different nodes over tcp (a replica replaced lands wherever it fits); on a GPU, tcp."""
+    if config.transport is not None:
         return config
-    return dataclasses.replace(config, transport="tcp")
+    return dataclasses.replace(config, transport="auto")

@@ -3,25 +3,31 @@ proxy, with its worker pools filled by the tier replicas as Serve brings them up
 
 Tier replicas call `register` on every Serve health check (a heartbeat) and `deregister`
 when Serve tears them down; a worker whose heartbeats stop (its replica died) leaves
-after `STALE_S`. The router's own health checks, routing, retries and stream migration
-run unchanged: a dead worker is out of rotation at its first failed request or check,
-long before it is dropped.
+after `STALE_S`, and a prefill/decode worker that leaves also leaves the KV-event index.
+Encoder replicas join the proxy's encoder pool; with an encoder tier the ingress keeps
+the deployment's encoder cache (`EncoderCacheHome`). The router's own health checks,
+routing, retries and stream migration run unchanged: a dead worker is out of rotation at
+its first failed request or check, long before it is dropped.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from splitserve.protocol.access import API_KEY_ENV, OPEN_WITH_FLAG, AccessGuard, AccessPolicy
+from splitserve.protocol.access import API_KEY_ENV, OPEN_WITH_FLAG, AccessGuard, AccessPolicy, internal_token
 from splitserve.protocol.errors import error_body
 from splitserve.router.app import create_proxy_app
+from splitserve.router.encoder_pool import EncoderPool
 from splitserve.router.pd_engine_client import PDEngineClient
 from splitserve.router.pd_policy import PDPolicy
 from splitserve.router.workers import WorkerPool, WorkerRole
@@ -40,6 +46,7 @@ class Member:
     node_id: str
     replica: str
     last_seen: float
+    encoder_cache: str | None  # how its server reaches the encoder cache: shm, tcp or not at all
 
 
 class StartingGate:
@@ -60,20 +67,67 @@ class StartingGate:
         await send({"type": "http.response.body", "body": body})
 
 
+class EncoderCacheHome:
+    """The deployment's one encoder cache, kept by the ingress: a directory on its node's
+    tmpfs, served to the other nodes by an `ECServer` on the node's address (answering only
+    the deployment's internal token). Replicas on this node read and write the directory
+    (shm); the others reach the server (tcp). It lives as long as the ingress, like the
+    router's memory of which images were encoded."""
+
+    def __init__(self, node_id: str, host: str) -> None:
+        from splitserve.kv.ec_connector import SharedMemoryECConnector, default_shm_directory
+        from splitserve.kv.ec_tcp import ECServer
+
+        root = default_shm_directory("ray").parent
+        self.directory = tempfile.mkdtemp(prefix="splitserve-ec-ray-", dir=root)
+        self.server = ECServer(SharedMemoryECConnector(self.directory), host=host, token=internal_token())
+        self.address = {"node_id": node_id, "shm_dir": self.directory, "host": host, "port": self.server.port}
+
+    def close(self) -> None:
+        self.server.close()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
 class ProxyIngress:
     """The ingress deployment's class (`app.py` wraps it with `serve.ingress`)."""
 
-    def __init__(self, min_prefill_tokens: int, mode: str, open_health_metrics: bool, **tiers: Any) -> None:
+    def __init__(
+        self,
+        min_prefill_tokens: int,
+        mode: str,
+        open_health_metrics: bool,
+        encoder_cache: bool = False,
+        **tiers: Any,
+    ) -> None:
         # `tiers`: the tier deployments' handles, bound here only to make them part of the
         # application; their replicas register themselves.
         self.pool = WorkerPool([], [], allow_no_decode=True)
         self.engine = PDEngineClient(self.pool, PDPolicy(min_prefill_tokens, mode, 30.0))
-        self.proxy_app = create_proxy_app([], self.engine, health_interval_s=HEALTH_INTERVAL_S)
+        self.encoders: EncoderPool | None = None
+        self.ec_home: EncoderCacheHome | None = None
+        if encoder_cache:  # images: encoded once by the encoder tier, loaded by hash
+            import ray
+
+            self.encoders = EncoderPool([], self.engine.metrics.registry, allow_empty=True)
+            node_id = ray.get_runtime_context().get_node_id()
+            self.ec_home = EncoderCacheHome(node_id, ray.util.get_node_ip_address())
+        self.proxy_app = create_proxy_app(
+            [], self.engine, health_interval_s=HEALTH_INTERVAL_S, encoder_pool=self.encoders
+        )
         self.frontend = self.proxy_app.state.service.frontend
         self.members: dict[str, Member] = {}
         api_key = os.environ.get(API_KEY_ENV) or None
         open_paths = OPEN_WITH_FLAG if open_health_metrics else frozenset()
         self.policy = AccessPolicy((api_key,) if api_key else (), open_paths)
+
+    def encoder_cache(self) -> dict[str, Any] | None:
+        """Where the encoder cache is (node, directory, server address), or None when the
+        deployment has no encoder tier; a replica starts its server against it."""
+        return None if self.ec_home is None else dict(self.ec_home.address)
+
+    def __del__(self) -> None:
+        if getattr(self, "ec_home", None) is not None:
+            self.ec_home.close()
 
     def __serve_build_asgi_app__(self) -> ASGIApp:
         return StartingGate(AccessGuard(self.proxy_app, self.policy), self)
@@ -81,24 +135,39 @@ class ProxyIngress:
     def render_urls(self) -> list[str]:
         return self.frontend.base_urls
 
-    async def register(self, role: str, url: str, node_id: str, replica: str) -> None:
+    async def register(
+        self, role: str, url: str, node_id: str, replica: str, encoder_cache: str | None = None
+    ) -> dict[str, Any] | None:
+        """A replica's heartbeat; answers where the encoder cache is (a replica whose server
+        was started against another one restarts: the ingress, and its cache, were replaced)."""
         if url not in self.members:
             logger.warning("%s replica %s registered: %s", role, replica, url)
-        self.members[url] = Member(role, url, node_id, replica, time.monotonic())
+        self.members[url] = Member(role, url, node_id, replica, time.monotonic(), encoder_cache)
         if role == "render":
             self.sync_render_urls()
+        elif role == "encoder":
+            if self.encoders is not None:
+                self.encoders.add(url)
         else:
             self.pool.add(url, ENGINE_ROLES[role])
+        return self.encoder_cache()
 
     async def deregister(self, url: str) -> None:
-        member = self.members.pop(url, None)
+        member = self.members.get(url)
         if member is None:
             return
+        if member.role in ENGINE_ROLES:
+            self.pool.remove(url)
+            # its KV events: the subscription ends and the index forgets its blocks (before
+            # it leaves the listing), so cache-aware routing never scores a worker that is gone
+            await asyncio.to_thread(self.engine.kv_feed.unwatch, url)
+        if self.members.pop(url, None) is None:
+            return  # another call took it out meanwhile
         logger.warning("%s replica %s left: %s", member.role, member.replica, url)
         if member.role == "render":
             self.sync_render_urls()
-        else:
-            self.pool.remove(url)
+        elif member.role == "encoder" and self.encoders is not None:
+            self.encoders.remove(url)
 
     def sync_render_urls(self) -> None:
         """The render client's replicas are the registered ones; the last one stays until
@@ -115,7 +184,8 @@ class ProxyIngress:
                 await self.deregister(url)
 
     async def workers(self) -> list[dict]:
-        """Every registered worker: role, URL, node, replica and the router's view of it."""
+        """Every registered worker: role, URL, node, replica, how it reaches the encoder
+        cache, and the router's view of it."""
         health = {w["url"]: w for w in self.pool.snapshot()}
         return [
             {
@@ -123,6 +193,7 @@ class ProxyIngress:
                 "url": m.url,
                 "node_id": m.node_id,
                 "replica": m.replica,
+                "encoder_cache": m.encoder_cache,
                 "healthy": health.get(m.url, {}).get("healthy", True),
                 "served": health.get(m.url, {}).get("served", 0),
                 "in_flight": health.get(m.url, {}).get("in_flight", 0),

@@ -14,6 +14,12 @@ replica and registered with the ingress.
   rotation at once and the ingress drops it once its heartbeats stop. Its server's log
   (splitserve-ray-ROLE-*.log in the node's temp directory) stays for the post-mortem;
   a replica that stops normally, or never came up, removes its log.
+- Placement-aware wiring: an engine gets `--kv-transport auto --kv-node-id NODE` (shm
+  with engines on its node, tcp with the others); with an encoder tier, every engine and
+  encoder asks the ingress where the encoder cache is before starting its server and gets
+  its directory on that node (shm) or its server's address elsewhere (tcp). A heartbeat
+  answered with another cache (the ingress was replaced) fails the health check, so Serve
+  restarts the replica against the new one.
 
 The internal token (and the render tier's state key) reach the server through the
 environment the deployment gives the replica, never its command line.
@@ -31,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 import httpx
 
@@ -53,16 +60,41 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def server_command(role: str, config: ServerConfig, host: str, ports: list[int]) -> list[str]:
-    """The `splitserve` command line a replica of `role` runs (no secrets on it)."""
+def encoder_cache_flags(node_id: str, home: dict[str, Any] | None) -> list[str]:
+    """How a replica on `node_id` reaches the deployment's encoder cache (the ingress's,
+    `home`): its directory when both sit on one node (shm), else its server (tcp)."""
+    if home is None:
+        return []
+    if home["node_id"] == node_id:
+        return ["--ec-shm-dir", home["shm_dir"]]
+    return ["--ec-remote", f"{home['host']}:{home['port']}"]
+
+
+def encoder_cache_path(flags: list[str]) -> str | None:
+    """How `encoder_cache_flags` reach the cache: "shm", "tcp", or None (no encoder tier)."""
+    if not flags:
+        return None
+    return "shm" if flags[0] == "--ec-shm-dir" else "tcp"
+
+
+def server_command(
+    role: str, config: ServerConfig, host: str, ports: list[int], node_id: str, ec_flags: list[str]
+) -> list[str]:
+    """The `splitserve` command line a replica of `role` runs on node `node_id` (no secrets
+    on it)."""
     model = [config.model] if config.model else []
     base = ["--host", host, "--port", str(ports[0]), "--log-level", config.log_level]
     if role == "render":
         name = ["--served-model-name", config.served_model_name] if config.served_model_name else []
         return ["render", *model, *base, *name, *config.render_args]
+    if role == "encoder":
+        return ["engine", *model, "--role", role, *base, *config.engine_args, *ec_flags]
     command = ["engine", *model, "--role", role, *base, "--kv-mode", config.mode, *config.engine_args]
+    command += ec_flags
     if config.transport:
         command += ["--kv-transport", config.transport]
+    if config.transport == "auto":  # shm with the engines on this node, tcp with the others
+        command += ["--kv-node-id", node_id]
     # KV events: the proxy's router indexes them (cache-aware routing), dialling this node.
     command += ["--kv-events-endpoint", f"tcp://{host}:{ports[1]}"]
     command += ["--kv-events-replay-endpoint", f"tcp://{host}:{ports[2]}"]
@@ -77,7 +109,7 @@ def cpu_seconds(pid: int) -> float:
 
 
 class TierReplica:
-    """One replica of `role` (render, prefill or decode); see the module docstring."""
+    """One replica of `role` (render, prefill, decode or encoder); see the module docstring."""
 
     async def __init__(self, role: str, config: ServerConfig) -> None:
         import ray
@@ -92,10 +124,16 @@ class TierReplica:
         for _ in range(3):
             ports.append(pick_free_port(host, avoid=ports))
         self.url = f"http://{host}:{ports[0]}"
+        self.ec_home: dict[str, Any] | None = None
+        if config.encoder_cache and role != "render":  # where the ingress keeps the encoder cache
+            self.ec_home = await asyncio.wait_for(self.ingress().encoder_cache.remote(), STARTUP_TIMEOUT_S)
+        ec_flags = encoder_cache_flags(self.node_id, self.ec_home)
+        self.ec_path = encoder_cache_path(ec_flags)
+        command = server_command(role, config, host, ports, self.node_id, ec_flags)
         log_fd, self.log_path = tempfile.mkstemp(prefix=f"splitserve-ray-{role}-", suffix=".log")
         with os.fdopen(log_fd, "wb") as log_file:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "splitserve.cli", *server_command(role, config, host, ports)],
+                [sys.executable, "-m", "splitserve.cli", *command],
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 env=dict(os.environ),  # the deployment's token (and state key) are in here
@@ -142,17 +180,20 @@ class TierReplica:
         if self.process.poll() is not None:
             raise RuntimeError(self.exited())
         try:
-            await asyncio.wait_for(
-                self.ingress().register.remote(self.role, self.url, self.node_id, self.replica),
+            home = await asyncio.wait_for(
+                self.ingress().register.remote(self.role, self.url, self.node_id, self.replica, self.ec_path),
                 REGISTER_TIMEOUT_S,
             )
         except Exception as exc:  # the ingress restarting: the next heartbeat registers again
             logger.warning("%s %s: registering with the ingress failed: %r", self.role, self.url, exc)
+            return
+        if self.ec_home is not None and home != self.ec_home:  # a new ingress keeps a new cache
+            raise RuntimeError("the encoder cache moved (the ingress was replaced): restarting against it")
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """The tier's own load signal (docs/ray.md): decode, the fraction of KV blocks in
-        use; prefill, requests running or queued; render, CPU seconds per second."""
-        if self.role == "render":
+        use; prefill, requests running or queued; render and encoder, CPU seconds per second."""
+        if self.role in ("render", "encoder"):
             now, used = time.monotonic(), cpu_seconds(self.process.pid)
             then, used_before = self.cpu_mark
             self.cpu_mark = (now, used)
@@ -163,9 +204,15 @@ class TierReplica:
             return {LOAD_METRIC: float(stats["kv_usage"])}
         return {LOAD_METRIC: float(stats["num_running"] + stats["num_waiting"])}
 
-    def info(self) -> dict[str, str]:
-        """Where this replica's server is (for tests and `up --ray`'s listing)."""
-        return {"role": self.role, "url": self.url, "node_id": self.node_id, "replica": self.replica}
+    def info(self) -> dict[str, Any]:
+        """Where this replica's server is, and how it reaches the encoder cache."""
+        return {
+            "role": self.role,
+            "url": self.url,
+            "node_id": self.node_id,
+            "replica": self.replica,
+            "encoder_cache": self.ec_path,
+        }
 
     async def __del__(self) -> None:
         """Serve's graceful shutdown: leave the router, then stop the server (draining)."""

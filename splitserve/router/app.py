@@ -31,6 +31,7 @@ def create_proxy_app(
     health_interval_s: float = 2.0,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     encoder_urls: list[str] | None = None,  # images: encoded once on these, by hash
+    encoder_pool: EncoderPool | None = None,  # or a pool whose encoders join later (Ray)
 ) -> FastAPI:
     checker: list[asyncio.Future] = []  # the health loop, while the app runs
 
@@ -44,8 +45,10 @@ def create_proxy_app(
         await asyncio.gather(*checker, return_exceptions=True)
 
     service_engine = engine
-    if encoder_urls:
-        service_engine = EncoderPoolEngineClient(engine, EncoderPool(encoder_urls, engine.metrics.registry))
+    if encoder_pool is None and encoder_urls:
+        encoder_pool = EncoderPool(encoder_urls, engine.metrics.registry)
+    if encoder_pool is not None:
+        service_engine = EncoderPoolEngineClient(engine, encoder_pool)
     frontend: FrontendClient = HTTPFrontendClient(render_url)
     if engine.router.policy is RoutingPolicy.TEXT_PREFIX:  # it routes on the client's text
         frontend = PromptTextFrontend(frontend)

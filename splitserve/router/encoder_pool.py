@@ -85,11 +85,14 @@ class EncoderPool:
         *,
         timeout_s: float = 60.0,
         max_known_hashes: int = 100_000,
+        allow_empty: bool = False,
     ) -> None:
-        if not urls:
+        """`allow_empty`: encoders join later (`add`, as a Ray Serve deployment brings them
+        up); with none, requests go on with their pixels and the engines encode."""
+        if not urls and not allow_empty:
             raise ValueError("an encoder pool needs at least one encoder URL")
         self.urls = [url.rstrip("/") for url in urls]
-        self._turn = itertools.cycle(self.urls)
+        self._turns = itertools.count()
         self._http = pooled_client(read_timeout_s=timeout_s)
         self.metrics = EncoderPoolMetrics(registry)
         self.known: OrderedDict[str, None] = OrderedDict()  # hashes encoded, oldest first
@@ -100,6 +103,20 @@ class EncoderPool:
 
     async def close(self) -> None:
         await self._http.aclose()
+
+    def add(self, url: str) -> None:
+        """An encoder joins the rotation (no-op when it is there)."""
+        url = url.rstrip("/")
+        if url not in self.urls:
+            self.urls = [*self.urls, url]  # a new list: a job picking now sees the old one
+            logger.warning("encoder %s joined", url)
+
+    def remove(self, url: str) -> None:
+        """An encoder leaves the rotation; what it encoded stays in the encoder cache."""
+        url = url.rstrip("/")
+        if url in self.urls:
+            self.urls = [u for u in self.urls if u != url]
+            logger.warning("encoder %s left", url)
 
     def _remember(self, hashes: list[str]) -> None:
         for image_hash in hashes:
@@ -137,7 +154,11 @@ class EncoderPool:
 
     async def _send(self, request_id: str, features: dict[str, Any], todo: dict[str, int]) -> bool:
         """One encoder job for the images `todo` names; whether it succeeded."""
-        url = next(self._turn)
+        urls = self.urls
+        if not urls:
+            self.metrics.failures.inc()
+            return False  # no encoder (yet): the engines encode the images
+        url = urls[next(self._turns) % len(urls)]
         content = json.dumps(
             {"request_id": request_id, "features": select_images(features, list(todo.values()))}
         ).encode()

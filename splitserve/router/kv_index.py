@@ -103,35 +103,57 @@ def request_block_hashes(body: dict) -> list[bytes]:
 class KVEventFeed:
     """One thread per watched worker: subscribe to its events, replay what it already
     published, and keep `index` current; a restarted publisher (its numbers start over,
-    with AllBlocksCleared first) is replayed from its start."""
+    with AllBlocksCleared first) is replayed from its start. `unwatch` ends one worker's
+    subscription and drops its blocks from the index (the worker left the pool)."""
 
     def __init__(self, index: KVBlockIndex, poll_ms: int = 100) -> None:
         self.index = index
         self.poll_ms = poll_ms
         self._stop = threading.Event()
-        self._threads: dict[str, threading.Thread] = {}
+        self._lock = threading.Lock()
+        self._threads: dict[str, tuple[threading.Thread, threading.Event]] = {}
 
     def watch(self, worker: str, endpoint: str, replay_endpoint: str | None) -> None:
-        if worker in self._threads:
-            return
-        thread = threading.Thread(
-            target=self._follow,
-            args=(worker, endpoint, replay_endpoint),
-            name=f"kv-events {worker}",
-            daemon=True,
-        )
-        self._threads[worker] = thread
+        with self._lock:
+            if worker in self._threads:
+                return
+            stop = threading.Event()
+            thread = threading.Thread(
+                target=self._follow,
+                args=(worker, endpoint, replay_endpoint, stop),
+                name=f"kv-events {worker}",
+                daemon=True,
+            )
+            self._threads[worker] = (thread, stop)
         thread.start()
 
+    def unwatch(self, worker: str) -> bool:
+        """Stop following `worker` and forget every block the index holds for it (after
+        its thread has stopped applying batches); whether it was watched."""
+        with self._lock:
+            watched = self._threads.pop(worker, None)
+        if watched is not None:
+            thread, stop = watched
+            stop.set()
+            thread.join(timeout=2)
+        self.index.clear(worker)
+        return watched is not None
+
     def watching(self) -> list[str]:
-        return list(self._threads)
+        with self._lock:
+            return list(self._threads)
 
     def close(self) -> None:
         self._stop.set()
-        for thread in self._threads.values():
+        with self._lock:
+            threads = [thread for thread, _stop in self._threads.values()]
+        for thread in threads:
             thread.join(timeout=2)
 
-    def _follow(self, worker: str, endpoint: str, replay_endpoint: str | None) -> None:
+    def _stopped(self, stop: threading.Event) -> bool:
+        return self._stop.is_set() or stop.is_set()
+
+    def _follow(self, worker: str, endpoint: str, replay_endpoint: str | None, stop: threading.Event) -> None:
         subscriber = KVEventSubscriber(endpoint, replay_endpoint)
         try:
             self.index.clear(worker)
@@ -145,7 +167,7 @@ class KVEventFeed:
                 for _seq, batch in subscriber.replay(subscriber.last_seq + 1):
                     self.index.apply(worker, batch)
             idle_polls = 0
-            while not self._stop.is_set():
+            while not self._stopped(stop):
                 batches = subscriber.poll(self.poll_ms)
                 for _seq, batch in batches:
                     self.index.apply(worker, batch)
@@ -160,3 +182,7 @@ class KVEventFeed:
             logger.exception("KV events of %s: the feed stopped", worker)
         finally:
             subscriber.close()
+            with self._lock:
+                left = self._threads.get(worker, (None, None))[1] is not stop
+            if left:  # unwatched while a replay ran past unwatch's wait: drop what it applied
+                self.index.clear(worker)

@@ -189,6 +189,12 @@ def test_router_index_follows_an_engine_through_a_restart(tiny_model: str) -> No
         assert wait_until(lambda: index.held("w") == set(engine.block_manager.cached))
         assert index.matched_blocks("w", compute_block_hashes(before, BLOCK)) == 0
         assert index.matched_blocks("w", compute_block_hashes(after, BLOCK)) == 4
+        # the worker leaves the pool: its subscription ends, the index holds nothing for it
+        assert feed.unwatch("w") and feed.watching() == []
+        assert index.held("w") == set() and "w" not in index.num_blocks()
+        run_prompt(engine, "c", before)
+        time.sleep(0.3)  # what it publishes now would land within a poll if still followed
+        assert index.held("w") == set()
     finally:
         feed.close()
         engine.shutdown()

@@ -161,3 +161,34 @@ def test_layout_mismatch_is_reported_at_connection_setup():
     finally:
         sender.close()
         receiver_.close()
+
+
+@pytest.mark.parametrize(("sender_node", "path"), [("node-a", "shm"), ("node-b", "tcp")])
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_auto_transport_uses_shm_on_one_node_and_tcp_across_nodes(sender_node, path, mode):
+    """`auto`: the receiver on node-a gets the blocks through shared memory from a peer on
+    node-a and as tcp frames from one on node-b; either way they land, and its counters say
+    which way they came."""
+    receiver = make_transport("recv", TransferConfig(transport="auto", timeout_s=10, node_id="node-a"))
+    sender = make_transport("send", TransferConfig(transport="auto", timeout_s=10, node_id=sender_node))
+    try:
+        receiver.allocate_pool(SHAPE, torch.float32)
+        filled_pool(sender)
+        receiver_peer, sender_peer = receiver.start(), sender.start()
+        sender.is_held = lambda transfer_id, blocks: True
+        finished = threading.Event()
+        outcome = []
+        receiver.expect("t1", DST, lambda result: (outcome.append(result), finished.set()))
+        if mode == "push":
+            for layer in range(SHAPE[0]):
+                sender.push_layer(receiver_peer, "t1", layer, SRC, DST)
+        else:
+            receiver.pull(sender_peer, "t1", SRC, DST)
+        assert finished.wait(30) and outcome[0].ok, outcome
+        assert torch.equal(receiver.pool[:, :, DST], pattern(SRC))
+        layer_bytes = 2 * len(DST) * 4 * 2 * 5 * 4
+        other = "tcp" if path == "shm" else "shm"
+        assert receiver.received_by_path() == {path: SHAPE[0] * layer_bytes, other: 0}
+    finally:
+        sender.close()
+        receiver.close()

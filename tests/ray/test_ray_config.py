@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from splitserve.ray_serve.cli import ray_address
 from splitserve.ray_serve.config import ConfigError, check, check_cluster, config_from_mapping, load_yaml
 
 GOOD = """
@@ -50,7 +52,7 @@ def test_a_yaml_config_reads_and_checks(tmp_path):
         ("tiers: {render: {}, decode: {num_gpu: 1}}", "tiers.decode: unknown key(s) num_gpu"),
         ("tiers: {render: {}, decode: {replicas: -1}}", "tiers.decode.replicas: expected a whole number"),
         ("tiers: {render: {}, decode: {replicas: 3, max_replicas: 2}}", "within min_replicas"),
-        ("tiers: {render: {}, decode: {}, encoder: {replicas: 1}}", "encoder: not yet supported on Ray"),
+        ("tiers: {render: {}, decode: {}}\ntransport: rdma", "transport: shm, tcp, auto or unset"),
         ("replicas: 3", "unknown key(s) replicas"),
         ("- a list", "must be a mapping"),
         ("tiers: {render: {}, decode: {}}\nmode: both", "mode: push or pull"),
@@ -72,6 +74,7 @@ def test_up_ray_stops_on_a_bad_config_before_connecting(tmp_path):
         (["--ray-tier", "gpu:num_gpus=1"], "unknown tier 'gpu'"),
         (["--decode", "0"], "decode: needs at least 1 replica"),
         (["--ray-tier", "decode:max_replicas=1,min_replicas=2"], "min_replicas"),
+        (["--ray", "http://head:8265"], "expected auto, HOST:PORT or ray://HOST[:PORT]"),
     ):
         done = subprocess.run(
             [sys.executable, "-m", "splitserve.cli", "up", "--ray", "127.0.0.1:1", *args],
@@ -80,6 +83,37 @@ def test_up_ray_stops_on_a_bad_config_before_connecting(tmp_path):
             timeout=60,
         )
         assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize(
+    ("text", "address"),
+    [
+        ("auto", "auto"),
+        ("10.0.0.1:6379", "10.0.0.1:6379"),
+        ("ray://head", "ray://head:10001"),  # Ray Client's default port
+        ("ray://head:10002", "ray://head:10002"),
+        ("ray://[fd00::1]", "ray://[fd00::1]:10001"),
+        ("[fd00::1]:6379", "[fd00::1]:6379"),
+    ],
+)
+def test_ray_addresses_read(text, address):
+    assert ray_address(text) == address
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("ray://", "expected auto, HOST:PORT or ray://HOST[:PORT]"),
+        ("http://head:8265", "expected auto"),
+        ("ray://head:0", "expected auto"),
+        ("ray://head:10001/path", "expected auto"),
+        ("head:port", "expected auto"),
+        ("head", "a GCS address needs its port"),
+    ],
+)
+def test_bad_ray_addresses_are_refused_before_connecting(text, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ray_address(text)
 
 
 def test_down_needs_ray():

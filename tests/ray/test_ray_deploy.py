@@ -1,7 +1,8 @@
-"""`splitserve up --ray` on a local two-node Ray cluster (`ray.cluster_utils.Cluster`):
-prefill placed on one node and decode on the other by custom resources, checked against
-the collocated `splitserve serve`; live scaling, a killed decode replica, `down --ray`;
-config errors stop before anything is deployed."""
+"""`splitserve up --ray` on a local two-node Ray cluster (`ray.cluster_utils.Cluster`),
+the tiny Qwen2-VL: prefill on the head node, the encoder on the other, one decode slot on
+each (custom resources), checked against the collocated `splitserve serve`; images
+through the encoder tier, KV over shm within a node and tcp across, live scaling, a
+killed decode replica, `down --ray`; config errors stop before anything is deployed."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from splitserve.model.tiny import write_tiny_model
 from splitserve.model.tiny_text import TinyModelSpec
 from tests.conftest import free_port, running_server
 from tests.router.test_pd_proxy import chat_token_ids, chats, metric
+from tests.service.image_requests import PICTURES, counter, image_chat_body
 
 ray = pytest.importorskip("ray", reason="ray is not installed: pip install 'splitserve[ray]'")
 
@@ -60,11 +62,12 @@ def splitserve(*args: str, env: dict[str, str] | None = None, timeout: float = 2
 
 @pytest.fixture(scope="module")
 def tiny_model() -> Iterator[str]:
-    """The default tiny model, in a directory of this module's own: the Ray workers read it
-    for the whole module, past any other pytest session's clean-up of its base temp."""
+    """The tiny Qwen2-VL (text and images), in a directory of this module's own: the Ray
+    workers read it for the whole module, past any other pytest session's clean-up of its
+    base temp."""
     directory = tempfile.mkdtemp(prefix="splitserve-ray-model-")
     try:
-        yield str(write_tiny_model(Path(directory), TinyModelSpec()))
+        yield str(write_tiny_model(Path(directory), TinyModelSpec(arch="qwen2_vl")))
     finally:
         shutil.rmtree(directory, ignore_errors=True)
 
@@ -78,9 +81,10 @@ def cluster() -> Iterator[str]:
         # Replicas report their load every second (default 10 s), so the scale-up comes soon.
         patch.setenv("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "1")
         local = Cluster(
-            initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"prefill_node": 2}, **node}
+            initialize_head=True,
+            head_node_args={"num_cpus": 2, "resources": {"prefill_node": 2, "decode_node": 1}, **node},
         )
-        local.add_node(num_cpus=2, resources={"decode_node": 2}, **node)
+        local.add_node(num_cpus=2, resources={"decode_node": 1, "encoder_node": 1}, **node)
     ray.init(address=local.address, logging_level="warning", log_to_driver=False)
     try:
         yield local.address
@@ -101,12 +105,15 @@ def secrets_env() -> dict[str, str]:
 
 
 def up_args(address: str, model: str, port: int) -> list[str]:
-    """Prefill on the head node, decode on the other; decode autoscales 1 -> 2 on its load
-    signal (KV blocks in use), at a target any request exceeds."""
+    """Prefill on the head node, the encoder on the other, one decode slot on each: decode
+    autoscales 1 -> 2 on its load signal (KV blocks in use), at a target any request
+    exceeds, and then runs one replica on each node."""
     return [
         "up", model, "--ray", address, "--ray-app-name", APP, "--port", str(port),
-        "--num-blocks", "512", "--min-prefill-tokens", "16", "--open-health-metrics",
+        "--num-blocks", "512", "--max-model-len", "1024", "--min-prefill-tokens", "16",
+        "--open-health-metrics", "--encoder", "1",
         "--ray-tier", "render:num_cpus=0.5", "--ray-tier", "prefill:num_cpus=0.5,prefill_node=1",
+        "--ray-tier", "encoder:num_cpus=0.5,encoder_node=1",
         "--ray-tier", "decode:num_cpus=0.5,decode_node=1,max_replicas=2,target=0.0001,upscale_delay_s=0",
     ]  # fmt: skip
 
@@ -193,7 +200,8 @@ def test_tiers_on_two_nodes_scale_survive_a_killed_replica_and_go_down(cluster, 
     )
     serve_port = free_port()  # the reference starts while the deployment does
     with running_server(
-        ["serve", tiny_model, "--port", str(serve_port), "--num-blocks", "1024"], serve_port
+        ["serve", tiny_model, "--port", str(serve_port), "--num-blocks", "1024", "--max-model-len", "1024"],
+        serve_port,
     ) as ref:
         stdout, stderr = up.communicate(timeout=240)
         assert up.returncode == 0, stdout + stderr
@@ -210,12 +218,14 @@ def test_tiers_on_two_nodes_scale_survive_a_killed_replica_and_go_down(cluster, 
 
 
 def check_the_deployment(base: str, collocated: str, stdout: str, secrets_env: dict[str, str]) -> None:
-    assert f"OpenAI API: {base}/v1" in stdout and "KV over tcp" in stdout
+    assert (
+        f"OpenAI API: {base}/v1" in stdout and "KV over auto (shm within a node, tcp across nodes)" in stdout
+    )
 
-    # placement: prefill on the head node, decode on the other; the secrets never on a command line
+    # placement: prefill on the head node, the encoder on the other; the secrets never on a command line
     members = workers()
     nodes = {m["role"]: m["node_id"] for m in members}
-    assert set(nodes) == {"render", "prefill", "decode"} and nodes["prefill"] != nodes["decode"]
+    assert set(nodes) == {"render", "prefill", "decode", "encoder"} and nodes["prefill"] != nodes["encoder"]
     token = secrets_env["SPLITSERVE_INTERNAL_TOKEN"]
     for pid in os.listdir("/proc"):
         if pid.isdigit():
@@ -236,12 +246,10 @@ def check_the_deployment(base: str, collocated: str, stdout: str, secrets_env: d
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     want = reference.chat.completions.create(model=None, messages=messages[1], max_tokens=8, temperature=0)
     assert text == want.choices[0].message.content
-    decode_url = next(m["url"] for m in members if m["role"] == "decode")
     auth = {"Authorization": f"Bearer {token}"}
-    assert httpx.get(f"{decode_url}/inference/v1/kv/info", headers=auth).json()["transport"] == "tcp"
-    decode_metrics = httpx.get(f"{decode_url}/metrics", headers=auth).text
-    assert metric(decode_metrics, "splitserve_kv_transfer_bytes_total", '{direction="received"}') > 0
-    assert httpx.get(f"{decode_url}/health").status_code == 401  # the token guards the engines
+    url = {m["role"]: m["url"] for m in members}
+    assert httpx.get(f"{url['decode']}/health").status_code == 401  # the token guards the engines
+    check_images(base, collocated, members, auth)
 
     # decode scales 1 -> 2 live on its load (the other tiers keep running): the router uses both
     with steady_load(base, messages[0]):
@@ -252,6 +260,16 @@ def check_the_deployment(base: str, collocated: str, stdout: str, secrets_env: d
     asyncio.run(deployed_token_ids(base, chats() * 2))
     decodes = [m for m in workers() if m["role"] == "decode"]
     assert len(decodes) == 2 and all(m["served"] > 0 for m in decodes), decodes
+    # one decode on each node: the one beside prefill got its KV through shared memory,
+    # the other over tcp (`auto`, chosen per pair)
+    assert {m["node_id"] for m in decodes} == {nodes["prefill"], nodes["encoder"]}
+    for decode in decodes:
+        kv_info = httpx.get(f"{decode['url']}/inference/v1/kv/info", headers=auth).json()
+        path, other = ("shm", "tcp") if decode["node_id"] == nodes["prefill"] else ("tcp", "shm")
+        assert kv_info["transport"] == "auto", kv_info
+        assert kv_info["received_bytes"][path] > 0 and kv_info["received_bytes"][other] == 0, (path, kv_info)
+        decode_metrics = httpx.get(f"{decode['url']}/metrics", headers=auth).text
+        assert metric(decode_metrics, "splitserve_kv_transfer_bytes_total", '{direction="received"}') > 0
 
     # kill one decode replica while requests run: none is lost, Serve replaces it, the
     # router drops the dead worker and takes in the new one
@@ -288,3 +306,33 @@ def check_the_deployment(base: str, collocated: str, stdout: str, secrets_env: d
 
     wait_for(replaced, what="the killed decode replica to be replaced")
     assert asyncio.run(deployed_token_ids(base, messages)) == expected
+    # the dropped worker left the router's KV-event index too (it held blocks before)
+    index = httpx.get(f"{base}/workers", headers=AUTH).json()["kv_index_blocks"]
+    assert victim["url"] not in index and any(index.get(m["url"]) for m in workers()), index
+
+
+def check_images(base: str, collocated: str, members: list[dict], auth: dict[str, str]) -> None:
+    """Image requests through the ingress get `serve`'s greedy tokens; each distinct image
+    was encoded once, by the encoder tier on the other node, and the engines loaded the
+    embeddings from the encoder cache (kept on the ingress's node: one of the encoder and
+    prefill reaches it through shm, the other, on another node, over tcp)."""
+    requests = [PICTURES[:1], PICTURES[1:3], PICTURES[:1]]  # the first image twice
+    expected = [answer_token_ids(collocated, p, {}) for p in requests]
+    assert [answer_token_ids(base, p, AUTH) for p in requests] == expected
+    ec = {m["role"]: m["encoder_cache"] for m in members}
+    assert ec["render"] is None and ec["prefill"] in ("shm", "tcp")
+    assert {ec["encoder"], ec["prefill"]} == {"shm", "tcp"}
+    url = {m["role"]: m["url"] for m in members}
+    metrics = {role: httpx.get(f"{url[role]}/metrics", headers=auth).text for role in url if role != "render"}
+    assert counter(metrics["encoder"], "splitserve_images_encoded") == 3
+    for role in ("prefill", "decode"):  # never their own vision tower
+        assert counter(metrics[role], "splitserve_images_encoded") == 0
+    assert counter(metrics["prefill"], "splitserve_images_loaded") == 3
+
+
+def answer_token_ids(base: str, pictures: list[bytes], headers: dict[str, str]) -> list[int]:
+    """The greedy tokens of a chat request with `pictures` (no model named: the one served)."""
+    body = {k: v for k, v in image_chat_body("", pictures).items() if k != "model"}
+    response = httpx.post(f"{base}/v1/chat/completions", json=body, headers=headers, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["token_ids"]

@@ -45,9 +45,15 @@ def add_kv_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("KV transfer (--role prefill|decode)")
     group.add_argument(
         "--kv-transport",
-        choices=["shm", "tcp"],
+        choices=["shm", "tcp", "auto"],
         default=None,
-        help="default: shm when the KV cache is in CPU memory, tcp on a GPU",
+        help="default: shm when the KV cache is in CPU memory, tcp on a GPU; auto: per peer, "
+        "shm with one on the same node (--kv-node-id), tcp with the others",
+    )
+    group.add_argument(
+        "--kv-node-id",
+        default=None,
+        help="--kv-transport auto: the node this engine runs on (default: this host's boot ID)",
     )
     group.add_argument("--kv-mode", choices=["push", "pull"], default=transfer.mode)
     group.add_argument("--kv-port", type=int, default=0, help="KV socket port (default: a free one)")
@@ -104,6 +110,7 @@ def transfer_config(args: argparse.Namespace, device: str) -> TransferConfig:
         max_reservations=args.kv_max_reservations,
         max_reserved_fraction=args.kv_max_reserved_fraction,
         allowed_peers=tuple(args.kv_peers),
+        node_id=args.kv_node_id,
     )
 
 
@@ -248,6 +255,7 @@ def install_kv_routes(app: FastAPI, connector: PDConnector) -> None:
                 "mode": connector.config.mode,
                 "failure_policy": connector.config.failure_policy,
                 "pid": os.getpid(),
+                "received_bytes": connector.transport.received_by_path(),  # auto: per data path
                 **KVTransferParams().with_address(connector.kv_address()).to_wire(),
             }
         )
