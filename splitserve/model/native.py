@@ -19,7 +19,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).parent / "csrc" / "cpu_ops.cpp", Path(__file__).parent / "csrc" / "prefill_attention.cpp")
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = (CSRC / "cpu_ops.cpp", CSRC / "prefill_attention.cpp")
 DISABLE_ENV = "SPLITSERVE_NATIVE_OPS"
 
 
@@ -38,8 +39,8 @@ def cpu_ops_available() -> bool:
 
         # -march=native: the kernels are built on the machine that runs them, so they use
         # its vector units (avx512 and avx512_bf16 where present). -fopenmp: at::parallel_for
-        # is inlined into the extension; the OpenMP runtime is torch's own libgomp.
-        # the name carries the source's hash: torch builds each name in its own folder, so
+        # is inlined into the extension; the OpenMP runtime is torch's own libgomp. The name
+        # carries the source's hash: torch builds each name in its own folder, so
         # two versions of the package (two checkouts, an upgrade beside a running server)
         # never rebuild over each other's library
         digest = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES)).hexdigest()[:12]
@@ -54,7 +55,7 @@ def cpu_ops_available() -> bool:
     except Exception as exc:  # no compiler, no ninja, unsupported platform: fall back
         logger.warning("compiled CPU kernels unavailable (%s); using the PyTorch reference ops", exc)
         return False
-    return hasattr(torch.ops.splitserve_cpu, "argmax_rows") and hasattr(torch.ops.splitserve_cpu, "prefill_attention")
+    return all(hasattr(torch.ops.splitserve_cpu, op) for op in ("argmax_rows", "prefill_attention"))
 
 
 def use_cpu_ops(tensor: torch.Tensor) -> bool:
