@@ -54,14 +54,33 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol
+
+from splitserve.kv.block_hash import BlockHash
 
 if TYPE_CHECKING:
     import torch
 
-    from splitserve.engine.request import Request
-
 KVCacheAllocator = Callable[..., "torch.Tensor"]  # (shape, *, dtype, device) -> zero-filled tensor
+
+
+class ConnectorRequest(Protocol):
+    """What a connector reads and writes of an engine request (engine.request.Request is
+    one): the kv package depends on this shape, not on the engine package."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    kv_transfer_params: dict | None
+    num_computed_tokens: int
+    num_cached_tokens: int
+    block_hashes: list[BlockHash]  # the chained hashes of the request's full blocks
+    finish_reason: str | None
+    metrics: dict[str, float | None]
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+    def prompt_kv_hashes(self) -> list[str]: ...
 
 
 class RequestSlots(NamedTuple):
@@ -95,17 +114,19 @@ class KVConnector(ABC):
 
     # ---- scheduler half -----------------------------------------------------------
     @abstractmethod
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(
+        self, request: ConnectorRequest, num_computed_tokens: int
+    ) -> tuple[int, bool]:
         """(tokens loadable beyond `num_computed_tokens`, whether the load is async)."""
 
     @abstractmethod
     def update_state_after_alloc(
-        self, request: Request, block_ids: list[int], num_external_tokens: int
+        self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int
     ) -> None:
         """The request's blocks are allocated; remember where its external tokens go."""
 
     @abstractmethod
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
+    def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> tuple[bool, dict | None]:
         """(delay_free_blocks, kv_transfer_params for the final output)."""
 
     def get_finished_loading(self) -> set[str]:

@@ -14,15 +14,12 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 
-from splitserve.kv.connector import KVConnector, StepKVInfo
+from splitserve.kv.connector import ConnectorRequest, KVConnector, StepKVInfo
 from splitserve.protocol.kv_transfer import KVTransferParams
-
-if TYPE_CHECKING:
-    from splitserve.engine.request import Request
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +100,9 @@ class InProcessConnector(KVConnector):
         return self.kv_cache.flatten(2, 3)
 
     # ---- scheduler half -----------------------------------------------------------
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(
+        self, request: ConnectorRequest, num_computed_tokens: int
+    ) -> tuple[int, bool]:
         params = KVTransferParams.from_wire(request.kv_transfer_params)
         if not params.do_remote_prefill:
             return 0, False
@@ -119,7 +118,7 @@ class InProcessConnector(KVConnector):
         return max(loadable, 0), self.load_async and loadable > 0
 
     def update_state_after_alloc(
-        self, request: Request, block_ids: list[int], num_external_tokens: int
+        self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int
     ) -> None:
         params = KVTransferParams.from_wire(request.kv_transfer_params)
         if params.do_remote_decode:
@@ -145,7 +144,7 @@ class InProcessConnector(KVConnector):
             else:
                 self._pending_loads.append(load)
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
+    def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> tuple[bool, dict | None]:
         params = KVTransferParams.from_wire(request.kv_transfer_params)
         with self._lock:
             if request.request_id in self._loading:  # the loader still writes into its blocks

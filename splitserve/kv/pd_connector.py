@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 from splitserve.config import EngineRole, TransferConfig
 from splitserve.kv.arrivals import TransferResult
 from splitserve.kv.block_hash import cdiv
-from splitserve.kv.connector import KVCacheAllocator, KVConnector, StepKVInfo
+from splitserve.kv.connector import ConnectorRequest, KVCacheAllocator, KVConnector, StepKVInfo
 from splitserve.kv.handoff_metrics import HandoffMetrics
 from splitserve.kv.layer_push import LayerPusher
 from splitserve.kv.pd_loads import Load, handoff_report, wall_to_monotonic
@@ -49,7 +49,6 @@ from splitserve.protocol.kv_transfer import KVParamsError, KVTransferParams, Rem
 if TYPE_CHECKING:
     import torch
 
-    from splitserve.engine.request import Request
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +143,9 @@ class PDConnector(KVConnector):
             self._wakeup()
 
     # ---- scheduler half ---------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(
+        self, request: ConnectorRequest, num_computed_tokens: int
+    ) -> tuple[int, bool]:
         """Side-effect free (vLLM's contract): it may be asked again for the same request."""
         params = KVTransferParams.from_wire(request.kv_transfer_params)
         if params.do_remote_decode:
@@ -171,7 +172,7 @@ class PDConnector(KVConnector):
         return external, True
 
     def update_state_after_alloc(
-        self, request: Request, block_ids: list[int], num_external_tokens: int
+        self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int
     ) -> None:
         params = KVTransferParams.from_wire(request.kv_transfer_params)
         if params.do_remote_decode:
@@ -221,7 +222,11 @@ class PDConnector(KVConnector):
         self.transport.pull(PeerInfo(*params.remote_address()), transfer_id, list(src), dst, hashes)
 
     def _pull_prefix(
-        self, request: Request, block_ids: list[int], num_external_tokens: int, params: KVTransferParams
+        self,
+        request: ConnectorRequest,
+        block_ids: list[int],
+        num_external_tokens: int,
+        params: KVTransferParams,
     ) -> None:
         """Prefill: read decode's lent blocks [our hit, our hit + external) into ours."""
         offer = params.prefix_offer()
@@ -242,7 +247,7 @@ class PDConnector(KVConnector):
         self.transport.pull(peer, lend_id, list(lent_ids[first:last]), dst, hashes)
 
     # ---- decode's prefix lends ----------------------------------------------------------
-    def _lend_prefix(self, request: Request, blocks: list[int]) -> tuple[str | None, tuple, tuple]:
+    def _lend_prefix(self, request: ConnectorRequest, blocks: list[int]) -> tuple[str | None, tuple, tuple]:
         """Lease our prefix-cache hit (matched by this request's block hashes) to the
         prefill worker: (lend ID, block IDs, hex hashes) for the reservation."""
         if not blocks:
@@ -370,7 +375,7 @@ class PDConnector(KVConnector):
             self._loads.pop(request_id, None)
             return load, False
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
+    def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> tuple[bool, dict | None]:
         params = KVTransferParams.from_wire(request.kv_transfer_params)
         if params.do_remote_decode:
             load, in_flight = self._end_load(request.request_id)
@@ -407,7 +412,7 @@ class PDConnector(KVConnector):
         self.pusher.wait()
 
     def _prefill_finished(
-        self, request: Request, block_ids: list[int], params: KVTransferParams, prefix: Load | None
+        self, request: ConnectorRequest, block_ids: list[int], params: KVTransferParams, prefix: Load | None
     ) -> tuple[bool, dict | None]:
         done_at = time.time()
         address = self.kv_address()

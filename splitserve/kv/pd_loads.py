@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from splitserve.kv.handoff_metrics import HandoffMetrics
 
 if TYPE_CHECKING:
-    from splitserve.engine.request import Request
+    from splitserve.kv.connector import ConnectorRequest
 
 
 def wall_to_monotonic(wall: float) -> float:
@@ -36,7 +36,7 @@ class Load:
     num_blocks: int = 0  # prefix pull: blocks read
 
 
-def handoff_report(load: Load, request: Request, metrics: HandoffMetrics) -> dict:
+def handoff_report(load: Load, request: ConnectorRequest, metrics: HandoffMetrics) -> dict:
     """Decode: how the request's KV arrived, and where the TTFT went from the moment
     prefill's last layer was computed: the part of the transfer left exposed, the
     notification, then decode's own first step."""

@@ -29,7 +29,7 @@ from splitserve.kv.reservations import HoldTable
 from splitserve.protocol.kv_transfer import KVTransferParams, TransferMode
 
 if TYPE_CHECKING:
-    from splitserve.engine.request import Request
+    from splitserve.kv.connector import ConnectorRequest
 
 LEND_MARK = "@prefix-"
 
@@ -87,7 +87,11 @@ def matched_prefix_blocks(own: Sequence[BlockHash], offered: Sequence[str], max_
 
 
 def pullable_prefix_tokens(
-    request: Request, num_computed_tokens: int, params: KVTransferParams, block_size: int, mode: TransferMode
+    request: ConnectorRequest,
+    num_computed_tokens: int,
+    params: KVTransferParams,
+    block_size: int,
+    mode: TransferMode,
 ) -> int:
     """Prefill: tokens of decode's offered prefix beyond our own hit whose chained block
     hashes equal this request's (0 without a usable offer)."""
@@ -100,7 +104,7 @@ def pullable_prefix_tokens(
 
 
 def prefill_prompt_sources(
-    request: Request, params: KVTransferParams, prefix: Load | None, block_size: int
+    request: ConnectorRequest, params: KVTransferParams, prefix: Load | None, block_size: int
 ) -> dict:
     """Prefill: where this prompt's KV came from, and where reuse stopped (the first block
     neither in our cache nor pulled: the first whose hash differs, or the uncached rest)."""

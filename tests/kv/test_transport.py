@@ -175,7 +175,7 @@ def test_auto_transport_uses_shm_on_one_node_and_tcp_across_nodes(sender_node, p
         receiver.allocate_pool(SHAPE, torch.float32)
         filled_pool(sender)
         receiver_peer, sender_peer = receiver.start(), sender.start()
-        sender.is_held = lambda transfer_id, blocks: True
+        sender.is_held = lambda transfer_id, blocks, hashes: True
         finished = threading.Event()
         outcome = []
         receiver.expect("t1", DST, lambda result: (outcome.append(result), finished.set()))
