@@ -203,7 +203,8 @@ def main() -> int:
         vllm_env.pop("VIRTUAL_ENV", None)
         results.append(run_engine("vLLM-CPU 0.32", vllm_cmd, vllm_env, args, vocab, port))
 
-    print(f"\nmodel {model.name}, {dtype}, ISA {cpu_isa_flags()}")
+    wait_policy = os.environ.get("OMP_WAIT_POLICY", "PASSIVE (splitserve's default)")
+    print(f"\nmodel {model.name}, {dtype}, ISA {cpu_isa_flags()}, OMP_WAIT_POLICY {wait_policy}")
     header = " | ".join(f"{r.name:>14}" for r in results)
     print(f"{'measure':<32} | {header}")
     for length in args.prompt_lens:
