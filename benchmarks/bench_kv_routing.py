@@ -108,6 +108,18 @@ def main() -> int:
         "--kv-load-weight", type=float, default=None, help="cache-aware's cost per request in flight"
     )
     parser.add_argument(
+        "--kv-prefill-load-weight",
+        type=float,
+        default=None,
+        help="cache-aware's cost per block of prompt tokens queued for prefill on a replica",
+    )
+    parser.add_argument(
+        "--kv-decode-load-weight",
+        type=float,
+        default=None,
+        help="cache-aware's cost per KV block of a replica's decoding requests",
+    )
+    parser.add_argument(
         "--policies", nargs="+", choices=POLICIES, default=list(POLICIES), help="round-robin always runs"
     )
     args = parser.parse_args()
@@ -119,8 +131,13 @@ def main() -> int:
         port = free_port()
         command = [sys.executable, "-m", "splitserve.cli", "up", model, "--port", str(port)]
         command += ["--prefill", "0", "--decode", str(args.replicas), "--num-blocks", str(args.num_blocks)]
-        if args.kv_load_weight is not None:
-            command += ["--kv-load-weight", str(args.kv_load_weight)]
+        for flag, weight in (
+            ("--kv-load-weight", args.kv_load_weight),
+            ("--kv-prefill-load-weight", args.kv_prefill_load_weight),
+            ("--kv-decode-load-weight", args.kv_decode_load_weight),
+        ):
+            if weight is not None:
+                command += [flag, str(weight)]
         with served([*command, "--routing", policy], port, policy) as base:
             results[policy] = asyncio.run(workload(base, args))
         r = results[policy]

@@ -44,15 +44,13 @@ class _Sent:
     decode_blocks: int
     sent_at: float
     prefilled_at: float | None = None
+    ended_at: float | None = None
 
 
 @dataclass
 class _WorkerState:
     report: WorkerLoad | None = None
     polled_at: float = float("-inf")
-    # what the report still counts of the requests the router saw end since it was polled
-    retired_prefill_tokens: int = 0
-    retired_decode_blocks: int = 0
 
 
 class SentRequest:
@@ -72,13 +70,18 @@ class LoadTracker:
         self.clock = clock
         self._lock = threading.Lock()
         self._workers: dict[str, _WorkerState] = {}
-        self._sent: dict[str, dict[int, _Sent]] = {}
+        self._sent: dict[str, dict[int, _Sent]] = {}  # requests in flight, by key
+        self._ended: dict[str, list[_Sent]] = {}  # requests ended since the last poll began
         self._keys = itertools.count()
 
     def report(self, url: str, load: WorkerLoad | None, polled_at: float) -> None:
         """What `url` reported in answer to a poll sent at `polled_at` (None: no report)."""
         with self._lock:
             self._workers[url] = _WorkerState(load, polled_at if load is not None else float("-inf"))
+            ended = self._ended.get(url, [])
+            self._ended[url] = [
+                sent for sent in ended if sent.ended_at is not None and sent.ended_at > polled_at
+            ]
 
     @contextlib.contextmanager
     def tracking(self, url: str, prefill_tokens: int, decode_blocks: int) -> Iterator[SentRequest]:
@@ -101,13 +104,11 @@ class LoadTracker:
     def _finish(self, url: str, key: int) -> None:
         with self._lock:
             sent = self._sent.get(url, {}).pop(key, None)
-            state = self._workers.get(url)
-            if sent is None or state is None or not self._in_report(sent, state):
-                return
-            if sent.prefilled_at is None or sent.prefilled_at > state.polled_at:
-                state.retired_prefill_tokens += sent.prefill_tokens  # reported as queued
-            else:
-                state.retired_decode_blocks += sent.decode_blocks  # reported as decoding
+            # the last report, or one already under way, may still show it (kept until the
+            # next report; a worker never polled keeps nothing)
+            if sent is not None and url in self._workers:
+                sent.ended_at = self.clock()
+                self._ended.setdefault(url, []).append(sent)
 
     def _in_report(self, sent: _Sent, state: _WorkerState) -> bool:
         return state.report is not None and sent.sent_at <= state.polled_at - self.report_lag_s
@@ -117,8 +118,13 @@ class LoadTracker:
         with self._lock:
             state = self._workers.get(url) or _WorkerState()
             queued, decoding = state.report or WorkerLoad(0, 0)
-            queued -= state.retired_prefill_tokens
-            decoding -= state.retired_decode_blocks
+            for sent in self._ended.get(url, ()):
+                if not self._in_report(sent, state):
+                    continue
+                if sent.prefilled_at is None or sent.prefilled_at > state.polled_at:
+                    queued -= sent.prefill_tokens  # the report shows it queued; it ended since
+                else:
+                    decoding -= sent.decode_blocks  # the report shows it decoding; it ended since
             for sent in self._sent.get(url, {}).values():
                 if not self._in_report(sent, state):
                     queued += sent.prefill_tokens if sent.prefilled_at is None else 0

@@ -64,6 +64,20 @@ def test_a_report_replaces_the_requests_it_shows_and_is_corrected_for_what_ended
     assert tracker.load("w") == WorkerLoad(0, 0)
 
 
+def test_a_request_that_ends_while_a_poll_is_under_way_is_not_counted_by_that_report():
+    clock = Clock()
+    tracker = LoadTracker(clock=clock)
+    tracker.report("w", WorkerLoad(0, 0), polled_at=clock.now)
+    with tracker.tracking("w", 100, 7):
+        clock.now += 1
+        polled_at = clock.now  # a poll begins: its answer will show the request queued
+        clock.now += 0.01
+    tracker.report("w", WorkerLoad(100, 0), polled_at=polled_at)  # it lands after the end
+    assert tracker.load("w") == WorkerLoad(0, 0)
+    tracker.report("w", WorkerLoad(0, 0), polled_at=clock.now)
+    assert tracker.load("w") == WorkerLoad(0, 0)
+
+
 def test_a_burst_spreads_before_any_report_and_a_long_queue_outweighs_a_cached_prefix():
     pool = WorkerPool([], ["http://a", "http://b"])
     index = KVBlockIndex()
