@@ -4,6 +4,10 @@ the router sent and saw end since (router/load.py), and the cache-aware pick ove
 from __future__ import annotations
 
 import contextlib
+import subprocess
+import sys
+
+import pytest
 
 from splitserve.protocol.kv_events import BlockStored, KVEventBatch
 from splitserve.router.kv_index import KVBlockIndex, KVRoutingWeights
@@ -97,3 +101,20 @@ def test_a_burst_spreads_before_any_report_and_a_long_queue_outweighs_a_cached_p
     assert router.pick(pool, "decode", body).url == "http://a"
     router.loads.report("http://a", WorkerLoad(100 * 16, 0), polled_at=0.0)  # a long one
     assert router.pick(pool, "decode", body).url == "http://b"
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "named"),
+    [
+        ("--load-interval", "0", "--load-interval"),
+        ("--kv-prefill-load-weight", "-1", "prefill_load_weight"),
+        ("--kv-decode-load-weight", "nan", "decode_load_weight"),
+    ],
+)
+def test_a_bad_load_setting_is_refused_at_start(flag: str, value: str, named: str):
+    args = ["proxy", "--render", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2", flag, value]
+    proc = subprocess.run(
+        [sys.executable, "-m", "splitserve.cli", *args], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 2
+    assert named in proc.stderr
