@@ -85,6 +85,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-overlap-weight", type=float, default=None, help="the proxy's routing weight")
     parser.add_argument("--kv-load-weight", type=float, default=None, help="the proxy's routing weight")
     parser.add_argument(
+        "--kv-prefill-load-weight", type=float, default=None, help="the proxy's routing weight"
+    )
+    parser.add_argument(
+        "--kv-decode-load-weight", type=float, default=None, help="the proxy's routing weight"
+    )
+    parser.add_argument(
         "--routing",
         choices=["cache-aware", "least-loaded", "round-robin", "text-prefix"],  # the proxy's --routing
         default=None,
@@ -295,6 +301,8 @@ def run(args: argparse.Namespace) -> int:
             for flag, value in (
                 ("--kv-overlap-weight", args.kv_overlap_weight),
                 ("--kv-load-weight", args.kv_load_weight),
+                ("--kv-prefill-load-weight", args.kv_prefill_load_weight),
+                ("--kv-decode-load-weight", args.kv_decode_load_weight),
                 ("--routing", args.routing),
                 ("--stall-timeout", args.stall_timeout),
                 ("--max-in-flight-per-client", args.max_in_flight_per_client),

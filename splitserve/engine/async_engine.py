@@ -183,7 +183,14 @@ class AsyncEngine:
         return True
 
     def stats(self) -> EngineStats:
-        return self._stats
+        """The snapshot of the engine thread's last loop, plus the prompts accepted since
+        (not yet added), so that a router polling the load sees every request it sent."""
+        with self._lock:
+            pending = sum(len(c.prompt_token_ids) for c in self._commands if isinstance(c, _AddCommand))
+        stats = self._stats
+        if not pending:
+            return stats
+        return stats._replace(num_waiting_prefill_tokens=stats.num_waiting_prefill_tokens + pending)
 
     def add_step_listener(self, listener: StepListener) -> None:
         """`listener(step_time_s, num_tokens)` is called on the engine thread after each
@@ -217,6 +224,8 @@ class AsyncEngine:
                     self._deliver(command.stream, [exc])
                 else:
                     command.stream.started = True
+            if commands:  # the new requests count as load from now on, not after the step
+                self._stats = engine.stats()
             engine.poll_connector()
             if not engine.has_runnable_work():
                 self._stats = engine.stats()

@@ -399,6 +399,8 @@ class LLMEngine:
     # ---- introspection ------------------------------------------------------------
     def stats(self) -> EngineStats:
         bm, sched = self.block_manager, self.scheduler
+        prefilling = [r for r in sched.running if r.num_computed_tokens < r.num_tokens - 1]
+        decoding = [r for r in sched.running if r.num_computed_tokens >= r.num_tokens - 1]
         return EngineStats(
             num_running=len(sched.running),
             num_waiting=len(sched.waiting) + len(sched.waiting_for_remote),
@@ -410,6 +412,10 @@ class LLMEngine:
             num_preemptions=sched.num_preemptions,
             last_step_time_s=self.last_step_time_s,
             last_step_tokens=self.last_step_tokens,
+            num_waiting_prefill_tokens=sum(
+                r.num_tokens - r.num_computed_tokens for r in [*sched.waiting, *prefilling]
+            ),
+            num_running_decode_blocks=sum(len(r.block_ids) for r in decoding),
         )
 
     def check_integrity(self) -> None:

@@ -36,3 +36,7 @@ class EngineStats(NamedTuple):
     num_preemptions: int
     last_step_time_s: float
     last_step_tokens: int
+    # the router's load terms: prompt tokens still to compute (waiting and prefilling
+    # requests; not those waiting for remote KV) and blocks held by decoding requests
+    num_waiting_prefill_tokens: int
+    num_running_decode_blocks: int

@@ -18,6 +18,7 @@ from splitserve.protocol.frontend_client import FrontendClient
 from splitserve.protocol.http_edge import DEFAULT_MAX_BODY_BYTES
 from splitserve.protocol.http_frontend_client import HTTPFrontendClient
 from splitserve.router.encoder_pool import EncoderPool, EncoderPoolEngineClient
+from splitserve.router.load import load_loop
 from splitserve.router.pd_engine_client import PDEngineClient
 from splitserve.router.routing import PromptTextFrontend, RoutingPolicy
 from splitserve.router.workers import health_loop
@@ -29,15 +30,17 @@ def create_proxy_app(
     engine: PDEngineClient,
     *,
     health_interval_s: float = 2.0,
+    load_interval_s: float = 0.25,  # how often each worker's load is polled
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     encoder_urls: list[str] | None = None,  # images: encoded once on these, by hash
     encoder_pool: EncoderPool | None = None,  # or a pool whose encoders join later (Ray)
 ) -> FastAPI:
-    checker: list[asyncio.Future] = []  # the health loop, while the app runs
+    checker: list[asyncio.Future] = []  # the health and load loops, while the app runs
 
     async def start() -> None:
         loop = health_loop(engine.pool, engine.check_worker, health_interval_s)
         checker.append(asyncio.ensure_future(loop))
+        checker.append(asyncio.ensure_future(load_loop(engine.pool, engine.poll_load, load_interval_s)))
 
     async def stop() -> None:
         for task in checker:
@@ -70,6 +73,7 @@ def create_proxy_app(
                 "policy": engine.policy.__dict__,
                 "routing": str(engine.router.policy),
                 "kv_index_blocks": engine.kv_index.num_blocks(),
+                "load": engine.load_snapshot(),
             }
         )
 

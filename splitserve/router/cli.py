@@ -68,7 +68,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="routing cost per prompt block a worker would prefill (its cached prefix is free)",
     )
     parser.add_argument(
-        "--kv-load-weight", type=float, default=4.0, help="routing cost per request a worker has in flight"
+        "--kv-prefill-load-weight",
+        type=float,
+        default=1.0,
+        help="routing cost per block of prompt tokens queued for prefill on a worker",
+    )
+    parser.add_argument(
+        "--kv-decode-load-weight",
+        type=float,
+        default=0.1,
+        help="routing cost per KV block held by a worker's decoding requests",
+    )
+    parser.add_argument(
+        "--kv-load-weight", type=float, default=0.0, help="routing cost per request a worker has in flight"
+    )
+    parser.add_argument(
+        "--load-interval",
+        type=float,
+        default=0.25,
+        help="seconds between polls of each worker's load (queued prefill tokens, decode blocks)",
     )
     parser.add_argument(
         "--routing",
@@ -102,22 +120,33 @@ def run(args: argparse.Namespace) -> int:
             bidirectional=args.kv_bidirectional,
         )
         pool = WorkerPool(args.prefill, args.decode)
+        weights = KVRoutingWeights(
+            overlap_weight=args.kv_overlap_weight,
+            prefill_load_weight=args.kv_prefill_load_weight,
+            decode_load_weight=args.kv_decode_load_weight,
+            load_weight=args.kv_load_weight,
+        )
         access.load_internal_token(args)  # every client to the internal parts sends it
     except (OSError, ValueError) as exc:
         print(f"splitserve proxy: {exc}", file=sys.stderr)
         return 2
-    if args.health_interval <= 0:
-        print("splitserve proxy: --health-interval must be positive", file=sys.stderr)
-        return 2
+    for flag, interval in (
+        ("--health-interval", args.health_interval),
+        ("--load-interval", args.load_interval),
+    ):
+        if not interval > 0:
+            print(f"splitserve proxy: {flag} must be positive", file=sys.stderr)
+            return 2
     app = create_proxy_app(
         args.render,
         PDEngineClient(
             pool,
             policy,
-            routing_weights=KVRoutingWeights(args.kv_overlap_weight, args.kv_load_weight),
+            routing_weights=weights,
             routing=RoutingPolicy(args.routing),
         ),
         health_interval_s=args.health_interval,
+        load_interval_s=args.load_interval,
         max_body_bytes=args.max_body_bytes,
         encoder_urls=args.encoder,
     )

@@ -4,8 +4,8 @@ Each worker's engine publishes what enters and leaves its prefix cache
 (`protocol/kv_events.py`); `KVEventFeed` applies those batches here. A request's render
 carries its chained block hashes (cache_salt included, so tenants never match each
 other); the leading run a worker holds is what it would not recompute. Scoring (Dynamo's
-shape): cost = overlap_weight × blocks to prefill + load_weight × requests in flight,
-lowest wins.
+shape, router/routing.py): cost = overlap_weight × blocks to prefill + the worker's load
+(router/load.py), lowest wins.
 """
 
 from __future__ import annotations
@@ -30,8 +30,20 @@ RESTART_CHECK_IDLE_POLLS = 10  # idle polls (of poll_ms each) between restart ch
 
 @dataclass(frozen=True)
 class KVRoutingWeights:
-    overlap_weight: float = 1.0  # per block the worker would have to prefill
-    load_weight: float = 4.0  # per request the worker has in flight
+    overlap_weight: float = 1.0  # per prompt block the worker would have to prefill
+    # per block (block_size tokens) of prompts queued for prefill on the worker: they are
+    # computed before this one, so they delay its first token like its own blocks
+    prefill_load_weight: float = 1.0
+    # per KV block held by the worker's decoding requests (they share every step with
+    # this request's prefill)
+    decode_load_weight: float = 0.1
+    load_weight: float = 0.0  # per request the worker has in flight (the router's count)
+
+    def __post_init__(self) -> None:
+        for name in ("overlap_weight", "prefill_load_weight", "decode_load_weight", "load_weight"):
+            value = getattr(self, name)
+            if not value >= 0:  # also rejects NaN
+                raise ValueError(f"{name} must be >= 0, not {value}")
 
 
 class KVBlockIndex:

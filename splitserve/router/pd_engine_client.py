@@ -9,9 +9,11 @@ then reads them.
 Both workers see the same token IDs (rendered once by the proxy). A prefill that fails
 makes decode compute the prompt itself (told at once in push mode); a decode worker that
 fails before anything was streamed is taken out of rotation and the request is retried
-on another one; one that fails or stalls (silent past the policy's stall timeout, its
-/health unanswered: router/stall.py) mid-stream has the request resumed on another one
-from the prompt plus the tokens streamed so far (router/migration.py).
+on another one; one that fails or stalls mid-stream has the request resumed on another
+one from the prompt plus the tokens streamed so far (router/decode_supervision.py).
+
+Every request sent to a worker counts in that worker's load until it ends
+(router/load.py), on top of what the worker last reported (`poll_load`).
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import NamedTuple
 
@@ -34,12 +36,12 @@ from splitserve.protocol.http_engine_client import HTTPEngineClient
 from splitserve.protocol.http_pool import pooled_client
 from splitserve.protocol.kv_events import connect_address
 from splitserve.protocol.kv_transfer import KVParamsError, KVTransferParams
+from splitserve.router.decode_supervision import DecodeSupervisor
 from splitserve.router.kv_index import KVBlockIndex, KVEventFeed, KVRoutingWeights, request_block_hashes
+from splitserve.router.load import WorkerLoad
 from splitserve.router.metrics import ProxyMetrics
-from splitserve.router.migration import StreamedSoFar, as_original, resumed_request
 from splitserve.router.pd_policy import ConversationHints, PDPolicy
 from splitserve.router.routing import Router, RoutingPolicy
-from splitserve.router.stall import ABORT_TIMEOUT_S, PROBE_TIMEOUT_S, DecodeStalled, watch_for_stall
 from splitserve.router.workers import Worker, WorkerPool, WorkerRole
 
 logger = logging.getLogger(__name__)
@@ -73,7 +75,7 @@ class PDEngineClient(EngineClient):
         self.kv_index = KVBlockIndex()
         self.kv_feed = KVEventFeed(self.kv_index)
         self.router = Router(routing, self.kv_index, self.routing_weights)
-        self.block_sizes: dict[str, int] = {}  # per worker URL, from its KV events info
+        self.block_sizes = self.router.block_sizes  # per worker URL, from its KV events info
         self.conversations = ConversationHints()  # clients' conversation_id → decode worker
         # Control calls (reservations, health) get their own small pool: httpcore scans a
         # whole pool on every request, so the hundreds of long-lived generate streams live
@@ -81,7 +83,14 @@ class PDEngineClient(EngineClient):
         self._http = pooled_client(read_timeout_s=None)
         self._clients: dict[str, HTTPEngineClient] = {}
         self._role_checked: set[str] = set()
-        self._background: set[asyncio.Future] = set()  # aborts sent to stalled workers
+        self.decode_streams = DecodeSupervisor(
+            pool,
+            self.metrics,
+            self._http,
+            policy.stall_timeout_s,
+            lambda request, tried, hinted: self._pick("decode", request, tried, hinted),
+            self._run,
+        )
 
     def _client(self, worker: Worker) -> HTTPEngineClient:
         client = self._clients.get(worker.url)
@@ -102,9 +111,7 @@ class PDEngineClient(EngineClient):
         return self.pool.pick("decode") is not None
 
     async def close(self) -> None:
-        for task in list(self._background):
-            task.cancel()
-        await asyncio.gather(*self._background, return_exceptions=True)
+        await self.decode_streams.close()
         for client in self._clients.values():
             await client.close()
         await self._http.aclose()
@@ -130,6 +137,25 @@ class PDEngineClient(EngineClient):
         except (httpx.HTTPError, ValueError):
             return False
         return True
+
+    async def poll_load(self, worker: Worker) -> None:
+        """Ask the worker for its load (`GET /inference/v1/stats`) and hand it to the
+        router; an engine that does not report it leaves the router's own accounting."""
+        polled_at = self.router.loads.clock()
+        load: WorkerLoad | None = None
+        try:
+            response = await self._http.get(f"{worker.url}/inference/v1/stats", timeout=2.0)
+            stats = response.json() if response.status_code == 200 else {}
+            load = WorkerLoad(
+                int(stats["num_waiting_prefill_tokens"]), int(stats["num_running_decode_blocks"])
+            )
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            load = None
+        self.router.loads.report(worker.url, load, polled_at)
+
+    def load_snapshot(self) -> dict[str, dict]:
+        """Per worker URL, the load the router weighs (for /workers)."""
+        return {w.url: self.router.loads.snapshot(w.url) for w in self.pool.workers()}
 
     async def _watch_kv_events(self, worker: Worker) -> None:
         """Follow the worker's KV events when it publishes them (engines started with
@@ -165,82 +191,20 @@ class PDEngineClient(EngineClient):
 
     # ---- the flow -------------------------------------------------------------------
     async def _generate(self, request: dict) -> AsyncIterator[dict]:
-        base_id = str(request.get("request_id") or f"pd-{uuid.uuid4().hex}")
         hint = request.get("conversation_id")
         conversation = hint if isinstance(hint, str) else None
-        tried: set[str] = set()
-        streamed = StreamedSoFar()
-        attempt = request
-        while True:
-            decode = self._pick("decode", request, tried, self.conversations.worker_of(conversation))
-            if decode is None:
-                self.metrics.errors.labels("503").inc()
-                raise APIError(503, "no decode worker is available", code="no_worker")
-            attempt_id = base_id if not tried else f"{base_id}-retry{len(tried)}"
-            tried.add(decode.url)
-            self._count_prefix_hits(decode, request)
-            before = len(streamed.token_ids)
-            try:
-                stream = self._run(decode, {**attempt, "request_id": attempt_id})
-                with self.pool.lease(decode):
-                    async with contextlib.aclosing(self._watched(decode, stream)) as chunks:
-                        async for chunk in chunks:
-                            streamed.add(chunk)
-                            yield as_original(chunk, request, before)
-                self.conversations.remember(conversation, decode.url)
-                return
-            except APIError as exc:
-                if exc.status != 503:  # 503: the worker is unreachable, died or stalled mid-stream
-                    self.metrics.errors.labels(str(exc.status)).inc()
-                    raise
-                self.pool.report_failure(decode, exc.message)
-                if isinstance(exc, DecodeStalled):
-                    self.metrics.decode_stalls.inc()
-                    self._abort_in_background(decode, attempt_id)
-                resumed = resumed_request(request, streamed.token_ids) if streamed.token_ids else attempt
-                if streamed.finished or resumed is None:
-                    self.metrics.errors.labels(str(exc.status)).inc()
-                    raise
-                attempt = resumed
-                self.metrics.retries.inc()
-                logger.warning(
-                    "resuming %s on another decode worker after %d tokens: %s",
-                    base_id,
-                    len(streamed.token_ids),
-                    exc.message,
-                )
 
-    def _watched(self, decode: Worker, stream: AsyncIterator[dict]) -> AsyncIterator[dict]:
-        """`stream`, ended with `DecodeStalled` when `decode` goes silent and stops
-        answering its /health."""
+        def served(decode: Worker) -> None:
+            self.conversations.remember(conversation, decode.url)
 
-        async def probe() -> bool:
-            try:
-                response = await self._http.get(f"{decode.url}/health", timeout=PROBE_TIMEOUT_S)
-            except httpx.HTTPError:
-                return False
-            return response.status_code == 200
-
-        return watch_for_stall(
-            stream, self.policy.stall_timeout_s, probe, self.metrics.decode_stall_probes.inc, decode.url
-        )
-
-    def _abort_in_background(self, decode: Worker, request_id: str) -> None:
-        """Ask a stalled worker to drop the request, without waiting: it may never answer."""
-
-        async def abort() -> None:
-            with contextlib.suppress(httpx.HTTPError):
-                await self._http.post(
-                    f"{decode.url}/inference/v1/abort_requests",
-                    json={"request_ids": [request_id]},
-                    timeout=ABORT_TIMEOUT_S,
-                )
-
-        task = asyncio.ensure_future(abort())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        chunks = self.decode_streams.stream(request, self.conversations.worker_of(conversation), served)
+        async with contextlib.aclosing(chunks):
+            async for chunk in chunks:
+                yield chunk
 
     async def _run(self, decode: Worker, body: dict) -> AsyncIterator[dict]:
+        """`body` run with `decode` decoding: P/D, or decode alone for a short uncached part."""
+        self._count_prefix_hits(decode, body)
         tokens = body.get("token_ids")
         prefill = None
         if isinstance(tokens, list) and self.policy.use_prefill_pool(
@@ -258,15 +222,21 @@ class PDEngineClient(EngineClient):
         else:
             self.metrics.requests.labels("pd_pull").inc()
             stream = self._pull(decode, prefill, body)
+        num_tokens = len(tokens) if isinstance(tokens, list) else 0
+        # decode computes the prompt when no prefill worker does (only the last token else)
+        computed = num_tokens - self.cached_tokens(decode, body) if prefill is None else 1
+        blocks = math.ceil(num_tokens / self.router.block_size(decode.url))
         sent = time.monotonic()
         first = True
         try:
-            async for chunk in stream:
-                if first:
-                    first = False
-                    self.metrics.ttft.observe(time.monotonic() - sent)
-                    _raise_if_transfer_failed(chunk)
-                yield chunk
+            with self.router.loads.tracking(decode.url, max(1, computed), blocks) as load:
+                async for chunk in stream:
+                    if first:
+                        first = False
+                        load.prefilled()
+                        self.metrics.ttft.observe(time.monotonic() - sent)
+                        _raise_if_transfer_failed(chunk)
+                    yield chunk
         finally:
             await stream.aclose()
 
@@ -289,7 +259,9 @@ class PDEngineClient(EngineClient):
         """Run the prefill request; its kv_transfer_params and cached tokens, or PrefillFailed."""
         started = time.monotonic()
         final: dict = {}
-        with self.pool.lease(prefill):
+        tokens = body.get("token_ids")
+        computed = len(tokens) - self.cached_tokens(prefill, body) if isinstance(tokens, list) else 0
+        with self.pool.lease(prefill), self.router.loads.tracking(prefill.url, computed, 0):
             try:
                 async for chunk in self._client(prefill).generate(body):
                     final = chunk

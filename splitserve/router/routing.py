@@ -1,8 +1,10 @@
 """How the proxy picks a worker of a pool (`--routing`): one picker per policy.
 
 - cache-aware (default): cost = overlap_weight × prompt blocks the worker lacks (by the KV
-  event index, router/kv_index.py) + load_weight × requests in flight, lowest wins; the
-  client's conversation hint is worth half a block.
+  event index, router/kv_index.py) + prefill_load_weight × blocks of prompt tokens queued
+  for prefill on it + decode_load_weight × KV blocks its decoding requests hold (both from
+  its reports and the router's own accounting, router/load.py) + load_weight × requests
+  in flight, lowest wins; the client's conversation hint is worth half a block.
 - least-loaded: fewest requests in flight, then fewest served (equal loads rotate).
 - round-robin: the pool's healthy workers in turn, whatever they hold or run.
 - text-prefix (production-stack's prefix-aware router): the worker whose recently routed
@@ -27,6 +29,7 @@ from splitserve.protocol.engine_api import PROMPT_TEXT
 from splitserve.protocol.frontend_client import DerenderedPiece, DerenderPiece, FrontendClient, RenderedPrompt
 from splitserve.protocol.openai_api import ChatCompletionRequest, CompletionRequest
 from splitserve.router.kv_index import KVBlockIndex, KVRoutingWeights, request_block_hashes
+from splitserve.router.load import LoadTracker
 from splitserve.router.workers import Worker, WorkerPool, WorkerRole
 
 
@@ -86,6 +89,9 @@ class TextPrefixMemory:
         return max((common_prefix_length(text, t) for t in seen), default=0)
 
 
+DEFAULT_BLOCK_SIZE = 16  # the engines' default, for a worker whose KV events say nothing
+
+
 class Router:
     def __init__(
         self,
@@ -97,6 +103,8 @@ class Router:
         self.policy = policy
         self.kv_index = kv_index
         self.weights = weights
+        self.loads = LoadTracker()
+        self.block_sizes: dict[str, int] = {}  # per worker URL, from its KV events info
         self.texts = TextPrefixMemory(text_limits or TextPrefixLimits())
         self._lock = threading.Lock()
         self._next: dict[WorkerRole, int] = {}  # round-robin: each pool's next position
@@ -132,9 +140,19 @@ class Router:
         def cost(worker: Worker) -> float:
             uncached = len(hashes) - index.matched_blocks(worker.url, hashes)
             hint = 0.5 * weights.overlap_weight if worker.url == hinted else 0.0
-            return weights.overlap_weight * uncached + weights.load_weight * worker.in_flight - hint
+            load = self.loads.load(worker.url)
+            return (
+                weights.overlap_weight * uncached
+                + weights.prefill_load_weight * load.queued_prefill_tokens / self.block_size(worker.url)
+                + weights.decode_load_weight * load.running_decode_blocks
+                + weights.load_weight * worker.in_flight
+                - hint
+            )
 
-        return pool.pick(role, exclude, cost if hashes or hinted else None)
+        return pool.pick(role, exclude, cost)
+
+    def block_size(self, worker_url: str) -> int:
+        return self.block_sizes.get(worker_url) or DEFAULT_BLOCK_SIZE
 
     def _round_robin(
         self, pool: WorkerPool, role: WorkerRole, exclude: set[str] | frozenset[str]

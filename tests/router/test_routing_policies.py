@@ -1,14 +1,17 @@
 """The proxy's --routing policies over real engines: one `splitserve up --prefill 0
 --decode 2 --routing round-robin`, plus text-prefix and cache-aware proxies started by
 hand over the same render tier and engines (the same caches, so the policies can be
-compared on one state)."""
+compared on one state). Cache-aware routing weighs a worker's cached prefix against its
+load: prompt tokens queued for prefill there, as the engine reports them."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import random
 import re
 import secrets
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +22,9 @@ import pytest
 
 from splitserve.protocol.access import INTERNAL_TOKEN_ENV
 from tests.conftest import free_port, running_server
-from tests.router.test_kv_routing import served, text
+from tests.router.test_kv_routing import served, served_by, text
+
+RESERVATION_TTL_S = 15
 
 
 class Stack(NamedTuple):
@@ -43,18 +48,26 @@ def stack(tiny_model: str) -> Iterator[Stack]:
     port = free_port()
     env = {INTERNAL_TOKEN_ENV: secrets.token_urlsafe(16)}
     args = ["up", tiny_model, "--port", str(port), "--prefill", "0", "--decode", "2"]
-    args += ["--num-blocks", "256", "--routing", "round-robin"]
+    # a reservation whose KV never comes holds its blocks this long (the load test's blocker)
+    args += [
+        "--num-blocks",
+        "256",
+        "--routing",
+        "round-robin",
+        "--kv-reservation-ttl",
+        str(RESERVATION_TTL_S),
+    ]
     with running_server(args, port, timeout=180, env=env) as base:
         parts = up_parts(port)
         yield Stack(base, parts["render"], [parts["decode-0"], parts["decode-1"]], env)
 
 
 @contextlib.contextmanager
-def proxy(stack: Stack, routing: str) -> Iterator[str]:
+def proxy(stack: Stack, routing: str, *extra: str) -> Iterator[str]:
     port = free_port()
     args = ["proxy", "--render", stack.render, "--decode", *stack.decodes, "--port", str(port)]
     with running_server(
-        [*args, "--routing", routing, "--health-interval", "0.5"], port, env=stack.env
+        [*args, "--routing", routing, "--health-interval", "0.5", *extra], port, env=stack.env
     ) as base:
         yield base
 
@@ -136,3 +149,94 @@ def test_cache_aware_follows_the_tokens_where_text_prefix_follows_the_text(stack
         # text-prefix goes where it saw the identical text, and recomputes the whole prompt
         worker, response = routed(text_prefix, probe)
         assert worker == text_worker and cached_tokens(response) == 0
+
+
+def token_ids(seed: int, count: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(300, 1800) for _ in range(count)]
+
+
+def complete(base: str, prompt: list[int]) -> None:
+    body = {"prompt": prompt, "max_tokens": 1, "temperature": 0}
+    response = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+
+
+def worker_view(base: str, url: str) -> dict:
+    """The proxy's view of one worker: its /workers entry and the load it weighs."""
+    state = httpx.get(f"{base}/workers").json()
+    (worker,) = [w for w in state["workers"] if w["url"] == url]
+    return {**worker, **state["load"][url]}
+
+
+def wait_for(condition, what: str, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+class Background:
+    """Requests sent on threads (each waits for its answer) and joined at the end."""
+
+    def __init__(self) -> None:
+        self.threads: list[threading.Thread] = []
+
+    def send(self, call, *args) -> None:
+        thread = threading.Thread(target=call, args=args, daemon=True)
+        thread.start()
+        self.threads.append(thread)
+
+    def join(self) -> None:
+        for thread in self.threads:
+            thread.join(timeout=120)
+            assert not thread.is_alive()
+
+
+def test_cache_aware_weighs_the_cached_prefix_against_the_queued_prefill(stack: Stack) -> None:
+    """One worker holds a 20-block prefix and cannot compute (a request waiting for remote
+    KV holds nearly all its blocks for the reservation TTL), so whatever it is sent queues.
+    A modest queue there (150 tokens, ~9 blocks) still loses to the 20 cached blocks; a
+    long one (1650 tokens) sends the next request to the idle worker, which holds none of
+    the prefix."""
+    headers = {"Authorization": f"Bearer {stack.env[INTERNAL_TOKEN_ENV]}"}
+    prefix = token_ids(50, 320)  # 20 blocks
+
+    def direct(url: str, request_id: str, prompt: list[int], kv_transfer_params: dict | None = None) -> None:
+        body = {"request_id": request_id, "token_ids": prompt, "sampling_params": {"max_tokens": 1}}
+        if kv_transfer_params:
+            body["kv_transfer_params"] = kv_transfer_params
+        httpx.post(f"{url}/inference/v1/generate", json=body, headers=headers, timeout=120)
+
+    with proxy(stack, "cache-aware", "--load-interval", "0.1") as base:
+        holder = served_by(base, lambda: complete(base, [*prefix, 7]))
+        idle = next(url for url in stack.decodes if url != holder)
+        wait_indexed_more(base, holder, 0)
+        background = Background()
+        try:
+            # 3999 positions reserved for KV that never comes: 250 of the 256 blocks
+            background.send(
+                direct, holder, "blocker", [*prefix, *token_ids(51, 3680)], {"do_remote_prefill": True}
+            )
+            wait_for(
+                lambda: httpx.get(f"{holder}/inference/v1/stats", headers=headers).json()["num_waiting"] == 1,
+                "the blocker never started waiting for its KV",
+            )
+            background.send(direct, holder, "queued-1", token_ids(52, 150))
+            wait_for(lambda: worker_view(base, holder)["queued_prefill_tokens"] >= 150, "no load reported")
+            assert worker_view(base, holder)["load_reported"]
+            # modest load, large overlap: the holder (the request queues there)
+            background.send(complete, base, [*prefix, *token_ids(53, 20)])
+            wait_for(lambda: worker_view(base, holder)["in_flight"] == 1, "the probe went elsewhere")
+            assert worker_view(base, idle)["served"] == 0
+            # a long queue: the idle worker, although the holder has the prefix cached
+            background.send(direct, holder, "queued-2", token_ids(54, 1500))
+            wait_for(lambda: worker_view(base, holder)["queued_prefill_tokens"] >= 1650, "no load reported")
+            assert served_by(base, lambda: complete(base, [*prefix, *token_ids(55, 20)])) == idle
+        finally:
+            # the blocker computes its prompt itself; its reserved blocks (a late push could
+            # still land in them) come free at the reservation TTL, and the queue drains
+            failed = {"request_id": "blocker", "error": "the test is over"}
+            httpx.post(f"{holder}/inference/v1/kv/transfer_failed", json=failed, headers=headers)
+            background.join()
+        assert worker_view(base, holder)["served"] == 2 and worker_view(base, holder)["in_flight"] == 0

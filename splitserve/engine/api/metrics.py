@@ -57,6 +57,16 @@ class _EngineStatsCollector(Collector):
             f"{PREFIX}_num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting
         )
         yield GaugeMetricFamily(
+            f"{PREFIX}_num_waiting_prefill_tokens",
+            "Prompt tokens still to compute (waiting and prefilling requests).",
+            s.num_waiting_prefill_tokens,
+        )
+        yield GaugeMetricFamily(
+            f"{PREFIX}_num_running_decode_blocks",
+            "KV blocks held by decoding requests.",
+            s.num_running_decode_blocks,
+        )
+        yield GaugeMetricFamily(
             f"{PREFIX}_kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", s.kv_usage
         )
         yield GaugeMetricFamily(f"{PREFIX}_kv_cache_blocks_total", "KV cache blocks.", s.num_blocks_total)
