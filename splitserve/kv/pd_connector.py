@@ -81,6 +81,7 @@ class PDConnector(KVConnector):
         self._failed: set[str] = set()
         self._freeable: set[str] = set()
         self._lent: set[str] = set()  # decode: requests whose prefix blocks are on loan
+        self._unread: set[str] = set()  # prefill: holds released before decode read them
         self._finish_waits: dict[str, int] = {}  # finished requests: what still reads/writes their blocks
         self.pusher = LayerPusher(self.transport, config.timeout_s)
         self._wakeup: Callable[[], None] | None = None
@@ -452,11 +453,27 @@ class PDConnector(KVConnector):
         )
         return True, held.with_address(address).to_wire()
 
+    def release_hold(self, request_id: str) -> bool:
+        """Prefill, pull mode: free a hold nobody will read (the proxy's request ended
+        first). Reads already under way for it are the aborted request's, so they may see
+        the blocks reused."""
+        with self._lock:
+            self._unread.add(request_id)
+        released = self.holds.release(request_id)
+        if not released:
+            with self._lock:
+                self._unread.discard(request_id)
+        return released
+
     def _on_hold_released(self, request_id: str, expired: bool) -> None:
         with self._lock:
             self._freeable.add(request_id)
+            unread = request_id in self._unread
+            self._unread.discard(request_id)
         if expired:
             self.metrics.reservations_expired.inc()
+        elif unread:
+            self.metrics.transfers.labels("prefill", "released_unread").inc()
         else:
             self.metrics.transfers.labels("prefill", "ok").inc()
         self._wake()

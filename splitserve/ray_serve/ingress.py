@@ -159,8 +159,9 @@ class ProxyIngress:
         if member.role in ENGINE_ROLES:
             self.pool.remove(url)
             # its KV events: the subscription ends and the index forgets its blocks (before
-            # it leaves the listing), so cache-aware routing never scores a worker that is gone
-            await asyncio.to_thread(self.engine.kv_feed.unwatch, url)
+            # it leaves the listing), so cache-aware routing never scores a worker that is
+            # gone; a replica registered again under the URL is checked and followed afresh
+            await asyncio.to_thread(self.engine.forget_worker, url)
         if self.members.pop(url, None) is None:
             return  # another call took it out meanwhile
         logger.warning("%s replica %s left: %s", member.role, member.replica, url)

@@ -83,6 +83,13 @@ class LoadTracker:
                 sent for sent in ended if sent.ended_at is not None and sent.ended_at > polled_at
             ]
 
+    def forget(self, url: str) -> None:
+        """A worker left the pool: its last report goes (requests still running there end
+        as usual); a worker added again under the URL starts from its next report."""
+        with self._lock:
+            self._workers.pop(url, None)
+            self._ended.pop(url, None)
+
     @contextlib.contextmanager
     def tracking(self, url: str, prefill_tokens: int, decode_blocks: int) -> Iterator[SentRequest]:
         """Count a request sent to `url` (its prompt tokens the worker will compute, the

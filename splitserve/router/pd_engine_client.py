@@ -83,6 +83,7 @@ class PDEngineClient(EngineClient):
         self._http = pooled_client(read_timeout_s=None)
         self._clients: dict[str, HTTPEngineClient] = {}
         self._role_checked: set[str] = set()
+        self._releases: set[asyncio.Future] = set()  # pull holds being released on prefill
         self.decode_streams = DecodeSupervisor(
             pool,
             self.metrics,
@@ -112,6 +113,7 @@ class PDEngineClient(EngineClient):
 
     async def close(self) -> None:
         await self.decode_streams.close()
+        await asyncio.gather(*self._releases, return_exceptions=True)
         for client in self._clients.values():
             await client.close()
         await self._http.aclose()
@@ -137,6 +139,15 @@ class PDEngineClient(EngineClient):
         except (httpx.HTTPError, ValueError):
             return False
         return True
+
+    def forget_worker(self, url: str) -> None:
+        """A worker left the pool (WorkerPool.remove): its KV-event subscription ends, the
+        index forgets its blocks, its load report goes, and a worker registered again under
+        the URL is checked (role, events) afresh. Blocks on the feed's thread briefly."""
+        self._role_checked.discard(url)
+        self.kv_feed.unwatch(url)
+        self.block_sizes.pop(url, None)
+        self.router.loads.forget(url)
 
     async def poll_load(self, worker: Worker) -> None:
         """Ask the worker for its load (`GET /inference/v1/stats`) and hand it to the
@@ -408,11 +419,30 @@ class PDEngineClient(EngineClient):
         if kv:
             report["cached_tokens"] = prefill_cached
         first = True
-        async for chunk in self._client(decode).generate(decode_body):
-            if first and prefill_done:
-                self.metrics.handoff_time.observe(time.monotonic() - prefill_done)
-            first = False
-            yield _with_prefill(chunk, report)
+        try:
+            async for chunk in self._client(decode).generate(decode_body):
+                if first and prefill_done:
+                    self.metrics.handoff_time.observe(time.monotonic() - prefill_done)
+                first = False
+                yield _with_prefill(chunk, report)
+        finally:
+            if kv is not None and kv.remote_request_id:
+                # read by now, or never will be (the client left, decode failed or
+                # recomputed): the hold goes now, not at its TTL
+                self._release_hold_in_background(prefill, kv.remote_request_id)
+
+    def _release_hold_in_background(self, prefill: Worker, request_id: str) -> None:
+        async def release() -> None:
+            with contextlib.suppress(httpx.HTTPError):
+                await self._http.post(
+                    f"{prefill.url}/inference/v1/kv/release_hold",
+                    json={"request_id": request_id},
+                    timeout=5.0,
+                )
+
+        task = asyncio.ensure_future(release())
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
 
 
 def _raise_if_transfer_failed(chunk: dict) -> None:

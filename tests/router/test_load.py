@@ -39,6 +39,21 @@ def test_without_reports_the_load_is_what_the_router_sent():
     }
 
 
+def test_a_forgotten_worker_keeps_only_what_is_still_running_there():
+    """A worker that left the pool (and may come back under its URL) loses its report;
+    requests the router still has running there count until they end."""
+    clock = Clock()
+    tracker = LoadTracker(clock=clock)
+    with tracker.tracking("w", 40, 3):
+        clock.now += 1
+        tracker.report("w", WorkerLoad(900, 50), polled_at=clock.now)
+        assert tracker.load("w") == WorkerLoad(900, 50)
+        tracker.forget("w")
+        assert tracker.load("w") == WorkerLoad(40, 3)
+        assert tracker.snapshot("w")["load_reported"] is False
+    assert tracker.load("w") == WorkerLoad(0, 0)
+
+
 def test_a_report_replaces_the_requests_it_shows_and_is_corrected_for_what_ended_since():
     clock = Clock()
     tracker = LoadTracker(clock=clock)

@@ -159,6 +159,42 @@ def test_up_pull_over_tcp_then_starts_a_dead_part_again(tiny_model, collocated):
             f"{urls['decode-0']}/metrics", headers=internal_auth(pids["decode-0"])
         ).text
         assert metric(decode_metrics, "splitserve_kv_transfers_total", '{outcome="ok",side="decode"}') >= 5
+        # the same chat again: decode's prefix cache holds it and reads nothing from prefill;
+        # the proxy releases prefill's hold when the request ends, not at its 60 s TTL
+        assert asyncio.run(chat_token_ids(base, messages[-1:])) == expected[-1:]
+        prefill_auth = internal_auth(pids["prefill-0"])
+        deadline = time.monotonic() + 20
+        while True:
+            prefill_metrics = httpx.get(f"{urls['prefill-0']}/metrics", headers=prefill_auth).text
+            assert "splitserve_kv_holds_active" in prefill_metrics
+            if metric(prefill_metrics, "splitserve_kv_holds_active") == 0:
+                break
+            assert time.monotonic() < deadline, "a pull hold outlived its request"
+            time.sleep(0.2)
+        # a hold nobody reads (the proxy's request ended first: client gone, decode failed)
+        # is released on the proxy's word, at once; a second release finds nothing
+        held = httpx.post(
+            f"{urls['prefill-0']}/inference/v1/generate",
+            json={
+                "token_ids": list(range(5, 60)),
+                "sampling_params": {"max_tokens": 1, "temperature": 0},
+                "kv_transfer_params": {"do_remote_decode": True, "transfer_mode": "pull"},
+            },
+            headers=prefill_auth,
+            timeout=60,
+        ).json()["kv_transfer_params"]
+        hold_id = held["remote_request_id"]
+        prefill_metrics = httpx.get(f"{urls['prefill-0']}/metrics", headers=prefill_auth).text
+        assert metric(prefill_metrics, "splitserve_kv_holds_active") == 1
+        release = f"{urls['prefill-0']}/inference/v1/kv/release_hold"
+        assert httpx.post(release, json={"request_id": hold_id}, headers=prefill_auth).json()["released"]
+        assert not httpx.post(release, json={"request_id": hold_id}, headers=prefill_auth).json()["released"]
+        assert httpx.post(release, json={}, headers=prefill_auth).status_code == 400
+        assert httpx.post(release, json={"request_id": hold_id}).status_code == 401  # internal only
+        prefill_metrics = httpx.get(f"{urls['prefill-0']}/metrics", headers=prefill_auth).text
+        assert metric(prefill_metrics, "splitserve_kv_holds_active") == 0
+        unread = '{outcome="released_unread",side="prefill"}'
+        assert metric(prefill_metrics, "splitserve_kv_transfers_total", unread) == 1
         os.kill(pids["decode-0"], signal.SIGKILL)
         # up keeps the other parts and starts decode-0 again on its port; the proxy's
         # health checks route to it again once it answers

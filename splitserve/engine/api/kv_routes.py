@@ -12,6 +12,10 @@ KV flags, the reservation and transfer-failure endpoints, and the handoff metric
   prefill worker to pull instead of computing them (`kv/prefix_lend.py`).
 - `POST /inference/v1/kv/transfer_failed` `{request_id, error?}` (decode): stop waiting for
   that request's KV now (its prefill failed); it recomputes (or fails, by policy).
+- `POST /inference/v1/kv/release_hold` `{request_id}` (prefill, pull mode): the proxy's
+  request ended before decode read the held blocks (its client left, decode failed):
+  they are freed now rather than at the hold's TTL. `{"released": false}` when nothing
+  was held (already read, expired, or never held).
 - `GET /inference/v1/kv/info`: role, transport, mode and the KV address.
 
 With `--kv-peers`, a generate request whose `kv_transfer_params` name any other KV peer
@@ -245,6 +249,11 @@ def install_kv_routes(app: FastAPI, connector: PDConnector) -> None:
         request_id, body = await request_id_of(raw)
         error = str(body.get("error") or "the prefill worker reported a failure")
         return JSONResponse({"request_id": request_id, "failed": connector.fail_transfer(request_id, error)})
+
+    @app.post("/inference/v1/kv/release_hold")
+    async def release_hold(raw: Request) -> JSONResponse:
+        request_id, _ = await request_id_of(raw)
+        return JSONResponse({"request_id": request_id, "released": connector.release_hold(request_id)})
 
     @app.get("/inference/v1/kv/info")
     async def info() -> JSONResponse:
