@@ -12,7 +12,7 @@ from splitserve.kv.connector import KVConnector
 from splitserve.kv.ec_connector import ECConnector
 from splitserve.protocol.multimodal import ImageInput
 
-_MODEL_KEYS = ("dtype", "device", "seed")
+_MODEL_KEYS = ("dtype", "device", "seed", "serial_step_tokens")
 _CACHE_KEYS = (
     "block_size",
     "kv_cache_memory_bytes",

@@ -118,7 +118,14 @@ class LLMEngine:
             self.kv_event_publisher.publish([AllBlocksCleared()])
         self.scheduler = Scheduler(config.scheduler, self.block_manager, max_model_len, connector)
         self.runner = ModelRunner(
-            self.model, self.kv_cache, block_size, self.device, config.model.seed, connector, self.multimodal
+            self.model,
+            self.kv_cache,
+            block_size,
+            self.device,
+            config.model.seed,
+            connector,
+            self.multimodal,
+            serial_step_tokens=config.model.serial_step_tokens,
         )
         if connector is not None:
             connector.register_kv_cache(self.kv_cache, block_size)

@@ -53,6 +53,7 @@ class ModelRunner:
         seed: int = 0,
         connector: KVConnector | None = None,
         multimodal: MultiModalRunner | None = None,  # for a vision-language model
+        serial_step_tokens: int = 0,  # CPU: steps of at most this many tokens run on one thread
     ) -> None:
         self.model = model
         self.multimodal = multimodal
@@ -61,9 +62,17 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler(device, seed)
         self.connector = connector
+        self.serial_step_tokens = serial_step_tokens if device.type == "cpu" else 0
+        self.parallel_threads = torch.get_num_threads()
+
+    def _use_threads_for(self, num_tokens: int) -> None:
+        wanted = 1 if num_tokens <= self.serial_step_tokens else self.parallel_threads
+        if torch.get_num_threads() != wanted:
+            torch.set_num_threads(wanted)
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest]) -> list[SampledToken]:
+        self._use_threads_for(sum(s.num_tokens for s in scheduled))
         bs = self.block_size
         # decode-like (one token) first: they share one batched attention call
         decodes = [s for s in scheduled if s.num_tokens == 1]

@@ -37,14 +37,22 @@ def parse_memory_size(text: str) -> int:
     return size
 
 
-def _positive_int(text: str) -> int:
+def _integer(text: str, least: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be {'positive' if least > 0 else 'zero or more'}: {text!r}")
     return value
+
+
+def _positive_int(text: str) -> int:
+    return _integer(text, 1)
+
+
+def _non_negative_int(text: str) -> int:
+    return _integer(text, 0)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -77,6 +85,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--serial-step-tokens",
+        type=_non_negative_int,
+        default=ModelConfig.serial_step_tokens,
+        help="CPU: steps of at most this many tokens run on one thread, larger ones on all "
+        "(0: every step on all threads)",
+    )
     parser.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
@@ -135,6 +150,7 @@ def engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
             dtype=None if args.dtype == "auto" else args.dtype,
             device=device,
             seed=args.seed,
+            serial_step_tokens=args.serial_step_tokens,
         ),
         cache=CacheConfig(
             block_size=args.block_size,
