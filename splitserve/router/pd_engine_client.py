@@ -34,14 +34,13 @@ from splitserve.protocol.engine_client import EngineClient
 from splitserve.protocol.errors import APIError
 from splitserve.protocol.http_engine_client import HTTPEngineClient
 from splitserve.protocol.http_pool import pooled_client
-from splitserve.protocol.kv_events import connect_address
 from splitserve.protocol.kv_transfer import KVParamsError, KVTransferParams
 from splitserve.router.decode_supervision import DecodeSupervisor
 from splitserve.router.kv_index import KVBlockIndex, KVEventFeed, KVRoutingWeights, request_block_hashes
-from splitserve.router.load import WorkerLoad
 from splitserve.router.metrics import ProxyMetrics
 from splitserve.router.pd_policy import ConversationHints, PDPolicy
 from splitserve.router.routing import Router, RoutingPolicy
+from splitserve.router.worker_watch import WorkerWatch
 from splitserve.router.workers import Worker, WorkerPool, WorkerRole
 
 logger = logging.getLogger(__name__)
@@ -82,7 +81,7 @@ class PDEngineClient(EngineClient):
         # in one pool per worker.
         self._http = pooled_client(read_timeout_s=None)
         self._clients: dict[str, HTTPEngineClient] = {}
-        self._role_checked: set[str] = set()
+        self.watch = WorkerWatch(self._http, self.kv_feed, self.router)
         self._releases: set[asyncio.Future] = set()  # pull holds being released on prefill
         self.decode_streams = DecodeSupervisor(
             pool,
@@ -120,69 +119,18 @@ class PDEngineClient(EngineClient):
         self.kv_feed.close()
 
     async def check_worker(self, worker: Worker) -> bool:
-        """Healthy, and a P/D engine of the role its pool expects: a collocated or
-        prefill engine in the decode pool would silently answer wrongly."""
-        try:
-            response = await self._http.get(f"{worker.url}/health", timeout=5.0)
-            if response.status_code != 200:
-                return False
-            if worker.url not in self._role_checked:
-                info = await self._http.get(f"{worker.url}/inference/v1/kv/info", timeout=5.0)
-                role = info.json().get("role") if info.status_code == 200 else None
-                if role != worker.role:
-                    logger.error(
-                        "%s is not a %s engine (its role: %s)", worker.url, worker.role, role or "none"
-                    )
-                    return False
-                await self._watch_kv_events(worker)
-                self._role_checked.add(worker.url)
-        except (httpx.HTTPError, ValueError):
-            return False
-        return True
+        """Healthy, and a P/D engine of the role its pool expects (router/worker_watch.py)."""
+        return await self.watch.check(worker)
 
     def forget_worker(self, url: str) -> None:
-        """A worker left the pool (WorkerPool.remove): its KV-event subscription ends, the
-        index forgets its blocks, its load report goes, and a worker registered again under
-        the URL is checked (role, events) afresh. Blocks on the feed's thread briefly."""
-        self._role_checked.discard(url)
-        self.kv_feed.unwatch(url)
-        self.block_sizes.pop(url, None)
-        self.router.loads.forget(url)
+        """A worker left the pool: its events, index entries and load report go."""
+        self.watch.forget(url)
 
     async def poll_load(self, worker: Worker) -> None:
-        """Ask the worker for its load (`GET /inference/v1/stats`) and hand it to the
-        router; an engine that does not report it leaves the router's own accounting."""
-        polled_at = self.router.loads.clock()
-        load: WorkerLoad | None = None
-        try:
-            response = await self._http.get(f"{worker.url}/inference/v1/stats", timeout=2.0)
-            stats = response.json() if response.status_code == 200 else {}
-            load = WorkerLoad(
-                int(stats["num_waiting_prefill_tokens"]), int(stats["num_running_decode_blocks"])
-            )
-        except (httpx.HTTPError, ValueError, KeyError, TypeError):
-            load = None
-        self.router.loads.report(worker.url, load, polled_at)
+        await self.watch.poll_load(worker)
 
     def load_snapshot(self) -> dict[str, dict]:
-        """Per worker URL, the load the router weighs (for /workers)."""
-        return {w.url: self.router.loads.snapshot(w.url) for w in self.pool.workers()}
-
-    async def _watch_kv_events(self, worker: Worker) -> None:
-        """Follow the worker's KV events when it publishes them (engines started with
-        --kv-events-endpoint answer /inference/v1/kv/events)."""
-        response = await self._http.get(f"{worker.url}/inference/v1/kv/events", timeout=5.0)
-        if response.status_code != 200:
-            return
-        info = response.json()
-        if not info.get("endpoint"):
-            return
-        host = httpx.URL(worker.url).host
-        replay = info.get("replay_endpoint")
-        self.block_sizes[worker.url] = int(info.get("block_size") or 0)
-        self.kv_feed.watch(
-            worker.url, connect_address(info["endpoint"], host), replay and connect_address(replay, host)
-        )
+        return self.watch.load_snapshot(self.pool)
 
     def _pick(
         self,
