@@ -21,7 +21,8 @@ import pytest
 from tests.conftest import free_port
 
 STREAMS = 3
-BODY = {"prompt": "the drain", "max_tokens": 1500, "temperature": 0, "ignore_eos": True, "stream": True}
+# long enough that the streams outlast the checks made during the drain on a fast engine
+BODY = {"prompt": "the drain", "max_tokens": 4000, "temperature": 0, "ignore_eos": True, "stream": True}
 
 
 @contextlib.contextmanager
@@ -86,6 +87,7 @@ def drain_with_streams_in_flight(base: str, proc: subprocess.Popen, group: bool 
         os.killpg(proc.pid, signal.SIGINT)
     else:
         proc.send_signal(signal.SIGTERM)
+    in_flight = [stream.finish_reason is None for stream in streams]
     time.sleep(0.3)
 
     refused = httpx.post(base + "/v1/completions", json={**BODY, "stream": False}, timeout=30)
@@ -93,7 +95,6 @@ def drain_with_streams_in_flight(base: str, proc: subprocess.Popen, group: bool 
     assert refused.headers["retry-after"] == "1"
     assert refused.json()["error"]["type"] == "service_unavailable"
     assert httpx.get(base + "/health", timeout=30).status_code == 503
-    in_flight = [stream.finish_reason is None for stream in streams]
 
     for stream in streams:
         stream.join()
@@ -107,21 +108,21 @@ def drain_with_streams_in_flight(base: str, proc: subprocess.Popen, group: bool 
 
 def test_sigterm_to_serve_finishes_its_streams_then_exits(tiny_model, tmp_path):
     port = free_port()
-    with started(["serve", tiny_model, "--num-blocks", "512"], port, tmp_path) as proc:
+    with started(["serve", tiny_model, "--num-blocks", "1024"], port, tmp_path) as proc:
         drain_with_streams_in_flight(f"http://127.0.0.1:{port}", proc)
 
 
 @pytest.mark.parametrize("how", ["sigterm to up", "ctrl-c to the group"])
 def test_sigterm_to_up_finishes_its_streams_then_exits(tiny_model, tmp_path, how):
     port = free_port()  # the prompt goes through prefill, a KV transfer, then decode
-    args = ["up", tiny_model, "--num-blocks", "512", "--min-prefill-tokens", "2"]
+    args = ["up", tiny_model, "--num-blocks", "1024", "--min-prefill-tokens", "2"]
     with started(args, port, tmp_path) as proc:
         drain_with_streams_in_flight(f"http://127.0.0.1:{port}", proc, group=how != "sigterm to up")
 
 
 def test_past_max_in_flight_429_and_ctrl_c_twice_stops_at_once(tiny_model, tmp_path):
     port = free_port()
-    args = ["serve", tiny_model, "--num-blocks", "512", "--max-in-flight", "1"]
+    args = ["serve", tiny_model, "--num-blocks", "1024", "--max-in-flight", "1"]
     with started(args, port, tmp_path) as proc:
         base = f"http://127.0.0.1:{port}"
         stream = Stream(base)
