@@ -190,7 +190,7 @@ class ShmTransport(KVTransport):
             "bytes": num_bytes,
             "hashes": job.block_hashes,
         }
-        self._send_control(socket, b"PUSH", header)
+        self.control.send(socket, b"PUSH", header)
         return num_bytes
 
     def _on_push(self, header: dict, frames: list[zmq.Frame]) -> int:
@@ -212,4 +212,4 @@ class ShmTransport(KVTransport):
             if last and not self._ask_held(socket, job):
                 raise TransferError(f"engine {job.peer.engine_id} released the blocks during the read")
             self.record_arrival(job.transfer_id, layer, job.dst_block_ids, num_bytes, None)
-        self._send_control(socket, b"RELEASE", {"transfer_id": job.transfer_id})
+        self.control.send(socket, b"RELEASE", {"transfer_id": job.transfer_id})

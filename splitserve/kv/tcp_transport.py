@@ -36,7 +36,7 @@ class TcpTransport(KVTransport):
             "ready_at": job.ready_at,
             "hashes": job.block_hashes,
         }
-        self._send_control(socket, b"PUSH", header, memoryview(payload.reshape(-1)))
+        self.control.send(socket, b"PUSH", header, memoryview(payload.reshape(-1)))
         return payload.nbytes
 
     def _on_push(self, header: dict, frames: list[zmq.Frame]) -> int:
@@ -61,7 +61,7 @@ class TcpTransport(KVTransport):
             "hashes": job.block_hashes,
             "reply_to": list(me),
         }
-        self._send_control(socket, b"PULL", header)
+        self.control.send(socket, b"PULL", header)
 
     def _on_pull_request(self, header: dict) -> None:
         peer = PeerInfo(*header["reply_to"])

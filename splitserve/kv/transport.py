@@ -23,7 +23,6 @@ tells the source it may release its blocks.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -35,7 +34,7 @@ import zmq
 
 from splitserve.config import TransferConfig
 from splitserve.kv.arrivals import ArrivalTracker, TransferResult
-from splitserve.kv.frame_mac import FrameMac, ReplayGuard, hello_stamp
+from splitserve.kv.control_channel import ControlChannel
 from splitserve.kv.send_lane import LaneSocket, SendLanes, job_transfer_id
 from splitserve.kv.transport_types import (
     ControlJob,
@@ -105,8 +104,7 @@ class KVTransport(ABC):
         # pull source: does this transfer still hold these blocks, with KV of these hashes?
         self.is_held: Callable[[str, list[int], list[str]], bool] | None = None
         self.bytes_sent = 0
-        self._mac = FrameMac(internal_token())  # every message tagged with the deployment's key
-        self.sessions = ReplayGuard()  # the sessions this receiver issued (replays are dropped)
+        self.control = ControlChannel(internal_token())  # MAC and replay stamps on every message
 
     # ---- pool ----------------------------------------------------------------------------
     @abstractmethod
@@ -331,7 +329,7 @@ class KVTransport(ABC):
         elif isinstance(job, PullJob):
             self._do_pull(socket, job)
         elif isinstance(job, ControlJob):
-            self._send_control(socket, job.kind, job.header)
+            self.control.send(socket, job.kind, job.header)
         else:
             raise TransferError(f"not a KV send job: {type(job).__name__}")
 
@@ -347,9 +345,9 @@ class KVTransport(ABC):
 
     def handshake(self, socket: LaneSocket, peer: PeerInfo) -> PoolLayout:
         """Connection set-up: learn the peer's pool layout and check it matches ours."""
-        self._send_control(socket, b"HELLO", {"engine_id": self.engine_id})
+        self.control.send(socket, b"HELLO", {"engine_id": self.engine_id})
         try:
-            reply = self._recv_reply(socket)
+            reply = self.control.receive_reply(socket)
         except zmq.Again as exc:
             raise TransferError(
                 f"KV peer {peer.engine_id} at {peer.host}:{peer.port} did not answer"
@@ -371,53 +369,22 @@ class KVTransport(ABC):
             or layout.dtype != mine.dtype
         ):
             raise TransferError(f"KV pool layouts differ: ours {mine.shape} {mine.dtype}, peer {layout}")
-        if self._mac.enabled:
-            try:
-                socket.session.start(bytes.fromhex(str(reply["session"])))
-            except (KeyError, ValueError) as exc:
-                raise TransferError(f"KV peer {peer.engine_id} answered HELLO without a session") from exc
+        self.control.start_session(socket, reply, peer.engine_id)
         socket.peer_pool = self._on_handshake(peer, layout)
         return layout
 
     def _ask_held(self, socket: LaneSocket, job: PullJob) -> bool:
         """Does the pull source still hold the job's blocks, with KV of its hashes?"""
         header = {"transfer_id": job.transfer_id, "src": job.src_block_ids, "hashes": job.block_hashes}
-        self._send_control(socket, b"HELD", header)
+        self.control.send(socket, b"HELD", header)
         try:
-            return bool(self._recv_reply(socket)["held"])
+            return bool(self.control.receive_reply(socket)["held"])
         except zmq.Again as exc:
             raise TransferError("the pull source did not answer") from exc
 
     def _on_handshake(self, peer: PeerInfo, layout: PoolLayout) -> torch.Tensor | None:
         """The peer's pool mapped here, when the transport writes into it (shm)."""
         return None
-
-    def _send_control(
-        self, socket: LaneSocket, kind: bytes, header: dict, data: object | None = None
-    ) -> None:
-        frames: list = [kind, json.dumps(header).encode()]
-        if data is not None:
-            frames.append(data)
-        if self._mac.enabled:  # the stamp, inside the MAC: a replayed message is refused
-            socket.last_stamp = hello_stamp() if kind == b"HELLO" else socket.session.next_stamp()
-            frames.append(socket.last_stamp)
-        socket.send_multipart(self._mac.seal(frames), copy=data is None)
-
-    def _recv_reply(self, socket: LaneSocket) -> dict:
-        frames = self._mac.open(socket.recv_multipart())
-        if frames is None:
-            raise TransferError("a KV peer's reply failed authentication (not this deployment's)")
-        if self._mac.enabled and (len(frames) != 2 or frames[1] != socket.last_stamp):
-            raise TransferError("a KV peer's reply does not answer our request (replayed?)")
-        return json.loads(frames[0])
-
-    def _reply(self, identity: zmq.Frame, answer: dict, request_stamp: bytes) -> None:
-        """Answer a request; the MAC covers the request's stamp, binding the reply to it."""
-        assert self._router is not None
-        frames: list = [json.dumps(answer).encode()]
-        if self._mac.enabled:
-            frames.append(request_stamp)
-        self._router.send_multipart([identity, *self._mac.seal(frames)])
 
     # ---- receiver thread -----------------------------------------------------------------
     def _receive_loop(self) -> None:
@@ -440,26 +407,13 @@ class KVTransport(ABC):
         self._router.close(linger=0)
 
     def _dispatch(self, frames: list[zmq.Frame]) -> None:
-        body = self._mac.open(frames[1:])
-        if body is None:
-            logger.warning("dropped a KV message that failed authentication")
+        message = self.control.open(frames)
+        if message is None:
             return
-        message_stamp = b""
-        if self._mac.enabled:
-            if len(body) < 3:
-                logger.warning("dropped a KV message without a stamp")
-                return
-            message_stamp, body = body[-1].bytes, body[:-1]
-            if body[0].bytes != b"HELLO" and not self.sessions.admit(message_stamp):
-                logger.warning("dropped a replayed KV message (or of a session we did not issue)")
-                return
-        frames = [frames[0], *body]
-        identity, kind, header = frames[0], frames[1].bytes, json.loads(frames[2].bytes)
+        assert self._router is not None
+        kind, header = message.kind, message.header
         if kind == b"HELLO":
-            answer = self.layout()._asdict()
-            if self._mac.enabled:
-                answer["session"] = self.sessions.issue().hex()
-            self._reply(identity, answer, message_stamp)
+            self.control.reply(self._router, message, self.control.hello_answer(self.layout()._asdict()))
         elif kind == b"PUSH":
             blocks = [int(block) for block in header["dst"]]
             with self._landing:
@@ -468,14 +422,14 @@ class KVTransport(ABC):
                     # and only KV of the tokens the transfer is bound to
                     logger.warning("dropped a KV push outside its transfer's blocks or tokens")
                     return
-                num_bytes = self._on_push(header, frames[3:])
+                num_bytes = self._on_push(header, message.data)
                 self.record_arrival(
                     header["transfer_id"], header["layer"], header["dst"], num_bytes, header["ready_at"]
                 )
         elif kind == b"HELD":
             blocks, hashes = [int(block) for block in header["src"]], list(header.get("hashes", []))
             held = self.is_held(header["transfer_id"], blocks, hashes) if self.is_held is not None else True
-            self._reply(identity, {"held": held}, message_stamp)
+            self.control.reply(self._router, message, {"held": held})
         elif kind == b"PULL":
             self._on_pull_request(header)
         elif kind == b"RELEASE":

@@ -346,10 +346,10 @@ def test_a_captured_kv_message_replayed_is_dropped(monkeypatch):
         pushes = [message for message in tap.captured if message[0] == b"PUSH"]
         assert len(pushes) == 2
         pool[:, :, 2] = 0  # what a replayed layer 0 or 1 would write again
-        refused_before = decode.sessions.refused
+        refused_before = decode.control.sessions.refused
         for message in (pushes[0], pushes[1]):  # a replay, and an older one after a newer
             tap.replay(message)
-        assert _wait_for(lambda: decode.sessions.refused >= refused_before + 4)
+        assert _wait_for(lambda: decode.control.sessions.refused >= refused_before + 4)
         assert not pool.any()
         assert not done.is_set()
         for layer in range(SHAPE[0]):  # the live session goes on: the transfer completes
