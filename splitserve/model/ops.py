@@ -9,6 +9,8 @@ points, and tests/model/test_ops.py checks every kernel against its reference.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -161,14 +163,17 @@ def prefill_attention(
 ) -> None:
     """Causal attention of a chunk's queries over every key of their sequence up to their
     own position, read from the cache."""
-    if (
-        use_cpu_ops(q)
-        and q.dtype == torch.bfloat16
-        and torch.ops.splitserve_cpu.prefill_attention_supported(q.shape[-1])
-    ):
+    if use_cpu_ops(q) and q.dtype == torch.bfloat16 and bf16_prefill_kernel_supports(q.shape[-1]):
         torch.ops.splitserve_cpu.prefill_attention(out, q, kv_layer, block_table, position_start, scale)
         return
     prefill_attention_reference(out, q, kv_layer, block_table, position_start, scale)
+
+
+@functools.lru_cache(maxsize=8)
+def bf16_prefill_kernel_supports(head_dim: int) -> bool:
+    """Whether the compiled bf16 prefill kernel was built for this CPU and head size (asked
+    once per head size: the answer is fixed at build time, and this runs per layer)."""
+    return bool(torch.ops.splitserve_cpu.prefill_attention_supported(head_dim))
 
 
 def prefill_attention_reference(
@@ -184,8 +189,9 @@ def prefill_attention_reference(
     tokens, num_heads, head_dim = q.shape
     num_kv_heads = kv_layer.shape[3]
     context = position_start + tokens
-    keys = kv_layer[0, block_table.long()].reshape(-1, num_kv_heads, head_dim)[:context]
-    values = kv_layer[1, block_table.long()].reshape(-1, num_kv_heads, head_dim)[:context]
+    blocks = block_table.long()
+    keys = kv_layer[0, blocks].reshape(-1, num_kv_heads, head_dim)[:context]
+    values = kv_layer[1, blocks].reshape(-1, num_kv_heads, head_dim)[:context]
     if position_start == 0:
         mask, causal = None, True
     else:
