@@ -104,6 +104,18 @@ def wait_indexed_more(base: str, url: str, than: int, timeout_s: float = 30) -> 
         time.sleep(0.1)
 
 
+def wait_idle(base: str, url: str, timeout_s: float = 30) -> None:
+    """Until the load the proxy weighs for `url` shows nothing queued or running: a report
+    polled while a request ran stays until the next poll."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        view = worker_view(base, url)
+        if view["queued_prefill_tokens"] == 0 and view["running_decode_blocks"] == 0:
+            return
+        assert time.monotonic() < deadline, f"the proxy never saw {url} idle: {view}"
+        time.sleep(0.1)
+
+
 def test_round_robin_alternates_even_for_a_repeated_prompt(stack: Stack) -> None:
     assert httpx.get(f"{stack.base}/workers").json()["routing"] == "round-robin"  # up passed it on
     messages = [{"role": "system", "content": text(10, 60)}, {"role": "user", "content": text(11, 10)}]
@@ -143,6 +155,7 @@ def test_cache_aware_follows_the_tokens_where_text_prefix_follows_the_text(stack
         before = indexed_blocks(cache_aware, token_worker)
         assert routed(cache_aware, as_system)[0] == token_worker
         wait_indexed_more(cache_aware, token_worker, before)
+        wait_idle(cache_aware, token_worker)  # a load report polled mid-request has aged out
         # the same state, two answers: cache-aware goes where the system prompt's KV is
         worker, response = routed(cache_aware, probe)
         assert worker == token_worker and cached_tokens(response) > 0
