@@ -4,6 +4,11 @@ wait and leave together in the next call.
 The P/D proxy decodes every engine token of every stream through the render tier. One
 HTTP call per token per stream costs a round trip each; with the batcher, the streams of
 one proxy share a few calls in flight, and each call carries whatever arrived meanwhile.
+
+A caller's group larger than one call may carry (`max_items`) is sent as consecutive
+parts, each waiting for the one before; `link` lets a part's first item depend on the
+result of the item just before it (a derender piece that continues the previous one
+takes that piece's returned state).
 """
 
 from __future__ import annotations
@@ -23,14 +28,29 @@ class CallBatcher(Generic[Item, Result]):
         *,
         max_in_flight: int = 4,
         max_items: int = 1024,
+        link: Callable[[Item, Result], Item] | None = None,
     ) -> None:
+        if max_items < 1:
+            raise ValueError("max_items must be >= 1")
         self._send = send  # results in the order of the items
         self._max_in_flight = max_in_flight
         self._max_items = max_items
+        self._link = link  # (first item of a part, result of the item before it) -> the item to send
         self._waiting: list[tuple[list[Item], asyncio.Future[list[Result]]]] = []
         self._calls: set[asyncio.Task[None]] = set()
 
     async def call(self, items: list[Item]) -> list[Result]:
+        if len(items) <= self._max_items:
+            return await self._call_part(items)
+        results: list[Result] = []
+        for start in range(0, len(items), self._max_items):
+            part = items[start : start + self._max_items]
+            if results and self._link is not None:
+                part = [self._link(part[0], results[-1]), *part[1:]]
+            results += await self._call_part(part)
+        return results
+
+    async def _call_part(self, items: list[Item]) -> list[Result]:
         future: asyncio.Future[list[Result]] = asyncio.get_running_loop().create_future()
         self._waiting.append((items, future))
         self._start_calls()

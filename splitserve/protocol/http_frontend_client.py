@@ -52,7 +52,7 @@ class HTTPFrontendClient(FrontendClient):
             read_timeout_s=60.0, max_connections=max_connections, keepalive=max_connections
         )
         self._derender_calls: CallBatcher[DerenderPiece, DerenderedPiece] = CallBatcher(
-            self._derender_call, max_items=MAX_PIECES
+            self._derender_call, max_items=MAX_PIECES, link=_continued
         )
 
     async def _call(self, method: str, path: str, body: Any = None) -> Any:
@@ -121,6 +121,12 @@ class HTTPFrontendClient(FrontendClient):
         await self._derender_calls.close()
         if self._owns_client:
             await self._http.aclose()
+
+
+def _continued(piece: DerenderPiece, before: DerenderedPiece) -> DerenderPiece:
+    """A piece that continues the one before it, sent in the next call: it starts from the
+    state that piece returned (a null state continues only within one call)."""
+    return piece._replace(state=before.state) if piece.state is None else piece
 
 
 def _backoff_s(attempt: int) -> float:

@@ -288,3 +288,39 @@ def test_derender_pieces_carry_new_tokens_and_a_signed_state_only(servers, outpu
     for bad in (state, "s1.x.y"):
         response = post(servers[2], "/v1/derender/pieces", {"pieces": [{"state": bad, "token_ids": [1]}]})
         assert response.status_code == 400 and response.json()["error"]["param"] == "pieces[0].state"
+
+
+def test_a_derender_of_more_pieces_than_one_call_takes_is_split(servers, tiny_model):
+    """A resumed stream can bring more engine chunks at once than one call may carry (1,024
+    pieces): the HTTP client sends them as consecutive calls, each continuing the last."""
+    import asyncio
+
+    from splitserve.protocol.derender_api import MAX_PIECES
+    from splitserve.protocol.frontend_client import DerenderPiece
+    from splitserve.protocol.http_frontend_client import HTTPFrontendClient
+
+    token_ids = Tokenizer.from_dir(tiny_model).encode("hello world, how are you today? " * 300)[:1500]
+    assert len(token_ids) == 1500 > MAX_PIECES
+    _, state = render_with_state(servers[0], {**CHAT, "tools": None, "max_tokens": 1500})
+
+    def pieces(first_state: str, ids: list[int], last: bool) -> list[DerenderPiece]:
+        run = [
+            DerenderPiece(first_state if i == 0 else None, 0, [token], None, None, False)
+            for i, token in enumerate(ids)
+        ]
+        run[-1] = run[-1]._replace(finish_reason="length" if last else None, final=last)
+        return run
+
+    async def run() -> tuple[list, list]:
+        client = HTTPFrontendClient(servers[0])
+        try:
+            whole = await client.derender(pieces(state, token_ids, True))
+            head = await client.derender(pieces(state, token_ids[:700], False))
+            tail = await client.derender(pieces(head[-1].state, token_ids[700:], True))
+            return whole, head + tail
+        finally:
+            await client.close()
+
+    whole, in_two = asyncio.run(run())
+    assert [p.delta for p in whole] == [p.delta for p in in_two]
+    assert sum(p.delta.num_tokens for p in whole) == 1500 and whole[-1].finish_reason == "length"

@@ -73,3 +73,36 @@ def test_a_caller_that_gives_up_sends_nothing():
 
     assert asyncio.run(run()) == [1]
     assert sent == [[1], [3]]
+
+
+def test_a_group_larger_than_one_call_is_sent_as_linked_parts_in_order():
+    """One caller's 1,500 items with max_items=1024: two calls, the second after the first,
+    its first item linked to the result before it (as a derender piece continuing the last
+    piece of the previous call takes that piece's state)."""
+    calls: list[list[tuple[int, int | None]]] = []
+
+    async def send(items: list[tuple[int, int | None]]) -> list[int]:
+        calls.append(items)
+        assert items[0][1] is not None, "a call's first item needs what came before"
+        await asyncio.sleep(0)
+        return [value for value, _ in items]
+
+    def link(item: tuple[int, int | None], before: int) -> tuple[int, int | None]:
+        return (item[0], before) if item[1] is None else item
+
+    async def run() -> list[int]:
+        batcher = CallBatcher(send, max_in_flight=4, max_items=1024, link=link)
+        group = [(0, -1)] + [(i, None) for i in range(1, 1500)]
+        results = await batcher.call(group)
+        await batcher.close()
+        return results
+
+    results = asyncio.run(run())
+    assert results == list(range(1500))
+    assert [len(call) for call in calls] == [1024, 476]
+    assert calls[1][0] == (1024, 1023)  # linked to the last result of the first call
+
+
+def test_max_items_must_be_positive():
+    with pytest.raises(ValueError, match="max_items"):
+        CallBatcher(lambda items: asyncio.sleep(0, items), max_items=0)
