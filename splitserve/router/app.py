@@ -21,7 +21,7 @@ from splitserve.router.encoder_pool import EncoderPool, EncoderPoolEngineClient
 from splitserve.router.load import load_loop
 from splitserve.router.pd_engine_client import PDEngineClient
 from splitserve.router.routing import PromptTextFrontend, RoutingPolicy
-from splitserve.router.workers import health_loop
+from splitserve.router.workers import check_all, health_loop
 from splitserve.service.app import create_openai_app
 
 
@@ -38,6 +38,9 @@ def create_proxy_app(
     checker: list[asyncio.Future] = []  # the health and load loops, while the app runs
 
     async def start() -> None:
+        # the first look at the workers before the proxy serves: its /health and
+        # /v1/models tell the truth from the first request on
+        await check_all(engine.pool, engine.check_worker)
         loop = health_loop(engine.pool, engine.check_worker, health_interval_s)
         checker.append(asyncio.ensure_future(loop))
         checker.append(asyncio.ensure_future(load_loop(engine.pool, engine.poll_load, load_interval_s)))

@@ -20,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from splitserve.protocol.engine_client import EngineClient
+from splitserve.protocol.errors import APIError
 from splitserve.protocol.frontend_client import FrontendClient
 from splitserve.protocol.http_edge import (
     DEFAULT_MAX_BODY_BYTES,
@@ -69,6 +70,11 @@ def create_openai_app(
 
     @app.get("/v1/models")
     async def models() -> dict:
+        # A client that waits for the model list and then sends must find an engine: the
+        # list is there only while /health would say ok (a proxy before any decode worker
+        # has registered, on Ray, answers 503 here too)
+        if not await engine.check_health():
+            raise APIError(503, "no engine worker is ready yet", code="no_worker", retry_after_s=1)
         return await frontend.models()
 
     @app.post("/v1/chat/completions")

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
 import pytest
 
 from splitserve.router.pd_policy import PDPolicy
 from splitserve.router.workers import WorkerPool, check_all, health_loop
+from tests.conftest import free_port, running_server
 
 
 def test_pick_is_least_loaded_and_rotates_between_equals():
@@ -92,3 +94,22 @@ def test_workers_join_and_leave_a_pool_that_starts_empty():
     assert pool.pick("decode") is None and [w.url for w in pool.workers()] == ["http://p0"]
     with pytest.raises(ValueError):
         WorkerPool([], [])
+
+
+def test_the_model_list_waits_for_a_decode_worker(tiny_model):
+    """An entry point is ready when it says it is: while no decode worker answers, the
+    proxy's /v1/models is a 503 `no_worker` (as /health), not a model list that a client
+    would take as the go-ahead to send."""
+    render_port, proxy_port, dead = free_port(), free_port(), free_port()
+    with (
+        running_server(["render", tiny_model, "--port", str(render_port)], render_port) as render,
+        running_server(
+            ["proxy", "--render", render, "--port", str(proxy_port), "--decode", f"http://127.0.0.1:{dead}"],
+            proxy_port,
+            health_path="/workers",
+        ) as proxy,
+    ):
+        models = httpx.get(f"{proxy}/v1/models", timeout=10)
+        assert models.status_code == 503, models.text
+        assert models.json()["error"]["code"] == "no_worker" and models.headers["retry-after"] == "1"
+        assert httpx.get(f"{proxy}/health", timeout=10).status_code == 503
