@@ -9,18 +9,20 @@ and the name carries a hash of what the library depends on: the sources, the fla
 torch and Python versions, the CPU's features. Two versions of the package never build
 over each other's library.
 
-No lock: each process that finds no library builds in a private folder beside it
-(`<name>.build-<pid>-<random>`, native_builder.py) and renames the finished library into
-place, so a process killed mid-build leaves only a folder nobody waits on (removed by the
-next process that loads the kernels). The build has a time limit
-(SPLITSERVE_NATIVE_BUILD_TIMEOUT_S, default 600 s). Where the kernels cannot be built or
-loaded, or with SPLITSERVE_NATIVE_OPS=0, the PyTorch references in ops.py run instead:
-same results, slower.
+No lock a dead process can keep: a process that finds no library builds in a private
+folder beside it (`<name>.build-<pid>-<random>`, native_builder.py) and renames the
+finished library into place. Its builder holds an flock on a file there, which the kernel
+drops when the builder dies, however it dies: others wait for a running build (`up`
+starts its engines side by side) and ignore a dead one, whose folder the next process
+removes. Waiting and building each have a time limit (SPLITSERVE_NATIVE_BUILD_TIMEOUT_S,
+default 600 s). Where the kernels cannot be built or loaded, or with SPLITSERVE_NATIVE_OPS=0,
+the PyTorch references in ops.py run instead: same results, slower.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import hashlib
 import json
@@ -52,6 +54,8 @@ DEFAULT_BUILD_TIMEOUT_S = 600.0  # a fresh build took 108 s on 2 cores under a l
 CFLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 BUILD_FOLDER_MARK = ".build-"  # <name>.build-<pid>-<random>: one builder's private folder
+BUILDER_FLOCK = "builder.flock"  # not `lock`: torch's own lock file in the same folder
+WAIT_POLL_S = 0.2
 LOG_TAIL_CHARS = 3000
 
 
@@ -112,12 +116,54 @@ def process_alive(pid: int) -> bool:
     return True
 
 
+def build_folders(library: Path) -> list[Path]:
+    """The private build folders of this library's builders, live or dead."""
+    return sorted(library.parent.parent.glob(f"{library.stem}{BUILD_FOLDER_MARK}*"))
+
+
+def builder_alive(folder: Path) -> bool:
+    """Whether the builder of this folder still runs: it holds an flock on BUILDER_FLOCK,
+    which the kernel drops when it dies, however it dies."""
+    try:
+        fd = os.open(folder / BUILDER_FLOCK, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
 def remove_dead_builds(root: Path) -> None:
-    """Remove the private build folders whose process is gone (killed mid-build)."""
+    """Remove the build folders whose process is gone (killed mid-build); a failed
+    build's folder stays, for its log, while the process that asked for it runs."""
     for folder in root.glob(f"splitserve_cpu_ops_*{BUILD_FOLDER_MARK}*"):
         pid_text = folder.name.rpartition(BUILD_FOLDER_MARK)[2].partition("-")[0]
-        if pid_text.isdigit() and not process_alive(int(pid_text)):
+        if pid_text.isdigit() and not process_alive(int(pid_text)) and not builder_alive(folder):
             shutil.rmtree(folder, ignore_errors=True)
+
+
+def wait_for_other_builders(library: Path, timeout_s: float) -> None:
+    """While another process's builder runs (`up` starts engines side by side), wait for
+    its library rather than compile the same one beside it; NativeBuildError past the limit."""
+    deadline = time.monotonic() + timeout_s
+    logged = False
+    while not library.exists():
+        running = [folder for folder in build_folders(library) if builder_alive(folder)]
+        if not running:
+            return
+        if not logged:
+            logger.info("waiting for another process's build of the compiled CPU kernels in %s", running[0])
+            logged = True
+        if time.monotonic() > deadline:
+            raise NativeBuildError(
+                f"waited longer than {timeout_s:g} s ({BUILD_TIMEOUT_ENV}) for another process's "
+                f"build of the compiled CPU kernels in {running[0]}"
+            )
+        time.sleep(WAIT_POLL_S)
 
 
 def builder_env() -> dict[str, str]:
@@ -144,6 +190,10 @@ def build_library(library: Path, timeout_s: float) -> None:
     build_dir = Path(
         tempfile.mkdtemp(prefix=f"{name}{BUILD_FOLDER_MARK}{os.getpid()}-", dir=library.parent.parent)
     )
+    # held by the builder (inherited, closed here): the kernel releases it when the builder
+    # dies, so other processes tell a running build from a dead one without trusting pids
+    flock_fd = os.open(build_dir / BUILDER_FLOCK, os.O_CREAT | os.O_RDWR, 0o644)
+    fcntl.flock(flock_fd, fcntl.LOCK_EX)
     log = build_dir / "build.log"
     spec = {
         "name": name,
@@ -156,15 +206,19 @@ def build_library(library: Path, timeout_s: float) -> None:
         "parent_pid": os.getpid(),
         "timeout_s": timeout_s,
     }
-    with open(log, "wb") as log_file:
-        builder = subprocess.Popen(
-            [sys.executable, "-m", "splitserve.model.native_builder", json.dumps(spec)],
-            stdin=subprocess.DEVNULL,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # the session (ninja, the compilers) is killed as one
-            env=builder_env(),
-        )
+    try:
+        with open(log, "wb") as log_file:
+            builder = subprocess.Popen(
+                [sys.executable, "-m", "splitserve.model.native_builder", json.dumps(spec)],
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # the session (ninja, the compilers) is killed as one
+                pass_fds=(flock_fd,),
+                env=builder_env(),
+            )
+    finally:
+        os.close(flock_fd)
     try:
         returncode = builder.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -194,6 +248,7 @@ def load_cpu_ops() -> bool:
     library = library_path()
     try:
         remove_dead_builds(library.parent.parent)
+        wait_for_other_builders(library, timeout_s)
         if not library.exists():
             started = time.monotonic()
             logger.info("building the compiled CPU kernels (once, up to %g s): %s", timeout_s, library)

@@ -1,13 +1,14 @@
 """The process that compiles the CPU kernels: `python -m splitserve.model.native_builder SPEC`.
 
-native.py starts it in its own process group with a JSON spec (what to build, the private
+native.py starts it in its own session with a JSON spec (what to build, the private
 folder to build it in, where the finished library goes, the process that asked, the time
 limit). It compiles with `torch.utils.cpp_extension.load` into the private folder, whose
 `lock` no other process ever waits on, then renames the library into place, atomically:
-a reader sees either no library or a whole one. A watchdog kills the whole session (this
-process, ninja, the compilers: ninja gives each command its own process group, so this
-one's group is not enough) when the asking process dies or the time limit passes, so a
-build never outlives the part that needed it.
+a reader sees either no library or a whole one. It holds the flock native.py took on the
+folder's `builder.flock` (inherited) until it exits, so others see the build running. A
+watchdog kills the whole session (this process, ninja, the compilers: ninja gives each
+command its own process group, so this one's group is not enough) when the asking
+process dies or the time limit passes: a build never outlives the part that needed it.
 """
 
 from __future__ import annotations

@@ -9,21 +9,27 @@ makes it, into a TORCH_EXTENSIONS_DIR the module shares."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from splitserve.model.native import BUILD_TIMEOUT_ENV, library_path
+from splitserve.model.native import BUILD_TIMEOUT_ENV, BUILDER_FLOCK, builder_alive, library_path
 from tests.conftest import free_port, running_server
 
 BUILD_STARTUP_S = 600  # a fresh build on 2 shared cores, with a serve's start-up around it
-LOAD_KERNELS = "from splitserve.model.native import load_cpu_ops; print(load_cpu_ops())"
+LOAD_KERNELS = (
+    "import logging; logging.basicConfig(level='INFO')\n"
+    "from splitserve.model.native import load_cpu_ops; print(load_cpu_ops())"
+)
 
 pytestmark = pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the builder's processes in /proc")
 
@@ -101,6 +107,8 @@ def test_serve_killed_mid_build_leaves_nothing_that_stops_the_next_one(
 
         wait_for(lambda: killed.poll() is not None or compiling(), BUILD_STARTUP_S, "the build to start")
         assert killed.poll() is None, (tmp_path / "killed-serve.log").read_text()
+        (running_build,) = build_folders(extensions_dir)
+        assert builder_alive(running_build)  # what other processes would wait for
         os.kill(killed.pid, signal.SIGKILL)
         killed.wait()
     finally:
@@ -110,6 +118,7 @@ def test_serve_killed_mid_build_leaves_nothing_that_stops_the_next_one(
     (dead_build,) = build_folders(extensions_dir)
     assert not libraries(extensions_dir)  # killed before it finished
     wait_for(lambda: not processes_in(dead_build), 30, "the dead serve's builder and compilers to end")
+    assert not builder_alive(dead_build)  # its flock went with it: nobody waits for it
 
     port = free_port()
     env = {"TORCH_EXTENSIONS_DIR": str(extensions_dir)}
@@ -138,8 +147,66 @@ def test_stale_lock_files_do_not_block_loading(extensions_dir):
 
     result = load_kernels(extensions_dir)
     assert result.stdout.strip() == "True", result.stderr
-    assert "compiled CPU kernels unavailable" not in result.stderr
+    assert "building" not in result.stderr and "waiting" not in result.stderr
     assert not dead_build.exists()
+
+
+@contextlib.contextmanager
+def running_builder(library: Path) -> Iterator[Path]:
+    """Another process's build in progress, as loaders see it: its folder, whose
+    builder.flock is held (here by the test, for as long as it likes)."""
+    folder = library.parent.parent / f"{library.stem}.build-{os.getpid()}-test"
+    folder.mkdir()
+    with open(folder / BUILDER_FLOCK, "wb") as flock_file:
+        fcntl.flock(flock_file, fcntl.LOCK_EX)
+        yield folder
+    shutil.rmtree(folder)
+
+
+def start_loader(root: Path, log: Path, **env: str) -> subprocess.Popen[bytes]:
+    with open(log, "wb") as log_file:
+        return subprocess.Popen(
+            [sys.executable, "-c", LOAD_KERNELS],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "TORCH_EXTENSIONS_DIR": str(root), **env},
+        )
+
+
+def test_a_loader_waits_for_a_running_build_then_loads_its_library(extensions_dir, tmp_path):
+    """`up` starts its engines side by side: one builds, the others wait for its library."""
+    if not libraries(extensions_dir):
+        assert load_kernels(extensions_dir).stdout.strip() == "True"
+    (library,) = libraries(extensions_dir)
+    aside = tmp_path / library.name
+    os.replace(library, aside)
+    log = tmp_path / "loader.log"
+    try:
+        with running_builder(library):
+            loader = start_loader(extensions_dir, log)
+            try:
+                wait_for(lambda: "waiting for another process's build" in log.read_text(), 120, "the wait")
+                os.replace(aside, library)  # what the running build does when it finishes
+                assert loader.wait(timeout=120) == 0
+            finally:
+                if loader.poll() is None:
+                    loader.kill()
+                    loader.wait()
+    finally:
+        if aside.exists():
+            os.replace(aside, library)
+    output = log.read_text()
+    assert output.splitlines()[-1] == "True" and "building" not in output, output
+
+
+def test_waiting_for_a_running_build_has_the_time_limit(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    library = library_path()
+    with running_builder(library) as folder:
+        result = load_kernels(tmp_path, **{BUILD_TIMEOUT_ENV: "1"})
+    assert result.stdout.strip() == "False"  # the references run
+    assert f"waited longer than 1 s ({BUILD_TIMEOUT_ENV})" in result.stderr
+    assert str(folder) in result.stderr
 
 
 def test_build_past_its_time_limit_is_stopped_and_the_references_run(tmp_path):
