@@ -32,6 +32,7 @@ from splitserve.kv.ec_connector import ECConnector
 from splitserve.kv.events import KVEventPublisher
 from splitserve.model.decoder import load_model
 from splitserve.model.loader import load_decoder_config
+from splitserve.model.native import load_cpu_ops
 from splitserve.model.qwen2_vl import is_qwen2_vl, load_qwen2_vl, load_qwen2_vl_config
 from splitserve.protocol.errors import InvalidRequestError, PromptTooLongError
 from splitserve.protocol.kv_events import AllBlocksCleared
@@ -69,6 +70,9 @@ class LLMEngine:
         dc = self.decoder_config
         self.device = torch.device(config.model.device) if config.model.device else default_device()
         self.dtype = choose_dtype(config.model.dtype, dc.dtype, self.device)
+        if self.device.type == "cpu":
+            # built and loaded here, before any part says it is healthy: never on a request
+            load_cpu_ops()
         block_size = config.cache.block_size
         if block_size <= 0:
             raise ValueError("block_size must be positive")

@@ -9,9 +9,9 @@ import torch.nn.functional as F
 
 from splitserve.model import ops
 from splitserve.model.linear import Linear, can_prepack
-from splitserve.model.native import cpu_ops_available
+from splitserve.model.native import load_cpu_ops
 
-needs_kernels = pytest.mark.skipif(not cpu_ops_available(), reason="compiled CPU kernels unavailable")
+needs_kernels = pytest.mark.skipif(not load_cpu_ops(), reason="compiled CPU kernels unavailable")
 DTYPES = [torch.float32, torch.bfloat16]
 
 
@@ -68,7 +68,7 @@ def test_paged_decode_attention(dtype, heads, kv_heads, head_dim):
     reference = torch.empty_like(q)
     ops.paged_decode_attention_reference(reference, q, cache, tables, lens, scale)
     torch.testing.assert_close(reference.double(), expected, **tolerances(dtype))
-    if cpu_ops_available():
+    if load_cpu_ops():
         native = torch.empty_like(q)
         torch.ops.splitserve_cpu.paged_decode_attention(native, q, cache, tables, lens, scale)
         torch.testing.assert_close(native.double(), expected, **tolerances(dtype))
@@ -178,7 +178,7 @@ def test_rms_norm_and_add_rms_norm(dtype):
         rms_norm_float64(x, weight, 1e-6),
         **tolerances(dtype),
     )
-    if not cpu_ops_available():
+    if not load_cpu_ops():
         return
     native = torch.empty_like(x)
     torch.ops.splitserve_cpu.rms_norm(native, x, weight, 1e-6)
@@ -246,7 +246,7 @@ def test_rope_and_cache(dtype, qk_norm):
     flat_keys = reference_cache[0].view(-1, kv_heads * head_dim)
     assert torch.equal(flat_keys[slots], reference[:, heads * head_dim : rotated])
     assert torch.equal(reference_cache[1].view(-1, kv_heads * head_dim)[slots], qkv[:, rotated:])
-    if cpu_ops_available():
+    if load_cpu_ops():
         native, native_cache = run(torch.ops.splitserve_cpu.rope_and_cache)
         torch.testing.assert_close(native, reference, **tolerances(dtype))
         torch.testing.assert_close(native_cache, reference_cache, **tolerances(dtype))
