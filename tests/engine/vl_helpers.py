@@ -14,7 +14,7 @@ from splitserve.frontend.image_processor import ImageProcessorConfig, process_im
 from splitserve.model.qwen2_vl import load_qwen2_vl_config
 from splitserve.protocol.multimodal import ImageInput
 
-MAX_TOKENS = 10
+MAX_TOKENS = 24  # long enough that a decode-position error (M-RoPE's delta) shows
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 
 
@@ -51,7 +51,10 @@ class VLCase:
 
 
 def transformers_greedy(model_dir: str, cases: list[VLCase]) -> list[list[int]]:
-    """The oracle: transformers' model and its own image processor."""
+    """The oracle: transformers' model and its own image processor. `mm_token_type_ids`
+    (which tokens are visual) is what transformers' processor returns beside the input IDs;
+    without it transformers 5 warns and gives the prompt plain text positions, not M-RoPE's,
+    and its output drifts from the right one after the first tokens."""
     from transformers import AutoImageProcessor, Qwen2VLForConditionalGeneration
 
     model = Qwen2VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)

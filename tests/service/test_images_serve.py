@@ -9,6 +9,7 @@ import openai
 import pytest
 
 from tests.conftest import free_port, running_server
+from tests.engine.vl_helpers import MAX_TOKENS
 from tests.frontend.test_image_processor import png_header_only
 from tests.frontend.test_render_images import data_url, png
 from tests.service.image_requests import PICTURES, image_chat_body, oracle
@@ -65,4 +66,4 @@ def test_bad_images_are_refused_naming_the_limit_and_serving_goes_on(server):
     assert post(with_image_url("http://127.0.0.1/a.png")).status_code == 400  # no --allowed-media-domains
 
     fine = post(image_chat_body(model, PICTURES[:1]))
-    assert fine.status_code == 200 and len(fine.json()["choices"][0]["token_ids"]) == 10
+    assert fine.status_code == 200 and len(fine.json()["choices"][0]["token_ids"]) == MAX_TOKENS
