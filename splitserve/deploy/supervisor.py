@@ -5,13 +5,16 @@ resets once it has run a while. The other parts keep serving meanwhile."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
 from typing import NamedTuple
 
 from splitserve.protocol.drain import SUPERVISED_ENV
+from splitserve.protocol.process_lifetime import child_command
 
 FIRST_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 10.0
@@ -35,8 +38,21 @@ def start_part(
     # Supervised: a terminal's Ctrl-C (sent to the whole process group) is for `up`, which
     # stops the parts in order (the proxy drains while the parts behind it still serve).
     env = {**(env if env is not None else os.environ), SUPERVISED_ENV: "1"}
-    process = subprocess.Popen([sys.executable, "-m", "splitserve.cli", *command], env=env)
+    # The kernel ends the part when `up` goes, however it goes (protocol/process_lifetime.py).
+    # That follows the thread that forks: `up` starts every part from its main thread.
+    # Its own session: a terminal's signals reach `up` alone, and `kill_part` reaches the
+    # helpers a part started (a compiler building its kernels) with it.
+    process = subprocess.Popen(child_command(command), env=env, start_new_session=True)
     return Part(name, url, process, command, env, time.monotonic(), credential)
+
+
+def kill_part(part: Part) -> None:
+    """SIGKILL the part and what it started (its process group), and reap it."""
+    if part.process.poll() is None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(part.process.pid, signal.SIGKILL)
+        part.process.kill()  # where its group could not be signalled
+    part.process.wait()
 
 
 class Supervisor:

@@ -21,13 +21,14 @@ import time
 
 import httpx
 
-from splitserve.deploy.supervisor import Part, Supervisor, start_part
+from splitserve.deploy.supervisor import Part, Supervisor, kill_part, start_part
 from splitserve.frontend.media_cli import add_media_arguments, media_flags
 from splitserve.frontend.stream_state import STATE_KEY_ENV
 from splitserve.protocol.access import API_KEY_ENV, INTERNAL_TOKEN_ENV
 from splitserve.protocol.drain import add_serving_arguments
 from splitserve.protocol.http_edge import DEFAULT_MAX_BODY_BYTES
 from splitserve.protocol.ports import pick_free_port
+from splitserve.protocol.process_lifetime import owned_directory, remove_dead_owners
 from splitserve.ray_serve.cli import add_ray_arguments
 from splitserve.ray_serve.config import engine_flags
 
@@ -138,10 +139,22 @@ def _engine_args(args: argparse.Namespace) -> list[str]:
     return extra + list(engine_flags(args))
 
 
+EC_DIRECTORY_PREFIX = "splitserve-ec-up-"
+
+
+def _ec_root() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
 def ec_directory() -> str:
-    """A fresh encoder-cache directory on tmpfs (where there is one)."""
-    root = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    return tempfile.mkdtemp(prefix="splitserve-ec-", dir=root)
+    """A fresh encoder-cache directory on tmpfs (where there is one), named after this `up`."""
+    return owned_directory(EC_DIRECTORY_PREFIX, _ec_root())
+
+
+def remove_stale_ec_directories() -> None:
+    """The encoder caches of `up`s that are gone (SIGKILLed: their clean-up never ran)."""
+    for path in remove_dead_owners(EC_DIRECTORY_PREFIX, _ec_root()):
+        print(f"splitserve up: removed {path}, left by an up that is gone", file=sys.stderr)
 
 
 def _start(
@@ -181,9 +194,7 @@ def _stop(parts: list[Part], timeout_s: float, at_once: list[int]) -> None:
     for part in parts:
         while part.process.poll() is None and time.monotonic() < deadline and not at_once:
             time.sleep(_POLL_S)
-        if part.process.poll() is None:
-            part.process.kill()
-        part.process.wait()
+        kill_part(part)
 
 
 def _stop_draining(parts: list[Part], drain_timeout_s: float, at_once: list[int]) -> None:
@@ -205,6 +216,7 @@ def run(args: argparse.Namespace) -> int:
     from splitserve.model.resolve import resolve_model_or_exit
 
     resolved = resolve_model_or_exit(args.model)
+    remove_stale_ec_directories()
     model = resolved.path
     host = "127.0.0.1"  # internal parts: only the proxy is exposed (--host)
     # One deployment, one internal token: every part gets it through its environment, never

@@ -31,6 +31,7 @@ from splitserve.kv.transport_types import (
     TransferError,
     dtype_from_name,
 )
+from splitserve.protocol.process_lifetime import process_alive
 
 logger = logging.getLogger(__name__)
 
@@ -82,16 +83,6 @@ def create_pool(path: str, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[
         raise
 
 
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process
-    return True
-
-
 def remove_stale_segments() -> list[str]:
     """Remove the segments of this user whose creating process is gone; returns their paths.
     A pool is unlinked right after it is created, so only a process killed in between leaves
@@ -104,7 +95,7 @@ def remove_stale_segments() -> list[str]:
         return removed
     for name in names:
         match = _SEGMENT_NAME.fullmatch(name)
-        if match is None or _process_alive(int(match.group(1))):
+        if match is None or process_alive(int(match.group(1))):
             continue
         path = os.path.join(directory, name)
         with contextlib.suppress(OSError):

@@ -17,7 +17,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +25,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from splitserve.protocol.access import API_KEY_ENV, OPEN_WITH_FLAG, AccessGuard, AccessPolicy, internal_token
 from splitserve.protocol.errors import error_body
+from splitserve.protocol.process_lifetime import owned_directory, remove_dead_owners
 from splitserve.router.app import create_proxy_app
 from splitserve.router.encoder_pool import EncoderPool
 from splitserve.router.pd_engine_client import PDEngineClient
@@ -34,6 +34,7 @@ from splitserve.router.workers import WorkerPool, WorkerRole
 
 logger = logging.getLogger(__name__)
 
+EC_DIRECTORY_PREFIX = "splitserve-ec-ray-"
 STALE_S = 10.0  # heartbeats come every Serve health check (2 s): five missed, the worker leaves
 HEALTH_INTERVAL_S = 1.0  # the router's own checks of each worker
 ENGINE_ROLES: dict[str, WorkerRole] = {"prefill": "prefill", "decode": "decode"}
@@ -78,8 +79,11 @@ class EncoderCacheHome:
         from splitserve.kv.ec_connector import SharedMemoryECConnector, default_shm_directory
         from splitserve.kv.ec_tcp import ECServer
 
-        root = default_shm_directory("ray").parent
-        self.directory = tempfile.mkdtemp(prefix="splitserve-ec-ray-", dir=root)
+        root = str(default_shm_directory("ray").parent)
+        # Named after this process: the cache of an ingress killed outright (its close never
+        # ran) is removed by the next one on the node.
+        remove_dead_owners(EC_DIRECTORY_PREFIX, root)
+        self.directory = owned_directory(EC_DIRECTORY_PREFIX, root)
         self.server = ECServer(SharedMemoryECConnector(self.directory), host=host, token=internal_token())
         self.address = {"node_id": node_id, "shm_dir": self.directory, "host": host, "port": self.server.port}
 

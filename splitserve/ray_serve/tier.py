@@ -9,11 +9,14 @@ replica and registered with the ingress.
 - Down (scale-down, redeploy, `splitserve down --ray`): Serve calls `__del__`, which
   deregisters first (the router sends nothing new) and then stops the server, which
   drains what it still serves.
-- A replica that dies outright takes its server with it (the child gets SIGKILL when the
-  replica's thread goes, PR_SET_PDEATHSIG); the router's health check takes the URL out of
-  rotation at once and the ingress drops it once its heartbeats stop. Its server's log
-  (splitserve-ray-ROLE-*.log in the node's temp directory) stays for the post-mortem;
-  a replica that stops normally, or never came up, removes its log.
+- A replica that dies outright takes its server with it: the server is started through
+  `protocol/process_lifetime.py`'s launcher, so the kernel sends it SIGKILL when the
+  replica goes (Linux PR_SET_PDEATHSIG; it follows the thread that started it, the
+  replica's event-loop thread, which lives as long as the replica); the router's health
+  check takes the URL out of rotation at once and the ingress drops it once its
+  heartbeats stop. Its server's log (splitserve-ray-ROLE-*.log in the node's temp
+  directory) stays for the post-mortem; a replica that stops normally, or never came up,
+  removes its log.
 - Placement-aware wiring: an engine gets `--kv-transport auto --kv-node-id NODE` (shm
   with engines on its node, tcp with the others); with an encoder tier, every engine and
   encoder asks the ingress where the encoder cache is before starting its server and gets
@@ -29,12 +32,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import logging
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from typing import Any
@@ -43,6 +44,7 @@ import httpx
 
 from splitserve.protocol.access import internal_headers
 from splitserve.protocol.ports import pick_free_port
+from splitserve.protocol.process_lifetime import child_command
 from splitserve.ray_serve.config import ServerConfig
 
 logger = logging.getLogger(__name__)
@@ -51,13 +53,6 @@ INGRESS_NAME = "ProxyIngress"
 LOAD_METRIC = "tier_load"  # the custom autoscaling metric every tier replica reports
 REGISTER_TIMEOUT_S = 5.0
 STARTUP_TIMEOUT_S = 300.0
-_PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent() -> None:
-    """In the child, before exec: SIGKILL when the thread that started it goes."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def encoder_cache_flags(node_id: str, home: dict[str, Any] | None) -> list[str]:
@@ -132,12 +127,13 @@ class TierReplica:
         command = server_command(role, config, host, ports, self.node_id, ec_flags)
         log_fd, self.log_path = tempfile.mkstemp(prefix=f"splitserve-ray-{role}-", suffix=".log")
         with os.fdopen(log_fd, "wb") as log_file:
+            # No preexec_fn: a replica has many threads, and a child forked from them could
+            # hang before its exec (process_lifetime.py says why); the launcher does the prctl.
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "splitserve.cli", *command],
+                child_command(command),
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 env=dict(os.environ),  # the deployment's token (and state key) are in here
-                preexec_fn=die_with_parent,
             )
         self.cpu_mark = (time.monotonic(), 0.0)
         try:

@@ -305,6 +305,8 @@ def check_the_deployment(base: str, collocated: str, stdout: str, secrets_env: d
         return len(now) == 2 and victim["url"] not in urls and all(m["healthy"] for m in now)
 
     wait_for(replaced, what="the killed decode replica to be replaced")
+    with pytest.raises(httpx.TransportError):  # its server died with it (PR_SET_PDEATHSIG)
+        httpx.get(f"{victim['url']}/health", timeout=2)
     assert asyncio.run(deployed_token_ids(base, messages)) == expected
     # the dropped worker left the router's KV-event index too (it held blocks before)
     index = httpx.get(f"{base}/workers", headers=AUTH).json()["kv_index_blocks"]
