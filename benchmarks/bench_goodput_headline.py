@@ -29,6 +29,7 @@ import json
 import math
 import os
 import shlex
+import signal
 import sys
 import time
 from pathlib import Path
@@ -261,6 +262,8 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> int:
     args = parse_args()
+    # A SIGTERM (e.g. from `timeout`) unwinds like Ctrl-C, so the server running is stopped.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     if "vllm" in args.servers and not Path(args.vllm).is_file():
         print(f"vLLM peer not found at {args.vllm} (see PEERS.md, or --vllm PATH): skipped, no ratios")
         args.servers.remove("vllm")
