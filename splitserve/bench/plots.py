@@ -4,12 +4,15 @@
 2. The CDF of inter-token gaps at each rate (log time axis): a long right tail is stalls.
 3. The token-arrival timeline of the requests at the highest rate with the worst stalls:
    one row per request, a tick per output chunk, gaps above the stall threshold in red.
+
+`write_comparison_plot` draws several servers' attainment curves side by side.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Mapping
 from pathlib import Path
 
 from splitserve.bench.metrics import RequestRecord
@@ -78,3 +81,27 @@ def _draw_timeline(axes, records: list[RequestRecord], threshold: float) -> None
                 axes.plot([before, after], [row, row], color="red", linewidth=3)
     axes.set(xlabel="time since the run started (s)", ylabel="request")
     axes.set_yticks(range(len(chosen)), [str(r.request_id) for r in chosen])
+
+
+def write_comparison_plot(results: Mapping[str, BenchResult], path: str | Path) -> None:
+    """Several servers' sweeps of the same targets: one panel per target, attainment vs
+    offered rate, a line per server, the required attainment dashed (the headline figure)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    slos = next(iter(results.values())).slos
+    figure, panels = plt.subplots(1, len(slos), figsize=(6.5 * len(slos), 5), squeeze=False)
+    for slo, panel in zip(slos, panels[0], strict=True):
+        for name, result in results.items():
+            rates = [level.load.rate for level in result.levels]
+            attained = [level.summary.attainment[slo.name] * 100 for level in result.levels]
+            panel.plot(rates, attained, marker="o", label=name)
+        panel.axhline(next(iter(results.values())).required_attainment * 100, color="grey", linestyle="--")
+        panel.set(xlabel="offered rate (req/s)", ylabel="requests meeting the target (%)", ylim=(0, 105))
+        panel.set_title(slo.label())
+        panel.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)

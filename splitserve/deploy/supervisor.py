@@ -13,6 +13,7 @@ import sys
 import time
 from typing import NamedTuple
 
+from splitserve.deploy.cpu_affinity import THREADS_ENV, pin
 from splitserve.protocol.drain import SUPERVISED_ENV
 from splitserve.protocol.process_lifetime import child_command
 
@@ -30,20 +31,31 @@ class Part(NamedTuple):
     env: dict[str, str] | None
     started_at: float
     credential: str | None  # the bearer token its /health wants
+    cpus: frozenset[int] | None = None  # `up --cpu-affinity`: the CPUs it runs on (None: any)
 
 
 def start_part(
-    name: str, command: list[str], url: str, env: dict[str, str] | None = None, credential: str | None = None
+    name: str,
+    command: list[str],
+    url: str,
+    env: dict[str, str] | None = None,
+    credential: str | None = None,
+    cpus: frozenset[int] | None = None,
 ) -> Part:
     # Supervised: a terminal's Ctrl-C (sent to the whole process group) is for `up`, which
     # stops the parts in order (the proxy drains while the parts behind it still serve).
     env = {**(env if env is not None else os.environ), SUPERVISED_ENV: "1"}
+    if cpus is not None:
+        env[THREADS_ENV] = str(len(cpus))
     # The kernel ends the part when `up` goes, however it goes (protocol/process_lifetime.py).
     # That follows the thread that forks: `up` starts every part from its main thread.
     # Its own session: a terminal's signals reach `up` alone, and `kill_part` reaches the
     # helpers a part started (a compiler building its kernels) with it.
     process = subprocess.Popen(child_command(command), env=env, start_new_session=True)
-    return Part(name, url, process, command, env, time.monotonic(), credential)
+    if cpus is not None:
+        with contextlib.suppress(ProcessLookupError):  # it died at once: the health wait says so
+            pin(process.pid, cpus)
+    return Part(name, url, process, command, env, time.monotonic(), credential, cpus)
 
 
 def kill_part(part: Part) -> None:
@@ -86,7 +98,9 @@ class Supervisor:
                 )
             elif now >= self.restart_at[part.name]:
                 del self.restart_at[part.name]
-                self.parts[index] = start_part(part.name, part.command, part.url, part.env, part.credential)
+                self.parts[index] = start_part(
+                    part.name, part.command, part.url, part.env, part.credential, part.cpus
+                )
                 self.restarts += 1
                 print(
                     f"splitserve up: {part.name} started again (pid {self.parts[index].process.pid})",

@@ -21,6 +21,7 @@ import time
 
 import httpx
 
+from splitserve.deploy.cpu_affinity import parse_cpu_affinity
 from splitserve.deploy.supervisor import Part, Supervisor, kill_part, start_part
 from splitserve.frontend.media_cli import add_media_arguments, media_flags
 from splitserve.frontend.stream_state import STATE_KEY_ENV
@@ -125,6 +126,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_media_arguments(parser)  # render: image sources, limits, pixel dtype
     add_serving_arguments(parser)
+    parser.add_argument(
+        "--cpu-affinity",
+        action="append",
+        default=[],
+        metavar="PART=CPUS",
+        help="pin parts to CPUs, e.g. prefill=0,decode=1 (a role or a part such as decode-1; repeatable)",
+    )
     parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for every part")
     parser.add_argument(
         "--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"]
@@ -157,10 +165,12 @@ def remove_stale_ec_directories() -> None:
         print(f"splitserve up: removed {path}, left by an up that is gone", file=sys.stderr)
 
 
-def _start(
-    name: str, command: list[str], host: str, port: int, env: dict[str, str], credential: str | None
-) -> Part:
-    return start_part(name, command, f"http://{host}:{port}", env, credential)
+def part_names(args: argparse.Namespace) -> list[str]:
+    """The names `up` gives its parts, in the order it starts them."""
+    renders = ["render"] if args.render == 1 else [f"render-{i}" for i in range(args.render)]
+    engines = [f"{role}-{i}" for role, count in (("prefill", args.prefill), ("decode", args.decode),
+               ("encoder", args.encoder)) for i in range(count)]  # fmt: skip
+    return [*renders, *engines, "proxy"]
 
 
 def _wait_healthy(parts: list[Part], timeout_s: float) -> str | None:
@@ -207,12 +217,26 @@ def _stop_draining(parts: list[Part], drain_timeout_s: float, at_once: list[int]
 
 def run(args: argparse.Namespace) -> int:
     if args.ray is not None:
+        if args.cpu_affinity:
+            print("splitserve up: --cpu-affinity pins local processes; Ray places --ray's", file=sys.stderr)
+            return 2
         from splitserve.ray_serve.cli import run_up
 
         return run_up(args)
     if args.decode < 1 or args.prefill < 0 or args.render < 1:
         print("splitserve up: need --decode >= 1, --render >= 1 and --prefill >= 0", file=sys.stderr)
         return 2
+    try:
+        pinned = parse_cpu_affinity(args.cpu_affinity, part_names(args))
+    except ValueError as exc:
+        print(f"splitserve up: {exc}", file=sys.stderr)
+        return 2
+
+    def _start(
+        name: str, command: list[str], host: str, port: int, env: dict[str, str], credential: str | None
+    ) -> Part:
+        return start_part(name, command, f"http://{host}:{port}", env, credential, pinned.get(name))
+
     from splitserve.model.resolve import resolve_model_or_exit
 
     resolved = resolve_model_or_exit(args.model)
@@ -334,7 +358,8 @@ def run(args: argparse.Namespace) -> int:
             f"splitserve up: {args.prefill} prefill + {args.decode} decode{encoders}, {transport}/{args.mode}"
         )
         for part in parts:
-            print(f"  {part.name:<10} {part.url}  (pid {part.process.pid})")
+            cpus = f"  CPUs {','.join(map(str, sorted(part.cpus)))}" if part.cpus else ""
+            print(f"  {part.name:<10} {part.url}  (pid {part.process.pid}){cpus}")
         print(f"OpenAI API: {parts[-1].url}/v1  (Ctrl-C stops everything)", flush=True)
         supervisor = Supervisor(parts)
         while not stop_requested:

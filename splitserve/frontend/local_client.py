@@ -18,7 +18,9 @@ from splitserve.protocol.openai_api import ChatCompletionRequest, CompletionRequ
 
 
 def models_response(renderer: Renderer) -> dict[str, Any]:
-    """`/v1/models`: the one model this frontend serves."""
+    """`/v1/models`: the one model this frontend serves. As in vLLM's entries, `root` is
+    where the model lives on the render host (its directory or GGUF file) and `parent` is
+    null: clients such as `splitserve bench` find the tokenizer through `root`."""
     return {
         "object": "list",
         "data": [
@@ -27,6 +29,8 @@ def models_response(renderer: Renderer) -> dict[str, Any]:
                 "object": "model",
                 "created": int(time.time()),
                 "owned_by": "splitserve",
+                "root": renderer.config.model,
+                "parent": None,
                 "max_model_len": renderer.max_model_len,
             }
         ],

@@ -9,6 +9,7 @@ from splitserve.goodput.slo import (
     SLO_WORST_GAP,
     distserve_goodput,
     format_duration,
+    interpolated_goodput,
     parse_duration,
 )
 from splitserve.goodput.traffic import ARRIVALS, Lengths, arrival_times, interarrival_times
@@ -24,5 +25,6 @@ __all__ = [
     "distserve_goodput",
     "format_duration",
     "interarrival_times",
+    "interpolated_goodput",
     "parse_duration",
 ]

@@ -12,6 +12,8 @@ of requests meet the SLO.
 
 from __future__ import annotations
 
+import itertools
+import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -111,3 +113,18 @@ def distserve_goodput(rates: Sequence[float], attainments: Sequence[float], requ
         raise ValueError("the required attainment must be in (0, 1]")
     meeting = [rate for rate, att in zip(rates, attainments, strict=True) if att >= required]
     return max(meeting, default=0.0)
+
+
+def interpolated_goodput(rates: Sequence[float], attainments: Sequence[float], required: float) -> float:
+    """DistServe's goodput read off the attainment curve drawn straight between swept rates:
+    the highest rate at which that line is at or above `required`, so a coarse sweep gives
+    where the target is lost, not just the last level that kept it. Never past the highest
+    swept rate, and never toward an unbounded one; 0 if no level meets it."""
+    best = distserve_goodput(rates, attainments, required)
+    for (rate, attained), (next_rate, next_attained) in itertools.pairwise(
+        zip(rates, attainments, strict=True)
+    ):
+        if attained >= required > next_attained and not math.isinf(next_rate):
+            crossing = rate + (next_rate - rate) * (attained - required) / (attained - next_attained)
+            best = max(best, crossing)
+    return best

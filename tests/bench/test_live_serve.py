@@ -6,6 +6,7 @@ import importlib.util
 import itertools
 import json
 
+import httpx
 import pytest
 
 from tests.bench.conftest import splitserve_bench
@@ -99,3 +100,17 @@ def test_multi_turn_sessions_with_shared_prefixes(serve_url, tiny_model, tmp_pat
         # The second turn resends the first prompt, the 8-token answer and 16 new tokens.
         assert by_turn[session, 1] >= by_turn[session, 0] + 8 + 16
     assert by_turn[0, 0] == by_turn[1, 0]  # same lengths: 32 prefix + 16 tokens + the template
+
+
+def test_without_tokenizer_the_bench_finds_it_through_the_models_root(serve_url, tiny_model, tmp_path):
+    # splitserve's /v1/models names the model by its directory's name (not a path), so only
+    # the entry's `root` (as vLLM's) leads the bench to the tokenizer: exact prompt lengths.
+    (model,) = httpx.get(serve_url + "/v1/models").json()["data"]
+    assert model["root"] == tiny_model and model["parent"] is None and model["id"] != tiny_model
+    data = run_json(
+        tmp_path, "root", "--url", serve_url, "--endpoint", "completions", "--input-len", "40",
+        "--output-len", "2", "--rate", "inf", "--num-requests", "3", "--warmup", "0",
+    )  # fmt: skip
+    assert data["settings"]["exact_lengths"] is True
+    (level,) = data["levels"]
+    assert {r["input_tokens"] for r in level["requests"]} == {40}

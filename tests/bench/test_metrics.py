@@ -7,7 +7,7 @@ import math
 import pytest
 
 from splitserve.bench.metrics import Distribution, RequestRecord, summarize
-from splitserve.goodput import SLO, distserve_goodput, parse_duration
+from splitserve.goodput import SLO, distserve_goodput, interpolated_goodput, parse_duration
 
 
 def record(
@@ -122,3 +122,11 @@ def test_distserve_goodput_reproduces_the_seed_table():
     assert distserve_goodput(rates, collocated_gap, 0.9) == 0.0
     assert distserve_goodput(rates, fast_pd_gap, 0.9) == 0.8
     assert distserve_goodput(rates, collocated_gap, 0.6) == 0.2
+    # Interpolated: where the line between two levels crosses 90%.
+    assert interpolated_goodput(rates, collocated_avg, 0.9) == pytest.approx(0.2 + 0.2 * 0.07 / 0.22)
+    assert interpolated_goodput(rates, fast_pd_avg, 0.9) == pytest.approx(0.6 + 0.2 * 0.05 / 0.07)
+    assert interpolated_goodput(rates, collocated_gap, 0.9) == 0.0
+    assert interpolated_goodput([1, 2], [0.95, 0.91], 0.9) == 2  # never extrapolated
+    assert interpolated_goodput([1, math.inf], [0.95, 0.5], 0.9) == 1
+    # non-monotone: the highest crossing counts
+    assert interpolated_goodput([1, 2, 3, 4], [1.0, 0.8, 1.0, 0.8], 0.9) == pytest.approx(3.5)

@@ -65,6 +65,22 @@ def test_length_range_parse():
             Lengths.parse(bad)
 
 
+def test_length_mixture_parse_sample_and_mean():
+    # The headline's workload: chats of 64-256 tokens with 10% long prompts among them.
+    mix = Lengths.parse("64:256,10%2048:3072")
+    assert mix == Lengths.mixture([(0.9, Lengths("uniform", 64, 256)), (0.1, Lengths("uniform", 2048, 3072))])
+    assert Lengths.parse(str(mix)) == mix and str(mix) == "90%64:256,10%2048:3072"
+    assert mix.mean() == pytest.approx(0.9 * 160 + 0.1 * 2560)
+    rng = random.Random(0)
+    draws = [mix.sample(rng) for _ in range(2000)]
+    assert all(64 <= d <= 256 or 2048 <= d <= 3072 for d in draws)
+    assert 150 <= sum(d >= 2048 for d in draws) <= 250  # ~10%, seeded
+    assert Lengths.parse("8,16").parts == ((0.5, Lengths.fixed(8)), (0.5, Lengths.fixed(16)))
+    for bad in ("64,110%5", "50%64,40%8", "64,100%8", "x%5,6", "64,"):
+        with pytest.raises(ValueError, match="bad"):
+            Lengths.parse(bad)
+
+
 def test_dataset_formats(tmp_path, tokenizer):
     path = tmp_path / "chats.jsonl"
     lines = [

@@ -8,6 +8,8 @@ import os
 import random
 import re
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -147,13 +149,33 @@ def test_up_push_over_shm_streams_through_the_openai_client(tiny_model, collocat
         assert wait_gone(list(pids.values())), "up left parts running"
 
 
+def thread_affinities(pid: int) -> set[frozenset[int]]:
+    """The CPU sets of every thread of a process (a thread inherits its creator's)."""
+    return {frozenset(os.sched_getaffinity(int(tid.name))) for tid in Path(f"/proc/{pid}/task").iterdir()}
+
+
+def environ_value(pid: int, name: str) -> str | None:
+    entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    found = [e.split(b"=", 1)[1].decode() for e in entries if e.startswith(name.encode() + b"=")]
+    return found[0] if found else None
+
+
 def test_up_pull_over_tcp_then_starts_a_dead_part_again(tiny_model, collocated):
     port = free_port()
     messages = chats()
     expected = asyncio.run(chat_token_ids(collocated, messages))
-    with _up(tiny_model, port, "--transport", "tcp", "--mode", "pull") as base:
+    every_cpu = frozenset(os.sched_getaffinity(0))
+    first, last = min(every_cpu), max(every_cpu)  # the same CPU on a one-CPU host
+    pinned = f"prefill={first},decode-0={last}"
+    with _up(tiny_model, port, "--transport", "tcp", "--mode", "pull", "--cpu-affinity", pinned) as base:
         assert asyncio.run(chat_token_ids(base, messages)) == expected
         pids = started_parts(port)
+        # --cpu-affinity: each engine's threads (torch's included) on its CPU, one thread
+        # for torch per CPU; the parts it does not name on every CPU
+        assert thread_affinities(pids["prefill-0"]) == {frozenset({first})}
+        assert thread_affinities(pids["decode-0"]) == {frozenset({last})}
+        assert environ_value(pids["decode-0"], "OMP_NUM_THREADS") == "1"
+        assert thread_affinities(pids["render"]) == thread_affinities(pids["proxy"]) == {every_cpu}
         urls = dict(re.findall(r"^\s+(\S+)\s+(http://\S+)", up_log(port), re.M))
         decode_metrics = httpx.get(
             f"{urls['decode-0']}/metrics", headers=internal_auth(pids["decode-0"])
@@ -203,12 +225,36 @@ def test_up_pull_over_tcp_then_starts_a_dead_part_again(tiny_model, collocated):
             assert time.monotonic() < deadline, up_log(port)[-3000:]
             time.sleep(0.2)
         probe = {"messages": messages[-1], "max_tokens": 1}
-        while httpx.post(f"{base}/v1/chat/completions", json=probe, timeout=60).status_code != 200:
+        while httpx.post(f"{base}/v1/chat/completions", json=probe, timeout=120).status_code != 200:
             assert time.monotonic() < deadline, up_log(port)[-3000:]
             time.sleep(0.2)
         assert asyncio.run(chat_token_ids(base, messages)) == expected
         alive = [pid for name, pid in pids.items() if name != "decode-0"]
         assert all(Path(f"/proc/{pid}").exists() for pid in alive)
+        (restarted,) = re.findall(r"decode-0 started again \(pid (\d+)\)", up_log(port))
+        assert thread_affinities(int(restarted)) == {frozenset({last})}  # pinned again
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("bogus=0", "no part 'bogus'"),
+        ("decode-1=0", "no part 'decode-1'"),  # one decode engine: decode-0 only
+        ("decode=4096", "CPU 4096 is not available"),
+        ("decode=one", "bad CPU list"),
+        ("decode=0,decode=0", "gives 'decode' twice"),
+        ("0", "use PART=CPUS"),
+    ],
+)
+def test_up_refuses_a_bad_cpu_affinity_before_starting_anything(tiny_model, value, message):
+    proc = subprocess.run(
+        [sys.executable, "-m", "splitserve.cli", "up", tiny_model, "--cpu-affinity", value],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert "stopped" not in proc.stderr  # refused before any part was started
 
 
 async def retry_past_a_dead_decode_worker(
