@@ -22,6 +22,7 @@ import time
 import httpx
 
 from splitserve.deploy.cpu_affinity import parse_cpu_affinity
+from splitserve.deploy.liveness import LivenessWatch
 from splitserve.deploy.supervisor import Part, Supervisor, kill_part, start_part
 from splitserve.frontend.media_cli import add_media_arguments, media_flags
 from splitserve.frontend.stream_state import STATE_KEY_ENV
@@ -103,6 +104,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         help="the proxy's: seconds a decode stream may be silent before its worker is probed (5)",
+    )
+    parser.add_argument(
+        "--resume-wait",
+        type=float,
+        default=None,
+        help="the proxy's: seconds a stream may wait for a decode worker to come back (60)",
+    )
+    parser.add_argument(
+        "--liveness-timeout",
+        type=float,
+        default=30.0,
+        help="a part alive but not answering /health this long (stopped, wedged) is killed "
+        "and started again (0: never)",
     )
     parser.add_argument("--kv-cache-memory", default=None, help="KV budget per engine, e.g. 512MiB")
     parser.add_argument("--max-model-len", type=int, default=None)
@@ -258,6 +272,7 @@ def run(args: argparse.Namespace) -> int:
 
     previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     parts: list[Part] = []
+    liveness: LivenessWatch | None = None
     cleanup: list[str] = []  # directories of this run
     picked = {args.port}  # the proxy binds last; every part's port differs from it and each other
 
@@ -341,6 +356,7 @@ def run(args: argparse.Namespace) -> int:
                 ("--kv-decode-load-weight", args.kv_decode_load_weight),
                 ("--routing", args.routing),
                 ("--stall-timeout", args.stall_timeout),
+                ("--resume-wait", args.resume_wait),
                 ("--max-in-flight-per-client", args.max_in_flight_per_client),
             ):
                 if value is not None:
@@ -362,6 +378,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"  {part.name:<10} {part.url}  (pid {part.process.pid}){cpus}")
         print(f"OpenAI API: {parts[-1].url}/v1  (Ctrl-C stops everything)", flush=True)
         supervisor = Supervisor(parts)
+        liveness = LivenessWatch(lambda: parts, args.liveness_timeout)
+        liveness.start()
         while not stop_requested:
             error = supervisor.poll()
             if error is not None:
@@ -370,6 +388,8 @@ def run(args: argparse.Namespace) -> int:
             time.sleep(_POLL_S)
         return 0
     finally:
+        if liveness is not None:
+            liveness.stop()  # a draining part is slow to answer: it is not to be killed
         _stop_draining(parts, args.drain_timeout, stop_at_once)
         for directory in cleanup:
             shutil.rmtree(directory, ignore_errors=True)

@@ -50,6 +50,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "a worker that does not answer is stalled and its streams move to another decode worker",
     )
     parser.add_argument(
+        "--resume-wait",
+        type=float,
+        default=60.0,
+        help="seconds a stream whose decode worker failed may wait for a decode worker to come "
+        "(back) into rotation when no other is available, before it ends with 503 (0: at once)",
+    )
+    parser.add_argument(
         "--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="request body limit"
     )
     access.add_public_arguments(parser)
@@ -118,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
             args.reserve_timeout,
             args.stall_timeout,
             bidirectional=args.kv_bidirectional,
+            resume_wait_s=args.resume_wait,
         )
         pool = WorkerPool(args.prefill, args.decode)
         weights = KVRoutingWeights(

@@ -3,7 +3,10 @@ picks; a worker that cannot be reached, dies mid-stream, or stalls (silent past 
 timeout, its /health unanswered: router/stall.py) is taken out of rotation (a stalled one
 is also sent an abort in the background), and the request moves to another decode worker:
 retried when nothing was streamed yet, resumed from the prompt plus the tokens streamed
-so far otherwise (router/migration.py). The client sees one stream.
+so far otherwise (router/migration.py). The client sees one stream. When no decode worker
+is left to move to (a single decode worker, restarted by `up`), the stream waits for one to
+come (back) into rotation, `resume_wait_s` at most over the whole stream, woken by the
+pool's health change (`WorkerPool.wait_for_worker`), then moves there.
 
 How a request runs on a chosen worker (decode alone, or P/D with a prefill worker) is
 the caller's: `DecodeSupervisor` takes it as `run_on`, and the pick as `pick_decode`.
@@ -33,6 +36,8 @@ PickDecode = Callable[[dict, set[str], str | None], Worker | None]
 # (decode worker, generate request) → its chunks: the request run with that worker decoding
 RunOn = Callable[[Worker, dict], AsyncIterator[dict]]
 
+DEFAULT_RESUME_WAIT_S = 60.0
+
 
 class DecodeSupervisor:
     def __init__(
@@ -43,6 +48,7 @@ class DecodeSupervisor:
         stall_timeout_s: float,
         pick_decode: PickDecode,
         run_on: RunOn,
+        resume_wait_s: float = DEFAULT_RESUME_WAIT_S,
     ) -> None:
         self.pool = pool
         self.metrics = metrics
@@ -50,6 +56,9 @@ class DecodeSupervisor:
         self.stall_timeout_s = stall_timeout_s
         self.pick_decode = pick_decode
         self.run_on = run_on
+        # how long, over a whole stream, it may wait for a decode worker to come (back) into
+        # rotation when none is left to move to (0: it ends at once)
+        self.resume_wait_s = resume_wait_s
         self._background: set[asyncio.Future] = set()  # aborts sent to stalled workers
 
     async def stream(
@@ -64,8 +73,11 @@ class DecodeSupervisor:
         tried: set[str] = set()
         streamed = StreamedSoFar()
         attempt = request
+        wait_deadline = asyncio.get_running_loop().time() + self.resume_wait_s
         while True:
             decode = self.pick_decode(request, tried, hinted)
+            if decode is None and tried:  # every worker tried has failed: wait for one to come back
+                decode = await self._wait_for_decode(request, hinted, wait_deadline)
             if decode is None:
                 self.metrics.errors.labels("503").inc()
                 raise APIError(503, "no decode worker is available", code="no_worker")
@@ -78,7 +90,9 @@ class DecodeSupervisor:
                     async with contextlib.aclosing(self._watched(decode, stream)) as chunks:
                         async for chunk in chunks:
                             streamed.add(chunk)
-                            yield as_original(chunk, request, before)
+                            told = as_original(chunk, request, before)
+                            self._count_resumed(told)
+                            yield told
                 if on_finished is not None:
                     on_finished(decode)
                 return
@@ -102,6 +116,27 @@ class DecodeSupervisor:
                     len(streamed.token_ids),
                     exc.message,
                 )
+
+    async def _wait_for_decode(self, request: dict, hinted: str | None, deadline: float) -> Worker | None:
+        """A decode worker that came (back) into rotation before `deadline` (a restarted one
+        may be one tried already: same URL, new process); None past it."""
+        loop = asyncio.get_running_loop()
+        while loop.time() < deadline:
+            decode = self.pick_decode(request, set(), hinted)  # back since the last look
+            if decode is not None:
+                return decode
+            self.metrics.resume_waits.inc()
+            logger.warning(
+                "no decode worker is available: waiting for one (%.0f s left)", deadline - loop.time()
+            )
+            await self.pool.wait_for_worker("decode", deadline - loop.time())
+        return None
+
+    def _count_resumed(self, chunk: dict) -> None:
+        resumed = (chunk.get("metrics") or {}).get("resumed")
+        if isinstance(resumed, dict):
+            for source in ("reused", "pulled", "computed"):
+                self.metrics.resumed_prompt_tokens.labels(source).inc(resumed[f"prompt_tokens_{source}"])
 
     async def close(self) -> None:
         for task in list(self._background):

@@ -33,6 +33,19 @@ class ProxyMetrics:
             "Decode streams migrated because their worker stalled (silent, /health unanswered).",
             registry=r,
         )
+        self.resume_waits = Counter(
+            f"{PREFIX}_resume_waits",
+            "Times a stream waited for a decode worker to come (back) into rotation (none left).",
+            registry=r,
+        )
+        self.resumed_prompt_tokens = Counter(
+            f"{PREFIX}_resumed_prompt_tokens",
+            "Prompt tokens of resumed streams (prompt + tokens streamed before), by where their "
+            "KV came from: reused (a worker's prefix cache), pulled (by block hash from a worker "
+            "that held it), computed (again, for the resumed request).",
+            ["source"],
+            registry=r,
+        )
         self.errors = Counter(
             f"{PREFIX}_errors", "Requests that failed, by HTTP status.", ["status"], registry=r
         )

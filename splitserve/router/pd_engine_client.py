@@ -90,6 +90,7 @@ class PDEngineClient(EngineClient):
             policy.stall_timeout_s,
             lambda request, tried, hinted: self._pick("decode", request, tried, hinted),
             self._run,
+            policy.resume_wait_s,
         )
 
     def _client(self, worker: Worker) -> HTTPEngineClient:

@@ -24,6 +24,10 @@ class PDPolicy:
     # push: prefill pulls the leading blocks decode already holds (by block hash) instead
     # of computing them; off, KV moves one way only (prefill recomputes them)
     bidirectional: bool = True
+    # A stream whose decode worker failed, with no other decode worker to move to, waits
+    # this long (over the whole stream) for one to come (back) into rotation (`up`
+    # restarts a dead or stalled one) before it ends with 503 (0: it ends at once).
+    resume_wait_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.min_prefill_tokens < 0:
@@ -32,6 +36,8 @@ class PDPolicy:
             raise ValueError(f"unknown transfer mode {self.mode!r} (push or pull)")
         if not self.stall_timeout_s > 0:  # also rejects NaN
             raise ValueError("stall_timeout_s must be positive")
+        if not self.resume_wait_s >= 0:  # also rejects NaN
+            raise ValueError("resume_wait_s must be >= 0")
 
     def use_prefill_pool(self, num_prompt_tokens: int, num_cached_tokens: int = 0) -> bool:
         """Whether the uncached part of the prompt is worth a prefill worker."""

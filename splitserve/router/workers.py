@@ -1,7 +1,9 @@
 """The prefill and decode worker pools the proxy routes over: least-loaded picks, health.
 
 A worker that fails a request or a health check leaves the rotation until a later health
-check passes. Load is the proxy's own count of requests in flight on each worker.
+check passes. Load is the proxy's own count of requests in flight on each worker. A stream
+left without a worker can wait for one to come (back) into rotation (`wait_for_worker`:
+woken by the health change itself, never by polling).
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ class WorkerPool:
         self._lock = threading.Lock()
         self._workers: list[Worker] = [Worker(u.rstrip("/"), "prefill") for u in prefill_urls]
         self._workers += [Worker(u.rstrip("/"), "decode") for u in decode_urls]
+        # waiters for a worker of a role to come into rotation: (role, their loop, event)
+        self._waiters: list[tuple[WorkerRole, asyncio.AbstractEventLoop, asyncio.Event]] = []
 
     def workers(self, role: WorkerRole | None = None) -> list[Worker]:
         return [w for w in self._workers if role is None or w.role == role]
@@ -64,6 +68,7 @@ class WorkerPool:
             worker = Worker(url, role)
             self._workers = [*self._workers, worker]  # a new list: readers iterate the old one
         logger.warning("%s worker %s joined", role, url)
+        self._wake(role)
         return worker
 
     def remove(self, url: str) -> bool:
@@ -116,6 +121,34 @@ class WorkerPool:
         if changed:
             state = "back in rotation" if healthy else "out of rotation (health check failed)"
             logger.warning("%s worker %s %s", worker.role, worker.url, state)
+        if changed and healthy:
+            self._wake(worker.role)
+
+    async def wait_for_worker(self, role: WorkerRole, timeout_s: float) -> bool:
+        """Wait until a worker of `role` comes (back) into rotation, at most `timeout_s`;
+        whether one did. Healthy workers already there do not count: the caller has
+        found none of them usable."""
+        event = asyncio.Event()
+        waiter = (role, asyncio.get_running_loop(), event)
+        with self._lock:
+            self._waiters.append(waiter)
+        try:
+            async with asyncio.timeout(max(0.0, timeout_s)):
+                await event.wait()
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            with self._lock:
+                self._waiters.remove(waiter)
+
+    def _wake(self, role: WorkerRole) -> None:
+        """Wake the waiters for `role` (health checks may run on another thread or loop)."""
+        with self._lock:
+            waiters = [(loop, event) for r, loop, event in self._waiters if r == role]
+        for loop, event in waiters:
+            with contextlib.suppress(RuntimeError):  # that loop has closed
+                loop.call_soon_threadsafe(event.set)
 
     def snapshot(self) -> list[dict]:
         with self._lock:

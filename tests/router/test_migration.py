@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import signal
 import subprocess
@@ -43,6 +44,8 @@ class Stream(threading.Thread):
         self.base = base
         self.body = body or GREEDY
         self.pieces: list[str] = []
+        self.token_ids: list[int] = []  # with return_token_ids
+        self.usage: dict | None = None  # with stream_options.include_usage
         self.finish_reason: str | None = None
         self.error: str | None = None
 
@@ -55,8 +58,11 @@ class Stream(threading.Thread):
                         if "choices" not in event:
                             self.error = line
                             return
-                        self.pieces.append(event["choices"][0]["text"])
-                        self.finish_reason = event["choices"][0].get("finish_reason") or self.finish_reason
+                        self.usage = event.get("usage") or self.usage
+                        for choice in event["choices"]:
+                            self.pieces.append(choice["text"])
+                            self.token_ids += choice.get("token_ids") or []
+                            self.finish_reason = choice.get("finish_reason") or self.finish_reason
         except httpx.HTTPError as exc:
             self.error = repr(exc)
 
@@ -83,7 +89,8 @@ class Stack(NamedTuple):
 def stack(tiny_model) -> Iterator[Stack]:
     port = free_port()
     args = ["up", tiny_model, "--port", str(port), "--decode", "2", "--render", "2", "--num-blocks", "512"]
-    args += ["--min-prefill-tokens", "2", "--stall-timeout", "1"]
+    # no liveness kills: the SIGSTOPped worker stays stopped until the test resumes it
+    args += ["--min-prefill-tokens", "2", "--stall-timeout", "1", "--liveness-timeout", "0"]
     with running_server(args, port, timeout=180, env={"SPLITSERVE_INTERNAL_TOKEN": TOKEN}) as base:
         while "OpenAI API:" not in up_log(port):
             time.sleep(0.1)
@@ -109,6 +116,13 @@ def streams_survive(base: str, expected: str, fault: Callable[[], str], body: di
         assert stream.finish_reason == "length"
         assert stream.text == expected
     return victim
+
+
+def resumed_prompt_tokens(base: str) -> dict[str, float]:
+    """The proxy's count of resumed streams' prompt tokens, by where their KV came from."""
+    text = httpx.get(f"{base}/metrics").text
+    name = "splitserve_proxy_resumed_prompt_tokens_total"
+    return {s: metric(text, name, f'{{source="{s}"}}') for s in ("reused", "pulled", "computed")}
 
 
 def busy_decode(stack: Stack) -> str:
@@ -214,6 +228,35 @@ def test_a_seeded_request_migrated_mid_stream_samples_what_an_undisturbed_run_do
     assert reference.finish_reason == "length", reference.error
     assert reference.text != stack.expected  # sampled, not greedy
     streams_survive(stack.base, reference.text, signal_busy_decode(stack, signal.SIGKILL, []), SEEDED)
+
+
+def test_a_stream_resumed_after_its_decode_worker_dies_computes_only_the_tail(stack: Stack):
+    """The prefill worker still holds the prompt's blocks (its prefix cache): the resumed
+    request (prompt + tokens streamed) has it compute only the last partial block and the
+    streamed tokens, and push the whole prompt's KV to the new decode worker. The stream's
+    prompt is new to every engine, and its undisturbed run comes afterwards."""
+    wait_all_healthy(stack.base)
+    prompt = random.Random(21).choices(range(300, 1800), k=200)
+    body = {**GREEDY, "prompt": prompt, "return_token_ids": True, "stream_options": {"include_usage": True}}
+    before = resumed_prompt_tokens(stack.base)
+    resumed = Stream(stack.base, body)
+    resumed.start()
+    while not resumed.pieces and resumed.is_alive():
+        time.sleep(0.01)
+    signal_busy_decode(stack, signal.SIGKILL, [])()
+    resumed.join()
+    assert resumed.error is None and resumed.finish_reason == "length"
+    counted = {k: v - before[k] for k, v in resumed_prompt_tokens(stack.base).items()}
+    kept = len(prompt) // 16 * 16  # the prompt's full blocks, in prefill's prefix cache
+    assert counted["reused"] == kept and counted["pulled"] == 0
+    # computed: the prompt's last partial block and the tokens streamed before the kill
+    assert len(prompt) - kept < counted["computed"] <= len(prompt) - kept + len(resumed.token_ids)
+    assert resumed.usage is not None and resumed.usage["prompt_tokens"] == len(prompt)
+    assert resumed.usage["prompt_tokens_details"]["cached_tokens"] == kept
+
+    undisturbed = Stream(stack.base, body)
+    undisturbed.run()
+    assert resumed.token_ids == undisturbed.token_ids and len(resumed.token_ids) == GREEDY["max_tokens"]
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "nan"])
