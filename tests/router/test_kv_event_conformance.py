@@ -153,9 +153,9 @@ def test_a_restarted_publisher_whose_numbers_passed_the_old_ones_is_followed_afr
 
 
 def test_the_feed_follows_clears_restarts_and_replays_longer_than_the_high_water_mark():
-    """The proxy's feed joins a publisher that buffers 3,000 batches (a replay past
-    ZeroMQ's default high-water mark of 1,000, which used to lose its tail and end
-    marker), follows an AllBlocksCleared, and a restart numbered from 0 again."""
+    """The proxy's feed joins a publisher that buffers 4,000 batches (a replay past
+    ZeroMQ's default high-water mark of 1,000, past which a ROUTER drops what it sends),
+    follows an AllBlocksCleared, and a restart numbered from 0 again."""
     config = _config()
     publisher = RecordingPublisher(config)
     index = KVBlockIndex()
