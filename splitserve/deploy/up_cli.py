@@ -26,7 +26,7 @@ from splitserve.deploy.liveness import LivenessWatch
 from splitserve.deploy.supervisor import Part, Supervisor, kill_part, start_part
 from splitserve.frontend.media_cli import add_media_arguments, media_flags
 from splitserve.frontend.stream_state import STATE_KEY_ENV
-from splitserve.protocol.access import API_KEY_ENV, INTERNAL_TOKEN_ENV
+from splitserve.protocol.access import API_KEY_ENV, INTERNAL_TOKEN_ENV, api_keys
 from splitserve.protocol.drain import add_serving_arguments
 from splitserve.protocol.http_edge import DEFAULT_MAX_BODY_BYTES
 from splitserve.protocol.ports import pick_free_port
@@ -79,6 +79,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="the proxy's: chat/completions requests one client address may have in flight (0: any)",
+    )
+    parser.add_argument(
+        "--max-kv-blocks-per-client",
+        type=int,
+        default=None,
+        help="the proxy's: KV blocks one client's running prompts may take on decode (0: any)",
+    )
+    parser.add_argument(
+        "--quota-by",
+        nargs="+",
+        choices=["address", "api-key"],  # the proxy's --quota-by
+        default=None,
+        help="the proxy's: per-client bounds count each address, each API key, or both",
     )
     parser.add_argument("--port", type=int, default=8000, help="the proxy's (OpenAI API) port")
     parser.add_argument(
@@ -358,10 +371,15 @@ def run(args: argparse.Namespace) -> int:
                 ("--stall-timeout", args.stall_timeout),
                 ("--resume-wait", args.resume_wait),
                 ("--max-in-flight-per-client", args.max_in_flight_per_client),
+                ("--max-kv-blocks-per-client", args.max_kv_blocks_per_client),
             ):
                 if value is not None:
                     proxy += [flag, str(value)]
-            parts.append(_start("proxy", proxy, args.host, args.port, proxy_env, api_key))
+            if args.quota_by:
+                proxy += ["--quota-by", *args.quota_by]
+            # several keys (comma-separated, the proxy's form): up checks health with the first
+            health_key = next(iter(api_keys(api_key)), None)
+            parts.append(_start("proxy", proxy, args.host, args.port, proxy_env, health_key))
             error = _wait_healthy(parts[-1:], args.startup_timeout)
         if error is not None:
             print(f"splitserve up: {error}", file=sys.stderr)

@@ -82,10 +82,11 @@ class ControlChannel:
                 return None
         return InboundMessage(frames[0], body[0].bytes, json.loads(body[1].bytes), list(body[2:]), stamp)
 
-    def hello_answer(self, layout: dict) -> dict:
-        """HELLO's answer: the pool layout, and with a key a session issued for the asker."""
+    def hello_answer(self, message: InboundMessage, layout: dict) -> dict:
+        """HELLO's answer: the pool layout, and with a key a session issued for the asker,
+        accounted to the connection it asked on (ReplayGuard)."""
         if self.mac.enabled:
-            return {**layout, "session": self.sessions.issue().hex()}
+            return {**layout, "session": self.sessions.issue(message.identity.bytes).hex()}
         return layout
 
     def reply(self, router: zmq.Socket, message: InboundMessage, answer: dict) -> None:

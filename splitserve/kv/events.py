@@ -29,6 +29,10 @@ class KVEventPublisher:
         self.pub = self.context.socket(zmq.PUB)
         self.pub.bind(config.endpoint)
         self.replay = self.context.socket(zmq.ROUTER)
+        # A ROUTER drops what it sends past a peer's high-water mark (1,000 by default):
+        # a replay of a longer buffer lost its tail and its end marker, and the subscriber
+        # took the rest for the whole. One whole buffer fits per peer.
+        self.replay.setsockopt(zmq.SNDHWM, config.buffer_steps + 1)
         self.replay.bind(config.replay_endpoint)
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self.next_seq = 0

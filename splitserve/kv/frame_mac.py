@@ -30,10 +30,13 @@ _LABEL = b"splitserve kv frames v1"
 TAG_BYTES = 32
 SESSION_BYTES = 16
 STAMP_BYTES = SESSION_BYTES + 8  # session ID, then the sequence number (big-endian)
-# Sessions a receiver remembers; the least recently used is forgotten first (its sender's
-# later messages are dropped and its transfers fail over to a recompute). Each send lane
-# of each peer holds one, and idle lanes retire, so a deployment needs far fewer.
-MAX_SESSIONS = 4096
+# Sessions a receiver remembers, per peer (one connection) and in all: a peer's least
+# recently used session is forgotten first (its sender's later messages are dropped and its
+# transfers fail over to a recompute), and past MAX_PEERS the least recently active peer.
+# A send lane says HELLO once per connection, and idle lanes retire, so a deployment needs
+# one session per peer and far fewer peers.
+MAX_SESSIONS_PER_PEER = 16
+MAX_PEERS = 1024
 
 
 def _view(frame: Any) -> Any:
@@ -101,37 +104,75 @@ class SenderSession:
 
 
 class ReplayGuard:
-    """A receiver's sessions: which it issued, and the last sequence number it accepted in
-    each. Shared by the receiving thread only, but locked for the metrics reader."""
+    """A receiver's sessions: which it issued, to which peer, and the last sequence number
+    it accepted in each. Shared by the receiving thread only, but locked for readers.
 
-    def __init__(self, max_sessions: int = MAX_SESSIONS):
-        self.max_sessions = max_sessions
+    A peer is the connection a HELLO came on, as the receiving ROUTER socket names it (its
+    routing identity), never what a message says: a token holder can write any engine ID
+    into a HELLO, but ZeroMQ makes a connection's identity up itself and refuses a second
+    connection claiming one in use, so nobody takes another peer's slot. HELLOs sent again
+    and again on one connection evict only that connection's own oldest sessions; a flood
+    of new connections is bounded by `max_peers` (the least recently active peer goes)."""
+
+    def __init__(self, max_sessions_per_peer: int = MAX_SESSIONS_PER_PEER, max_peers: int = MAX_PEERS):
+        if max_sessions_per_peer < 1 or max_peers < 1:
+            raise ValueError("a ReplayGuard keeps at least one peer and one session per peer")
+        self.max_sessions_per_peer = max_sessions_per_peer
+        self.max_peers = max_peers
         self._lock = threading.Lock()
-        self._last: OrderedDict[bytes, int] = OrderedDict()
+        # per peer, least recently active first: its sessions (least recently used first)
+        # and the last sequence number accepted in each
+        self._peers: OrderedDict[bytes, OrderedDict[bytes, int]] = OrderedDict()
+        self._owner: dict[bytes, bytes] = {}  # session -> the peer it was issued to
         self.refused = 0
 
-    def issue(self) -> bytes:
+    def issue(self, peer: bytes) -> bytes:
+        """A new session for `peer` (the connection's routing identity)."""
         session = secrets.token_bytes(SESSION_BYTES)
         with self._lock:
-            self._last[session] = 0
-            while len(self._last) > self.max_sessions:
-                self._last.popitem(last=False)
+            sessions = self._peers.get(peer)
+            if sessions is None:
+                sessions = self._peers[peer] = OrderedDict()
+                while len(self._peers) > self.max_peers:
+                    _, forgotten = self._peers.popitem(last=False)
+                    self._forget(forgotten)
+            self._peers.move_to_end(peer)
+            sessions[session] = 0
+            self._owner[session] = peer
+            while len(sessions) > self.max_sessions_per_peer:
+                oldest, _ = sessions.popitem(last=False)
+                del self._owner[oldest]
         return session
+
+    def _forget(self, sessions: OrderedDict[bytes, int]) -> None:
+        for session in sessions:
+            del self._owner[session]
+
+    def num_sessions(self, peer: bytes | None = None) -> int:
+        """Sessions remembered: of `peer`, or in all."""
+        with self._lock:
+            if peer is None:
+                return len(self._owner)
+            return len(self._peers.get(peer, ()))
 
     def admit(self, message_stamp: bytes) -> bool:
         """Whether a message with this stamp is new: of an issued session, and later than
-        every message of that session accepted before."""
+        every message of that session accepted before. A session is not bound to the
+        connection it was issued on: ZeroMQ reconnects a sender's socket by itself, under a
+        new identity, and the session goes on."""
         if len(message_stamp) != STAMP_BYTES:
             return self._refuse()
         session = message_stamp[:SESSION_BYTES]
         sequence = int.from_bytes(message_stamp[SESSION_BYTES:], "big")
         with self._lock:
-            last = self._last.get(session)
-            if last is None or sequence <= last:
+            peer = self._owner.get(session)
+            sessions = self._peers[peer] if peer is not None else None
+            if sessions is None or sequence <= sessions[session]:
                 self.refused += 1
                 return False
-            self._last[session] = sequence
-            self._last.move_to_end(session)
+            sessions[session] = sequence
+            sessions.move_to_end(session)
+            self._peers.move_to_end(peer)
         return True
 
     def _refuse(self) -> bool:

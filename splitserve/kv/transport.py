@@ -413,7 +413,8 @@ class KVTransport(ABC):
         assert self._router is not None
         kind, header = message.kind, message.header
         if kind == b"HELLO":
-            self.control.reply(self._router, message, self.control.hello_answer(self.layout()._asdict()))
+            answer = self.control.hello_answer(message, self.layout()._asdict())
+            self.control.reply(self._router, message, answer)
         elif kind == b"PUSH":
             blocks = [int(block) for block in header["dst"]]
             with self._landing:

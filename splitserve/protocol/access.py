@@ -2,8 +2,9 @@
 paths that answer without either. See docs/security.md.
 
 Two credentials, one header (`Authorization: Bearer ...`, OpenAI's convention):
-- the API key (`--api-key` / SPLITSERVE_API_KEY) guards the public OpenAI API of `serve`
-  and the proxy;
+- the API keys (`--api-key`, repeated for several, or SPLITSERVE_API_KEY with several
+  separated by commas: a bearer token never holds one) guard the public OpenAI API of
+  `serve` and the proxy;
 - the internal token (SPLITSERVE_INTERNAL_TOKEN, or `--internal-token-file`) guards every
   internal part (engines, render tier): only the deployment's own proxy and parts have it.
   `up` generates one per deployment and hands it to each part through the environment,
@@ -66,8 +67,10 @@ def add_public_arguments(parser: argparse.ArgumentParser) -> None:
     """`serve` and the proxy: the OpenAI API's key and what answers without it."""
     parser.add_argument(
         "--api-key",
+        action="append",
         default=None,
-        help=f"require `Authorization: Bearer KEY` on the OpenAI API (default: ${API_KEY_ENV})",
+        help="require `Authorization: Bearer KEY` on the OpenAI API; repeat for several keys "
+        f"(default: ${API_KEY_ENV}, several separated by commas)",
     )
     parser.add_argument(
         "--open-health-metrics",
@@ -100,10 +103,16 @@ def load_internal_token(args: argparse.Namespace) -> str | None:
     return internal_token()
 
 
+def api_keys(value: str | None) -> tuple[str, ...]:
+    """The keys in `value` (SPLITSERVE_API_KEY's form): several separated by commas, which
+    no bearer token holds (RFC 6750)."""
+    return tuple(key.strip() for key in (value or "").split(",") if key.strip())
+
+
 def public_policy(args: argparse.Namespace) -> AccessPolicy:
-    key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    keys = api_keys(",".join(args.api_key)) if args.api_key else api_keys(os.environ.get(API_KEY_ENV))
     open_paths = OPEN_WITH_FLAG if args.open_health_metrics else frozenset()
-    return AccessPolicy((key,) if key else (), open_paths, args.enable_docs)
+    return AccessPolicy(keys, open_paths, args.enable_docs)
 
 
 def internal_policy(args: argparse.Namespace) -> AccessPolicy:
@@ -117,7 +126,8 @@ def internal_policy(args: argparse.Namespace) -> AccessPolicy:
     return AccessPolicy((token,) if token else (), frozenset(), getattr(args, "enable_docs", False))
 
 
-def _bearer(scope: Scope) -> str | None:
+def bearer_token(scope: Scope) -> str | None:
+    """The token of the request's `Authorization: Bearer` header, if any."""
     for name, value in scope.get("headers", ()):
         if name == b"authorization":
             scheme, _, token = value.decode("latin-1").partition(" ")
@@ -148,7 +158,7 @@ class AccessGuard:
             await _send_error(send, 404, "Not Found", [])
             return
         if self.policy.keys and path not in self.policy.open_paths:
-            token = _bearer(scope)
+            token = bearer_token(scope)
             # Compared in constant time, against every key, so timing tells nothing.
             matches = [hmac.compare_digest(token.encode(), key.encode()) for key in self.policy.keys if token]
             if not any(matches):

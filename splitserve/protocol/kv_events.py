@@ -104,10 +104,24 @@ def replay_endpoint_for(endpoint: str) -> str:
     return f"{base}:{int(port) + 1}"
 
 
+RESET_SEQ = -1  # a batch the subscriber made up: everything known of the publisher is void
+
+
+def reset_batch() -> SequencedBatch:
+    """What a subscriber returns when it lost track (a restart, or a gap it cannot fill):
+    applied in order like any batch, it drops the worker's blocks, so an index never keeps
+    a block the engine may have removed in the batches it missed."""
+    return SequencedBatch(RESET_SEQ, KVEventBatch(time.time(), [AllBlocksCleared()]))
+
+
 class KVEventSubscriber:
     """Receives one publisher's batches in order. A subscriber that joins late or misses
-    messages (a sequence gap) fetches what it lacks from the replay socket first, so the
-    batches it returns run without gaps from the oldest one the publisher still buffers."""
+    messages (a sequence gap) fetches what it lacks from the replay socket first, checking
+    that the publisher is still the one it followed (its batch `last_seq` unchanged); a
+    restarted publisher is followed from its oldest buffered batch, after a reset batch;
+    a gap the replay cannot fill whole (no replay socket, batches no longer buffered, an
+    answer cut short) gives a reset batch too, so applying the batches in order never
+    leaves a block the engine removed."""
 
     def __init__(self, endpoint: str, replay_endpoint: str | None, topic: str = "") -> None:
         self.context = zmq.Context()
@@ -116,12 +130,11 @@ class KVEventSubscriber:
         self.sub.connect(endpoint)
         self.replay_endpoint = replay_endpoint
         self.last_seq = -1  # the last batch returned, live or replayed
+        self.last_payload: bytes | None = None  # its payload: who published it
         # payloads of the last replay, until the live stream passes them: a live batch with
         # one of their numbers is either the same batch again or from a restarted publisher
         self.replayed: dict[int, bytes] = {}
-        # batch 0 of the publisher instance followed (its AllBlocksCleared, with its time):
-        # a different batch 0 in the replay buffer means the publisher restarted
-        self.first_payload: bytes | None = None
+        self.started = False  # returned a batch: its consumer holds something to reset
 
     def poll(self, timeout_ms: int = 100) -> list[SequencedBatch]:
         """The batches that arrived within `timeout_ms`, replayed gaps included."""
@@ -135,62 +148,113 @@ class KVEventSubscriber:
                 if self.replayed.get(seq) == payload:
                     continue  # already replayed
                 # an unseen batch with an old number: the publisher restarted, counting from 0
-                self.last_seq = -1
+                received.extend(self._resync(seq))
+            elif seq > self.last_seq + 1:
+                received.extend(self._fill(seq))
             self.replayed.clear()
-            if seq > self.last_seq + 1 and self.replay_endpoint is not None:
-                received.extend(self.replay(self.last_seq + 1, seq))
-            received.append(SequencedBatch(seq, decode_batch(payload)))
-            if seq == 0:
-                self.first_payload = payload
-            self.last_seq = seq
+            received.append(self._take(seq, payload))
         return received
 
-    def publisher_restarted(self) -> bool:
-        """Whether the publisher's batch 0 is not the one this subscriber followed (a
-        restart whose live batches were all missed); False when batch 0 is gone."""
-        if self.first_payload is None or self.replay_endpoint is None:
-            return False
-        first = self._fetch(0, 1)
-        return bool(first) and first[0][1] != self.first_payload
+    def sync(self) -> list[SequencedBatch]:
+        """What was published since `last_seq` and not received live (checked as a gap
+        is); nothing when the replay socket does not answer (the publisher may be down)."""
+        if self.replay_endpoint is None:
+            return []
+        if self.last_seq < 0:
+            return self._resync(None)
+        run = self._fetch_run(self.last_seq, None)
+        if run is None:
+            return []
+        return self._continue(run, None)
 
-    def resync(self) -> list[SequencedBatch]:
-        """Every buffered batch from 0, as after a restart."""
-        self.last_seq, self.first_payload = -1, None
-        self.replayed.clear()
-        return self.replay(0)
+    def _fill(self, stop: int) -> list[SequencedBatch]:
+        """The missed batches last_seq+1 .. stop-1, or a reset when they cannot all be had."""
+        if self.replay_endpoint is None:
+            return [self._reset()] if self.started else []
+        if self.last_seq < 0:
+            return self._resync(stop)
+        run = self._fetch_run(self.last_seq, stop)
+        if run is None:
+            return [self._reset()] if self.started else []
+        return self._continue(run, stop)
+
+    def _continue(self, run: list[tuple[int, bytes]], stop: int | None) -> list[SequencedBatch]:
+        if not run or run[0] != (self.last_seq, self.last_payload):
+            return self._resync(stop)  # batch last_seq is gone or another: a restarted publisher
+        return [self._take(seq, payload, replayed=True) for seq, payload in run[1:]]
+
+    def _resync(self, stop: int | None) -> list[SequencedBatch]:
+        """A reset, then the publisher's batches from its oldest buffered one (before
+        `stop`), when the replay socket has them all."""
+        batches = [self._reset()] if self.started else []
+        run = self._fetch_run(0, stop) if self.replay_endpoint is not None else None
+        if run is not None:
+            batches += [self._take(seq, payload, replayed=True) for seq, payload in run]
+        return batches
+
+    def _reset(self) -> SequencedBatch:
+        self.last_seq, self.last_payload = -1, None
+        return reset_batch()
+
+    def _take(self, seq: int, payload: bytes, replayed: bool = False) -> SequencedBatch:
+        if replayed:
+            self.replayed[seq] = payload
+        self.last_seq, self.last_payload, self.started = seq, payload, True
+        return SequencedBatch(seq, decode_batch(payload))
 
     def replay(
         self, start_seq: int, stop_seq: int | None = None, timeout_ms: int = 2000
     ) -> list[SequencedBatch]:
-        """Batches start_seq ≤ seq < stop_seq (all buffered ones when None) from the replay
-        socket; advances `last_seq`."""
-        batches: list[SequencedBatch] = []
-        for seq, payload in self._fetch(start_seq, stop_seq, timeout_ms):
-            batches.append(SequencedBatch(seq, decode_batch(payload)))
-            self.replayed[seq] = payload
-            if seq == 0:
-                self.first_payload = payload
-            self.last_seq = max(self.last_seq, seq)
-        return batches
+        """Batches start_seq <= seq < stop_seq (all buffered ones when None) from the replay
+        socket, as they come; advances `last_seq`."""
+        found, _complete = self._fetch(start_seq, stop_seq, timeout_ms)
+        return [self._take(seq, payload, replayed=True) for seq, payload in found]
 
-    def _fetch(self, start_seq: int, stop_seq: int | None, timeout_ms: int = 2000) -> list[tuple[int, bytes]]:
+    def _fetch_run(self, start: int, stop: int | None) -> list[tuple[int, bytes]] | None:
+        """The publisher's consecutive batches from the first it buffers at or after
+        `start` through `stop - 1` (through its newest when None), in as many replays as a
+        publisher that cuts answers short needs; None when it stops answering or the run
+        has a hole or ends early."""
+        run: list[tuple[int, bytes]] = []
+        while True:
+            next_seq = run[-1][0] + 1 if run else start
+            if stop is not None and next_seq >= stop and run:
+                return run
+            found, complete = self._fetch(next_seq, stop)
+            for seq, payload in found:
+                if run and seq != run[-1][0] + 1:
+                    return None
+                run.append((seq, payload))
+            if complete:
+                reached = stop is None or (run and run[-1][0] == stop - 1) or (not run and start >= stop)
+                return run if reached else None
+            if not found:
+                return None
+
+    def _fetch(
+        self, start_seq: int, stop_seq: int | None, timeout_ms: int = 2000
+    ) -> tuple[list[tuple[int, bytes]], bool]:
+        """One replay: the batches it brought, and whether its end marker came."""
         assert self.replay_endpoint is not None
         dealer = self.context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.RCVHWM, 0)  # a whole buffer's answer, however long
         dealer.connect(self.replay_endpoint)
         found: list[tuple[int, bytes]] = []
+        complete = False
         try:
             dealer.send_multipart([b"", encode_seq(start_seq)])
             while dealer.poll(timeout_ms):
                 _empty, seq_frame, payload = dealer.recv_multipart()
                 seq = decode_seq(seq_frame)
                 if seq == END_OF_REPLAY:
+                    complete = True
                     break
                 if stop_seq is None or seq < stop_seq:
                     found.append((seq, payload))
         finally:
             dealer.close()
-        return found
+        return found, complete
 
     def close(self) -> None:
         self.sub.close(linger=0)

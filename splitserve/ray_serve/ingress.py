@@ -23,7 +23,14 @@ from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from splitserve.protocol.access import API_KEY_ENV, OPEN_WITH_FLAG, AccessGuard, AccessPolicy, internal_token
+from splitserve.protocol.access import (
+    API_KEY_ENV,
+    OPEN_WITH_FLAG,
+    AccessGuard,
+    AccessPolicy,
+    api_keys,
+    internal_token,
+)
 from splitserve.protocol.errors import error_body
 from splitserve.protocol.process_lifetime import owned_directory, remove_dead_owners
 from splitserve.router.app import create_proxy_app
@@ -120,9 +127,8 @@ class ProxyIngress:
         )
         self.frontend = self.proxy_app.state.service.frontend
         self.members: dict[str, Member] = {}
-        api_key = os.environ.get(API_KEY_ENV) or None
         open_paths = OPEN_WITH_FLAG if open_health_metrics else frozenset()
-        self.policy = AccessPolicy((api_key,) if api_key else (), open_paths)
+        self.policy = AccessPolicy(api_keys(os.environ.get(API_KEY_ENV)), open_paths)
 
     def encoder_cache(self) -> dict[str, Any] | None:
         """Where the encoder cache is (node, directory, server address), or None when the

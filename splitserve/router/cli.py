@@ -7,7 +7,7 @@ import logging
 import sys
 
 from splitserve.protocol import access
-from splitserve.protocol.client_quota import ClientQuota
+from splitserve.protocol.client_quota import QUOTA_BY, ClientQuota, QuotaLimits
 from splitserve.protocol.drain import add_serving_arguments, serve_draining
 from splitserve.protocol.http_edge import DEFAULT_MAX_BODY_BYTES
 from splitserve.router.routing import RoutingPolicy
@@ -65,8 +65,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-in-flight-per-client",
         type=int,
         default=0,
-        help="chat/completions requests one client address may have in flight (each holds "
-        "at most one KV reservation); past it: 429 with Retry-After. Default 0: no bound",
+        help="chat/completions requests one client (see --quota-by) may have in flight (each "
+        "holds at most one KV reservation); past it: 429 with Retry-After. Default 0: no bound",
+    )
+    parser.add_argument(
+        "--max-kv-blocks-per-client",
+        type=int,
+        default=0,
+        help="KV blocks the prompts of one client's running requests may take on decode "
+        "(ceil(prompt tokens / block size) each); past it: 429 with Retry-After. Default 0: no bound",
+    )
+    parser.add_argument(
+        "--quota-by",
+        nargs="+",
+        choices=QUOTA_BY,
+        default=["address"],
+        help="what a client of the per-client bounds is: its address, its API key (hashed), "
+        "or both (each bound applies to each). Default: address",
     )
     parser.add_argument(
         "--kv-overlap-weight",
@@ -135,6 +150,12 @@ def run(args: argparse.Namespace) -> int:
             load_weight=args.kv_load_weight,
         )
         access.load_internal_token(args)  # every client to the internal parts sends it
+        quota = QuotaLimits(
+            args.max_in_flight_per_client, args.max_kv_blocks_per_client, tuple(dict.fromkeys(args.quota_by))
+        )
+        public = access.public_policy(args)
+        if "api-key" in quota.by and not public.keys:
+            raise ValueError("--quota-by api-key needs --api-key (or $SPLITSERVE_API_KEY)")
     except (OSError, ValueError) as exc:
         print(f"splitserve proxy: {exc}", file=sys.stderr)
         return 2
@@ -159,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
         encoder_urls=args.encoder,
     )
     serve_draining(
-        access.AccessGuard(ClientQuota(app, args.max_in_flight_per_client), access.public_policy(args)),
+        access.AccessGuard(ClientQuota(app, quota), public),
         host=args.host,
         port=args.port,
         log_level=args.log_level,

@@ -114,8 +114,9 @@ def request_block_hashes(body: dict) -> list[bytes]:
 
 class KVEventFeed:
     """One thread per watched worker: subscribe to its events, replay what it already
-    published, and keep `index` current; a restarted publisher (its numbers start over,
-    with AllBlocksCleared first) is replayed from its start. `unwatch` ends one worker's
+    published, and keep `index` current; a restarted publisher (its numbers start over)
+    or a gap the replay cannot fill drops the worker's blocks first (the subscriber's reset
+    batch) and follows from what the publisher still buffers. `unwatch` ends one worker's
     subscription and drops its blocks from the index (the worker left the pool)."""
 
     def __init__(self, index: KVBlockIndex, poll_ms: int = 100) -> None:
@@ -170,13 +171,13 @@ class KVEventFeed:
         try:
             self.index.clear(worker)
             if replay_endpoint is not None:
-                for _seq, batch in subscriber.replay(0):
+                for _seq, batch in subscriber.sync():
                     self.index.apply(worker, batch)
                 # a new SUB socket misses what is published before its subscription settles
                 # (ZMQ's slow joiner): once settled, replay whatever came in between
                 for _seq, batch in subscriber.poll(self.poll_ms):
                     self.index.apply(worker, batch)
-                for _seq, batch in subscriber.replay(subscriber.last_seq + 1):
+                for _seq, batch in subscriber.sync():
                     self.index.apply(worker, batch)
             idle_polls = 0
             while not self._stopped(stop):
@@ -185,11 +186,11 @@ class KVEventFeed:
                     self.index.apply(worker, batch)
                 idle_polls = 0 if batches else idle_polls + 1
                 if idle_polls >= RESTART_CHECK_IDLE_POLLS and replay_endpoint is not None:
-                    # a restart whose every live batch was missed shows only in the replay buffer
+                    # a restart (or a tail of batches) whose every live batch was missed
+                    # shows only in the replay buffer: checked from last_seq, one batch
                     idle_polls = 0
-                    if subscriber.publisher_restarted():
-                        for _seq, batch in subscriber.resync():
-                            self.index.apply(worker, batch)
+                    for _seq, batch in subscriber.sync():
+                        self.index.apply(worker, batch)
         except Exception:
             logger.exception("KV events of %s: the feed stopped", worker)
         finally:

@@ -29,6 +29,7 @@ from typing import NamedTuple
 
 import httpx
 
+from splitserve.protocol.client_quota import kv_blocks_held
 from splitserve.protocol.engine_api import prompt_cached_tokens, with_prompt_cached_tokens
 from splitserve.protocol.engine_client import EngineClient
 from splitserve.protocol.errors import APIError
@@ -153,14 +154,28 @@ class PDEngineClient(EngineClient):
     async def _generate(self, request: dict) -> AsyncIterator[dict]:
         hint = request.get("conversation_id")
         conversation = hint if isinstance(hint, str) else None
+        hinted = self.conversations.worker_of(conversation)
 
         def served(decode: Worker) -> None:
             self.conversations.remember(conversation, decode.url)
 
-        chunks = self.decode_streams.stream(request, self.conversations.worker_of(conversation), served)
-        async with contextlib.aclosing(chunks):
-            async for chunk in chunks:
-                yield chunk
+        # the client's KV-block budget (protocol/client_quota.py) is charged once per
+        # request, before any worker is asked, and given back when the request ends
+        with kv_blocks_held(self._prompt_blocks(request, hinted)):
+            chunks = self.decode_streams.stream(request, hinted, served)
+            async with contextlib.aclosing(chunks):
+                async for chunk in chunks:
+                    yield chunk
+
+    def _prompt_blocks(self, request: dict, hinted: str | None) -> int:
+        """The KV blocks the prompt takes on decode, at the block size of the conversation's
+        decode worker, else of any decode worker (a deployment has one block size)."""
+        tokens = request.get("token_ids")
+        if not isinstance(tokens, list):
+            return 0
+        decode = self.pool.workers("decode")
+        url = hinted or (decode[0].url if decode else "")
+        return math.ceil(len(tokens) / self.router.block_size(url))
 
     async def _run(self, decode: Worker, body: dict) -> AsyncIterator[dict]:
         """`body` run with `decode` decoding: P/D, or decode alone for a short uncached part."""
