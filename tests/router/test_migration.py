@@ -83,7 +83,7 @@ class Stack(NamedTuple):
 def stack(tiny_model) -> Iterator[Stack]:
     port = free_port()
     args = ["up", tiny_model, "--port", str(port), "--decode", "2", "--render", "2", "--num-blocks", "512"]
-    args += ["--min-prefill-tokens", "2", "--stall-timeout", "1"]
+    args += ["--min-prefill-tokens", "2", "--pd-decision", "threshold", "--stall-timeout", "1"]
     with running_server(args, port, timeout=180, env={"SPLITSERVE_INTERNAL_TOKEN": TOKEN}) as base:
         while "OpenAI API:" not in up_log(port):
             time.sleep(0.1)
