@@ -295,18 +295,18 @@ def stack(tiny_model, tmp_path_factory) -> Iterator[str]:
         yield base
 
 
-def test_up_decides_each_path_on_cost(stack: str, collocated: str):
+def test_up_decides_each_path_on_cost(collocated: str, stack: str):
     """Idle: a 32-token prompt stays on decode and a 1,500-token one goes through prefill,
     both with `serve`'s greedy tokens. With decode streaming, a 400-token prompt that
     stays on decode idle goes through prefill (break-even 667 idle, 167 with 4 streams)."""
-    short, long = random_prompt(1, 32), random_prompt(2, 1500)
-    assert path_of(stack, short) == ("decode_only", completion(collocated, short))
-    assert path_of(stack, long) == ("pd_push", completion(collocated, long))
-    middle_idle, middle_busy = random_prompt(3, 400), random_prompt(4, 400)
-    assert path_of(stack, middle_idle) == ("decode_only", completion(collocated, middle_idle))
+    prompts = {name: random_prompt(seed, n) for seed, (name, n) in enumerate(
+        [("short", 32), ("long", 1500), ("middle_idle", 400), ("middle_busy", 400)])}  # fmt: skip
+    expected = {name: completion(collocated, prompt) for name, prompt in prompts.items()}
+    assert path_of(stack, prompts["short"]) == ("decode_only", expected["short"])
+    assert path_of(stack, prompts["long"]) == ("pd_push", expected["long"])
+    assert path_of(stack, prompts["middle_idle"]) == ("decode_only", expected["middle_idle"])
     with streaming(stack, 4):
-        path, tokens = path_of(stack, middle_busy)
-    assert path == "pd_push" and tokens == completion(collocated, middle_busy)
+        assert path_of(stack, prompts["middle_busy"]) == ("pd_push", expected["middle_busy"])
     # the proxy measured what the profile left open, and shows what it decides with
     deadline = time.monotonic() + 30
     while (
