@@ -167,8 +167,11 @@ class PDEngineClient(EngineClient):
     def decide_path(self, inputs: DecisionInputs) -> PDDecision:
         """Prefill on a prefill worker or on decode, by `--pd-decision` (router/pd_decision.py)."""
         if self.policy.decision == "threshold":
-            return threshold_decision(inputs, self.policy.min_prefill_tokens, self.costs.costs())
-        return decide(inputs, self.costs.costs())
+            decision = threshold_decision(inputs, self.policy.min_prefill_tokens, self.costs.costs())
+        else:
+            decision = decide(inputs, self.costs.costs())
+        logger.debug("P/D decision %s for %s", decision, inputs)
+        return decision
 
     def cached_tokens(self, worker: Worker, body: dict) -> int:
         """The leading prompt tokens `worker` holds, by the KV event index."""

@@ -85,7 +85,11 @@ class WorkerWatch:
 
     def load_snapshot(self, pool: WorkerPool) -> dict[str, dict]:
         """Per worker URL, the load the router weighs (for /workers)."""
-        return {w.url: self.router.loads.snapshot(w.url) for w in pool.workers()}
+        loads = self.router.loads
+        return {
+            w.url: {**loads.snapshot(w.url), "decoding_streams": loads.decoding_streams(w.url)}
+            for w in pool.workers()
+        }
 
     async def _watch_kv_events(self, worker: Worker) -> None:
         """Follow the worker's KV events when it publishes them (engines started with

@@ -49,6 +49,9 @@ def idle(tokens: int) -> DecisionInputs:
     return DecisionInputs(tokens, 0, 0, 0)
 
 
+# The compiled CPU kernels are built on a process's first step (a minute or more on a
+# busy machine); the paths and tokens compared here do not depend on them.
+REFERENCE_KERNELS = {"SPLITSERVE_NATIVE_OPS": "0"}
 PROXY = ["proxy", "--render", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"]
 
 
@@ -259,12 +262,14 @@ def streaming(base: str, count: int) -> Iterator[None]:
     counts a stream from the chunk it sends on), closed on exit."""
     with contextlib.ExitStack() as stack:
         client = stack.enter_context(httpx.Client(timeout=120))
+        readers: list[Iterator[str]] = []
         for i in range(count):
             body = {"prompt": random_prompt(100 + i, 20), "max_tokens": 3000, "ignore_eos": True,
                     "temperature": 0, "stream": True, "return_token_ids": True}  # fmt: skip
             response = stack.enter_context(client.stream("POST", f"{base}/v1/completions", json=body))
             assert response.status_code == 200
             lines = response.iter_lines()
+            readers.append(lines)  # a dropped line iterator closes its response
             while not any(c.get("token_ids") or c.get("text") for c in first_choices(next(lines))):
                 pass
         yield
@@ -279,7 +284,8 @@ def first_choices(line: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def collocated(tiny_model) -> Iterator[str]:
     port = free_port()
-    with running_server(["serve", tiny_model, "--port", str(port), "--num-blocks", "1024"], port) as base:
+    args = ["serve", tiny_model, "--port", str(port), "--num-blocks", "1024"]
+    with running_server(args, port, env=REFERENCE_KERNELS) as base:
         yield base
 
 
@@ -291,7 +297,7 @@ def stack(tiny_model, tmp_path_factory) -> Iterator[str]:
     port = free_port()
     args = ["up", tiny_model, "--port", str(port), "--num-blocks", "1024", "--pd-decision", "cost",
             "--pd-cost-profile", str(profile)]  # fmt: skip
-    with running_server(args, port, timeout=180) as base:
+    with running_server(args, port, timeout=180, env=REFERENCE_KERNELS) as base:
         yield base
 
 
