@@ -55,7 +55,16 @@ def run_stack(model_dir: str, encoders: int, urls: list[str], requests: int) -> 
     port = free_port()
     log = open(Path(tempfile.gettempdir()) / f"bench-encoder-pool-{port}.log", "w+b")  # noqa: SIM115
     command = [sys.executable, "-m", "splitserve.cli", "up", model_dir, "--port", str(port)]
-    command += ["--encoder", str(encoders), "--min-prefill-tokens", "16", "--num-blocks", "512"]
+    command += [
+        "--encoder",
+        str(encoders),
+        "--min-prefill-tokens",
+        "16",
+        "--pd-decision",
+        "threshold",
+        "--num-blocks",
+        "512",
+    ]
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:

@@ -138,7 +138,9 @@ async def one_handoff(client: PDEngineClient, request_id: str, tokens: list[int]
 async def handoff_runs(prefill: str, decode: str, prompt_tokens: int, repeats: int, seed: int) -> dict:
     results = {}
     for mode in ("push", "pull"):
-        client = PDEngineClient(WorkerPool([prefill], [decode]), PDPolicy(min_prefill_tokens=0, mode=mode))
+        client = PDEngineClient(
+            WorkerPool([prefill], [decode]), PDPolicy(min_prefill_tokens=0, mode=mode, decision="threshold")
+        )
         try:
             await one_handoff(client, f"warm-{mode}-{seed}", prompt(seed, 256))
             runs = []
@@ -264,7 +266,7 @@ def part_interference(
     engines = [start_engine(model, "prefill", {0}), start_engine(model, "decode", {1})]
     try:
         wait_healthy(engines)
-        policy = PDPolicy(min_prefill_tokens=512, mode="push")
+        policy = PDPolicy(min_prefill_tokens=512, mode="push", decision="threshold")
 
         async def run_pd() -> StreamStats:
             client = PDEngineClient(WorkerPool([engines[0].url], [engines[1].url]), policy)

@@ -86,7 +86,7 @@ def main() -> int:
 
     port = free_port()
     command = [sys.executable, "-m", "splitserve.cli", "up", tiny_model(args.model), "--port", str(port)]
-    command += ["--num-blocks", "2048", "--min-prefill-tokens", "8"]
+    command += ["--num-blocks", "2048", "--min-prefill-tokens", "8", "--pd-decision", "threshold"]
     with served(command, port, "load-up") as base:
         parts = up_parts(Path(tempfile.gettempdir()) / f"bench-load-up-{port}.log")
         errors, seconds = asyncio.run(round_of_streams(base, args.streams, args.tokens))

@@ -139,7 +139,18 @@ def main() -> int:
     if args.agent:
         args.turns, args.message_tokens, args.reasoning_tokens, args.answer_tokens = 40, 72, 16, 32
     model = tiny_model(args.model)
-    pd = ["up", model, "--prefill", "1", "--decode", "1", "--min-prefill-tokens", "16"]
+    pd = [
+        "up",
+        model,
+        "--prefill",
+        "1",
+        "--decode",
+        "1",
+        "--min-prefill-tokens",
+        "16",
+        "--pd-decision",
+        "threshold",
+    ]
     stacks = {
         "collocated": ["serve", model],
         "one-way P/D": [*pd, "--no-kv-bidirectional"],

@@ -141,7 +141,21 @@ def main() -> int:
     engine_flags = ["--num-blocks", "4096", "--max-num-seqs", str(args.streams)]
 
     serve_s = fastest(args, "serve", [*cli, "serve", model, *engine_flags, "--log-level", "warning"])
-    up_s = fastest(args, "up", [*cli, "up", model, "--num-blocks", "4096", "--min-prefill-tokens", "16"])
+    up_s = fastest(
+        args,
+        "up",
+        [
+            *cli,
+            "up",
+            model,
+            "--num-blocks",
+            "4096",
+            "--min-prefill-tokens",
+            "16",
+            "--pd-decision",
+            "threshold",
+        ],
+    )
 
     port = free_port()
     render = [*cli, "render", model, "--port", str(port), "--log-level", "warning"]

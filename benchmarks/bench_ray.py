@@ -22,7 +22,7 @@ from bench_pd_streaming import tiny_model
 from bench_render import free_port, served
 
 POOLS = ["--prefill", "1", "--decode", "1", "--render", "1", "--num-blocks", "1024"]
-POOLS += ["--min-prefill-tokens", "16"]
+POOLS += ["--min-prefill-tokens", "16", "--pd-decision", "threshold"]
 STORE_BYTES = 80 * 1024 * 1024
 
 

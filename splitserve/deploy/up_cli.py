@@ -95,7 +95,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--port", type=int, default=8000, help="the proxy's (OpenAI API) port")
     parser.add_argument(
-        "--min-prefill-tokens", type=int, default=64, help="shorter prompts skip the prefill pool"
+        "--pd-decision",
+        choices=["cost", "threshold"],
+        default="cost",
+        help="the proxy's: which prompts go through the prefill pool (cost: per request, by "
+        "load and measured costs; threshold: --min-prefill-tokens)",
+    )
+    parser.add_argument(
+        "--pd-cost-profile", default=None, metavar="FILE", help="the proxy's cost decision numbers (JSON)"
+    )
+    parser.add_argument(
+        "--min-prefill-tokens",
+        type=int,
+        default=64,
+        help="--pd-decision threshold: prompts with fewer uncached tokens skip the prefill pool",
     )
     parser.add_argument("--num-blocks", type=int, default=None, help="KV blocks per engine")
     parser.add_argument("--kv-overlap-weight", type=float, default=None, help="the proxy's routing weight")
@@ -372,6 +385,8 @@ def run(args: argparse.Namespace) -> int:
                 ("--resume-wait", args.resume_wait),
                 ("--max-in-flight-per-client", args.max_in_flight_per_client),
                 ("--max-kv-blocks-per-client", args.max_kv_blocks_per_client),
+                ("--pd-decision", args.pd_decision),
+                ("--pd-cost-profile", args.pd_cost_profile and os.path.abspath(args.pd_cost_profile)),
             ):
                 if value is not None:
                     proxy += [flag, str(value)]

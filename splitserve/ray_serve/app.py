@@ -84,7 +84,12 @@ def build_app(config: RayDeployConfig, env: dict[str, str]):
         max_ongoing_requests=4096,  # the proxy's own limits apply behind it
     )
     return ingress.bind(
-        config.min_prefill_tokens, config.mode, config.open_health_metrics, config.runs("encoder"), **tiers
+        config.min_prefill_tokens,
+        config.mode,
+        config.open_health_metrics,
+        config.runs("encoder"),
+        config.pd_decision,
+        **tiers,
     )
 
 

@@ -21,8 +21,8 @@ TIER_KEYS = (
 )  # fmt: skip
 TOP_KEYS = (
     "model", "served_model_name", "app_name", "http_host", "http_port", "transport", "mode",
-    "min_prefill_tokens", "log_level", "engine_args", "render_args", "proxy_location", "tiers",
-    "open_health_metrics",
+    "min_prefill_tokens", "pd_decision", "log_level", "engine_args", "render_args", "proxy_location",
+    "tiers", "open_health_metrics",
 )  # fmt: skip
 
 
@@ -88,6 +88,7 @@ class RayDeployConfig:
     transport: str | None = None  # None: auto (shm between engines on one node, tcp across nodes)
     mode: str = "push"
     min_prefill_tokens: int = 64
+    pd_decision: str = "cost"  # or "threshold" (min_prefill_tokens): the proxy's --pd-decision
     log_level: str = "warning"
     engine_args: tuple[str, ...] = ()  # more `splitserve engine` flags for every engine
     render_args: tuple[str, ...] = ()  # more `splitserve render` flags
@@ -271,6 +272,7 @@ def config_from_args(args: argparse.Namespace) -> RayDeployConfig:
         transport=args.transport,
         mode=args.mode,
         min_prefill_tokens=args.min_prefill_tokens,
+        pd_decision=args.pd_decision,
         open_health_metrics=args.open_health_metrics,
         log_level=args.log_level,
         engine_args=engine_flags(args),
@@ -301,6 +303,8 @@ def check(config: RayDeployConfig) -> None:
             raise ConfigError(f"{name}: needs at least 1 replica (got {config.tier(name).lowest_replicas})")
     if config.mode not in ("push", "pull"):
         raise ConfigError(f"mode: push or pull, not {config.mode!r}")
+    if config.pd_decision not in ("cost", "threshold"):
+        raise ConfigError(f"pd_decision: cost or threshold, not {config.pd_decision!r}")
     if config.transport not in (None, "shm", "tcp", "auto"):
         raise ConfigError(f"transport: shm, tcp, auto or unset (auto), not {config.transport!r}")
     if config.proxy_location not in ("HeadOnly", "EveryNode"):

@@ -108,12 +108,15 @@ class ProxyIngress:
         mode: str,
         open_health_metrics: bool,
         encoder_cache: bool = False,
+        pd_decision: str = "cost",
         **tiers: Any,
     ) -> None:
         # `tiers`: the tier deployments' handles, bound here only to make them part of the
         # application; their replicas register themselves.
         self.pool = WorkerPool([], [], allow_no_decode=True)
-        self.engine = PDEngineClient(self.pool, PDPolicy(min_prefill_tokens, mode, 30.0))
+        self.engine = PDEngineClient(
+            self.pool, PDPolicy(min_prefill_tokens, mode, 30.0, decision=pd_decision)
+        )
         self.encoders: EncoderPool | None = None
         self.ec_home: EncoderCacheHome | None = None
         if encoder_cache:  # images: encoded once by the encoder tier, loaded by hash

@@ -77,6 +77,7 @@ def create_proxy_app(
                 "routing": str(engine.router.policy),
                 "kv_index_blocks": engine.kv_index.num_blocks(),
                 "load": engine.load_snapshot(),
+                "pd_costs": engine.costs.snapshot(),
             }
         )
 

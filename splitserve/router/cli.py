@@ -33,10 +33,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "instead of computing them",
     )
     parser.add_argument(
+        "--pd-decision",
+        choices=["cost", "threshold"],
+        default="cost",
+        help="which prompts go through the prefill pool: cost (per request, whichever path costs "
+        "the system less: uncached tokens, decode's streams and queue, the prefill queue, the "
+        "deployment's costs) or threshold (--min-prefill-tokens uncached tokens and up)",
+    )
+    parser.add_argument(
+        "--pd-cost-profile",
+        default=None,
+        metavar="FILE",
+        help="JSON of the cost decision's numbers (docs/pd.md; `splitserve sim calibrate "
+        "--engine URL --save FILE` writes one); the fields it names are not measured",
+    )
+    parser.add_argument(
         "--min-prefill-tokens",
         type=int,
         default=64,
-        help="prompts shorter than this skip the prefill pool (prefilled on decode)",
+        help="--pd-decision threshold: prompts with fewer uncached tokens skip the prefill pool",
     )
     parser.add_argument("--health-interval", type=float, default=2.0, help="seconds between health checks")
     parser.add_argument(
@@ -126,6 +141,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from splitserve.router.app import create_proxy_app
     from splitserve.router.kv_index import KVRoutingWeights
+    from splitserve.router.pd_decision import load_cost_profile
     from splitserve.router.pd_engine_client import PDEngineClient
     from splitserve.router.pd_policy import PDPolicy
     from splitserve.router.workers import WorkerPool
@@ -141,7 +157,9 @@ def run(args: argparse.Namespace) -> int:
             args.stall_timeout,
             bidirectional=args.kv_bidirectional,
             resume_wait_s=args.resume_wait,
+            decision=args.pd_decision,
         )
+        cost_profile = load_cost_profile(args.pd_cost_profile) if args.pd_cost_profile else None
         pool = WorkerPool(args.prefill, args.decode)
         weights = KVRoutingWeights(
             overlap_weight=args.kv_overlap_weight,
@@ -173,6 +191,7 @@ def run(args: argparse.Namespace) -> int:
             policy,
             routing_weights=weights,
             routing=RoutingPolicy(args.routing),
+            cost_profile=cost_profile,
         ),
         health_interval_s=args.health_interval,
         load_interval_s=args.load_interval,

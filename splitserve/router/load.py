@@ -141,6 +141,13 @@ class LoadTracker:
                     decoding += sent.decode_blocks
             return WorkerLoad(max(0, queued), max(0, decoding))
 
+    def decoding_streams(self, url: str) -> int:
+        """Requests this router sent to `url` that are past their first token and still
+        running (the streams a prefill on that worker would stall). Other proxies'
+        streams on a shared worker are not counted."""
+        with self._lock:
+            return sum(1 for sent in self._sent.get(url, {}).values() if sent.prefilled_at is not None)
+
     def snapshot(self, url: str) -> dict:
         with self._lock:
             state = self._workers.get(url)

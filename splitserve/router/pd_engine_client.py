@@ -39,6 +39,8 @@ from splitserve.protocol.kv_transfer import KVParamsError, KVTransferParams
 from splitserve.router.decode_supervision import DecodeSupervisor
 from splitserve.router.kv_index import KVBlockIndex, KVEventFeed, KVRoutingWeights, request_block_hashes
 from splitserve.router.metrics import ProxyMetrics
+from splitserve.router.pd_costs import CostCalibrator
+from splitserve.router.pd_decision import CostProfile, DecisionInputs, PDDecision, decide, threshold_decision
 from splitserve.router.pd_policy import ConversationHints, PDPolicy
 from splitserve.router.routing import Router, RoutingPolicy
 from splitserve.router.worker_watch import WorkerWatch
@@ -66,6 +68,7 @@ class PDEngineClient(EngineClient):
         metrics: ProxyMetrics | None = None,
         routing_weights: KVRoutingWeights | None = None,
         routing: RoutingPolicy = RoutingPolicy.CACHE_AWARE,
+        cost_profile: CostProfile | None = None,
     ):
         self.pool = pool
         self.policy = policy
@@ -82,7 +85,8 @@ class PDEngineClient(EngineClient):
         # in one pool per worker.
         self._http = pooled_client(read_timeout_s=None)
         self._clients: dict[str, HTTPEngineClient] = {}
-        self.watch = WorkerWatch(self._http, self.kv_feed, self.router)
+        self.costs = CostCalibrator(cost_profile)  # the P/D decision's, measured or pinned
+        self.watch = WorkerWatch(self._http, self.kv_feed, self.router, self.costs)
         self._releases: set[asyncio.Future] = set()  # pull holds being released on prefill
         self.decode_streams = DecodeSupervisor(
             pool,
@@ -145,6 +149,32 @@ class PDEngineClient(EngineClient):
         the conversation's last decode worker."""
         return self.router.pick(self.pool, role, body, exclude, hinted)
 
+    def decision_inputs(self, decode: Worker, uncached_tokens: int) -> DecisionInputs:
+        """What the P/D decision weighs for a prompt `decode` lacks `uncached_tokens` of:
+        decode's streams and queue, and the shortest queue among the healthy prefill
+        workers (the one the request would most likely get; picking it here would move
+        round-robin and text-prefix state for a request that may not use it)."""
+        decode_load = self.router.loads.load(decode.url)
+        loads = self.router.loads
+        prefill_queues = [
+            loads.load(w.url).queued_prefill_tokens for w in self.pool.workers("prefill") if w.healthy
+        ]
+        return DecisionInputs(
+            max(0, uncached_tokens),
+            self.router.loads.decoding_streams(decode.url),
+            decode_load.queued_prefill_tokens,
+            min(prefill_queues, default=0),
+        )
+
+    def decide_path(self, inputs: DecisionInputs) -> PDDecision:
+        """Prefill on a prefill worker or on decode, by `--pd-decision` (router/pd_decision.py)."""
+        if self.policy.decision == "threshold":
+            decision = threshold_decision(inputs, self.policy.min_prefill_tokens, self.costs.costs())
+        else:
+            decision = decide(inputs, self.costs.costs())
+        logger.debug("P/D decision %s for %s", decision, inputs)
+        return decision
+
     def cached_tokens(self, worker: Worker, body: dict) -> int:
         """The leading prompt tokens `worker` holds, by the KV event index."""
         matched = self.kv_index.matched_blocks(worker.url, request_block_hashes(body))
@@ -178,13 +208,15 @@ class PDEngineClient(EngineClient):
         return math.ceil(len(tokens) / self.router.block_size(url))
 
     async def _run(self, decode: Worker, body: dict) -> AsyncIterator[dict]:
-        """`body` run with `decode` decoding: P/D, or decode alone for a short uncached part."""
+        """`body` run with `decode` decoding: P/D, or decode alone when the P/D decision
+        says so (`decide_path`)."""
         self._count_prefix_hits(decode, body)
         tokens = body.get("token_ids")
         prefill = None
-        if isinstance(tokens, list) and self.policy.use_prefill_pool(
-            len(tokens), self.cached_tokens(decode, body)
-        ):
+        inputs: DecisionInputs | None = None
+        if isinstance(tokens, list):
+            inputs = self.decision_inputs(decode, len(tokens) - self.cached_tokens(decode, body))
+        if inputs is not None and self.decide_path(inputs).remote:
             prefill = self._pick("prefill", body)
             if prefill is None and self.pool.workers("prefill"):
                 self.metrics.fallbacks.labels("no_prefill_worker").inc()
@@ -209,7 +241,10 @@ class PDEngineClient(EngineClient):
                     if first:
                         first = False
                         load.prefilled()
-                        self.metrics.ttft.observe(time.monotonic() - sent)
+                        ttft = time.monotonic() - sent
+                        self.metrics.ttft.observe(ttft)
+                        if inputs is not None:
+                            self.costs.observe_first_token(inputs, prefill is not None, ttft)
                         _raise_if_transfer_failed(chunk)
                     yield chunk
         finally:

@@ -9,12 +9,14 @@ from dataclasses import dataclass
 from typing import Literal
 
 TransferMode = Literal["push", "pull"]
+PDDecisionRule = Literal["cost", "threshold"]
 
 
 @dataclass(frozen=True)
 class PDPolicy:
-    # A prompt shorter than this is prefilled on the decode worker: its prefill is cheap,
-    # and a handoff would cost more than the interference it avoids.
+    # With decision "threshold": a prompt whose uncached part is shorter than this is
+    # prefilled on the decode worker, whatever the load. "cost" decides each request on
+    # its uncached tokens, the workers' load and the deployment's costs (pd_decision.py).
     min_prefill_tokens: int = 64
     mode: TransferMode = "push"
     reserve_timeout_s: float = 30.0
@@ -28,12 +30,15 @@ class PDPolicy:
     # this long (over the whole stream) for one to come (back) into rotation (`up`
     # restarts a dead or stalled one) before it ends with 503 (0: it ends at once).
     resume_wait_s: float = 60.0
+    decision: PDDecisionRule = "cost"
 
     def __post_init__(self) -> None:
         if self.min_prefill_tokens < 0:
             raise ValueError("min_prefill_tokens must be >= 0")
         if self.mode not in ("push", "pull"):
             raise ValueError(f"unknown transfer mode {self.mode!r} (push or pull)")
+        if self.decision not in ("cost", "threshold"):
+            raise ValueError(f"unknown P/D decision {self.decision!r} (cost or threshold)")
         if not self.stall_timeout_s > 0:  # also rejects NaN
             raise ValueError("stall_timeout_s must be positive")
         if not self.resume_wait_s >= 0:  # also rejects NaN

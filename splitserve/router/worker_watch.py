@@ -12,6 +12,7 @@ import httpx
 from splitserve.protocol.kv_events import connect_address
 from splitserve.router.kv_index import KVEventFeed
 from splitserve.router.load import WorkerLoad
+from splitserve.router.pd_costs import CostCalibrator
 from splitserve.router.routing import Router
 from splitserve.router.workers import Worker, WorkerPool
 
@@ -19,8 +20,15 @@ logger = logging.getLogger(__name__)
 
 
 class WorkerWatch:
-    def __init__(self, http: httpx.AsyncClient, kv_feed: KVEventFeed, router: Router) -> None:
+    def __init__(
+        self,
+        http: httpx.AsyncClient,
+        kv_feed: KVEventFeed,
+        router: Router,
+        costs: CostCalibrator | None = None,
+    ) -> None:
         self.http = http
+        self.costs = costs  # the P/D decision's: a prefill worker's steps tell its cost per token
         self.kv_feed = kv_feed
         self.router = router
         self.block_sizes = router.block_sizes  # per worker URL, from its KV events info
@@ -55,6 +63,8 @@ class WorkerWatch:
         self.kv_feed.unwatch(url)
         self.block_sizes.pop(url, None)
         self.router.loads.forget(url)
+        if self.costs is not None:
+            self.costs.forget(url)
 
     async def poll_load(self, worker: Worker) -> None:
         """Ask the worker for its load (`GET /inference/v1/stats`) and hand it to the
@@ -64,6 +74,8 @@ class WorkerWatch:
         try:
             response = await self.http.get(f"{worker.url}/inference/v1/stats", timeout=2.0)
             stats = response.json() if response.status_code == 200 else {}
+            if self.costs is not None and isinstance(stats, dict):
+                self.costs.observe_stats(worker.url, worker.role, stats)
             load = WorkerLoad(
                 int(stats["num_waiting_prefill_tokens"]), int(stats["num_running_decode_blocks"])
             )
@@ -73,7 +85,11 @@ class WorkerWatch:
 
     def load_snapshot(self, pool: WorkerPool) -> dict[str, dict]:
         """Per worker URL, the load the router weighs (for /workers)."""
-        return {w.url: self.router.loads.snapshot(w.url) for w in pool.workers()}
+        loads = self.router.loads
+        return {
+            w.url: {**loads.snapshot(w.url), "decoding_streams": loads.decoding_streams(w.url)}
+            for w in pool.workers()
+        }
 
     async def _watch_kv_events(self, worker: Worker) -> None:
         """Follow the worker's KV events when it publishes them (engines started with

@@ -198,7 +198,9 @@ async def stream_tokens(client: PDEngineClient, prompt: list[int]) -> tuple[list
 
 
 async def stream_all(prefill: str, decode: str, prompts: list[list[int]]) -> list[tuple[list[int], float]]:
-    client = PDEngineClient(WorkerPool([prefill], [decode]), PDPolicy(min_prefill_tokens=16))
+    client = PDEngineClient(
+        WorkerPool([prefill], [decode]), PDPolicy(min_prefill_tokens=16, decision="threshold")
+    )
     try:
         return list(await asyncio.gather(*(stream_tokens(client, prompt) for prompt in prompts)))
     finally:

@@ -110,7 +110,8 @@ def up_args(address: str, model: str, port: int) -> list[str]:
     exceeds, and then runs one replica on each node."""
     return [
         "up", model, "--ray", address, "--ray-app-name", APP, "--port", str(port),
-        "--num-blocks", "512", "--max-model-len", "1024", "--min-prefill-tokens", "16",
+        "--num-blocks", "512", "--max-model-len", "1024",
+        "--min-prefill-tokens", "16", "--pd-decision", "threshold",
         "--open-health-metrics", "--encoder", "1",
         "--ray-tier", "render:num_cpus=0.5", "--ray-tier", "prefill:num_cpus=0.5,prefill_node=1",
         "--ray-tier", "encoder:num_cpus=0.5,encoder_node=1",

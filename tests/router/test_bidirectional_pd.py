@@ -75,7 +75,18 @@ class Up:
 @pytest.fixture(scope="module")
 def up(tiny_model: str) -> Iterator[Up]:
     port = free_port()
-    args = ["up", tiny_model, "--port", str(port), "--num-blocks", "512", "--min-prefill-tokens", "16"]
+    args = [
+        "up",
+        tiny_model,
+        "--port",
+        str(port),
+        "--num-blocks",
+        "512",
+        "--min-prefill-tokens",
+        "16",
+        "--pd-decision",
+        "threshold",
+    ]
     with running_server(args, port, timeout=180) as base:
         yield Up(base, port)
 
@@ -243,7 +254,8 @@ def test_the_proxys_final_chunk_reports_where_the_prompt_came_from(up, monkeypat
 
     async def run() -> tuple[dict, PDEngineClient]:
         client = PDEngineClient(
-            WorkerPool([up.urls["prefill-0"]], [up.urls["decode-0"]]), PDPolicy(min_prefill_tokens=16)
+            WorkerPool([up.urls["prefill-0"]], [up.urls["decode-0"]]),
+            PDPolicy(min_prefill_tokens=16, decision="threshold"),
         )
         try:
 

@@ -17,7 +17,16 @@ from tests.frontend.test_render_images import png
 from tests.service.image_requests import PICTURES, chat, counter, image_chat_body, oracle
 
 FRESH = png(70, 98, 5)
-FLAGS = ["--num-blocks", "256", "--max-model-len", "1024", "--min-prefill-tokens", "16"]
+FLAGS = [
+    "--num-blocks",
+    "256",
+    "--max-model-len",
+    "1024",
+    "--min-prefill-tokens",
+    "16",
+    "--pd-decision",
+    "threshold",
+]
 
 
 @pytest.fixture(scope="module")

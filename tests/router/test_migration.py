@@ -90,7 +90,8 @@ def stack(tiny_model) -> Iterator[Stack]:
     port = free_port()
     args = ["up", tiny_model, "--port", str(port), "--decode", "2", "--render", "2", "--num-blocks", "512"]
     # no liveness kills: the SIGSTOPped worker stays stopped until the test resumes it
-    args += ["--min-prefill-tokens", "2", "--stall-timeout", "1", "--liveness-timeout", "0"]
+    args += ["--min-prefill-tokens", "2", "--pd-decision", "threshold", "--stall-timeout", "1"]
+    args += ["--liveness-timeout", "0"]
     with running_server(args, port, timeout=180, env={"SPLITSERVE_INTERNAL_TOKEN": TOKEN}) as base:
         while "OpenAI API:" not in up_log(port):
             time.sleep(0.1)

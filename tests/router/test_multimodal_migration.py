@@ -57,7 +57,8 @@ def test_an_image_chat_resumes_on_another_decode_worker_equal_to_its_undisturbed
     model_dir = tiny_model_factory(arch="qwen2_vl")
     port = free_port()
     args = ["up", model_dir, "--port", str(port), "--encoder", "1", "--decode", "2", "--num-blocks", "256"]
-    args += ["--max-model-len", "1024", "--min-prefill-tokens", "16", "--stall-timeout", "1"]
+    args += ["--max-model-len", "1024", "--min-prefill-tokens", "16", "--pd-decision", "threshold"]
+    args += ["--stall-timeout", "1"]
     with running_server(args, port, timeout=240, env={"SPLITSERVE_INTERNAL_TOKEN": TOKEN}) as base:
         while "OpenAI API:" not in up_log(port):
             time.sleep(0.1)

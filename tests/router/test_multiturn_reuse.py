@@ -32,7 +32,18 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 def test_turn_two_after_dropped_reasoning_equals_a_fresh_collocated_run(tiny_model: str) -> None:
     turn1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Which server is up?"}]
     up_port, serve_port = free_port(), free_port()
-    up_args = ["up", tiny_model, "--port", str(up_port), "--num-blocks", "512", "--min-prefill-tokens", "16"]
+    up_args = [
+        "up",
+        tiny_model,
+        "--port",
+        str(up_port),
+        "--num-blocks",
+        "512",
+        "--min-prefill-tokens",
+        "16",
+        "--pd-decision",
+        "threshold",
+    ]
     with running_server(up_args, up_port, timeout=180) as pd:
         first = chat(pd, turn1, max_tokens=24)
         message = first["choices"][0]["message"]

@@ -78,6 +78,8 @@ def _up(tiny_model: str, port: int, *extra: str):
         "512",
         "--min-prefill-tokens",
         "16",
+        "--pd-decision",
+        "threshold",
         *extra,
     ]
     return running_server(args, port, timeout=180)
@@ -263,7 +265,9 @@ async def retry_past_a_dead_decode_worker(
     """The P/D client (Python API, no health loop) first picks a decode worker that refuses
     connections: the request is retried on the live one and the dead one leaves rotation."""
     dead = f"http://127.0.0.1:{free_port()}"
-    client = PDEngineClient(WorkerPool([prefill], [dead, decode]), PDPolicy(min_prefill_tokens=16))
+    client = PDEngineClient(
+        WorkerPool([prefill], [dead, decode]), PDPolicy(min_prefill_tokens=16, decision="threshold")
+    )
     try:
         async with httpx.AsyncClient() as http:
             rendered = (
@@ -349,7 +353,8 @@ def test_killing_prefill_mid_transfer_loses_no_request(tiny_model, collocated):
         running_server(decode_args, decode_port) as decode,
         running_server(
             ["proxy", "--render", render, "--prefill", prefill, "--decode", decode, "--port", str(proxy_port),
-             "--min-prefill-tokens", "16", "--health-interval", "0.5"], proxy_port
+             "--min-prefill-tokens", "16", "--pd-decision", "threshold", "--health-interval", "0.5"],
+            proxy_port,
         ) as proxy,
     ):  # fmt: skip
         prefill_pid = httpx.get(f"{prefill}/inference/v1/kv/info").json()["pid"]
@@ -397,7 +402,9 @@ def test_failure_policy_fail_answers_a_clear_error(tiny_model):
 
         async def through_proxy_client() -> None:
             dead_prefill = f"http://127.0.0.1:{free_port()}"
-            client = PDEngineClient(WorkerPool([dead_prefill], [decode]), PDPolicy(min_prefill_tokens=16))
+            client = PDEngineClient(
+                WorkerPool([dead_prefill], [decode]), PDPolicy(min_prefill_tokens=16, decision="threshold")
+            )
             try:
                 with pytest.raises(APIError) as failed:
                     async for _ in client.generate({**body, "request_id": "doomed"}):

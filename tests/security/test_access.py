@@ -87,7 +87,18 @@ class DialCounter:
 def exposed_up(tiny_model) -> Iterator[tuple[str, dict[str, str]]]:
     """`up --host 0.0.0.0 --api-key KEY`: the proxy's URL and each internal part's URL."""
     port = free_port()
-    args = ["up", tiny_model, "--port", str(port), "--num-blocks", "256", "--min-prefill-tokens", "16"]
+    args = [
+        "up",
+        tiny_model,
+        "--port",
+        str(port),
+        "--num-blocks",
+        "256",
+        "--min-prefill-tokens",
+        "16",
+        "--pd-decision",
+        "threshold",
+    ]
     args += ["--host", "0.0.0.0", "--api-key", API_KEY, "--open-health-metrics", "--transport", "shm"]
     args += ["--max-in-flight-per-client", str(PER_CLIENT)]
     with running_server(args, port, timeout=180) as base:

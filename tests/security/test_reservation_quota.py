@@ -138,7 +138,7 @@ def test_the_proxy_passes_the_429_and_its_retry_after_on(tiny_model):
         running_server(decode_args, decode_port) as decode,
         running_server(
             ["proxy", "--render", render, "--prefill", prefill, "--decode", decode, "--port", str(proxy_port),
-             "--min-prefill-tokens", "1"], proxy_port
+             "--min-prefill-tokens", "1", "--pd-decision", "threshold"], proxy_port
         ) as proxy,
     ):  # fmt: skip
         body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}

@@ -38,7 +38,17 @@ HEADERS = {"content-type": "application/json", "Authorization": f"Bearer {INTERN
 def up(tiny_model) -> Iterator[dict[str, str]]:
     """The parts of `up` by name: their base URLs (proxy included)."""
     port = free_port()
-    args = ["up", tiny_model, "--port", str(port), "--min-prefill-tokens", "16", *FLAGS]
+    args = [
+        "up",
+        tiny_model,
+        "--port",
+        str(port),
+        "--min-prefill-tokens",
+        "16",
+        "--pd-decision",
+        "threshold",
+        *FLAGS,
+    ]
     with running_server(args, port, timeout=180, env={"SPLITSERVE_INTERNAL_TOKEN": INTERNAL_TOKEN}) as base:
         log = Path(f"/tmp/splitserve-test-{port}.log")
         deadline = time.monotonic() + 30

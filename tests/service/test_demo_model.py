@@ -60,7 +60,17 @@ def test_serve_without_a_model_answers_paris(collocated):
 
 def test_up_without_a_model_answers_paris_with_the_collocated_token_ids(demo_home, collocated):
     port = free_port()
-    args = ["up", "--port", str(port), "--num-blocks", "256", "--min-prefill-tokens", "16"]
+    args = [
+        "up",
+        "--port",
+        str(port),
+        "--num-blocks",
+        "256",
+        "--min-prefill-tokens",
+        "16",
+        "--pd-decision",
+        "threshold",
+    ]
     with running_server(args, port, timeout=240, env={"SPLITSERVE_HOME": str(demo_home)}) as base:
         assert_answers_paris(base)
         for messages in (QUESTION, LONGER):

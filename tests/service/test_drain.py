@@ -115,7 +115,16 @@ def test_sigterm_to_serve_finishes_its_streams_then_exits(tiny_model, tmp_path):
 @pytest.mark.parametrize("how", ["sigterm to up", "ctrl-c to the group"])
 def test_sigterm_to_up_finishes_its_streams_then_exits(tiny_model, tmp_path, how):
     port = free_port()  # the prompt goes through prefill, a KV transfer, then decode
-    args = ["up", tiny_model, "--num-blocks", "1024", "--min-prefill-tokens", "2"]
+    args = [
+        "up",
+        tiny_model,
+        "--num-blocks",
+        "1024",
+        "--min-prefill-tokens",
+        "2",
+        "--pd-decision",
+        "threshold",
+    ]
     with started(args, port, tmp_path) as proc:
         drain_with_streams_in_flight(f"http://127.0.0.1:{port}", proc, group=how != "sigterm to up")
 

@@ -45,6 +45,17 @@ async def run_streams(base: str) -> None:
 
 def test_64_concurrent_streams_through_up_see_no_error(tiny_model):
     port = free_port()
-    args = ["up", tiny_model, "--port", str(port), "--num-blocks", "1024", "--min-prefill-tokens", "8"]
+    args = [
+        "up",
+        tiny_model,
+        "--port",
+        str(port),
+        "--num-blocks",
+        "1024",
+        "--min-prefill-tokens",
+        "8",
+        "--pd-decision",
+        "threshold",
+    ]
     with running_server(args, port, timeout=180) as base:
         asyncio.run(run_streams(base))

@@ -15,7 +15,15 @@ LIMITS = ["--max-model-len", "512", "--num-blocks", "256", "--max-body-bytes", s
 # `up`: prompts of 16 tokens or more go through the prefill worker and a KV transfer
 STACKS = {
     "serve": ["serve", *LIMITS, "--trust-request-chat-template"],
-    "up": ["up", *LIMITS, "--trust-request-chat-template", "--min-prefill-tokens", "16"],
+    "up": [
+        "up",
+        *LIMITS,
+        "--trust-request-chat-template",
+        "--min-prefill-tokens",
+        "16",
+        "--pd-decision",
+        "threshold",
+    ],
 }
 
 
