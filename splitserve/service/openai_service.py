@@ -198,8 +198,12 @@ class OpenAIService:
             "model": generate["model"],
         }
         first_chunk = True
+        # the token IDs of a piece that made no event (its text held back by the parsers)
+        # travel with the choice's next event: every generated ID reaches the client once
+        held: list[list[int]] = [[] for _ in choices.bodies]
         async for index, token_ids, delta, reason in self._decoded(choices.states, streams):
             num_tokens += delta.num_tokens
+            held[index] += token_ids
             empty = not (delta.reasoning or delta.content or delta.tool_calls or delta.logprobs)
             if empty and role_sent[index] and reason is None:
                 continue
@@ -208,8 +212,9 @@ class OpenAIService:
                 delta,
                 role=not role_sent[index],
                 finish_reason=reason,
-                token_ids=token_ids if request.return_token_ids else None,
+                token_ids=held[index] if request.return_token_ids else None,
             )
+            held[index] = []
             event: dict[str, Any] = {**base, "choices": [choice]}
             role_sent[index] = True
             if first_chunk and request.return_token_ids:
@@ -274,8 +279,10 @@ class OpenAIService:
             "created": int(time.time()),
             "model": prompts[0].generate["model"],
         }
+        held: list[list[int]] = [[] for _ in choices.bodies]  # as in chat: IDs of pieces with no event
         async for index, token_ids, delta, reason in self._decoded(choices.states, streams):
             num_tokens += delta.num_tokens
+            held[index] += token_ids
             if not delta.content and reason is None:
                 continue
             choice: dict[str, Any] = {
@@ -285,7 +292,8 @@ class OpenAIService:
                 "logprobs": None if request.logprobs is None else completion_logprobs(delta.logprobs or []),
             }
             if request.return_token_ids:
-                choice["token_ids"] = token_ids
+                choice["token_ids"] = held[index]
+            held[index] = []
             event = {**base, "choices": [choice]}
             if request.include_usage():
                 event["usage"] = None

@@ -277,3 +277,32 @@ def test_usage_reports_the_cached_prompt_tokens(client, model):
     completions.append(client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0))
     assert completions[0].usage.prompt_tokens_details.cached_tokens == 0
     assert completions[1].usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_a_stream_carries_every_token_id_once(client, model):
+    """Tokens whose text the way back holds (a partial UTF-8 character, a parser's
+    lookahead) make no event of their own: their IDs travel with the next one, so a
+    stream's IDs are the non-streaming answer's, as many as usage counts."""
+    extra = {"return_token_ids": True, "ignore_eos": True}
+    whole = client.chat.completions.create(
+        model=model, messages=MESSAGES, max_tokens=200, temperature=0, extra_body=extra
+    )
+    events = list(
+        client.chat.completions.create(
+            model=model,
+            messages=MESSAGES,
+            max_tokens=200,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=extra,
+        )
+    )
+    streamed = [t for e in events for c in e.choices for t in (getattr(c, "token_ids", None) or [])]
+    assert streamed == whole.choices[0].token_ids
+    assert len(streamed) == events[-1].usage.completion_tokens == 200
+    text_events = client.completions.create(
+        model=model, prompt="The cache", max_tokens=200, temperature=0, stream=True, extra_body=extra
+    )
+    text_ids = [t for e in text_events for c in e.choices for t in (getattr(c, "token_ids", None) or [])]
+    assert len(text_ids) == 200
