@@ -99,3 +99,20 @@ def test_multi_turn_sessions_with_shared_prefixes(serve_url, tiny_model, tmp_pat
         # The second turn resends the first prompt, the 8-token answer and 16 new tokens.
         assert by_turn[session, 1] >= by_turn[session, 0] + 8 + 16
     assert by_turn[0, 0] == by_turn[1, 0]  # same lengths: 32 prefix + 16 tokens + the template
+
+
+def test_prints_the_phases_of_the_slowest_requests(serve_url, tiny_model, tmp_path):
+    """`splitserve bench` asks a splitserve server for each request's timeline, keeps it in
+    the JSON and prints the slowest requests' phases."""
+    out = tmp_path / "timeline.json"
+    proc = splitserve_bench(
+        "--url", serve_url, "--tokenizer", tiny_model, "--input-len", "24", "--output-len", "4",
+        "--rate", "inf", "--num-requests", "3", "--warmup", "0", "--json", str(out), "--quiet",
+        timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    requests = json.loads(out.read_text())["levels"][0]["requests"]
+    for r in requests:
+        assert r["timeline"]["prefill"] > 0 and all(v >= 0 for v in r["timeline"].values())
+    assert "slowest requests by TTFT" in proc.stdout
+    assert "prefill_queue" in proc.stdout and "derender" in proc.stdout
