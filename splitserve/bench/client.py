@@ -22,6 +22,10 @@ import httpx
 from splitserve.bench.metrics import RequestRecord
 
 ENDPOINTS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+# asks a splitserve server for the request's phases (its last chunk's `splitserve_timeline`);
+# other servers ignore the header
+TIMELINE_HEADERS = {"x-splitserve-timeline": "1"}
+TIMELINE_FIELD = "splitserve_timeline"
 _raw_decode_json = json.JSONDecoder().raw_decode
 
 
@@ -131,7 +135,7 @@ class StreamingClient:
         self._url = config.base_url.rstrip("/") + ENDPOINTS[config.endpoint]
         self._count_tokens = count_tokens
         self._http = httpx.AsyncClient(
-            headers=bearer(config.api_key),
+            headers={**bearer(config.api_key), **TIMELINE_HEADERS},
             timeout=httpx.Timeout(config.timeout, connect=min(config.timeout, 30.0)),
             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
         )
@@ -174,10 +178,13 @@ class StreamingClient:
         times: list[float] = []
         pieces: list[str] = []
         usage: dict = {}
+        timeline: dict = {}
         start = time.perf_counter()
         error: str | None = None
         try:
-            await asyncio.wait_for(self._stream(body, start, times, pieces, usage), self.config.timeout)
+            await asyncio.wait_for(
+                self._stream(body, start, times, pieces, usage, timeline), self.config.timeout
+            )
         except asyncio.TimeoutError:
             error = f"timeout: no complete answer within {self.config.timeout:g}s"
         except StreamError as exc:
@@ -203,11 +210,18 @@ class StreamingClient:
             warmup=warmup,
             session=session,
             turn=turn,
+            timeline=timeline or None,
         )
         return Reply(record, text)
 
     async def _stream(
-        self, body: dict, start: float, times: list[float], pieces: list[str], usage: dict
+        self,
+        body: dict,
+        start: float,
+        times: list[float],
+        pieces: list[str],
+        usage: dict,
+        timeline: dict,
     ) -> None:
         async with self._http.stream("POST", self._url, json=body) as response:
             if response.status_code != 200:
@@ -235,6 +249,8 @@ class StreamingClient:
                         raise StreamError(f"bad stream: not a JSON object: {payload[:80]!r}")
                     if isinstance(chunk.get("usage"), dict):
                         usage.update(chunk["usage"])
+                    if isinstance(chunk.get(TIMELINE_FIELD), dict):
+                        timeline.update(chunk[TIMELINE_FIELD])
                     text, carries = chunk_output(chunk)
                     if carries:
                         times.append(now)

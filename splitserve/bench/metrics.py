@@ -57,6 +57,8 @@ class RequestRecord(NamedTuple):
     warmup: bool = False
     session: int = 0
     turn: int = 0
+    # the server's phases for this request (`splitserve_timeline`, splitserve servers only)
+    timeline: dict[str, float] | None = None
 
     @property
     def ok(self) -> bool:
@@ -120,6 +122,7 @@ class RequestRecord(NamedTuple):
             "worst_gap": self.worst_gap if self.ok else None,
             "e2e": self.e2e,
             "chunk_times": list(self.chunk_times),
+            "timeline": self.timeline,
         }
 
     @classmethod
@@ -134,6 +137,7 @@ class RequestRecord(NamedTuple):
             warmup=bool(data.get("warmup", False)),
             session=int(data.get("session", 0)),
             turn=int(data.get("turn", 0)),
+            timeline=data.get("timeline") if isinstance(data.get("timeline"), dict) else None,
         )
 
 

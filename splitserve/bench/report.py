@@ -110,6 +110,36 @@ def print_summary(result: BenchResult, console: Console) -> None:
     required = data["required_attainment"]
     for slo, rate in data["goodput_distserve"].items():
         console.print(f"goodput (DistServe, {required:.0%} attainment) for {slo}: {rate_label_or_zero(rate)}")
+    print_slowest_timelines(result, console)
+
+
+SLOWEST = 5  # requests whose phases `print_slowest_timelines` shows
+
+
+def print_slowest_timelines(result: BenchResult, console: Console, count: int = SLOWEST) -> None:
+    """The server's phases (ms) of the requests with the longest TTFT, where the server
+    reported them (`splitserve_timeline`: splitserve's `serve` and proxy)."""
+    timed = [
+        record
+        for level in result.levels
+        for record in level.records
+        if record.ok and not record.warmup and record.timeline and record.ttft is not None
+    ]
+    if not timed:
+        return
+    slowest = sorted(timed, key=lambda record: record.ttft or 0.0, reverse=True)[:count]
+    # in the order the server lists them (the request's order)
+    phases = list(dict.fromkeys(name for record in slowest for name in record.timeline or {}))
+    # a row per phase, a column per request: any number of phases fits the terminal
+    table = Table(title=f"server phases of the {len(slowest)} slowest requests by TTFT (ms)")
+    table.add_column("phase")
+    for record in slowest:
+        table.add_column(f"#{record.request_id}", justify="right")
+    table.add_row("ttft (client)", *(_ms(record.ttft) for record in slowest))
+    table.add_row("e2e (client)", *(_ms(record.e2e) for record in slowest))
+    for name in phases:
+        table.add_row(name, *(_ms((record.timeline or {}).get(name)) for record in slowest))
+    console.print(table)
 
 
 def rate_label_or_zero(rate: float | str) -> str:

@@ -65,6 +65,7 @@ def create_proxy_app(
         max_body_bytes=max_body_bytes,
         on_startup=start,
         on_shutdown=stop,
+        timeline_sink=engine.metrics,
     )
     app.state.engine = engine
 

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 PREFIX = "splitserve_proxy"
 _SECONDS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# a request's phases are often a millisecond or less
+_PHASE_SECONDS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, 60.0)
 
 
 class ProxyMetrics:
@@ -75,6 +79,30 @@ class ProxyMetrics:
             "Leading prompt blocks the chosen worker already held, by the KV event index.",
             registry=r,
         )
+
+        # the request timeline (protocol/timeline.py): each request's seconds per phase
+        self.phases = Histogram(
+            f"{PREFIX}_request_phase_seconds",
+            "A request's time in one phase (render, route, reserve, prefill_queue, prefill, "
+            "handoff, decode_first_step, hops, decode, derender, send), per request.",
+            ["phase"],
+            buckets=_PHASE_SECONDS,
+            registry=r,
+        )
+        self.derender_calls = Histogram(
+            f"{PREFIX}_derender_call_seconds",
+            "One derender call of a request, waiting for the render tier included.",
+            buckets=_PHASE_SECONDS,
+            registry=r,
+        )
+
+    # ---- TimelineSink -----------------------------------------------------------------
+    def observe_phases(self, phases: Mapping[str, float]) -> None:
+        for phase, seconds in phases.items():
+            self.phases.labels(phase).observe(seconds)
+
+    def observe_derender_call(self, seconds: float) -> None:
+        self.derender_calls.observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -30,25 +30,30 @@ from typing import NamedTuple
 import httpx
 
 from splitserve.protocol.client_quota import kv_blocks_held
-from splitserve.protocol.engine_api import prompt_cached_tokens, with_prompt_cached_tokens
+from splitserve.protocol.engine_api import prompt_cached_tokens
 from splitserve.protocol.engine_client import EngineClient
 from splitserve.protocol.errors import APIError
 from splitserve.protocol.http_engine_client import HTTPEngineClient
 from splitserve.protocol.http_pool import pooled_client
 from splitserve.protocol.kv_transfer import KVParamsError, KVTransferParams
+from splitserve.router.attempt_timeline import AttemptClock, with_phases
 from splitserve.router.decode_supervision import DecodeSupervisor
 from splitserve.router.kv_index import KVBlockIndex, KVEventFeed, KVRoutingWeights, request_block_hashes
 from splitserve.router.metrics import ProxyMetrics
 from splitserve.router.pd_costs import CostCalibrator
 from splitserve.router.pd_decision import CostProfile, DecisionInputs, PDDecision, decide, threshold_decision
 from splitserve.router.pd_policy import ConversationHints, PDPolicy
+from splitserve.router.prefill_report import (
+    is_final,
+    raise_if_transfer_failed,
+    with_prefill,
+    with_prefill_report,
+)
 from splitserve.router.routing import Router, RoutingPolicy
 from splitserve.router.worker_watch import WorkerWatch
 from splitserve.router.workers import Worker, WorkerPool, WorkerRole
 
 logger = logging.getLogger(__name__)
-
-PREFILL_REPORT_WAIT_S = 5.0  # decode has its KV: the prefill's answer is on its way
 
 
 class PrefillFailed(RuntimeError):
@@ -58,6 +63,7 @@ class PrefillFailed(RuntimeError):
 class PrefillResult(NamedTuple):
     params: KVTransferParams  # where the KV is (pull) or how the push went
     cached_tokens: int  # prompt tokens the prefill worker did not compute (its prefix hits)
+    metrics: dict  # its final chunk's per-request metrics (queue, time to its token)
 
 
 class PDEngineClient(EngineClient):
@@ -209,7 +215,9 @@ class PDEngineClient(EngineClient):
 
     async def _run(self, decode: Worker, body: dict) -> AsyncIterator[dict]:
         """`body` run with `decode` decoding: P/D, or decode alone when the P/D decision
-        says so (`decide_path`)."""
+        says so (`decide_path`). Its final chunk carries where the time to first token went
+        (`metrics.phases`)."""
+        clock = AttemptClock()
         self._count_prefix_hits(decode, body)
         tokens = body.get("token_ids")
         prefill = None
@@ -223,12 +231,13 @@ class PDEngineClient(EngineClient):
         if prefill is None:
             self.metrics.requests.labels("decode_only").inc()
             stream = self._client(decode).generate(body)
+            clock.dispatch()
         elif self.policy.mode == "push":
             self.metrics.requests.labels("pd_push").inc()
-            stream = self._push(decode, prefill, body)
+            stream = self._push(decode, prefill, body, clock)
         else:
             self.metrics.requests.labels("pd_pull").inc()
-            stream = self._pull(decode, prefill, body)
+            stream = self._pull(decode, prefill, body, clock)
         num_tokens = len(tokens) if isinstance(tokens, list) else 0
         # decode computes the prompt when no prefill worker does (only the last token else)
         computed = num_tokens - self.cached_tokens(decode, body) if prefill is None else 1
@@ -240,12 +249,15 @@ class PDEngineClient(EngineClient):
                 async for chunk in stream:
                     if first:
                         first = False
+                        clock.first_chunk()
                         load.prefilled()
                         ttft = time.monotonic() - sent
                         self.metrics.ttft.observe(ttft)
                         if inputs is not None:
                             self.costs.observe_first_token(inputs, prefill is not None, ttft)
-                        _raise_if_transfer_failed(chunk)
+                        raise_if_transfer_failed(chunk)
+                    if is_final(chunk):
+                        chunk = with_phases(chunk, clock.phases(chunk))
                     yield chunk
         finally:
             await stream.aclose()
@@ -283,10 +295,16 @@ class PDEngineClient(EngineClient):
         if params.kv_transfer_error:
             raise PrefillFailed(f"prefill on {prefill.url} could not ship its KV: {params.kv_transfer_error}")
         self.metrics.prefill_time.observe(time.monotonic() - started)
-        return PrefillResult(params, prompt_cached_tokens(final) or 0)
+        metrics = final.get("metrics")
+        return PrefillResult(
+            params, prompt_cached_tokens(final) or 0, metrics if isinstance(metrics, dict) else {}
+        )
 
-    async def _push(self, decode: Worker, prefill: Worker, body: dict) -> AsyncIterator[dict]:
+    async def _push(
+        self, decode: Worker, prefill: Worker, body: dict, clock: AttemptClock
+    ) -> AsyncIterator[dict]:
         request_id = body["request_id"]
+        clock.dispatch()
         wait_for_kv = KVTransferParams(do_remote_prefill=True).to_wire()
         stream = self._client(decode).generate({**body, "kv_transfer_params": wait_for_kv})
         first_task = asyncio.ensure_future(anext(stream))
@@ -295,6 +313,7 @@ class PDEngineClient(EngineClient):
         prefill_report: dict = {}
         try:
             reservation = await self._reserve(decode, request_id, first_task)
+            clock.reservation_answered()
             if reservation is not None:
                 kv = KVTransferParams(
                     do_remote_decode=True,
@@ -316,14 +335,15 @@ class PDEngineClient(EngineClient):
                         request_id,
                         prefill_done_at,
                         prefill_report,
+                        clock,
                     )
                 )
             first = await first_task
             if prefill_done_at:
                 self.metrics.handoff_time.observe(max(0.0, time.monotonic() - prefill_done_at[0]))
-            yield await _with_prefill_report(first, prefill_task, prefill_report)
+            yield await with_prefill_report(first, prefill_task, prefill_report)
             async for chunk in stream:
-                yield await _with_prefill_report(chunk, prefill_task, prefill_report)
+                yield await with_prefill_report(chunk, prefill_task, prefill_report)
         finally:
             for task in (first_task, prefill_task):
                 if task is not None and not task.done():
@@ -382,9 +402,11 @@ class PDEngineClient(EngineClient):
         request_id: str,
         done_at: list[float],
         params_out: dict,
+        clock: AttemptClock,
     ) -> None:
         try:
             result = await self._run_prefill(prefill, body)
+            clock.prefill_metrics = result.metrics
             params_out.update(result.params.to_wire(), cached_tokens=result.cached_tokens)
             done_at.append(time.monotonic())
         except PrefillFailed as exc:
@@ -398,13 +420,18 @@ class PDEngineClient(EngineClient):
                     timeout=10,
                 )
 
-    async def _pull(self, decode: Worker, prefill: Worker, body: dict) -> AsyncIterator[dict]:
+    async def _pull(
+        self, decode: Worker, prefill: Worker, body: dict, clock: AttemptClock
+    ) -> AsyncIterator[dict]:
         kv: KVTransferParams | None = None
         prefill_cached = 0
         prefill_done = 0.0
+        clock.dispatch()
         try:
             hold = KVTransferParams(do_remote_decode=True, transfer_mode="pull")
-            kv, prefill_cached = await self._run_prefill(prefill, self._prefill_body(body, hold))
+            kv, prefill_cached, clock.prefill_metrics = await self._run_prefill(
+                prefill, self._prefill_body(body, hold)
+            )
             prefill_done = time.monotonic()
             if not kv.remote_block_ids:
                 raise PrefillFailed(f"prefill on {prefill.url} returned no blocks to pull")
@@ -423,7 +450,7 @@ class PDEngineClient(EngineClient):
                 if first and prefill_done:
                     self.metrics.handoff_time.observe(time.monotonic() - prefill_done)
                 first = False
-                yield _with_prefill(chunk, report)
+                yield with_prefill(chunk, report)
         finally:
             if kv is not None and kv.remote_request_id:
                 # read by now, or never will be (the client left, decode failed or
@@ -442,42 +469,3 @@ class PDEngineClient(EngineClient):
         task = asyncio.ensure_future(release())
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
-
-
-def _raise_if_transfer_failed(chunk: dict) -> None:
-    """Decode ended a request without output because its KV never arrived (failure policy
-    "fail"): a clear error, since nothing was streamed yet."""
-    choices = chunk.get("choices") or []
-    if (
-        not choices
-        or choices[0].get("finish_reason") not in ("abort", "error")
-        or choices[0].get("token_ids")
-    ):
-        return
-    handoff = KVTransferParams.from_wire(chunk.get("kv_transfer_params")).handoff or {}
-    if handoff.get("error"):
-        raise APIError(
-            502, f"the KV transfer failed and the decode worker's policy is fail: {handoff['error']}"
-        )
-
-
-async def _with_prefill_report(chunk: dict, prefill_task: asyncio.Future | None, report: dict) -> dict:
-    """`_with_prefill`; a final chunk first waits (briefly) for the prefill's answer, since
-    decode can finish a short answer before that answer has been read."""
-    final = any(c.get("finish_reason") is not None for c in chunk.get("choices") or [])
-    if final and prefill_task is not None and not prefill_task.done():
-        await asyncio.wait({prefill_task}, timeout=PREFILL_REPORT_WAIT_S)
-    return _with_prefill(chunk, report)
-
-
-def _with_prefill(chunk: dict, prefill_report: dict) -> dict:
-    """The final chunk also carries what the prefill worker reported (where TTFT went).
-    Its usage's cached tokens are the prefill worker's: decode received the rest of the
-    prompt's KV, computed for this request by prefill."""
-    if prefill_report and any(c.get("finish_reason") is not None for c in chunk.get("choices") or []):
-        decode_params = KVTransferParams.from_wire(chunk.get("kv_transfer_params"))
-        reported = dataclasses.replace(decode_params, prefill=prefill_report)
-        chunk = {**chunk, "kv_transfer_params": reported.to_wire()}
-        if "cached_tokens" in prefill_report:
-            chunk = with_prompt_cached_tokens(chunk, prefill_report["cached_tokens"])
-    return chunk

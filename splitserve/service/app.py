@@ -30,6 +30,7 @@ from splitserve.protocol.http_edge import (
     read_json_body,
 )
 from splitserve.protocol.openai_api import ChatCompletionRequest, CompletionRequest
+from splitserve.protocol.timeline import TIMELINE_HEADER, TimelineSink, wanted
 from splitserve.service.openai_service import OpenAIService
 
 Hook = Callable[[], Awaitable[None]]
@@ -43,10 +44,13 @@ def create_openai_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     on_startup: Hook | None = None,
     on_shutdown: Hook | None = None,
+    timeline_sink: TimelineSink | None = None,
 ) -> FastAPI:
     """`on_startup`/`on_shutdown` start and stop what the caller owns with the app (the
-    collocated engine, the proxy's health checks)."""
-    service = OpenAIService(frontend, engine)
+    collocated engine, the proxy's health checks); `timeline_sink` gets every request's
+    phases. A request with `x-splitserve-timeline: 1` gets them in its response
+    (`splitserve_timeline`, protocol/timeline.py)."""
+    service = OpenAIService(frontend, engine, timeline_sink)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -80,17 +84,19 @@ def create_openai_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request):
         request = parse_model(ChatCompletionRequest, await read_json_body(raw, max_body_bytes))
+        timeline = wanted(raw.headers.get(TIMELINE_HEADER))
         if request.stream:
-            events = await service.chat_stream(request)
+            events = await service.chat_stream(request, timeline=timeline)
             return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
-        return JSONResponse(await service.chat(request))
+        return JSONResponse(await service.chat(request, timeline=timeline))
 
     @app.post("/v1/completions")
     async def completions(raw: Request):
         request = parse_model(CompletionRequest, await read_json_body(raw, max_body_bytes))
+        timeline = wanted(raw.headers.get(TIMELINE_HEADER))
         if request.stream:
-            events = await service.completion_stream(request)
+            events = await service.completion_stream(request, timeline=timeline)
             return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
-        return JSONResponse(await service.completion(request))
+        return JSONResponse(await service.completion(request, timeline=timeline))
 
     return app

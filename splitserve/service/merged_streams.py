@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from splitserve.protocol.engine_api import prompt_cached_tokens
+from splitserve.protocol.timeline import engine_phases
 
 _DONE = object()
 
@@ -23,6 +24,8 @@ class MergedStreams:
         self._head: list[tuple[int, dict]] = []
         # per stream: the prompt tokens its engine did not compute (from its usage)
         self.cached_tokens: list[int] = [0] * len(streams)
+        # per stream: the engine's phases before its first chunk (protocol/timeline.py)
+        self.engine_phases: list[dict[str, float] | None] = [None] * len(streams)
 
     async def _pump(self, index: int, stream: AsyncIterator[dict]) -> None:
         try:
@@ -30,6 +33,8 @@ class MergedStreams:
                 cached = prompt_cached_tokens(chunk)
                 if cached is not None:
                     self.cached_tokens[index] = cached
+                if "metrics" in chunk:  # a final chunk: how the engine spent its time to first token
+                    self.engine_phases[index] = engine_phases(chunk) or self.engine_phases[index]
                 self._queue.put_nowait((index, chunk))
         except Exception as exc:
             self._queue.put_nowait((index, exc))

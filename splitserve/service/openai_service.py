@@ -6,6 +6,11 @@ engine requests (distinct IDs; seeds seed, seed+1, ... when a seed is given), me
 they stream. Engine chunks that arrive while a derender call is in flight are decoded
 together by the next call. A stop string ends a choice in derender and aborts its engine
 request.
+
+Each request's phases (render, the engine's time to first chunk as its client splits it,
+waiting for later chunks, derender calls, sending) are measured as it runs
+(`protocol/timeline.py`): handed to the `TimelineSink` (the proxy's histograms) and, when
+the client asked (`timeline=True`), returned in the response's `splitserve_timeline`.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from splitserve.protocol.openai_chunks import (
     completion_logprobs,
     usage_dict,
 )
+from splitserve.protocol.timeline import DECODE, RENDER, SEND, TIMELINE_FIELD, RequestTimeline, TimelineSink
 from splitserve.service.merged_streams import MergedStreams
 
 
@@ -91,30 +97,55 @@ def _pieces(batch: list[tuple[int, dict]], states: list[Any], done: list[bool]) 
 
 
 class OpenAIService:
-    def __init__(self, frontend: FrontendClient, engine: EngineClient) -> None:
+    def __init__(
+        self, frontend: FrontendClient, engine: EngineClient, timeline_sink: TimelineSink | None = None
+    ) -> None:
         self.frontend = frontend
         self.engine = engine
+        self.timeline_sink = timeline_sink
 
     async def close(self) -> None:
         await self.engine.close()
         await self.frontend.close()
 
-    async def _start(self, bodies: list[dict[str, Any]]) -> MergedStreams:
+    async def _start(self, bodies: list[dict[str, Any]], timeline: RequestTimeline) -> MergedStreams:
+        started = time.monotonic()
         streams = MergedStreams([self.engine.generate(body) for body in bodies])
         await streams.start()
+        timeline.first_chunk(time.monotonic() - started)
         return streams
 
-    async def _decoded(self, states: list[Any], streams: MergedStreams) -> AsyncIterator[DecodedPiece]:
+    async def _render(self, render: Any, timeline: RequestTimeline) -> Any:
+        started = time.monotonic()
+        rendered = await render
+        timeline.add(RENDER, time.monotonic() - started)
+        return rendered
+
+    async def _derender(self, pieces: list[DerenderPiece], timeline: RequestTimeline) -> list[Any]:
+        started = time.monotonic()
+        results = await self.frontend.derender(pieces)
+        timeline.derender_call(time.monotonic() - started)
+        return results
+
+    async def _decoded(
+        self, states: list[Any], streams: MergedStreams, timeline: RequestTimeline
+    ) -> AsyncIterator[DecodedPiece]:
         """Each choice's engine tokens through the way back, a batch per derender call. A
         choice ends on the engine's finish reason or on a stop string, which aborts that
-        engine request early."""
+        engine request early. The time spent waiting for the engine, in derender and in
+        the consumer (sending) goes to the timeline."""
         states = list(states)
         done = [False] * len(states)
-        while batch := await streams.next_batch():
+        while True:
+            waited = time.monotonic()
+            batch = await streams.next_batch()
+            timeline.add(DECODE, time.monotonic() - waited)
+            if not batch:
+                break
             pieces = _pieces(batch, states, done)
             if not pieces:
                 continue
-            for piece, result in zip(pieces, await self.frontend.derender(pieces), strict=True):
+            for piece, result in zip(pieces, await self._derender(pieces, timeline), strict=True):
                 if done[piece.index]:
                     continue  # ended by a stop string in an earlier chunk of this batch
                 if result.state is not None:
@@ -124,21 +155,24 @@ class OpenAIService:
                     if result.stopped:
                         streams.stop(piece.index)
                 token_ids = piece.token_ids[: result.delta.num_tokens]
+                handed = time.monotonic()
                 yield DecodedPiece(piece.index, token_ids, result.delta, result.finish_reason)
+                timeline.add(SEND, time.monotonic() - handed)
         # engine streams that ended without a finish reason: flush their parsers
         rest = [DerenderPiece(states[i], i, [], None, None, True) for i in range(len(states)) if not done[i]]
         if rest:
-            for piece, result in zip(rest, await self.frontend.derender(rest), strict=True):
+            for piece, result in zip(rest, await self._derender(rest, timeline), strict=True):
                 yield DecodedPiece(piece.index, [], result.delta, result.finish_reason)
+        timeline.engine(streams.engine_phases[0])
 
-    async def _collect(self, choices: Choices) -> list[CollectedChoice]:
+    async def _collect(self, choices: Choices, timeline: RequestTimeline) -> list[CollectedChoice]:
         """Run the engine requests to the end (non-streaming) through the way back."""
         deltas: list[list[ChoiceDelta]] = [[] for _ in choices.bodies]
         token_ids: list[list[int]] = [[] for _ in choices.bodies]
         reasons: list[str] = ["stop"] * len(choices.bodies)
-        streams = await self._start(choices.bodies)
+        streams = await self._start(choices.bodies, timeline)
         try:
-            async for piece in self._decoded(choices.states, streams):
+            async for piece in self._decoded(choices.states, streams, timeline):
                 deltas[piece.index].append(piece.delta)
                 token_ids[piece.index] += piece.token_ids
                 if piece.finish_reason is not None:
@@ -150,10 +184,11 @@ class OpenAIService:
 
     # --- chat ---
 
-    async def chat(self, request: ChatCompletionRequest) -> dict[str, Any]:
-        prompt = await self.frontend.render_chat(request)
+    async def chat(self, request: ChatCompletionRequest, *, timeline: bool = False) -> dict[str, Any]:
+        phases = RequestTimeline(self.timeline_sink)
+        prompt = await self._render(self.frontend.render_chat(request), phases)
         generate = prompt.generate
-        collected = await self._collect(fan_out([prompt], request.n, request.seed))
+        collected = await self._collect(fan_out([prompt], request.n, request.seed), phases)
         choices = []
         for i, result in enumerate(collected):
             assembler = MessageAssembler()
@@ -172,14 +207,18 @@ class OpenAIService:
         }
         if request.return_token_ids:
             response["prompt_token_ids"] = generate["token_ids"]
-        return response
+        return _with_timeline(response, phases, timeline)
 
-    async def chat_stream(self, request: ChatCompletionRequest) -> AsyncIterator[str]:
+    async def chat_stream(
+        self, request: ChatCompletionRequest, *, timeline: bool = False
+    ) -> AsyncIterator[str]:
         """Start the request (errors raise here) and return its SSE event stream."""
-        prompt = await self.frontend.render_chat(request)
+        phases = RequestTimeline(self.timeline_sink)
+        prompt = await self._render(self.frontend.render_chat(request), phases)
         choices = fan_out([prompt], request.n, request.seed)
-        streams = await self._start(choices.bodies)
-        return _sse_stream(self._chat_events(request, prompt.generate, choices, streams), streams)
+        streams = await self._start(choices.bodies, phases)
+        events = self._chat_events(request, prompt.generate, choices, streams, phases)
+        return _sse_stream(_with_final_timeline(events, phases, timeline), streams)
 
     async def _chat_events(
         self,
@@ -187,6 +226,7 @@ class OpenAIService:
         generate: dict[str, Any],
         choices: Choices,
         streams: MergedStreams,
+        phases: RequestTimeline,
     ) -> AsyncIterator[dict[str, Any]]:
         role_sent = [False] * len(choices.bodies)
         num_tokens = 0
@@ -201,7 +241,7 @@ class OpenAIService:
         # the token IDs of a piece that made no event (its text held back by the parsers)
         # travel with the choice's next event: every generated ID reaches the client once
         held: list[list[int]] = [[] for _ in choices.bodies]
-        async for index, token_ids, delta, reason in self._decoded(choices.states, streams):
+        async for index, token_ids, delta, reason in self._decoded(choices.states, streams, phases):
             num_tokens += delta.num_tokens
             held[index] += token_ids
             empty = not (delta.reasoning or delta.content or delta.tool_calls or delta.logprobs)
@@ -229,10 +269,11 @@ class OpenAIService:
 
     # --- completions ---
 
-    async def completion(self, request: CompletionRequest) -> dict[str, Any]:
-        prompts = await self.frontend.render_completion(request)
+    async def completion(self, request: CompletionRequest, *, timeline: bool = False) -> dict[str, Any]:
+        phases = RequestTimeline(self.timeline_sink)
+        prompts = await self._render(self.frontend.render_completion(request), phases)
         choices = fan_out(prompts, request.n, request.seed)
-        collected = await self._collect(choices)
+        collected = await self._collect(choices, phases)
         result_choices = []
         for i, result in enumerate(collected):
             logprobs = [entry for delta in result.deltas for entry in delta.logprobs or []]
@@ -246,7 +287,7 @@ class OpenAIService:
                 choice["token_ids"] = result.token_ids
                 choice["prompt_token_ids"] = choices.prompt_token_ids[i]
             result_choices.append(choice)
-        return {
+        response = {
             "id": prompts[0].generate["request_id"],
             "object": "text_completion",
             "created": int(time.time()),
@@ -258,12 +299,17 @@ class OpenAIService:
                 sum(c.cached_tokens for c in collected),
             ),
         }
+        return _with_timeline(response, phases, timeline)
 
-    async def completion_stream(self, request: CompletionRequest) -> AsyncIterator[str]:
-        prompts = await self.frontend.render_completion(request)
+    async def completion_stream(
+        self, request: CompletionRequest, *, timeline: bool = False
+    ) -> AsyncIterator[str]:
+        phases = RequestTimeline(self.timeline_sink)
+        prompts = await self._render(self.frontend.render_completion(request), phases)
         choices = fan_out(prompts, request.n, request.seed)
-        streams = await self._start(choices.bodies)
-        return _sse_stream(self._completion_events(request, prompts, choices, streams), streams)
+        streams = await self._start(choices.bodies, phases)
+        events = self._completion_events(request, prompts, choices, streams, phases)
+        return _sse_stream(_with_final_timeline(events, phases, timeline), streams)
 
     async def _completion_events(
         self,
@@ -271,6 +317,7 @@ class OpenAIService:
         prompts: list[RenderedPrompt],
         choices: Choices,
         streams: MergedStreams,
+        phases: RequestTimeline,
     ) -> AsyncIterator[dict[str, Any]]:
         num_tokens = 0
         base = {
@@ -280,7 +327,7 @@ class OpenAIService:
             "model": prompts[0].generate["model"],
         }
         held: list[list[int]] = [[] for _ in choices.bodies]  # as in chat: IDs of pieces with no event
-        async for index, token_ids, delta, reason in self._decoded(choices.states, streams):
+        async for index, token_ids, delta, reason in self._decoded(choices.states, streams, phases):
             num_tokens += delta.num_tokens
             held[index] += token_ids
             if not delta.content and reason is None:
@@ -307,6 +354,34 @@ class OpenAIService:
 def _usage(collected: list[CollectedChoice], prompt_tokens: int, cached_tokens: int) -> dict[str, Any]:
     completion_tokens = sum(d.num_tokens for result in collected for d in result.deltas)
     return usage_dict(prompt_tokens, completion_tokens, cached_tokens)
+
+
+def _with_timeline(response: dict[str, Any], phases: RequestTimeline, wanted: bool) -> dict[str, Any]:
+    finished = phases.finish()
+    if wanted:
+        response[TIMELINE_FIELD] = finished
+    return response
+
+
+async def _with_final_timeline(
+    events: AsyncIterator[dict[str, Any]], phases: RequestTimeline, wanted: bool
+) -> AsyncIterator[dict[str, Any]]:
+    """The events as they come; when the client asked, the timeline in the last one: the
+    usage chunk (`choices: []`, always last), or a chunk of that shape of its own."""
+    usage_event: dict[str, Any] | None = None
+    base: dict[str, Any] = {}
+    async for event in events:
+        if event.get("choices"):
+            base = event
+            yield event
+        else:
+            usage_event = event
+    finished = phases.finish()
+    if usage_event is not None:
+        yield {**usage_event, TIMELINE_FIELD: finished} if wanted else usage_event
+    elif wanted and base:
+        header = {key: base[key] for key in ("id", "object", "created", "model")}
+        yield {**header, "choices": [], TIMELINE_FIELD: finished}
 
 
 async def _sse_stream(events: AsyncIterator[dict[str, Any]], streams: MergedStreams) -> AsyncIterator[str]:

@@ -114,3 +114,20 @@ def test_without_tokenizer_the_bench_finds_it_through_the_models_root(serve_url,
     assert data["settings"]["exact_lengths"] is True
     (level,) = data["levels"]
     assert {r["input_tokens"] for r in level["requests"]} == {40}
+
+
+def test_prints_the_phases_of_the_slowest_requests(serve_url, tiny_model, tmp_path):
+    """`splitserve bench` asks a splitserve server for each request's timeline, keeps it in
+    the JSON and prints the slowest requests' phases."""
+    out = tmp_path / "timeline.json"
+    proc = splitserve_bench(
+        "--url", serve_url, "--tokenizer", tiny_model, "--input-len", "24", "--output-len", "4",
+        "--rate", "inf", "--num-requests", "3", "--warmup", "0", "--json", str(out), "--quiet",
+        timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    requests = json.loads(out.read_text())["levels"][0]["requests"]
+    for r in requests:
+        assert r["timeline"]["prefill"] > 0 and all(v >= 0 for v in r["timeline"].values())
+    assert "slowest requests by TTFT" in proc.stdout
+    assert "prefill_queue" in proc.stdout and "derender" in proc.stdout

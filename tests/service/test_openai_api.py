@@ -306,3 +306,66 @@ def test_a_stream_carries_every_token_id_once(client, model):
     )
     text_ids = [t for e in text_events for c in e.choices for t in (getattr(c, "token_ids", None) or [])]
     assert len(text_ids) == 200
+
+
+# phases a request's timeline has on each stack (protocol/timeline.py); `up` pushes
+# prompts of 16 tokens or more through the prefill worker
+SERVE_PHASES = {"render", "prefill_queue", "prefill", "hops", "decode", "derender", "send"}
+TIMELINE_PHASES = {
+    "serve": SERVE_PHASES,
+    "up": SERVE_PHASES | {"route", "reserve", "handoff", "decode_first_step"},
+}
+
+
+def test_timeline_on_request(client, model, stack, server):
+    """`x-splitserve-timeline: 1` gets the request's phases in the final chunk (streaming)
+    or the response (not): each non-negative, together within the client's wall time.
+    Without the header nothing changes; the proxy's /metrics has each phase's histogram."""
+    import time
+
+    header = {"x-splitserve-timeline": "1"}
+
+    def probe(name: str) -> list[dict]:  # a prompt of its own: no prefix hit keeps it off prefill
+        return [
+            {
+                "role": "user",
+                "content": f"Timeline probe {name}: " + " ".join(f"{name}{i}" for i in range(20)),
+            }
+        ]
+
+    def check(timeline: dict, wall_s: float) -> None:
+        assert set(timeline) == TIMELINE_PHASES[stack]
+        assert all(isinstance(v, float) and v >= 0 for v in timeline.values())
+        assert 0 < sum(timeline.values()) <= wall_s
+        assert timeline["prefill"] > 0
+
+    started = time.monotonic()
+    plain = client.chat.completions.create(
+        model=model, messages=probe("plain"), max_tokens=6, temperature=0, extra_headers=header
+    )
+    check(plain.model_extra["splitserve_timeline"], time.monotonic() - started)
+    started = time.monotonic()
+    events = list(
+        client.chat.completions.create(
+            model=model, messages=probe("stream"), max_tokens=6, stream=True, extra_headers=header
+        )
+    )
+    wall_s = time.monotonic() - started
+    assert [e.choices[0].finish_reason for e in events if e.choices][-1] is not None
+    assert events[-1].choices == [] and all("splitserve_timeline" not in e.model_extra for e in events[:-1])
+    check(events[-1].model_extra["splitserve_timeline"], wall_s)
+    with_usage = list(
+        client.completions.create(
+            model=model, prompt=probe("completion")[0]["content"], max_tokens=4, stream=True,
+            stream_options={"include_usage": True}, extra_headers=header,
+        )
+    )  # fmt: skip
+    assert with_usage[-1].usage.completion_tokens == 4  # the usage chunk carries it
+    assert set(with_usage[-1].model_extra["splitserve_timeline"]) == TIMELINE_PHASES[stack]
+    unasked = client.chat.completions.create(model=model, messages=probe("unasked"), max_tokens=2)
+    assert "splitserve_timeline" not in (unasked.model_extra or {})
+    if stack == "up":
+        text = httpx.get(server + "/metrics", timeout=10).text
+        for phase in TIMELINE_PHASES["up"]:
+            assert f'splitserve_proxy_request_phase_seconds_count{{phase="{phase}"}}' in text
+        assert "splitserve_proxy_derender_call_seconds_count" in text
