@@ -6,6 +6,7 @@ left on tmpfs, starts and answers."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -55,6 +56,48 @@ def port_free(port: int) -> bool:
     return True
 
 
+TCP_STATES = {
+    1: "ESTABLISHED", 4: "FIN_WAIT1", 5: "FIN_WAIT2", 6: "TIME_WAIT", 7: "CLOSE",
+    8: "CLOSE_WAIT", 9: "LAST_ACK", 10: "LISTEN", 11: "CLOSING",
+}  # fmt: skip
+
+
+def port_holders(port: int) -> list[str]:
+    """Who holds local TCP port `port`: each socket's state and the processes with it open,
+    so that a port left taken says by what."""
+    inodes: dict[str, str] = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()
+                if int(fields[1].rpartition(":")[2], 16) == port:
+                    inodes[fields[9]] = TCP_STATES.get(int(fields[3], 16), fields[3])
+    owners: dict[str, list[str]] = {inode: [] for inode in inodes}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{entry}/fd"):
+                with contextlib.suppress(OSError):
+                    target = os.readlink(f"/proc/{entry}/fd/{fd}")
+                    inode = target[len("socket:[") : -1] if target.startswith("socket:[") else ""
+                    if inode in owners:
+                        command = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ")
+                        owners[inode].append(f"pid {entry}: {command.decode(errors='replace')[:160]}")
+    return [f"port {port} {state} held by {owners[inode] or 'no process'}" for inode, state in inodes.items()]
+
+
+def taken_ports(ports: list[int], within_s: float) -> list[str]:
+    """The holders of those of `ports` still taken after up to `within_s` (a dead process's
+    sockets go as it is reaped; the poll only spares the check a race with the kernel)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        taken = [port for port in ports if not port_free(port)]
+        if not taken or time.monotonic() > deadline:
+            return [holder for port in taken for holder in port_holders(port) or [f"port {port}: no socket"]]
+        time.sleep(0.05)
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux") or not SHM.is_dir(), reason="Linux, /dev/shm")
 def test_a_killed_up_leaves_no_part_port_or_shm_segment_and_up_starts_again(tiny_model_factory):
     model = tiny_model_factory(arch="qwen2_vl")
@@ -87,7 +130,7 @@ def test_a_killed_up_leaves_no_part_port_or_shm_segment_and_up_starts_again(tiny
 
     assert not [path for pid in pids for path in SHM.glob(f"splitserve-kv-{pid}-*")]
     part_ports = [urlsplit(url).port for _, url, _ in table]
-    assert [p for p in part_ports if p is not None and not port_free(p)] == []
+    assert taken_ports([p for p in part_ports if p is not None], within_s=2.0) == []
     assert ec_directory.is_dir()  # what only the next `up` can remove
 
     second = ["up", model, "--port", str(port), "--prefill", "0", "--decode", "1", *FLAGS]
