@@ -21,8 +21,9 @@ import pytest
 from tests.conftest import free_port
 
 STREAMS = 3
-# long enough that the streams outlast the checks made during the drain on a fast engine
-BODY = {"prompt": "the drain", "max_tokens": 4000, "temperature": 0, "ignore_eos": True, "stream": True}
+# long enough that the streams outlast the checks made during the drain (a health poll and
+# one refused request: well under a second) on a fast engine: seconds of runway
+BODY = {"prompt": "the drain", "max_tokens": 2000, "temperature": 0, "ignore_eos": True, "stream": True}
 
 
 @contextlib.contextmanager
@@ -88,13 +89,16 @@ def drain_with_streams_in_flight(base: str, proc: subprocess.Popen, group: bool 
     else:
         proc.send_signal(signal.SIGTERM)
     in_flight = [stream.finish_reason is None for stream in streams]
-    time.sleep(0.3)
+    deadline = time.monotonic() + 30
+    while httpx.get(base + "/health", timeout=30).status_code != 503:  # the signal has landed
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
 
     refused = httpx.post(base + "/v1/completions", json={**BODY, "stream": False}, timeout=30)
     assert refused.status_code == 503, refused.text
     assert refused.headers["retry-after"] == "1"
     assert refused.json()["error"]["type"] == "service_unavailable"
-    assert httpx.get(base + "/health", timeout=30).status_code == 503
+    assert not all(stream.finish_reason for stream in streams)  # the checks ran mid-drain
 
     for stream in streams:
         stream.join()
