@@ -145,7 +145,10 @@ def test_kv_frames_without_the_deployments_mac_are_dropped(monkeypatch):
             stranger.start()
             stranger.push_layer(peer, "t-stranger", 0, [1], [1])
             assert stranger.flush(10)
-            assert "no progress on connection set-up" in (stranger.take_send_error("t-stranger") or "")
+            # unanswered: the HELLO's own timeout or the lane's stall bound ends it, whichever
+            # comes first (both are the transfer's timeout)
+            error = stranger.take_send_error("t-stranger") or ""
+            assert "did not answer" in error or "no progress on connection set-up" in error, error
         finally:
             stranger.close()
         assert not pool.any()
