@@ -36,7 +36,10 @@ class RMSNorm(nn.Module):
 
 def rope_inv_freq(config: DecoderConfig) -> torch.Tensor:
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    # On the CPU even where a model is built on the meta device: meta math runs through
+    # torch's reference ops, whose first use imports torch._dynamo (seconds of every start).
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+    inv_freq = 1.0 / (config.rope_theta**exponents)
     scaling = config.rope_scaling_dict
     if not scaling:
         return inv_freq
@@ -137,7 +140,10 @@ class DecoderModel(nn.Module):
     def __init__(self, config: DecoderConfig) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # No random init (the checkpoint fills the weight): on the meta device it would run
+        # through torch's reference ops, as rope_inv_freq explains.
+        weight = torch.empty(config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)

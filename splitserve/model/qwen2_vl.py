@@ -142,7 +142,10 @@ def hub_weight_name(name: str) -> str:
 def mrope_column_axis(section: tuple[int, int, int]) -> torch.Tensor:
     """For each rotary column of a head, the axis (0 time, 1 height, 2 width) whose
     position turns it: the sections in order, the same for both halves of the head."""
-    half = torch.cat([torch.full((n,), axis, dtype=torch.long) for axis, n in enumerate(section)])
+    # on the CPU even inside a meta-device build (see decoder.rope_inv_freq)
+    half = torch.cat(
+        [torch.full((n,), axis, dtype=torch.long, device="cpu") for axis, n in enumerate(section)]
+    )
     return torch.cat([half, half])
 
 
