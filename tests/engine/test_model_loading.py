@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -141,3 +143,19 @@ def test_incomplete_checkpoint_is_rejected(tiny_model_factory, tmp_path):
     )
     with pytest.raises(ValueError, match="qkv_proj"):
         LLM(model_dir, num_blocks=8)
+
+
+def test_loading_a_model_and_generating_never_imports_torch_dynamo(tiny_model_factory):
+    """torch._dynamo costs seconds to import; nothing an engine does needs it (meta-device
+    math at model build once pulled it in on every start). Qwen2-VL: the decoder and M-RoPE."""
+    model = tiny_model_factory(arch="qwen2_vl")
+    script = (
+        "import sys\n"
+        "from splitserve.engine.llm import LLM\n"
+        "from splitserve.engine.sampling_params import SamplingParams\n"
+        f"llm = LLM({model!r}, num_blocks=32)\n"
+        "llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))\n"
+        "assert 'torch._dynamo' not in sys.modules, 'torch._dynamo was imported'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
