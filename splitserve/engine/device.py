@@ -6,9 +6,16 @@ import logging
 
 import torch
 
-from splitserve.engine.model_runner import resolve_dtype
-
 logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    name = name.removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}; choose from {sorted(_DTYPES)}")
+    return _DTYPES[name]
 
 
 def cpu_has_native_half_matmul(dtype: torch.dtype) -> bool:

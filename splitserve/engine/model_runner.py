@@ -1,31 +1,26 @@
-"""Turns a scheduled step into tensors, runs the decoder over the paged KV cache, samples."""
+"""Loads the model and sizes its paged KV cache; turns a scheduled step into tensors,
+runs the decoder over that cache, samples."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
-from splitserve.engine.multimodal import MultiModalRunner
-from splitserve.engine.request import Request
-from splitserve.engine.scheduler import ScheduledRequest
-from splitserve.kv.connector import KVConnector, RequestSlots, StepKVInfo
+from splitserve.config import EngineConfig
+from splitserve.engine.device import choose_dtype, default_device
+from splitserve.engine.multimodal import EncoderCache, MultiModalRunner
+from splitserve.engine.outputs import ModelRunnerOutput, SampledToken
+from splitserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from splitserve.kv.connector import KVCacheAllocator, KVConnector, RequestSlots, StepKVInfo
+from splitserve.kv.ec_connector import ECConnector
 from splitserve.model.attention import AttentionMetadata, PrefillChunk
-from splitserve.model.decoder import DecoderModel
+from splitserve.model.decoder import DecoderModel, load_model
 from splitserve.model.decoder_config import DecoderConfig
+from splitserve.model.loader import load_decoder_config
+from splitserve.model.native import load_cpu_ops
+from splitserve.model.qwen2_vl import Qwen2VLModel, is_qwen2_vl, load_qwen2_vl, load_qwen2_vl_config
 from splitserve.model.sampler import Sampler, SeededDraw
-
-KVCacheAllocator = Callable[..., torch.Tensor]
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_dtype(name: str) -> torch.dtype:
-    name = name.removeprefix("torch.")
-    if name not in _DTYPES:
-        raise ValueError(f"unsupported dtype {name!r}; choose from {sorted(_DTYPES)}")
-    return _DTYPES[name]
 
 
 def kv_cache_shape(config: DecoderConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -37,32 +32,74 @@ def kv_block_bytes(config: DecoderConfig, block_size: int, dtype: torch.dtype) -
     return config.num_layers * 2 * block_size * config.num_kv_heads * config.head_dim * element
 
 
-class SampledToken(NamedTuple):
-    request: Request
-    token_id: int
-    logprobs: dict | None
+class ModelInfo(NamedTuple):
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    num_layers: int
+    block_size: int
+    dtype: str
+    device: str
 
 
 class ModelRunner:
     def __init__(
         self,
-        model: DecoderModel,
-        kv_cache: torch.Tensor,
-        block_size: int,
-        device: torch.device,
-        seed: int = 0,
+        config: EngineConfig,
         connector: KVConnector | None = None,
-        multimodal: MultiModalRunner | None = None,  # for a vision-language model
-        serial_step_tokens: int = 0,  # CPU: steps of at most this many tokens run on one thread
+        kv_cache_allocator: KVCacheAllocator | None = None,
+        ec_connector: ECConnector | None = None,  # visual embeddings from encoder workers
     ) -> None:
-        self.model = model
-        self.multimodal = multimodal
-        self.kv_cache = kv_cache
-        self.block_size = block_size
-        self.device = device
-        self.sampler = Sampler(device, seed)
+        # a vision-language model: its language model is the decoder the engine pages
+        self.vl_config = load_qwen2_vl_config(config.model.model) if is_qwen2_vl(config.model.model) else None
+        self.decoder_config = (
+            self.vl_config.text if self.vl_config else load_decoder_config(config.model.model)
+        )
+        dc = self.decoder_config
+        self.device = torch.device(config.model.device) if config.model.device else default_device()
+        self.dtype = choose_dtype(config.model.dtype, dc.dtype, self.device)
+        if self.device.type == "cpu":
+            # built and loaded here, before any part says it is healthy: never on a request
+            load_cpu_ops()
+        self.block_size = block_size = config.cache.block_size
+        if block_size <= 0:
+            raise ValueError("block_size must be positive")
+        self.num_blocks = config.cache.num_blocks or (
+            config.cache.kv_cache_memory_bytes // kv_block_bytes(dc, block_size, self.dtype)
+        )
+        if self.num_blocks < 1:
+            raise ValueError("the KV cache budget holds no block")
+        max_model_len = min(
+            config.scheduler.max_model_len or dc.max_position_embeddings, dc.max_position_embeddings
+        )
+        self.model_info = ModelInfo(
+            vocab_size=dc.vocab_size,
+            max_model_len=max_model_len,
+            eos_token_ids=dc.eos_token_ids,
+            num_layers=dc.num_layers,
+            block_size=block_size,
+            dtype=str(self.dtype).removeprefix("torch."),
+            device=str(self.device),
+        )
+        self.model: DecoderModel | Qwen2VLModel
+        self.multimodal: MultiModalRunner | None = None  # for a vision-language model
+        if self.vl_config is None:
+            self.model = load_model(config.model.model, dc, self.dtype, self.device)
+        else:
+            self.model = load_qwen2_vl(config.model.model, self.vl_config, self.dtype, self.device)
+            encoder_cache = EncoderCache(config.cache.encoder_cache_bytes)
+            self.multimodal = MultiModalRunner(self.model, encoder_cache, ec_connector)
+        self.model.prepare_for_inference()
+        self.kv_cache_allocator = (
+            kv_cache_allocator or (connector.kv_cache_allocator() if connector else None) or torch.zeros
+        )
+        self.kv_cache = self.kv_cache_allocator(
+            kv_cache_shape(dc, self.num_blocks, block_size), dtype=self.dtype, device=self.device
+        )
+        self.sampler = Sampler(self.device, config.model.seed)
         self.connector = connector
-        self.serial_step_tokens = serial_step_tokens if device.type == "cpu" else 0
+        # CPU: steps of at most this many tokens run on one thread
+        self.serial_step_tokens = config.model.serial_step_tokens if self.device.type == "cpu" else 0
         self.parallel_threads = torch.get_num_threads()
 
     def _use_threads_for(self, num_tokens: int) -> None:
@@ -71,7 +108,8 @@ class ModelRunner:
             torch.set_num_threads(wanted)
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledRequest]) -> list[SampledToken]:
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        scheduled = [s for s in scheduler_output.scheduled if s.num_tokens > 0]
         self._use_threads_for(sum(s.num_tokens for s in scheduled))
         bs = self.block_size
         # decode-like (one token) first: they share one batched attention call
@@ -161,7 +199,7 @@ class ModelRunner:
         if self.connector is not None:
             self.connector.wait_for_save()
         if not sampling:
-            return []
+            return ModelRunnerOutput([])
         params = [s.request.sampling_params for s in sampling]
         seeded = [
             None
@@ -170,10 +208,12 @@ class ModelRunner:
             for p, s in zip(params, sampling, strict=True)
         ]
         out = self.sampler(logits, params, seeded)
-        return [
-            SampledToken(s.request, token, lp)
-            for s, token, lp in zip(sampling, out.token_ids, out.logprobs, strict=True)
-        ]
+        return ModelRunnerOutput(
+            [
+                SampledToken(s.request, token, lp)
+                for s, token, lp in zip(sampling, out.token_ids, out.logprobs, strict=True)
+            ]
+        )
 
     def _decode_tables(self, decodes: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor]:
         """Each decode row's block table (int32, padded with block 0) and context length."""

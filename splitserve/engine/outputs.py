@@ -1,8 +1,24 @@
-"""What the engine hands back: per-step request outputs and engine-wide statistics."""
+"""What the engine's parts hand back: the model runner's sampled tokens, and the
+engine's per-step request outputs and engine-wide statistics."""
 
 from __future__ import annotations
 
 from typing import NamedTuple
+
+from splitserve.engine.request import Request
+
+
+class SampledToken(NamedTuple):
+    request: Request
+    token_id: int
+    logprobs: dict | None
+
+
+class ModelRunnerOutput(NamedTuple):
+    """One step's sampled tokens: one per request whose last scheduled token is the
+    request's last (a prefill chunk short of the prompt's end samples nothing)."""
+
+    sampled: list[SampledToken]
 
 
 class RequestOutput(NamedTuple):

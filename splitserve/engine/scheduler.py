@@ -5,17 +5,26 @@ waiting requests are admitted in arrival order, their prompts chunked to fill th
 of the budget. When blocks run out the most recently admitted running request is
 preempted: its blocks are freed and it is recomputed later (its prefix usually comes
 back from the prefix cache).
+
+After the model runs, `update_from_output` appends the sampled tokens and finishes the
+requests that hit a stop token, max_tokens or the model's length; a finished request's
+blocks are freed, or kept while the KV connector still sends from them.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections import deque
 from typing import NamedTuple
 
 from splitserve.config import SchedulerConfig
 from splitserve.engine.block_manager import BlockManager, cdiv
+from splitserve.engine.outputs import ModelRunnerOutput
 from splitserve.engine.request import Request, RequestStatus
 from splitserve.kv.connector import KVConnector
+
+logger = logging.getLogger(__name__)
 
 
 class ScheduledRequest(NamedTuple):
@@ -28,7 +37,7 @@ class SchedulerOutput(NamedTuple):
     scheduled: list[ScheduledRequest]
     num_tokens: int
     preempted: list[Request]
-    too_long: list[Request]  # can never fit the KV cache: finish with "length"
+    too_long: list[Request]  # can never fit the KV cache: finished with "length"
 
 
 class Scheduler:
@@ -43,6 +52,8 @@ class Scheduler:
         self.block_manager = block_manager
         self.max_model_len = max_model_len
         self.connector = connector
+        self.requests: dict[str, Request] = {}  # unfinished, by ID
+        self.delayed_free: dict[str, Request] = {}  # finished, blocks kept for the connector
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.waiting_for_remote: dict[str, Request] = {}
@@ -51,7 +62,12 @@ class Scheduler:
         self.prefix_hit_tokens = 0
 
     def add(self, request: Request) -> None:
+        self.requests[request.request_id] = request
         self.waiting.append(request)
+
+    def request_id_in_use(self, request_id: str) -> bool:
+        """Unfinished, or finished with blocks the connector still sends from."""
+        return request_id in self.requests or request_id in self.delayed_free
 
     def has_runnable(self) -> bool:
         return bool(self.waiting or self.running)
@@ -100,6 +116,12 @@ class Scheduler:
             scheduled.append(item)
             budget -= item.num_tokens
         num_tokens = self.config.max_num_batched_tokens - budget
+        for request in too_long:
+            self._finish(request, "length")
+        now = time.monotonic()
+        for item in scheduled:
+            if item.request.metrics["first_scheduled_time"] is None:
+                item.request.metrics["first_scheduled_time"] = now
         return SchedulerOutput(scheduled, num_tokens, preempted, too_long)
 
     def _admit(self, request: Request, budget: int) -> ScheduledRequest | None:
@@ -155,6 +177,70 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
+    def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> None:
+        """The step ran: its tokens are computed (full blocks enter the prefix cache), each
+        sampled token is appended, and a request that is done is finished."""
+        for item in scheduler_output.scheduled:
+            item.request.num_computed_tokens += item.num_tokens
+            self.block_manager.cache_full_blocks(item.request)
+        now = time.monotonic()
+        for sampled in runner_output.sampled:
+            request = sampled.request
+            request.append_token(sampled.token_id)
+            if request.metrics["first_token_time"] is None:
+                request.metrics["first_token_time"] = now
+            request.metrics["last_token_time"] = now
+            reason = self.finish_reason(request)
+            if reason is not None:
+                self.finish_request(request, reason)
+
+    def finish_reason(self, request: Request) -> str | None:
+        """Why the request is done after its last appended token; None while it is not."""
+        if request.all_token_ids[-1] in request.stop_token_ids:
+            return "stop"
+        if (
+            request.num_output_tokens >= request.sampling_params.max_tokens
+            or request.num_tokens >= self.max_model_len
+        ):
+            return "length"
+        return None
+
+    def finish_request(self, request: Request, reason: str) -> None:
+        """Take the request out of its queue and finish it ("stop", "length", "abort",
+        "error")."""
+        self.remove(request)
+        self._finish(request, reason)
+
+    def _finish(self, request: Request, reason: str) -> None:
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.metrics["finished_time"] = time.monotonic()
+        self.requests.pop(request.request_id, None)
+        delay = False
+        if self.connector is not None:
+            try:
+                delay, params = self.connector.request_finished(request, list(request.block_ids))
+            except Exception:
+                logger.exception("connector.request_finished failed for %s", request.request_id)
+                delay, params = False, None
+            request.output_kv_transfer_params = params
+        if delay and request.block_ids:
+            self.delayed_free[request.request_id] = request
+        else:
+            self.block_manager.free_blocks(request)
+
+    def poll_connector(self) -> None:
+        """Pick up finished/failed async loads and the blocks the connector is done with."""
+        if self.connector is None:
+            return
+        loaded, failed = self.connector.get_finished_loading(), self.connector.get_failed_loading()
+        if loaded or failed:
+            self.finish_remote_loads(loaded, failed)
+        for request_id in self.connector.get_finished_sending():
+            request = self.delayed_free.pop(request_id, None)
+            if request is not None:
+                self.block_manager.free_blocks(request)
+
     def finish_remote_loads(self, loaded: set[str], failed: set[str]) -> None:
         """Async loads done: the request runs from its loaded tokens, or on failure
         recomputes from its local hit (its blocks stay, their contents are rewritten)."""
@@ -183,3 +269,8 @@ class Scheduler:
             del self.waiting_for_remote[request.request_id]
         elif request in self.waiting:
             self.waiting.remove(request)
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if the block accounting differs from the blocks held."""
+        holders = [r for r in self.requests.values() if r.block_ids] + list(self.delayed_free.values())
+        self.block_manager.check_integrity(holders)
