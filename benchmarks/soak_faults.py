@@ -11,14 +11,15 @@ when every part answers again, one fault at a time.
 Each stream sends one of `--prompts` fixed token-ID prompts (greedy, ignore_eos, token IDs
 returned); the reference answer of every prompt is its run on the same stack before any
 fault. Printed: requests sent, completed, lost; streams differing from their reference;
-the resident memory (VmRSS) of each part at the start (after the reference pass) and at
-the end; the KV blocks in use on each engine (blocks total - free, its
+the resident memory (VmRSS) of each part at the start (after the reference pass and
+`--warm-up` seconds of the same load without faults: what a part grows by as it warms up
+is not a leak), halfway and at the end; the KV blocks in use on each engine (blocks total - free, its
 /inference/v1/stats) once the load is over. The must-hold verdicts come last and the exit
 status says whether all held: 0 lost, 0 differing, RSS within `--rss-tolerance` of the
 start (per part name: a restarted part is its new process), 0 blocks in use.
 
     .venv/bin/python benchmarks/soak_faults.py [--minutes 30] [--streams 64] [--seed 0] [--model DIR]
-    .venv/bin/python benchmarks/soak_faults.py --seconds 40 --streams 8 --fault-every 5 10  # smoke form
+    .venv/bin/python benchmarks/soak_faults.py --seconds 30 --streams 8 --warm-up 0 --fault-every 5 10
 """
 
 from __future__ import annotations
@@ -218,24 +219,28 @@ def up_command(model: str, port: int, args: argparse.Namespace) -> list[str]:
 
 def print_report(
     args: argparse.Namespace, seconds: float, tally: Tally, faults: list[Fault],
-    rss: tuple[dict[str, int], dict[str, int]], blocks: dict[str, int], restarts: int,
+    rss: tuple[dict[str, int], dict[str, int], dict[str, int]], blocks: dict[str, int], restarts: int,
 ) -> bool:  # fmt: skip
     kinds = collections.Counter(f.action.split(" (")[0] for f in faults)
     prompts = len(args.prompts_list)
-    print(f"\nsoak: {seconds:.0f} s, {args.streams} streams, {prompts} prompts, seed {args.seed}")
+    print(
+        f"\nsoak: {seconds:.0f} s after {args.warm_up:.0f} s of warm-up without faults, "
+        f"{args.streams} streams, {prompts} prompts, seed {args.seed}"
+    )
     print(f"faults: {len(faults)} ({', '.join(f'{n} {k}' for k, n in sorted(kinds.items())) or 'none'}); "
           f"parts started again by up: {restarts}")  # fmt: skip
     print(f"requests sent {tally.sent}, completed {tally.completed}, lost {sum(tally.lost.values())}")
     for reason, count in tally.lost.most_common(5):
         print(f"    {count} x {reason}")
     print(f"streams differing from their undisturbed greedy run: {tally.differing}")
-    start, end = rss
-    print(f"{'part':<12}{'RSS start MiB':>15}{'RSS end MiB':>13}{'change':>9}")
+    start, half, end = rss
+    print(f"{'part':<12}{'RSS start MiB':>15}{'halfway':>9}{'end':>8}{'change':>9}")
     rss_within = True
     for name in start:
         change = (end[name] - start[name]) / max(start[name], 1)
         rss_within &= change <= args.rss_tolerance
-        print(f"{name:<12}{start[name] / 1024:>15.1f}{end[name] / 1024:>13.1f}{change:>+9.1%}")
+        mib = [figures[name] / 1024 for figures in (start, half, end)]
+        print(f"{name:<12}{mib[0]:>15.1f}{mib[1]:>9.1f}{mib[2]:>8.1f}{change:>+9.1%}")
     print("KV blocks in use at the end: " + ", ".join(f"{n} {b}" for n, b in blocks.items()))
     verdicts = {
         "0 lost": not tally.lost and tally.completed == tally.sent,
@@ -254,6 +259,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--model", default=None, help="model directory (default: the tiny model)")
     parser.add_argument("--minutes", type=float, default=30.0, help="how long the load runs")
     parser.add_argument("--seconds", type=float, default=None, help="instead of --minutes (the smoke form)")
+    parser.add_argument(
+        "--warm-up", type=float, default=120.0, help="seconds of the load without faults before the start"
+    )
     parser.add_argument("--streams", type=int, default=64, help="concurrent streams")
     parser.add_argument("--seed", type=int, default=0, help="the fault injector's and the clients' seed")
     parser.add_argument(
@@ -287,24 +295,34 @@ def main() -> int:
         while "OpenAI API:" not in up_log(port):
             time.sleep(0.1)
         expected = asyncio.run(references(base, args.prompts_list, args))
-        rss_start = part_rss(port)
         tally = Tally()
+        # The same load without faults first: what a part's memory grows by as it warms up
+        # (allocator arenas, connection pools) is not a leak.
+        warm_until = time.monotonic() + args.warm_up
+        asyncio.run(send_streams(base, args.prompts_list, expected, args, warm_until, tally))
+        rss_start = part_rss(port)
         started = time.monotonic()
-        until = started + (args.seconds if args.seconds is not None else args.minutes * 60)
+        duration_s = args.seconds if args.seconds is not None else args.minutes * 60
+        until = started + duration_s
 
-        async def soak() -> list[Fault]:
+        async def rss_halfway() -> dict[str, int]:
+            await asyncio.sleep(duration_s / 2)
+            return part_rss(port)
+
+        async def soak() -> tuple[list[Fault], dict[str, int]]:
             injector = asyncio.create_task(inject_faults(port, args, started, until))
+            halfway = asyncio.create_task(rss_halfway())
             await send_streams(base, args.prompts_list, expected, args, until, tally)
-            return await injector
+            return await injector, await halfway
 
-        faults = asyncio.run(soak())
+        faults, rss_half = asyncio.run(soak())
         seconds = time.monotonic() - started
         if not every_part_answers(port, time.monotonic() + 120):
             print("not every part answers /health after the load", flush=True)
         blocks = settled_blocks(port, args.kv_reservation_ttl + 10)
         rss_end = part_rss(port)
         restarts = up_log(port).count(" started again (pid ")
-    held = print_report(args, seconds, tally, faults, (rss_start, rss_end), blocks, restarts)
+    held = print_report(args, seconds, tally, faults, (rss_start, rss_half, rss_end), blocks, restarts)
     return 0 if held else 1
 
 
