@@ -6,7 +6,8 @@ by definition). A stopped part is resumed (SIGCONT) after `--stop-for` seconds, 
 `up`'s liveness check (`--liveness-timeout`) has killed it first; a killed part is started
 again by `up`'s supervisor, and the proxy moves the streams of a dead or stalled decode
 worker to the other one (`--stall-timeout`, `--resume-wait`). The injector strikes only
-when every part answers again, one fault at a time.
+when every part answers again and the proxy has every worker back in rotation: one fault
+at a time.
 
 Each stream sends one of `--prompts` fixed token-ID prompts (greedy, ignore_eos, token IDs
 returned); the reference answer of every prompt is its run on the same stack before any
@@ -139,11 +140,16 @@ def start_time(pid: int) -> str | None:
 
 
 def every_part_answers(port: int, deadline: float) -> bool:
-    """Until every part `up` started answers /health (a restarted one too); False past `deadline`."""
+    """Until every part `up` started answers /health (a restarted one too) and the proxy
+    has every P/D worker back in rotation (it re-admits a restarted one at its next health
+    check: striking before would be two faults at once); False past `deadline`."""
     with httpx.Client(timeout=2, headers=AUTH) as client:
         while time.monotonic() < deadline:
             try:
-                if all(client.get(f"{url}/health").status_code == 200 for url in part_urls(port).values()):
+                urls = part_urls(port)
+                answering = all(client.get(f"{url}/health").status_code == 200 for url in urls.values())
+                workers = client.get(f"{urls['proxy']}/workers").json()["workers"]
+                if answering and all(worker["healthy"] for worker in workers):
                     return True
             except httpx.HTTPError:
                 pass
