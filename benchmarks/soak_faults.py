@@ -11,7 +11,8 @@ at a time.
 
 Each stream sends one of `--prompts` fixed token-ID prompts (greedy, ignore_eos, token IDs
 returned); the reference answer of every prompt is its run on the same stack before any
-fault. Printed: requests sent, completed, lost; streams differing from their reference;
+fault. Printed: requests sent, completed, lost (the warm-up's too); streams differing from
+their reference;
 the resident memory (VmRSS) of each part at the start (after the reference pass and
 `--warm-up` seconds of the same load without faults: what a part grows by as it warms up
 is not a leak), halfway and at the end; the KV blocks in use on each engine (blocks total - free, its
@@ -235,7 +236,8 @@ def print_report(
     )
     print(f"faults: {len(faults)} ({', '.join(f'{n} {k}' for k, n in sorted(kinds.items())) or 'none'}); "
           f"parts started again by up: {restarts}")  # fmt: skip
-    print(f"requests sent {tally.sent}, completed {tally.completed}, lost {sum(tally.lost.values())}")
+    lost = sum(tally.lost.values())
+    print(f"requests sent {tally.sent}, completed {tally.completed}, lost {lost} (warm-up included)")
     for reason, count in tally.lost.most_common(5):
         print(f"    {count} x {reason}")
     print(f"streams differing from their undisturbed greedy run: {tally.differing}")
