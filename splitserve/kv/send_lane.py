@@ -58,6 +58,9 @@ MAX_COOL_DOWN_S = 30.0
 # A lane with nothing to send for this long ends its thread and socket: peers come and go
 # (a restarted decode worker listens on a new port), lanes must not pile up.
 IDLE_LANE_S = 120.0
+# An idle lane asks this often whether its peer is gone (`LaneWork.peer_gone`): a lane
+# holding a dead peer's mapped pool keeps that pool's memory alive while it lasts.
+PEER_CHECK_S = 0.5
 POLL_S = 0.02
 _RETIRED = "the KV send lane retired after idling"
 
@@ -79,6 +82,8 @@ class LaneWork(Protocol):
 
     def fail_job(self, job: object, error: str) -> None: ...
 
+    def peer_gone(self, socket: LaneSocket) -> bool: ...
+
 
 class _CoolDown(NamedTuple):
     until: float  # monotonic
@@ -95,6 +100,7 @@ class LaneSocket:
         self.lane = lane
         self.timeout_s = timeout_s
         self.peer_pool: torch.Tensor | None = None  # the peer's pool mapped here (shm)
+        self.peer_layout: PoolLayout | None = None  # what the peer answered at connection set-up
         self.session = SenderSession()  # issued by the peer at HELLO; stamps every message
         self.last_stamp = b""  # of the last request sent: its reply must be bound to it
 
@@ -252,15 +258,22 @@ class SendLane:
             self._fail_all(drained, self.error)
 
     def _serve(self, lane_socket: LaneSocket) -> None:
-        idle_since = time.monotonic()
+        idle_since = checked_at = time.monotonic()
         while self.error is None and not self.owner.stop.is_set():
             try:
                 job = self.jobs.get(timeout=POLL_S)
             except queue.Empty:
-                if time.monotonic() - idle_since > self.owner.idle_lane_s:
+                now, gone = time.monotonic(), False
+                if now - checked_at > PEER_CHECK_S:
+                    # a restarted peer is a new engine (a new ID, maybe a new port): nothing
+                    # comes for this lane again, so it ends (its mapping too) now, not idle
+                    checked_at, gone = now, self.owner.work.peer_gone(lane_socket)
+                if gone or now - idle_since > self.owner.idle_lane_s:
                     with self.lock:
                         if self.jobs.empty():
                             self.error = _RETIRED
+                    if gone:
+                        logger.info("KV peer %s is gone: its send lane ends", self.peer.engine_id)
                 continue
             idle_since = time.monotonic()
             if isinstance(job, Barrier):
@@ -335,6 +348,10 @@ class SendLanes:
             if cooling is not None and time.monotonic() < cooling.until:
                 raise TransferError(f"{cooling.error}; not retried for {cooling.seconds:.0f}s")
             lane = SendLane(peer, self, probing=cooling is not None)
+            # the lanes that ended stay only while their threads run: peers come and go
+            self._lanes = {
+                p: old for p, old in self._lanes.items() if old.error is None or old.thread.is_alive()
+            }
             self._lanes[peer] = lane
             self._threads = [thread for thread in self._threads if thread.is_alive()]
             self._threads.append(lane.thread)

@@ -131,6 +131,17 @@ def map_peer_pool(engine_id: str, pid: int, fd: int, shape: tuple[int, ...], dty
         os.close(own_fd)
 
 
+def pool_still_owned(engine_id: str, pid: int, fd: int) -> bool:
+    """Whether the peer that offered its pool as (pid, fd) still holds it: its descriptor
+    still leads to the segment its engine ID names. Once the peer is gone (killed too),
+    a peer's mapping is what keeps the pool's memory alive. A PID in use again cannot
+    pass: the segment's name holds the engine's own ID."""
+    try:
+        return os.readlink(f"/proc/{int(pid)}/fd/{int(fd)}") == f"{segment_path(pid, engine_id)} (deleted)"
+    except OSError:
+        return False
+
+
 class ShmTransport(KVTransport):
     name = "shm"
     stops_at_once = False  # a peer writes into our pool itself: we cannot stop it mid-copy
@@ -164,6 +175,12 @@ class ShmTransport(KVTransport):
         return map_peer_pool(
             peer.engine_id, layout.shm_pid, layout.shm_fd, layout.shape, dtype_from_name(layout.dtype)
         )
+
+    def peer_gone(self, socket: LaneSocket) -> bool:
+        layout = socket.peer_layout
+        if socket.peer_pool is None or layout is None or layout.shm_pid is None or layout.shm_fd is None:
+            return False
+        return not pool_still_owned(socket.lane.peer.engine_id, layout.shm_pid, layout.shm_fd)
 
     def _send_push(self, socket: LaneSocket, job: PushJob) -> int:
         assert self.pool is not None

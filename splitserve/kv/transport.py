@@ -371,7 +371,13 @@ class KVTransport(ABC):
             raise TransferError(f"KV pool layouts differ: ours {mine.shape} {mine.dtype}, peer {layout}")
         self.control.start_session(socket, reply, peer.engine_id)
         socket.peer_pool = self._on_handshake(peer, layout)
+        socket.peer_layout = layout
         return layout
+
+    def peer_gone(self, socket: LaneSocket) -> bool:
+        """Whether the lane's peer has certainly exited (shm: its mapped pool's owner).
+        Over a network socket nothing tells, and nothing of the peer is held here."""
+        return False
 
     def _ask_held(self, socket: LaneSocket, job: PullJob) -> bool:
         """Does the pull source still hold the job's blocks, with KV of its hashes?"""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import multiprocessing
 import os
 import signal
 import threading
@@ -31,7 +32,7 @@ from splitserve.router.pd_engine_client import PDEngineClient
 from splitserve.router.pd_policy import PDPolicy
 from splitserve.router.workers import WorkerPool
 from tests.conftest import free_port, running_server
-from tests.kv.transport_peer import SHAPE, filled_pool, pattern
+from tests.kv.transport_peer import SHAPE, filled_pool, pattern, receiver
 
 SRC, DST = [0, 3, 6], [5, 2, 7]
 
@@ -177,6 +178,40 @@ def test_an_idle_lane_ends_and_a_fresh_one_takes_the_next_job(kind):
         context.term()
         sender.close()
         receiver.close()
+
+
+def test_a_lane_ends_at_once_when_the_peer_whose_pool_it_maps_dies():
+    """A killed peer's pool lives on in the memory of every sender that maps it: the lane
+    that maps it ends within a second of the peer's death (not after idling, 120 s), and
+    with it the mapping. (`up` restarts a killed decode worker as a new engine: each of
+    its deaths left prefill ~8 MiB more resident with the tiny model's pool, GBs with a
+    real one.)"""
+    context = multiprocessing.get_context("spawn")
+    to_parent, from_parent = context.Queue(), context.Queue()
+    peer_process = context.Process(target=receiver, args=("shm", 10, 30, DST, to_parent, from_parent))
+    peer_process.start()
+    sender = make_transport("sender", TransferConfig(transport="shm", timeout_s=10))
+    try:
+        peer = PeerInfo(*to_parent.get(timeout=60))
+        filled_pool(sender)
+        sender.start()
+        for layer in range(SHAPE[0]):
+            sender.push_layer(peer, "t1", layer, SRC, DST)
+        assert sender.flush(10)
+        result, _ = to_parent.get(timeout=30)
+        assert result["ok"], result
+        segment = segment_path(peer_process.pid, "recv")
+        assert mappings_of(segment) == 1  # the lane's, idle now
+        peer_process.kill()
+        peer_process.join(30)
+        deadline = time.monotonic() + 10
+        while mappings_of(segment):
+            assert time.monotonic() < deadline, "the dead peer's pool is still mapped"
+            time.sleep(0.05)
+    finally:
+        peer_process.kill()
+        peer_process.join(30)
+        sender.close()
 
 
 # ---- real processes -------------------------------------------------------------------

@@ -2,12 +2,14 @@
 the tiny Qwen2-VL: prefill on the head node, the encoder on the other, one decode slot on
 each (custom resources), checked against the collocated `splitserve serve`; images
 through the encoder tier, KV over shm within a node and tcp across, live scaling, a
-killed decode replica, `down --ray`; config errors stop before anything is deployed."""
+killed decode replica, a killed ingress replica (its streams end, the tiers stay, the
+new one answers), `down --ray`; config errors stop before anything is deployed."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import secrets
 import shutil
@@ -339,3 +341,85 @@ def answer_token_ids(base: str, pictures: list[bytes], headers: dict[str, str]) 
     response = httpx.post(f"{base}/v1/chat/completions", json=body, headers=headers, timeout=120)
     assert response.status_code == 200, response.text
     return response.json()["choices"][0]["token_ids"]
+
+
+def stream_tokens(base: str, body: dict, outcome: list) -> None:
+    """One streamed completion through the ingress; appends (token IDs, finish reason,
+    error or None) to `outcome`."""
+    tokens: list[int] = []
+    finish_reason, error = None, None
+    try:
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, headers=AUTH, timeout=60) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    event = json.loads(line[6:])
+                    for choice in event.get("choices") or []:
+                        tokens += choice.get("token_ids") or []
+                        finish_reason = choice.get("finish_reason") or finish_reason
+                    error = error or event.get("error")
+    except httpx.HTTPError as exc:
+        error = repr(exc)
+    outcome.append((tokens, finish_reason, error))
+
+
+def test_a_replaced_ingress_keeps_the_tiers_and_answers_again(cluster, tiny_model, secrets_env):
+    """The ingress replica killed outright (`ray.kill`) with streams running through it. The
+    proxy's streams live in that process: they end (cut, never hung, never a finished stream
+    with other tokens) and the decode engine aborts them, so no KV block stays in use. What
+    must survive does: the tier replicas keep running (same URLs, none restarted), Serve
+    starts a new ingress, which learns them from their heartbeats, and a client that keeps
+    sending gets answers or a clear 503 while it starts, then `serve`'s greedy answers."""
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    args = ["up", tiny_model, "--ray", cluster, "--ray-app-name", APP, "--port", str(port), "--prefill", "0"]
+    args += ["--num-blocks", "256", "--max-model-len", "1024", "--open-health-metrics"]
+    args += ["--ray-tier", "render:num_cpus=0.5", "--ray-tier", "decode:num_cpus=0.5"]
+    try:
+        done = splitserve(*args, env=secrets_env)
+        assert done.returncode == 0, done.stdout + done.stderr
+        before = {(m["role"], m["url"], m["replica"]) for m in workers()}
+        body = {"prompt": "the ingress", "max_tokens": 8, "temperature": 0, "return_token_ids": True}
+        answer = httpx.post(f"{base}/v1/completions", json=body, headers=AUTH, timeout=120)
+        assert answer.status_code == 200, answer.text
+        expected = answer.json()["choices"][0]["token_ids"]
+
+        streamed: list = []
+        long = {**body, "max_tokens": 900, "ignore_eos": True, "stream": True}
+        threads = [threading.Thread(target=stream_tokens, args=(base, long, streamed)) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        decode_url = next(url for role, url, _ in before if role == "decode")
+        token_auth = {"Authorization": f"Bearer {secrets_env['SPLITSERVE_INTERNAL_TOKEN']}"}
+
+        def decode_stats() -> dict:
+            return httpx.get(f"{decode_url}/inference/v1/stats", headers=token_auth, timeout=10).json()
+
+        wait_for(lambda: decode_stats()["num_running"] == 2, what="both streams on decode")
+        (ingress,) = [name for name in app_replicas() if "ProxyIngress" in name]
+        ray.kill(ray.get_actor(ingress, namespace="serve"), no_restart=True)
+        for thread in threads:
+            thread.join(90)
+        assert not any(thread.is_alive() for thread in threads), "a stream hung on the dead ingress"
+        for tokens, finish_reason, error in streamed:
+            assert finish_reason is None and (error or len(tokens) < 900), (finish_reason, error, len(tokens))
+        # the engine aborted them: nothing running, every block free again
+        wait_for(lambda: decode_stats()["num_running"] == 0, what="decode to abort the cut streams")
+        stats = decode_stats()
+        assert stats["num_blocks_free"] == stats["num_blocks_total"], stats
+
+        statuses: list[int] = []
+        deadline = time.monotonic() + 120
+        while statuses[-3:] != [200, 200, 200]:  # answers again, steadily
+            assert time.monotonic() < deadline, statuses
+            answer = httpx.post(f"{base}/v1/completions", json=body, headers=AUTH, timeout=120)
+            statuses.append(answer.status_code)
+            if answer.status_code == 200:
+                assert answer.json()["choices"][0]["token_ids"] == expected
+            else:  # the new ingress starting: an OpenAI error, never a crash
+                assert answer.status_code == 503, answer.text
+                assert answer.json()["error"]["message"], answer.text
+                time.sleep(0.2)
+        assert [name for name in app_replicas() if "ProxyIngress" in name] != [ingress]
+        assert {(m["role"], m["url"], m["replica"]) for m in workers()} == before  # the tiers were kept
+    finally:
+        splitserve("down", "--ray", cluster, "--ray-app-name", APP)
