@@ -309,6 +309,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--render", default=None, metavar="URL", help="with --engine: also time a render tier's requests"
     )
     p.add_argument(
+        "--proxy",
+        default=None,
+        metavar="URL",
+        help="with --engine: the OpenAI server in front of it (`serve`, `up`) whose cost per "
+        "request and per streamed token to time",
+    )
+    p.add_argument(
         "--pd",
         default=None,
         metavar="URL",

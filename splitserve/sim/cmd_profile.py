@@ -5,22 +5,28 @@ proxy's `--pd-cost-profile FILE`."""
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 from splitserve.sim.calibrate import CalibrationError, Sample
 from splitserve.sim.cmd_common import emit
-from splitserve.sim.profile import build_profile, save_profile
+from splitserve.sim.profile import CpuCosts, build_profile, save_profile
 from splitserve.sim.specs import GPUSpec, ModelSpec
 from splitserve.sim.step_model import fit_errors, fit_step_model
 
 
 def write_profile(args: argparse.Namespace, model: ModelSpec, gpu: GPUSpec, samples: list[Sample]) -> int:
-    if (args.render or args.pd) and not args.engine:
-        raise CalibrationError("--render and --pd measure alongside --engine URL")
+    if (args.render or args.pd or args.proxy) and not args.engine:
+        raise CalibrationError("--render, --proxy and --pd measure alongside --engine URL")
     cpu = handoff = None
     if args.render:
         from splitserve.sim.tier_probe import measure_render
 
         cpu = measure_render(args.render, repeats=args.repeats)
+    if args.proxy:
+        from splitserve.sim.tier_probe import measure_serving_path
+
+        per_request, per_token = measure_serving_path(args.proxy, fit_step_model(samples), cpu, args.repeats)
+        cpu = replace(cpu or CpuCosts(), proxy_s_per_request=per_request, proxy_s_per_token=per_token)
     if args.pd:
         from splitserve.sim.tier_probe import measure_handoff
 
@@ -46,7 +52,9 @@ def write_profile(args: argparse.Namespace, model: ModelSpec, gpu: GPUSpec, samp
     if cpu is not None:
         lines.append(
             f"  render   {cpu.render_s_per_request * 1e3:.2f} ms/request"
-            f" + {cpu.render_s_per_token * 1e6:.2f} us/token"
+            f" + {cpu.render_s_per_token * 1e6:.2f} us/token; serving path "
+            f"{cpu.proxy_s_per_request * 1e3:.2f} ms/request"
+            f" + {cpu.proxy_s_per_token * 1e3:.3f} ms/output token"
         )
     if handoff is not None:
         lines.append(f"  handoff  {handoff[0] * 1e3:.2f} ms + {handoff[1] * 1e12:.2f} ps/byte")

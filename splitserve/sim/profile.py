@@ -7,7 +7,8 @@ FILE`) and the proxy (`splitserve proxy --pd-cost-profile FILE`) read.
      "handoff_fixed_s": ..., "handoff_s_per_token": ...,               # (router/pd_decision.py)
      "sim": {"version": 1,
              "steps": {...step_model.py's fitted prefill and decode step times...},
-             "cpu": {"render_s_per_request": ..., "render_s_per_token": ...},
+             "cpu": {"render_s_per_request": ..., "render_s_per_token": ...,
+                     "proxy_s_per_request": ..., "proxy_s_per_token": ...},
              "handoff": {"fixed_s": ..., "s_per_byte": ...},
              "fit": {"rms_rel_error": ..., "max_rel_error": ..., "samples": N}}}
 
@@ -19,6 +20,7 @@ calibrate --save` wrote) is a profile too: its step model is fitted on loading.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 
@@ -31,13 +33,20 @@ PROFILE_VERSION = 1
 
 @dataclass(frozen=True)
 class CpuCosts:
-    """What the render tier spends on a request, before the engine sees it."""
+    """The tiers around the engine: what the render tier spends on a request before the
+    engine sees it, and what the rest of the serving path (the OpenAI server or the proxy,
+    its hops, the stream back) spends per request and per streamed token."""
 
     render_s_per_request: float = 0.0
     render_s_per_token: float = 0.0  # per prompt token
+    proxy_s_per_request: float = 0.0  # beyond the render tier's, on the way in
+    proxy_s_per_token: float = 0.0  # per output token, one shared server (serving_path.py)
 
     def delay_s(self, prompt_tokens: int) -> float:
-        return self.render_s_per_request + self.render_s_per_token * prompt_tokens
+        return self.render_s_per_request + self.render_s_per_token * prompt_tokens + self.proxy_s_per_request
+
+
+CPU_FIELDS = tuple(f.name for f in dataclasses.fields(CpuCosts))
 
 
 @dataclass(frozen=True)
@@ -66,10 +75,7 @@ class EngineProfile:
             rms, worst = fit_errors(self.steps, list(self.samples))
             sim["fit"] = {"rms_rel_error": rms, "max_rel_error": worst, "samples": len(self.samples)}
         if self.cpu is not None:
-            sim["cpu"] = {
-                "render_s_per_request": self.cpu.render_s_per_request,
-                "render_s_per_token": self.cpu.render_s_per_token,
-            }
+            sim["cpu"] = dataclasses.asdict(self.cpu)
         if self.handoff_fixed_s is not None:
             sim["handoff"] = {"fixed_s": self.handoff_fixed_s, "s_per_byte": self.handoff_s_per_byte or 0.0}
         doc: dict = {"model": self.model, "gpu": self.gpu}
@@ -153,9 +159,12 @@ def parse_profile(data: object, source: str = "profile") -> EngineProfile:
     cpu = None
     if "cpu" in sim:
         c = sim["cpu"] if isinstance(sim["cpu"], dict) else {}
-        cpu = CpuCosts(
-            _number(c, "render_s_per_request", source + " sim.cpu"), _number(c, "render_s_per_token", source)
-        )
+        unknown = sorted(set(c) - set(CPU_FIELDS))
+        if unknown:
+            raise CalibrationError(
+                f"{source}: sim.cpu: unknown field {unknown[0]!r} ({', '.join(CPU_FIELDS)})"
+            )
+        cpu = CpuCosts(**{name: _number(c, name, f"{source} sim.cpu") for name in CPU_FIELDS})
     handoff = sim.get("handoff") if isinstance(sim.get("handoff"), dict) else None
     profile = EngineProfile(
         steps,

@@ -21,6 +21,7 @@ from splitserve.sim.kv import exposed_transfer_s, transfer_s
 from splitserve.sim.pd_split import PDCosts, goes_remote
 from splitserve.sim.profile import CpuCosts
 from splitserve.sim.roofline import Efficiency, Roofline
+from splitserve.sim.serving_path import through_serving_path
 from splitserve.sim.specs import GPUSpec, ModelSpec
 from splitserve.sim.step_model import ProfiledRoofline, StepModel
 from splitserve.sim.workload import Workload
@@ -382,25 +383,30 @@ class _Sim:
         ttft, tpot = np.full(n, np.inf), np.zeros(n)
         worst, e2e = np.zeros(n), np.full(n, np.inf)
         gaps: list[np.ndarray] = [np.zeros(0)] * n
-        empty = np.zeros(0)
         end_time = 0.0
         tokens = [0] * len(self.engines)
+        served: list[int] = []
+        token_times: list[np.ndarray] = []
         for e in self.engines:
             times = e.step_times()
             if len(times):
                 end_time = max(end_time, float(times[-1]))
-            diffs = np.diff(times) if len(times) else empty
             for rid in np.flatnonzero(self.engine_of == e.index):
                 s, o = int(self.first_step[rid]), int(self.wl.output[rid])
                 tokens[e.index] += o
-                first, last = times[s], times[s + o - 1]
-                ttft[rid] = first - self.arrive[rid]
-                e2e[rid] = last - self.arrive[rid]
-                g = diffs[s : s + o - 1]
-                gaps[rid] = g
-                if o > 1:
-                    tpot[rid] = (last - first) / (o - 1)
-                    worst[rid] = g.max()
+                served.append(int(rid))
+                token_times.append(times[s : s + o])
+        if self.dep.cpu is not None:
+            token_times = through_serving_path(token_times, self.dep.cpu.proxy_s_per_token)
+        for rid, times in zip(served, token_times, strict=True):
+            o = len(times)
+            first, last = times[0], times[-1]
+            ttft[rid] = first - self.arrive[rid]
+            e2e[rid] = last - self.arrive[rid]
+            gaps[rid] = g = np.diff(times)
+            if o > 1:
+                tpot[rid] = (last - first) / (o - 1)
+                worst[rid] = g.max()
         window = self.window if np.isfinite(self.window) else max(end_time, 1e-9)
         return SimResult(
             arrival=self.arrive,

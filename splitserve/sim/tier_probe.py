@@ -5,9 +5,17 @@ their public HTTP APIs (standard library only):
   /v1/completions/render of prompts of several lengths, wall time on the client (HTTP
   included: the proxy pays the same hop), the fastest of `repeats` kept; a line fitted to
   (prompt tokens, seconds) gives the cost per request and per prompt token.
+- `--proxy URL`: the serving path around the engine (`splitserve serve`, or `up`'s proxy):
+  OpenAI /v1/completions. Per request: the client's time to a one-token answer of a short
+  prompt beyond its prefill step (the step model's) and the render tier's cost. Per
+  streamed token: the service time of the one shared server serving_path.py models; a
+  stream alone shows it where its mean gap exceeds the engine's step (gap = max(step, c)),
+  8 concurrent streams where their gap exceeds the batch-8 step (gap = 8c); the larger of
+  the two, 0 where the engine's steps set the pace.
 - `--pd URL`: a P/D proxy's handoff. Requests of several prompt lengths go through its
-  /v1/completions (one output token each); the proxy times every first token on both paths
-  and keeps what the remote path spends beyond the local one (router/pd_costs.py), which
+  /v1/completions (one output token each; short ones first, which stay on decode); the
+  proxy times every first token on both paths and keeps what the remote path spends
+  beyond the local one (router/pd_costs.py), which
   `GET /workers` reports; that measured `handoff_fixed_s` is the profile's fixed cost. The
   cost per byte is what remote first tokens grow by per prompt byte of KV beyond the
   prefill compute the step model predicts (0 when not measurably above it).
@@ -17,6 +25,7 @@ from __future__ import annotations
 
 import json
 import random
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -76,6 +85,80 @@ def measure_render(
     return CpuCosts(per_request, per_token)
 
 
+def _stream_gap_s(url: str, prompt: list[int], max_tokens: int, timeout_s: float) -> float:
+    """A streamed completion's mean gap between its first and last events, per token."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    times: list[float] = []
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            for raw in resp:
+                line = raw.decode(errors="replace").strip()
+                if line.startswith("data:") and line != "data: [DONE]":
+                    times.append(time.perf_counter())
+    except (urllib.error.URLError, OSError) as exc:
+        raise CalibrationError(f"{url}: cannot stream from it ({exc})") from None
+    if len(times) < 2:
+        raise CalibrationError(f"{url}: a {max_tokens}-token stream came in fewer than two events")
+    return (times[-1] - times[0]) / (max_tokens - 1)
+
+
+def measure_serving_path(
+    url: str,
+    steps: StepModel,
+    render: CpuCosts | None,
+    repeats: int = 3,
+    prompt_tokens: int = 32,
+    stream_tokens: int = 48,
+    batch: int = 8,
+    timeout_s: float = 120.0,
+) -> tuple[float, float]:
+    """(seconds per request, seconds per streamed token) of the path around the engine."""
+    base = url.rstrip("/") + "/v1/completions"
+    rng = random.Random(2)
+
+    def prompt() -> list[int]:
+        return [rng.randrange(10, 250) for _ in range(prompt_tokens)]
+
+    _post(base, {"prompt": prompt(), "max_tokens": 2}, timeout_s)  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        _post(base, {"prompt": prompt(), "max_tokens": 1, "temperature": 0}, timeout_s)
+        best = min(best, time.perf_counter() - start)
+    before_engine = render.delay_s(prompt_tokens) if render is not None else 0.0
+    per_request = max(0.0, best - steps.prefill_s(prompt_tokens) - before_engine)
+    context = prompt_tokens + stream_tokens // 2
+    alone = min(_stream_gap_s(base, prompt(), stream_tokens, timeout_s) for _ in range(repeats))
+    together = float("inf")
+    for _ in range(repeats):
+        gaps: list[float] = []
+        errors: list[BaseException] = []
+
+        def one(gaps: list[float] = gaps, errors: list[BaseException] = errors) -> None:
+            try:
+                gaps.append(_stream_gap_s(base, prompt(), stream_tokens, timeout_s))
+            except BaseException as exc:  # reported in the caller's thread
+                errors.append(exc)
+
+        threads = [threading.Thread(target=one) for _ in range(batch)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        together = min(together, sorted(gaps)[len(gaps) // 2])
+    step_alone = float(steps.decode_s(1, context))
+    step_together = float(steps.decode_s(batch, batch * context))
+    per_token = max(
+        alone if alone > step_alone else 0.0, together / batch if together > step_together else 0.0
+    )
+    return per_request, per_token
+
+
 def measure_handoff(
     url: str,
     steps: StepModel,
@@ -87,6 +170,9 @@ def measure_handoff(
     """(fixed seconds, seconds per KV byte) of the P/D handoff."""
     base = url.rstrip("/")
     rng = random.Random(1)
+    for _ in range(repeats):  # short prompts stay on decode: the proxy's local fixed cost
+        body = {"prompt": [rng.randrange(10, 250) for _ in range(16)], "max_tokens": 1, "temperature": 0}
+        _post(base + "/v1/completions", body, timeout_s)
     sizes, excess = [], []
     for n in prompt_tokens:
         best = float("inf")
