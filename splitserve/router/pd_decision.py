@@ -136,11 +136,12 @@ class CostProfile(NamedTuple):
 def parse_cost_profile(data: object, source: str = "profile") -> CostProfile:
     """A profile: {field: number} for any of `CostModel`'s fields, and optionally the
     prefill step times `splitserve sim calibrate --engine URL --save FILE` writes
-    ("samples"; "model" and "gpu" are ignored): their fitted cost per prompt token stands
-    for both prefill costs the profile does not name."""
+    ("samples"; "model", "gpu" and "sim", the simulator's own part of a `sim calibrate
+    --out` profile, are ignored): their fitted cost per prompt token stands for both
+    prefill costs the profile does not name."""
     if not isinstance(data, dict):
         raise CostProfileError(f"{source}: expected a JSON object of cost fields")
-    unknown = sorted(set(data) - set(COST_FIELDS) - {"samples", "model", "gpu"})
+    unknown = sorted(set(data) - set(COST_FIELDS) - {"samples", "model", "gpu", "sim"})
     if unknown:
         raise CostProfileError(
             f"{source}: unknown field {unknown[0]!r} (fields: {', '.join(COST_FIELDS)}, samples)"

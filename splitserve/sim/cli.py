@@ -46,6 +46,13 @@ def _workload(p: argparse.ArgumentParser, seeds: int = 5) -> None:
         "--burstiness", type=float, default=1.0, help="gamma shape (vLLM's): 1 Poisson, <1 burstier"
     )
     p.add_argument("--trace", default=None, help="replay a CSV/JSONL trace instead (rates scale its time)")
+    p.add_argument(
+        "--lengths",
+        default=None,
+        metavar="FILE",
+        help="draw (prompt, output) pairs from observed requests: JSONL of token counts, a "
+        "`splitserve bench` dataset or a `bench --json` results file (instead of --prompt/--output)",
+    )
     p.add_argument("--seeds", type=int, default=seeds, help="runs averaged per point")
     p.add_argument(
         "--turns",
@@ -65,6 +72,20 @@ def _workload(p: argparse.ArgumentParser, seeds: int = 5) -> None:
 
 
 def _deployment(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--profile",
+        default=None,
+        metavar="FILE",
+        help="a measured engine (`sim calibrate --engine URL --out FILE`): its fitted step "
+        "times, render cost and P/D decision costs replace the roofline's",
+    )
+    p.add_argument(
+        "--pd-decision",
+        choices=["always", "cost"],
+        default=None,
+        help="P/D: every request through a prefill worker (always), or each on cost as the "
+        "proxy's --pd-decision cost (default: cost with --profile, else always)",
+    )
     p.add_argument(
         "--preset",
         choices=["seed", "realistic"],
@@ -277,6 +298,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--engine", default=None, metavar="URL", help="measure step times on a live engine instead"
     )
     p.add_argument("--save", default=None, metavar="FILE", help="with --engine: write the measured samples")
+    p.add_argument(
+        "--out",
+        default=None,
+        metavar="FILE",
+        help="write the engine profile (fitted step times, tier costs) for --profile and "
+        "`proxy --pd-cost-profile`",
+    )
+    p.add_argument(
+        "--render", default=None, metavar="URL", help="with --engine: also time a render tier's requests"
+    )
+    p.add_argument(
+        "--proxy",
+        default=None,
+        metavar="URL",
+        help="with --engine: the OpenAI server in front of it (`serve`, `up`) whose cost per "
+        "request and per streamed token to time",
+    )
+    p.add_argument(
+        "--pd",
+        default=None,
+        metavar="URL",
+        help="with --engine: a P/D proxy (`up --prefill N --decode M`) whose handoff to time",
+    )
     p.add_argument("--probe-prefill", type=_ints, default=[32, 64, 128, 256, 512, 1024], help="prompt sizes")
     p.add_argument("--probe-batches", type=_ints, default=[1, 2, 4, 8, 16], help="decode batch sizes")
     p.add_argument("--probe-contexts", type=_ints, default=[128, 1024], help="decode-batch prompt sizes")

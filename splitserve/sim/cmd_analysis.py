@@ -8,6 +8,7 @@ import json
 
 from splitserve.sim import analysis, calibrate
 from splitserve.sim.cmd_common import efficiency, emit, progress, require_positive
+from splitserve.sim.cmd_profile import write_profile
 from splitserve.sim.kv import kv_report, required_gbps
 from splitserve.sim.roofline import Efficiency, Roofline
 from splitserve.sim.specs import load_gpu, load_model
@@ -247,6 +248,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         )
     else:
         samples, _ = calibrate.load_samples(args.input)
+    if args.out:
+        return write_profile(args, model, gpu, samples)
     res = calibrate.fit(
         rl,
         samples,

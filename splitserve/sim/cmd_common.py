@@ -15,7 +15,15 @@ import numpy as np
 from splitserve.sim.metrics import WorkloadFactory
 from splitserve.sim.roofline import Efficiency
 from splitserve.sim.simulator import Deployment, simulate
-from splitserve.sim.workload import Workload, WorkloadError, load_trace, sessions, synthetic
+from splitserve.sim.workload import (
+    Workload,
+    WorkloadError,
+    load_lengths,
+    load_trace,
+    observed,
+    sessions,
+    synthetic,
+)
 
 # The realistic preset (per-kernel step times) anchored on the guide's measurements, as the
 # seed anchored its one-roofline-per-step model (compute 0.47, bandwidth 0.75, 2 ms/step) on
@@ -102,6 +110,16 @@ def workload_factory(args: argparse.Namespace) -> WorkloadFactory:
             return replace(trace, arrival=trace.arrival * (natural / rate))
 
         return from_trace
+
+    if getattr(args, "lengths", None):
+        if args.turns > 1:
+            raise ValueError("--lengths draws single requests: not with --turns")
+        pairs = load_lengths(args.lengths)
+
+        def from_lengths(rate: float, n: int, seed: int) -> Workload:
+            return observed(rate, n, pairs, seed=seed, burstiness=args.burstiness)
+
+        return from_lengths
 
     if args.turns < 1:
         raise ValueError("--turns must be >= 1")

@@ -10,11 +10,22 @@ from dataclasses import replace
 
 from splitserve.sim.cmd_common import emit, progress, require_positive, workload_factory
 from splitserve.sim.cmd_simulation import base_deployment, slos_from_args
+from splitserve.sim.metrics import WorkloadFactory
 from splitserve.sim.planner import Plan, plan_for_rate
+from splitserve.sim.simulator import simulate
 from splitserve.sim.steady import SteadyState
 
 
-def plan_json(p: Plan, rate: float) -> dict:
+def remote_fraction(p: Plan, rate: float, make: WorkloadFactory, requests: int) -> float | None:
+    """P/D: the share of requests the cost decision sends through a prefill worker at this
+    rate (one run of the workload; None for a collocated layout)."""
+    if p.deployment.mode != "pd":
+        return None
+    result = simulate(p.deployment, make(rate, requests, 0))
+    return float(result.summary().get("remote_fraction", 1.0))
+
+
+def plan_json(p: Plan, rate: float, remote: float | None = None) -> dict:
     dep, e = p.deployment, p.at_rate
     return {
         **p.counts(),
@@ -30,6 +41,7 @@ def plan_json(p: Plan, rate: float) -> dict:
         "goodput": p.goodput,
         "headroom": p.headroom,
         "binding": p.binding,
+        "remote_fraction": remote,
     }
 
 
@@ -48,7 +60,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             base, args.rate, make, slos, prompt, args.max_gpus, args.tps, args.budgets, args.target, cfg,
             args.iters, tick,
         )  # fmt: skip
-    rows = [plan_json(p, args.rate) for p in plans]
+    rows = [plan_json(p, args.rate, remote_fraction(p, args.rate, make, args.requests)) for p in plans]
     slo_text = " and ".join(s.label() for s in slos)
     lines = [
         f"{base.model.name} on {base.gpu.name} at {args.rate:g} req/s, {slo_text} for "
@@ -59,13 +71,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     else:
         lines.append(
             f"  {'#':>2s} {'layout':34s} {'GPUs':>4s} {'attainment':>15s} {'goodput':>9s} "
-            f"{'headroom':>8s}  binds first above it"
+            f"{'headroom':>8s} {'via P':>6s}  binds first above it"
         )
         for i, r in enumerate(rows, 1):
             half = r["attainment_ci95"][1] - r["attainment"]
+            via = "-" if r["remote_fraction"] is None else f"{r['remote_fraction']:.0%}"
             lines.append(
                 f"  {i:2d} {r['layout']:34s} {r['gpus']:4d} {r['attainment']:8.1%} ±{half:5.1%}"
-                f" {r['goodput']:7.2f}/s {r['headroom']:+8.0%}  {r['binding']}"
+                f" {r['goodput']:7.2f}/s {r['headroom']:+8.0%} {via:>6s}  {r['binding']}"
             )
     emit(args, {"rate": args.rate, "slos": [s.name for s in slos], "plans": rows}, lines)
     return 0 if rows else 1

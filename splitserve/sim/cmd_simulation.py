@@ -21,6 +21,8 @@ from splitserve.sim.cmd_common import (
 )
 from splitserve.sim.engine import InstanceConfig
 from splitserve.sim.metrics import goodput
+from splitserve.sim.pd_split import PDCosts
+from splitserve.sim.profile import load_profile
 from splitserve.sim.simulator import Deployment, KVLink, simulate
 from splitserve.sim.specs import load_gpu, load_model
 
@@ -60,7 +62,22 @@ def base_deployment(args: argparse.Namespace) -> Deployment:
         link=KVLink(gbps=link_gbps, overhead_s=args.transfer_overhead_ms / 1e3),
         kv_limit=args.kv_limit or realistic,
         bidirectional=args.bidirectional,
+        **profile_fields(args),
     )
+
+
+def profile_fields(args: argparse.Namespace) -> dict:
+    """What `--profile` and `--pd-decision` set on a deployment: the measured step model,
+    the render tier's cost, and the P/D decision's costs (cost-based by default with a
+    profile, the proxy's defaults without one)."""
+    profile = load_profile(args.profile) if getattr(args, "profile", None) else None
+    decision = getattr(args, "pd_decision", None) or ("cost" if profile else "always")
+    fields: dict = {}
+    if profile is not None:
+        fields.update(steps=profile.steps, cpu=profile.cpu)
+    if decision == "cost":
+        fields["pd_costs"] = profile.decision_costs() if profile else PDCosts()
+    return fields
 
 
 def _designs(args: argparse.Namespace, base: Deployment) -> list[tuple[str, Deployment]]:

@@ -137,7 +137,7 @@ class Engine:
                 self.run_left.append(int(self._output[rid]))
                 self.run_ctx.append(int(self._prompt[rid]))
                 admitted(rid, self.n_steps)
-        else:
+        if self.role != "decode" or self.waiting:  # decode prefills what stays local (P/D)
             self._plan_chunks()
         batch = len(self.run_ids)
         if not self._chunks and batch == 0:

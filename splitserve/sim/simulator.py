@@ -18,11 +18,15 @@ import numpy as np
 from splitserve.config import TransferConfig
 from splitserve.sim.engine import Engine, InstanceConfig
 from splitserve.sim.kv import exposed_transfer_s, transfer_s
+from splitserve.sim.pd_split import PDCosts, goes_remote
+from splitserve.sim.profile import CpuCosts
 from splitserve.sim.roofline import Efficiency, Roofline
+from splitserve.sim.serving_path import through_serving_path
 from splitserve.sim.specs import GPUSpec, ModelSpec
+from splitserve.sim.step_model import ProfiledRoofline, StepModel
 from splitserve.sim.workload import Workload
 
-_ARRIVE, _STEP_END, _KV_READY, _PULL, _ENQ_PREFILL = range(5)
+_ARRIVE, _STEP_END, _KV_READY, _PULL, _ENQ_PREFILL, _AT_ENGINE = range(6)
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,12 @@ class Deployment:
     kv_limit: bool = False  # reserve KV memory per request; capacity from GPU memory
     mem_util: float = 0.9
     prefix_ttl_s: float = 480.0
+    # a measured engine (`--profile`): fitted step times instead of the roofline's
+    steps: StepModel | None = None
+    # P/D: decide each request's path on cost (conditional disaggregation); None: every
+    # request through a prefill worker
+    pd_costs: PDCosts | None = None
+    cpu: CpuCosts | None = None  # the render tier's time before the engine sees a request
 
     def __post_init__(self) -> None:
         if self.mode not in ("collocated", "pd"):
@@ -86,6 +96,8 @@ class Deployment:
         return self.prefill_instances * self.tp_prefill + self.decode_instances * self.tp_decode
 
     def roofline(self, tp: int) -> Roofline:
+        if self.steps is not None:
+            return ProfiledRoofline(self.model, self.gpu, self.steps, tp=tp)
         return Roofline(self.model, self.gpu, self.eff, tp=tp, combine=self.combine)
 
     def label(self) -> str:
@@ -109,6 +121,7 @@ class SimResult:
     kv_peak: list[float]  # per instance: the largest fraction of its KV memory reserved (0: no limit)
     kv_blocked: list[float]  # per instance: fraction of the arrival window a request waited for KV memory
     roles: list[str]  # per instance: "both", "prefill" or "decode"
+    remote: np.ndarray | None = None  # P/D: per request, whether it was prefilled on a prefill worker
 
     def itl(self) -> np.ndarray:
         parts = [g for g in self.gaps if len(g)]
@@ -141,6 +154,11 @@ class SimResult:
             "itl_p99_s": float(np.percentile(itl, 99)) if len(itl) else 0.0,
             "tpot_median_s": float(np.median(self.tpot[ok])) if ok.any() else 0.0,
             "worst_gap_max_s": float(self.worst_gap[ok].max()) if ok.any() else 0.0,
+            **(
+                {"remote_fraction": float(self.remote[ok].mean()) if ok.any() else 0.0}
+                if self.remote is not None
+                else {}
+            ),
         }
 
 
@@ -159,6 +177,7 @@ class _Sim:
         self.finish = np.full(n, np.nan)
         self.cached = np.zeros(n, dtype=np.int64)
         self.rejected = np.zeros(n, dtype=bool)
+        self.local = np.zeros(n, dtype=bool)  # P/D: prefilled on decode (conditional disaggregation)
         self.followers: dict[int, list[int]] = {}
         for i, a in enumerate(wl.after):
             if a >= 0:
@@ -216,7 +235,7 @@ class _Sim:
         for rid in finished:
             self.done(rid, t)
         for rid in prefilled:
-            if e.role == "both":
+            if e.role != "prefill":  # collocated, or a P/D request decode prefilled itself
                 self.first_step[rid], self.engine_of[rid] = e.n_steps - 1, e.index
                 if e.join_after_prefill(rid):
                     self.done(rid, t)
@@ -242,7 +261,6 @@ class _Sim:
         return min(pool, key=lambda e: (e.outstanding(), e.index))
 
     def arrive_at(self, rid: int, t: float) -> None:
-        self.arrive[rid] = t
         wl, dep = self.wl, self.dep
         prev = int(wl.after[rid])
         prompt = int(wl.prompt[rid])
@@ -255,6 +273,8 @@ class _Sim:
             self.wake(e, t)
             return
         sticky = fresh and self.prefill_of[prev] >= 0
+        if not sticky and dep.pd_costs is not None and self.prefill_locally(rid, t):
+            return
         e = self.engines[int(self.prefill_of[prev])] if sticky else self.pick(self.front)
         self.prefill_of[rid] = e.index
         pull_s = 0.0
@@ -272,6 +292,21 @@ class _Sim:
         else:
             e.enqueue_prefill(rid, int(self.cached[rid]))
             self.wake(e, t)
+
+    def prefill_locally(self, rid: int, t: float) -> bool:
+        """Conditional disaggregation: the decode worker the request would go to prefills
+        it when that costs less than the prefill worker and the handoff."""
+        d = min(self.back, key=lambda e: (e.outstanding(), e.index))
+        queued_on_decode = sum(total - done for _, done, total, _ in d.waiting)
+        queued_on_prefill = min(sum(total - done for _, done, total, _ in p.waiting) for p in self.front)
+        prompt = int(self.wl.prompt[rid])
+        assert self.dep.pd_costs is not None
+        if goes_remote(prompt, len(d.run_ids), queued_on_decode, queued_on_prefill, self.dep.pd_costs):
+            return False
+        self.local[rid] = True
+        d.enqueue_prefill(rid, 0)
+        self.wake(d, t)
+        return True
 
     def _link_s(self, num_bytes: float) -> float:
         link = self.dep.link
@@ -311,8 +346,16 @@ class _Sim:
             t, _, kind, a, b = heapq.heappop(self.heap)
             if kind == _ARRIVE:
                 self._check_fits(a)
-                if not self.rejected[a]:
+                if self.rejected[a]:
+                    continue
+                self.arrive[a] = t
+                cpu = self.dep.cpu
+                if cpu is not None:  # rendered first: the engine sees it later
+                    self.push(t + cpu.delay_s(int(wl.prompt[a])), _AT_ENGINE, a)
+                else:
                     self.arrive_at(a, t)
+            elif kind == _AT_ENGINE:
+                self.arrive_at(a, t)
             elif kind == _STEP_END:
                 e = self.engines[a]
                 if b == e.version and e.busy_until is not None:
@@ -340,25 +383,30 @@ class _Sim:
         ttft, tpot = np.full(n, np.inf), np.zeros(n)
         worst, e2e = np.zeros(n), np.full(n, np.inf)
         gaps: list[np.ndarray] = [np.zeros(0)] * n
-        empty = np.zeros(0)
         end_time = 0.0
         tokens = [0] * len(self.engines)
+        served: list[int] = []
+        token_times: list[np.ndarray] = []
         for e in self.engines:
             times = e.step_times()
             if len(times):
                 end_time = max(end_time, float(times[-1]))
-            diffs = np.diff(times) if len(times) else empty
             for rid in np.flatnonzero(self.engine_of == e.index):
                 s, o = int(self.first_step[rid]), int(self.wl.output[rid])
                 tokens[e.index] += o
-                first, last = times[s], times[s + o - 1]
-                ttft[rid] = first - self.arrive[rid]
-                e2e[rid] = last - self.arrive[rid]
-                g = diffs[s : s + o - 1]
-                gaps[rid] = g
-                if o > 1:
-                    tpot[rid] = (last - first) / (o - 1)
-                    worst[rid] = g.max()
+                served.append(int(rid))
+                token_times.append(times[s : s + o])
+        if self.dep.cpu is not None:
+            token_times = through_serving_path(token_times, self.dep.cpu.proxy_s_per_token)
+        for rid, times in zip(served, token_times, strict=True):
+            o = len(times)
+            first, last = times[0], times[-1]
+            ttft[rid] = first - self.arrive[rid]
+            e2e[rid] = last - self.arrive[rid]
+            gaps[rid] = g = np.diff(times)
+            if o > 1:
+                tpot[rid] = (last - first) / (o - 1)
+                worst[rid] = g.max()
         window = self.window if np.isfinite(self.window) else max(end_time, 1e-9)
         return SimResult(
             arrival=self.arrive,
@@ -374,6 +422,7 @@ class _Sim:
             kv_peak=[e.kv_peak_fraction() for e in self.engines],
             kv_blocked=[e.kv_blocked_s / window for e in self.engines],
             roles=[e.role for e in self.engines],
+            remote=~self.local & ~self.rejected if self.dep.mode == "pd" else None,
         )
 
 

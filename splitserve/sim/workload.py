@@ -201,3 +201,90 @@ def load_trace(path: str, time_scale: float = 1.0) -> Workload:
             last[int(s)] = i
     wl.session[:] = sess
     return wl
+
+
+_INPUT = (*_PROMPT, "input_tokens")
+
+
+def _words(text: object) -> int:
+    # a `bench` dataset without a tokenizer counts a token per word (bench's PromptFactory)
+    return len(str(text).split())
+
+
+def _pair_of_dataset_line(row: dict, where: str) -> tuple[int, int]:
+    """A `splitserve bench --dataset` line (prompt / messages / conversations): the prompt's
+    words stand for its tokens; the output is max_tokens or the recorded answer's words."""
+    if "prompt" in row:
+        turns = [("user", row["prompt"])]
+    elif "messages" in row:
+        turns = [(m.get("role"), m.get("content")) for m in row["messages"]]
+    elif "conversations" in row:
+        turns = [("assistant" if m.get("from") in ("gpt", "assistant") else "user", m.get("value"))
+                 for m in row["conversations"]]  # fmt: skip
+    else:
+        raise WorkloadError(
+            f"{where}: needs token counts (prompt_tokens, output_tokens) or a bench dataset line"
+        )
+    answer = turns.pop()[1] if len(turns) > 1 and turns[-1][0] == "assistant" else None
+    output = row.get("max_tokens") or (_words(answer) if answer is not None else None)
+    if output is None:
+        raise WorkloadError(f"{where}: a dataset line needs max_tokens or a recorded answer")
+    return sum(_words(text) for _, text in turns), int(output)
+
+
+def load_lengths(path: str) -> tuple[np.ndarray, np.ndarray]:
+    """Observed (prompt, output) token counts, one pair per request: JSONL of counts
+    (prompt_tokens | input_length | input_tokens, output_tokens | output_length | max_tokens),
+    a `splitserve bench` dataset (JSONL of chats), or a `bench --json` results file (its
+    measured requests, warm-ups and errors left out)."""
+    p = Path(path)
+    if not p.is_file():
+        raise WorkloadError(f"--lengths {path}: no such file")
+    text = p.read_text()
+    rows: list[dict] = []
+    try:
+        whole = json.loads(text)
+    except json.JSONDecodeError:
+        whole = None
+    if isinstance(whole, dict) and "levels" in whole:
+        for level in whole["levels"]:
+            rows += [r for r in level.get("requests", []) if not r.get("warmup") and not r.get("error")]
+    else:
+        for i, line in enumerate(text.splitlines()):
+            if line.strip():
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise WorkloadError(f"{path}:{i + 1}: bad JSON line ({exc})") from None
+                if not isinstance(obj, dict):
+                    raise WorkloadError(f"{path}:{i + 1}: expected a JSON object")
+                rows.append(obj)
+    if not rows:
+        raise WorkloadError(f"--lengths {path}: no requests in it")
+    prompts, outputs = [], []
+    for i, row in enumerate(rows):
+        where = f"{path}:{i + 1}"
+        if any(k in row for k in _INPUT):
+            prompt, output = int(_field(row, _INPUT, where)), int(_field(row, _OUTPUT, where))
+        else:
+            prompt, output = _pair_of_dataset_line(row, where)
+        if prompt < 1 or output < 1:
+            raise WorkloadError(f"{where}: token counts must be >= 1")
+        prompts.append(prompt)
+        outputs.append(output)
+    return np.array(prompts, dtype=np.int64), np.array(outputs, dtype=np.int64)
+
+
+def observed(
+    rate: float, n: int, pairs: tuple[np.ndarray, np.ndarray], seed: int = 0, burstiness: float = 1.0
+) -> Workload:
+    """`n` open-loop requests at `rate` (the arrivals `synthetic` draws), each a (prompt,
+    output) pair drawn with replacement from observed requests: the joint distribution, not
+    its means."""
+    try:
+        arrival = arrival_times(rate, n, seed, "poisson" if burstiness == 1.0 else "gamma", burstiness)
+    except ValueError as exc:
+        raise WorkloadError(str(exc)) from None
+    rng = random.Random(f"lengths-{seed}")
+    picks = [rng.randrange(len(pairs[0])) for _ in range(n)]
+    return Workload.open_loop(arrival, pairs[0][picks], pairs[1][picks])

@@ -1,0 +1,62 @@
+"""`sim calibrate ... --out FILE`: the engine profile from measured steps (and, with
+`--render URL` / `--pd URL`, the tiers around the engine), for `--profile FILE` and the
+proxy's `--pd-cost-profile FILE`."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+
+from splitserve.sim.calibrate import CalibrationError, Sample
+from splitserve.sim.cmd_common import emit
+from splitserve.sim.profile import CpuCosts, build_profile, save_profile
+from splitserve.sim.specs import GPUSpec, ModelSpec
+from splitserve.sim.step_model import fit_errors, fit_step_model
+
+
+def write_profile(args: argparse.Namespace, model: ModelSpec, gpu: GPUSpec, samples: list[Sample]) -> int:
+    if (args.render or args.pd or args.proxy) and not args.engine:
+        raise CalibrationError("--render, --proxy and --pd measure alongside --engine URL")
+    cpu = handoff = None
+    if args.render:
+        from splitserve.sim.tier_probe import measure_render
+
+        cpu = measure_render(args.render, repeats=args.repeats)
+    if args.proxy:
+        from splitserve.sim.tier_probe import measure_serving_path
+
+        per_request, per_token = measure_serving_path(args.proxy, fit_step_model(samples), cpu, args.repeats)
+        cpu = replace(cpu or CpuCosts(), proxy_s_per_request=per_request, proxy_s_per_token=per_token)
+    if args.pd:
+        from splitserve.sim.tier_probe import measure_handoff
+
+        handoff = measure_handoff(
+            args.pd, fit_step_model(samples), model.kv_bytes_per_token, repeats=args.repeats
+        )
+    profile = build_profile(samples, model.name, gpu.name, cpu, handoff, model.kv_bytes_per_token)
+    save_profile(profile, args.out)
+    rms, worst = fit_errors(profile.steps, samples)
+    s = profile.steps
+    lines = [
+        f"{model.name}: {len(samples)} measured steps -> {args.out}",
+        f"  prefill  {s.prefill_fixed_s * 1e3:.2f} ms + {s.prefill_s_per_token * 1e6:.2f} us/token "
+        f"+ {s.prefill_s_per_pair * 1e9:.3f} ns per attended pair",
+        "  decode   "
+        + ", ".join(
+            f"B={b}: {t * 1e3:.2f} ms" for b, t in zip(s.decode_batches, s.decode_base_s, strict=True)
+        )
+        + f" + {s.decode_s_per_context_token * 1e9:.1f} ns per context token",
+        f"  fit error: rms {rms:.1%}, max {worst:.1%}",
+        f"  P/D decision: prefill {profile.pd_costs['prefill_s_per_token'] * 1e6:.2f} us/token",
+    ]
+    if cpu is not None:
+        lines.append(
+            f"  render   {cpu.render_s_per_request * 1e3:.2f} ms/request"
+            f" + {cpu.render_s_per_token * 1e6:.2f} us/token; serving path "
+            f"{cpu.proxy_s_per_request * 1e3:.2f} ms/request"
+            f" + {cpu.proxy_s_per_token * 1e3:.3f} ms/output token"
+        )
+    if handoff is not None:
+        lines.append(f"  handoff  {handoff[0] * 1e3:.2f} ms + {handoff[1] * 1e12:.2f} ps/byte")
+    data = {**profile.to_json(), "path": args.out}
+    return emit(args, data, lines)

@@ -1,0 +1,203 @@
+"""The engine profile file: one JSON object that both the simulator/planner (`--profile
+FILE`) and the proxy (`splitserve proxy --pd-cost-profile FILE`) read.
+
+    {"model": NAME, "gpu": NAME,
+     "samples": [...measured steps, calibrate.py's format...],
+     "prefill_s_per_token": ..., "decode_prefill_s_per_token": ...,   # P/D decision costs
+     "handoff_fixed_s": ..., "handoff_s_per_token": ...,               # (router/pd_decision.py)
+     "sim": {"version": 1,
+             "steps": {...step_model.py's fitted prefill and decode step times...},
+             "cpu": {"render_s_per_request": ..., "render_s_per_token": ...,
+                     "proxy_s_per_request": ..., "proxy_s_per_token": ...},
+             "handoff": {"fixed_s": ..., "s_per_byte": ...},
+             "fit": {"rms_rel_error": ..., "max_rel_error": ..., "samples": N}}}
+
+The top-level cost fields are the proxy's `CostModel` fields: the proxy pins what the file
+names; the simulator's P/D decision (pd_split.py) uses the same numbers. "sim" is the
+simulator's alone (the proxy ignores it). A file with samples but no "sim" (what `sim
+calibrate --save` wrote) is a profile too: its step model is fitted on loading.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+
+from splitserve.sim.calibrate import CalibrationError, Sample, parse_samples, samples_to_json
+from splitserve.sim.pd_split import PD_COST_FIELDS, PDCosts
+from splitserve.sim.step_model import StepModel, fit_errors, fit_step_model
+
+PROFILE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class CpuCosts:
+    """The tiers around the engine: what the render tier spends on a request before the
+    engine sees it, and what the rest of the serving path (the OpenAI server or the proxy,
+    its hops, the stream back) spends per request and per streamed token."""
+
+    render_s_per_request: float = 0.0
+    render_s_per_token: float = 0.0  # per prompt token
+    proxy_s_per_request: float = 0.0  # beyond the render tier's, on the way in
+    proxy_s_per_token: float = 0.0  # per output token, one shared server (serving_path.py)
+
+    def delay_s(self, prompt_tokens: int) -> float:
+        return self.render_s_per_request + self.render_s_per_token * prompt_tokens + self.proxy_s_per_request
+
+
+CPU_FIELDS = tuple(f.name for f in dataclasses.fields(CpuCosts))
+
+
+@dataclass(frozen=True)
+class EngineProfile:
+    steps: StepModel
+    samples: tuple[Sample, ...] = ()
+    pd_costs: dict[str, float] = field(default_factory=dict)  # the named P/D cost fields
+    cpu: CpuCosts | None = None
+    handoff_fixed_s: float | None = None
+    handoff_s_per_byte: float | None = None
+    model: str | None = None
+    gpu: str | None = None
+
+    def decision_costs(self) -> PDCosts:
+        """The P/D decision's costs: the named fields, the rest from the step model."""
+        per_token = self.steps.prefill_s_per_token + self.steps.prefill_s_per_pair * 256
+        values: dict[str, float] = {"prefill_s_per_token": per_token, "decode_prefill_s_per_token": per_token}
+        if self.handoff_fixed_s is not None:
+            values["handoff_fixed_s"] = self.handoff_fixed_s
+        values.update(self.pd_costs)
+        return PDCosts(**values)
+
+    def to_json(self) -> dict:
+        sim: dict = {"version": PROFILE_VERSION, "steps": self.steps.to_json()}
+        if self.samples:
+            rms, worst = fit_errors(self.steps, list(self.samples))
+            sim["fit"] = {"rms_rel_error": rms, "max_rel_error": worst, "samples": len(self.samples)}
+        if self.cpu is not None:
+            sim["cpu"] = dataclasses.asdict(self.cpu)
+        if self.handoff_fixed_s is not None:
+            sim["handoff"] = {"fixed_s": self.handoff_fixed_s, "s_per_byte": self.handoff_s_per_byte or 0.0}
+        doc: dict = {"model": self.model, "gpu": self.gpu}
+        doc.update(self.pd_costs)
+        doc["samples"] = samples_to_json(list(self.samples))
+        doc["sim"] = sim
+        return doc
+
+
+def slope_s_per_token(samples: list[Sample]) -> float:
+    """Least-squares slope of prefill step time over prompt tokens, on an empty cache (the
+    figure the proxy derives from samples: router/pd_decision.py)."""
+    points = [(s.tokens, s.step_s) for s in samples if s.kind == "prefill" and s.context == 0]
+    if len({n for n, _ in points}) < 2:
+        raise CalibrationError("need prefill steps of at least two prompt lengths")
+    mean_n = sum(n for n, _ in points) / len(points)
+    mean_t = sum(t for _, t in points) / len(points)
+    num = sum((n - mean_n) * (t - mean_t) for n, t in points)
+    slope = num / sum((n - mean_n) ** 2 for n, _ in points)
+    if not slope > 0:
+        raise CalibrationError("the measured prefill time does not grow with the prompt")
+    return slope
+
+
+def build_profile(
+    samples: list[Sample],
+    model: str | None,
+    gpu: str | None,
+    cpu: CpuCosts | None = None,
+    handoff: tuple[float, float] | None = None,
+    kv_bytes_per_token: int = 0,
+) -> EngineProfile:
+    """The profile of measured steps (and tier costs): the fitted step model, and the P/D
+    decision's costs the proxy will pin."""
+    per_token = slope_s_per_token(samples)
+    pd_costs = {"prefill_s_per_token": per_token, "decode_prefill_s_per_token": per_token}
+    if handoff is not None:
+        pd_costs["handoff_fixed_s"] = handoff[0]
+        pd_costs["handoff_s_per_token"] = handoff[1] * kv_bytes_per_token
+    return EngineProfile(
+        fit_step_model(samples),
+        tuple(samples),
+        pd_costs,
+        cpu,
+        handoff[0] if handoff else None,
+        handoff[1] if handoff else None,
+        model,
+        gpu,
+    )
+
+
+def _number(data: dict, key: str, source: str) -> float:
+    value = data.get(key, 0.0)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise CalibrationError(f"{source}: {key} must be a number >= 0")
+    return float(value)
+
+
+def parse_profile(data: object, source: str = "profile") -> EngineProfile:
+    if not isinstance(data, dict):
+        raise CalibrationError(f"{source}: expected a JSON object (a `sim calibrate --out` profile)")
+    sim = data.get("sim", {})
+    if not isinstance(sim, dict):
+        raise CalibrationError(f"{source}: 'sim' must be an object")
+    samples: list[Sample] = []
+    if data.get("samples"):
+        try:
+            samples, _ = parse_samples(data["samples"])
+        except CalibrationError as exc:
+            raise CalibrationError(f"{source}: {exc}") from None
+    if "steps" in sim:
+        steps = StepModel.from_json(sim["steps"], source)
+    elif samples:
+        steps = fit_step_model(samples)
+    else:
+        raise CalibrationError(f"{source}: no step model (sim.steps) and no samples to fit one")
+    pd_costs = {}
+    for name in PD_COST_FIELDS:
+        if name in data:
+            pd_costs[name] = _number(data, name, source)
+    cpu = None
+    if "cpu" in sim:
+        c = sim["cpu"] if isinstance(sim["cpu"], dict) else {}
+        unknown = sorted(set(c) - set(CPU_FIELDS))
+        if unknown:
+            raise CalibrationError(
+                f"{source}: sim.cpu: unknown field {unknown[0]!r} ({', '.join(CPU_FIELDS)})"
+            )
+        cpu = CpuCosts(**{name: _number(c, name, f"{source} sim.cpu") for name in CPU_FIELDS})
+    handoff = sim.get("handoff") if isinstance(sim.get("handoff"), dict) else None
+    profile = EngineProfile(
+        steps,
+        tuple(samples),
+        pd_costs,
+        cpu,
+        _number(handoff, "fixed_s", source + " sim.handoff") if handoff else None,
+        _number(handoff, "s_per_byte", source + " sim.handoff") if handoff else None,
+        data.get("model") if isinstance(data.get("model"), str) else None,
+        data.get("gpu") if isinstance(data.get("gpu"), str) else None,
+    )
+    try:
+        profile.decision_costs()
+    except ValueError as exc:
+        raise CalibrationError(f"{source}: {exc}") from None
+    return profile
+
+
+def load_profile(path: str) -> EngineProfile:
+    source = f"--profile {path}"
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise CalibrationError(f"{source}: no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CalibrationError(f"{source}: cannot read it ({exc})") from None
+    except json.JSONDecodeError as exc:
+        raise CalibrationError(f"{source}: not JSON ({exc})") from None
+    return parse_profile(data, source)
+
+
+def save_profile(profile: EngineProfile, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(profile.to_json(), f, indent=1)
+        f.write("\n")
