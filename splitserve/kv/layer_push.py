@@ -237,14 +237,14 @@ class LayerPusher:
         """Nothing will be pushed for the request (decode reserved nothing, or the wait
         ended): a parked one's blocks go now. True when something was waiting."""
         with self._lock:
-            self._early.pop(request_id, None)
+            early = self._early.pop(request_id, None)
             plan = self._plans.get(request_id)
             if plan is not None and plan.peer is None:
                 plan.error = "the push target was cancelled"
                 return True
             parked = self._parked.pop(request_id, None)
         if parked is None:
-            return False
+            return early is not None
         parked[1].cancel()
         self.on_parked_end(request_id)
         return True
