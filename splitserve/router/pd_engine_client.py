@@ -317,7 +317,7 @@ class PDEngineClient(EngineClient):
         prefill_task: asyncio.Future | None = None
         prefill_done_at: list[float] = []
         prefill_report: dict = {}
-        concurrent = not (self.policy.bidirectional and self.cached_tokens(decode, body) > 0)
+        concurrent = not (self.policy.bidirectional and self._may_lend(decode, body))
 
         def start_prefill(kv: KVTransferParams) -> asyncio.Future:
             prefill_body = self._prefill_body(body, kv)
@@ -360,6 +360,13 @@ class PDEngineClient(EngineClient):
                 *(t for t in (first_task, prefill_task) if t is not None), return_exceptions=True
             )
             await stream.aclose()
+
+    def _may_lend(self, decode: Worker, body: dict) -> bool:
+        """May `decode` hold a prefix of the prompt to lend: by the KV event index, or as
+        the conversation's last decode worker (its turn's events may not be indexed yet)."""
+        conversation = body.get("conversation_id")
+        hinted = self.conversations.worker_of(conversation) if isinstance(conversation, str) else None
+        return hinted == decode.url or self.cached_tokens(decode, body) > 0
 
     async def _push_prefill(
         self,
