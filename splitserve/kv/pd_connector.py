@@ -11,6 +11,11 @@ Pull (vLLM NIXL's behaviour, kept for comparison): the prefill worker finishes, 
 blocks and returns where they are; decode reads them after it is scheduled, then tells
 prefill to release them (or the hold expires after the TTL).
 
+Concurrent reservation (push): the proxy may send the prefill request at once with
+`push_target_pending`; prefill computes while decode reserves, and the proxy forwards the
+reservation (`POST /inference/v1/kv/push_target`); the layers computed by then are queued
+at once (`kv/layer_push.py`).
+
 Bidirectional (push): decode's reservation also offers the leading blocks it already
 holds of the prompt, by chained block hash (`kv/prefix_lend.py`); prefill pulls the run
 whose hashes equal its own request's before computing the rest.
@@ -83,7 +88,8 @@ class PDConnector(KVConnector):
         self._lent: set[str] = set()  # decode: requests whose prefix blocks are on loan
         self._unread: set[str] = set()  # prefill: holds released before decode read them
         self._finish_waits: dict[str, int] = {}  # finished requests: what still reads/writes their blocks
-        self.pusher = LayerPusher(self.transport, config.timeout_s)
+        self.pusher = LayerPusher(self.transport, config.timeout_s, config.reservation_ttl_s)
+        self.pusher.on_parked_end = self._on_parked_end
         self._wakeup: Callable[[], None] | None = None
         self._abort: Callable[[str], object] | None = None
         self.block_size = 0
@@ -419,6 +425,15 @@ class PDConnector(KVConnector):
         address = self.kv_address()
         if params.mode(self.config.mode) == "push":
             sources = prefill_prompt_sources(request, params, prefix, self.block_size)
+            if self.pusher.park(request.request_id, request.finish_reason, block_ids):
+                # computed before decode said where its KV goes: kept for the target
+                parked = KVTransferParams(
+                    transfer_mode="push",
+                    push_target_pending=True,
+                    prefill_done_at=done_at,
+                    prompt_sources=sources,
+                )
+                return True, parked.with_address(address).to_wire()
             outcome = self.pusher.finish(request.request_id, request.finish_reason)
             if outcome is None:
                 failed = KVTransferParams(transfer_mode="push", kv_transfer_error="no usable push target")
@@ -478,7 +493,13 @@ class PDConnector(KVConnector):
             self.metrics.transfers.labels("prefill", "ok").inc()
         self._wake()
 
+    def _on_parked_end(self, request_id: str) -> None:
+        with self._lock:
+            self._freeable.add(request_id)
+        self._wake()
+
     def shutdown(self) -> None:
+        self.pusher.close()
         self.holds.clear()
         self.lends.clear()
         self.transport.close()

@@ -24,6 +24,7 @@ from typing import Any
 import uvicorn
 
 from splitserve.protocol.errors import error_body
+from splitserve.protocol.http_pool import SERVER_KEEPALIVE_S
 
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 DEFAULT_MAX_IN_FLIGHT = 1024
@@ -159,6 +160,11 @@ def serve_draining(
     """Run `app` with uvicorn until it has drained (see the module docstring)."""
     state = DrainState(max_in_flight)
     config = uvicorn.Config(
-        DrainMiddleware(app, state), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5
+        DrainMiddleware(app, state),
+        host=host,
+        port=port,
+        log_level=log_level,
+        timeout_graceful_shutdown=5,
+        timeout_keep_alive=SERVER_KEEPALIVE_S,
     )
     DrainingServer(config, state, drain_timeout_s, os.environ.get(SUPERVISED_ENV) == "1").run()

@@ -6,9 +6,12 @@ import httpx
 
 from splitserve.protocol.access import internal_headers
 
-# uvicorn closes a keep-alive connection after 5 idle seconds. A client that reuses one
-# at that moment reads a reset (httpx.ReadError) instead of an answer: drop them sooner.
-KEEPALIVE_EXPIRY_S = 2.0
+# Every tier's uvicorn keeps an idle keep-alive connection this long (its default, 5 s,
+# made a proxy idle for a few seconds open new TCP connections for the next burst)...
+SERVER_KEEPALIVE_S = 75
+# ... and a client drops one sooner: one reused as the server closes it reads a reset
+# (httpx.ReadError) instead of an answer.
+KEEPALIVE_EXPIRY_S = 60.0
 
 
 def pooled_client(

@@ -3,7 +3,8 @@
 On the wire it is a JSON object with vLLM's key names (`do_remote_prefill`,
 `do_remote_decode`, `remote_engine_id`, `remote_host`, `remote_port`,
 `remote_request_id`, `remote_block_ids`, `remote_num_tokens`, plus splitserve's
-`transfer_mode`, `remote_first_block`, `prompt_token_ids`, `prefill_done_at`, and for
+`transfer_mode`, `remote_first_block`, `prompt_token_ids`, `prefill_done_at`,
+`push_target_pending` (push: prefill starts now, its target is posted later), and for
 bidirectional transfer `prefix_lend_id`, `prefix_block_ids`, `prefix_block_hashes`: the
 leading blocks decode holds of this prompt, by chained block hash, that prefill may pull);
 a finished request reports `kv_bytes`, `send_s`, `kv_transfer_error`, `handoff`,
@@ -67,6 +68,9 @@ class KVTransferParams:
     prefix_lend_id: str | None = None
     prefix_block_ids: tuple[int, ...] | None = None
     prefix_block_hashes: tuple[str, ...] | None = None
+    # push, prefill: start computing now; where to push comes later (POST
+    # /inference/v1/kv/push_target), so decode's reservation is not a serial round trip
+    push_target_pending: bool = False
     # what a finished request reports
     kv_bytes: int | None = None
     send_s: float | None = None
@@ -106,6 +110,7 @@ class KVTransferParams:
             prefix_lend_id=take("prefix_lend_id", _text(data.get("prefix_lend_id"))),
             prefix_block_ids=take("prefix_block_ids", _int_list(data.get("prefix_block_ids"))),
             prefix_block_hashes=take("prefix_block_hashes", _hex_list(data.get("prefix_block_hashes"))),
+            push_target_pending=data.get("push_target_pending") is True,
             kv_bytes=_count(data.get("kv_bytes")),
             send_s=_number(data.get("send_s")),
             kv_transfer_error=_text(data.get("kv_transfer_error")),
@@ -172,7 +177,7 @@ def check_kv_transfer_params(data: dict[str, Any]) -> KVTransferParams:
     """Strict reading for a request's edge: the first field that cannot describe a
     transfer is a 400 naming it, so it fails that request alone, before the engine loop."""
     params = KVTransferParams.from_wire(data)
-    for flag in ("do_remote_prefill", "do_remote_decode"):
+    for flag in ("do_remote_prefill", "do_remote_decode", "push_target_pending"):
         param = f"kv_transfer_params.{flag}"
         if data.get(flag) is not None and not isinstance(data[flag], bool):
             raise InvalidRequestError(f"{param} must be a boolean", param)

@@ -35,7 +35,7 @@ from splitserve.protocol.engine_client import EngineClient
 from splitserve.protocol.errors import APIError
 from splitserve.protocol.http_engine_client import HTTPEngineClient
 from splitserve.protocol.http_pool import pooled_client
-from splitserve.protocol.kv_transfer import KVParamsError, KVTransferParams
+from splitserve.protocol.kv_transfer import KVTransferParams
 from splitserve.router.attempt_timeline import AttemptClock, with_phases
 from splitserve.router.decode_supervision import DecodeSupervisor
 from splitserve.router.kv_index import KVBlockIndex, KVEventFeed, KVRoutingWeights, request_block_hashes
@@ -43,6 +43,7 @@ from splitserve.router.metrics import ProxyMetrics
 from splitserve.router.pd_costs import CostCalibrator
 from splitserve.router.pd_decision import CostProfile, DecisionInputs, PDDecision, decide, threshold_decision
 from splitserve.router.pd_policy import ConversationHints, PDPolicy
+from splitserve.router.pd_push_control import PushControl
 from splitserve.router.prefill_report import (
     is_final,
     raise_if_transfer_failed,
@@ -91,6 +92,7 @@ class PDEngineClient(EngineClient):
         # in one pool per worker.
         self._http = pooled_client(read_timeout_s=None)
         self._clients: dict[str, HTTPEngineClient] = {}
+        self.push_control = PushControl(self._http, policy, self.metrics)
         self.costs = CostCalibrator(cost_profile)  # the P/D decision's, measured or pinned
         self.watch = WorkerWatch(self._http, self.kv_feed, self.router, self.costs)
         self._releases: set[asyncio.Future] = set()  # pull holds being released on prefill
@@ -303,6 +305,10 @@ class PDEngineClient(EngineClient):
     async def _push(
         self, decode: Worker, prefill: Worker, body: dict, clock: AttemptClock
     ) -> AsyncIterator[dict]:
+        """Decode's request and prefill's start together: prefill computes while decode
+        reserves, and the reservation follows it (`_send_push_target`). Bidirectional with a
+        prefix decode holds: prefill waits for the reservation, whose prefix offer it pulls
+        instead of computing."""
         request_id = body["request_id"]
         clock.dispatch()
         wait_for_kv = KVTransferParams(do_remote_prefill=True).to_wire()
@@ -311,33 +317,35 @@ class PDEngineClient(EngineClient):
         prefill_task: asyncio.Future | None = None
         prefill_done_at: list[float] = []
         prefill_report: dict = {}
+        concurrent = not (self.policy.bidirectional and self._may_lend(decode, body))
+
+        def start_prefill(kv: KVTransferParams) -> asyncio.Future:
+            prefill_body = self._prefill_body(body, kv)
+            run = self._push_prefill(
+                decode, prefill, prefill_body, request_id, prefill_done_at, prefill_report, clock
+            )
+            return asyncio.ensure_future(run)
+
         try:
-            reservation = await self._reserve(decode, request_id, first_task)
-            clock.reservation_answered()
-            if reservation is not None:
-                kv = KVTransferParams(
+            if concurrent:
+                pending = KVTransferParams(
                     do_remote_decode=True,
                     transfer_mode="push",
                     remote_request_id=request_id,
-                    remote_block_ids=reservation.remote_block_ids,
-                    remote_first_block=reservation.remote_first_block,
-                ).with_address(reservation.remote_address())
-                offer = reservation.prefix_offer() if self.policy.bidirectional else None
-                if offer is not None:  # decode's held prefix, by block hash: prefill pulls it
-                    kv = dataclasses.replace(
-                        kv, prefix_lend_id=offer[0], prefix_block_ids=offer[1], prefix_block_hashes=offer[2]
-                    )
-                prefill_task = asyncio.ensure_future(
-                    self._push_prefill(
-                        decode,
-                        prefill,
-                        self._prefill_body(body, kv),
-                        request_id,
-                        prefill_done_at,
-                        prefill_report,
-                        clock,
-                    )
+                    push_target_pending=True,
                 )
+                prefill_task = start_prefill(pending)
+            reservation = await self.push_control.reserve(decode, request_id, first_task)
+            if concurrent:
+                assert prefill_task is not None
+                target = self.push_control.push_params(reservation) if reservation is not None else None
+                await self.push_control.send_target(
+                    decode, prefill, body, target, prefill_task, prefill_report
+                )
+            else:
+                clock.reservation_answered()
+                if reservation is not None:
+                    prefill_task = start_prefill(self.push_control.push_params(reservation))
             first = await first_task
             if prefill_done_at:
                 self.metrics.handoff_time.observe(max(0.0, time.monotonic() - prefill_done_at[0]))
@@ -353,46 +361,12 @@ class PDEngineClient(EngineClient):
             )
             await stream.aclose()
 
-    async def _reserve(
-        self, decode: Worker, request_id: str, first_task: asyncio.Future
-    ) -> KVTransferParams | None:
-        """Where prefill must push; None when nothing is to be pushed (decode holds the
-        whole prompt, or reserved nothing). If the decode request ends first, its error
-        surfaces."""
-        reserve_task = asyncio.ensure_future(
-            self._http.post(
-                f"{decode.url}/inference/v1/kv/reserve",
-                json={"request_id": request_id, "timeout_s": self.policy.reserve_timeout_s},
-                timeout=self.policy.reserve_timeout_s + 10,
-            )
-        )
-        try:
-            await asyncio.wait({reserve_task, first_task}, return_when=asyncio.FIRST_COMPLETED)
-            if not reserve_task.done():
-                first_task.result()  # raises the decode request's error, if it had one
-                return None  # decode answered without waiting for KV
-            try:
-                response = reserve_task.result()
-            except httpx.HTTPError as exc:
-                raise APIError(503, f"decode worker {decode.url} is unreachable: {exc}") from exc
-            if response.status_code != 200:
-                self.metrics.fallbacks.labels("no_reservation").inc()
-                logger.warning("no reservation from %s: %s", decode.url, response.text[:200])
-                return None
-            reservation = KVTransferParams.from_wire(response.json())
-            if not reservation.remote_block_ids:
-                return None  # decode's prefix cache already holds the prompt
-            try:
-                reservation.remote_address()
-            except KVParamsError as exc:
-                self.metrics.fallbacks.labels("no_reservation").inc()
-                logger.warning("unusable reservation from %s: %s", decode.url, exc)
-                return None
-            return reservation
-        finally:
-            if not reserve_task.done():
-                reserve_task.cancel()
-                await asyncio.gather(reserve_task, return_exceptions=True)
+    def _may_lend(self, decode: Worker, body: dict) -> bool:
+        """May `decode` hold a prefix of the prompt to lend: by the KV event index, or as
+        the conversation's last decode worker (its turn's events may not be indexed yet)."""
+        conversation = body.get("conversation_id")
+        hinted = self.conversations.worker_of(conversation) if isinstance(conversation, str) else None
+        return hinted == decode.url or self.cached_tokens(decode, body) > 0
 
     async def _push_prefill(
         self,
@@ -410,15 +384,7 @@ class PDEngineClient(EngineClient):
             params_out.update(result.params.to_wire(), cached_tokens=result.cached_tokens)
             done_at.append(time.monotonic())
         except PrefillFailed as exc:
-            self.metrics.prefill_failures.inc()
-            self.metrics.fallbacks.labels("prefill_failed").inc()
-            logger.warning("%s; decode %s recomputes", exc, decode.url)
-            with contextlib.suppress(httpx.HTTPError):
-                await self._http.post(
-                    f"{decode.url}/inference/v1/kv/transfer_failed",
-                    json={"request_id": request_id, "error": str(exc)},
-                    timeout=10,
-                )
+            await self.push_control.prefill_failed(decode, request_id, str(exc))
 
     async def _pull(
         self, decode: Worker, prefill: Worker, body: dict, clock: AttemptClock

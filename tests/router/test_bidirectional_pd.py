@@ -281,6 +281,42 @@ def test_the_proxys_final_chunk_reports_where_the_prompt_came_from(up, monkeypat
     assert client.conversations.worker_of("conv-9") == up.urls["decode-0"]
 
 
+def test_a_push_target_the_prefill_worker_cannot_take_is_a_clear_4xx(up):
+    """`POST /inference/v1/kv/push_target` (prefill): bad input is a 4xx naming it, a peer
+    outside the deployment is refused before anything is dialled, decode has no such
+    endpoint's role, and cancelling a request nobody waits for says so."""
+    url = f"{up.urls['prefill-0']}/inference/v1/kv/push_target"
+    headers = internal_auth(up.pids["prefill-0"])
+
+    def post(body: dict, target: str = url) -> httpx.Response:
+        return httpx.post(target, json=body, headers=headers, timeout=10)
+
+    assert post({"kv_transfer_params": {}}).status_code == 400  # no request_id
+    bad = post({"request_id": "r", "kv_transfer_params": "here"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "kv_transfer_params"
+    bad = post({"request_id": "r", "kv_transfer_params": {"remote_block_ids": "1,2"}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "kv_transfer_params.remote_block_ids"
+    stranger = {
+        "remote_engine_id": "x",
+        "remote_host": "127.0.0.1",
+        "remote_port": 9,
+        "remote_block_ids": [1],
+    }
+    refused = post({"request_id": "r", "kv_transfer_params": stranger})
+    assert refused.status_code == 403 and refused.json()["error"]["code"] == "kv_peer_not_registered"
+    cancelled = post({"request_id": "nobody-waits"})
+    assert cancelled.status_code == 200 and cancelled.json() == {
+        "request_id": "nobody-waits",
+        "status": "cancelled",
+        "cancelled": False,
+    }
+    decode = f"{up.urls['decode-0']}/inference/v1/kv/push_target"
+    wrong_role = httpx.post(
+        decode, json={"request_id": "r"}, headers=internal_auth(up.pids["decode-0"]), timeout=10
+    )
+    assert wrong_role.status_code == 400
+
+
 def test_a_restarted_decode_worker_means_recomputing_correctly(up, fresh):
     """Last in the module: it kills decode-0, which `up` starts again empty."""
     turn1 = ids(7, 60)

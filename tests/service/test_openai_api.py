@@ -309,11 +309,12 @@ def test_a_stream_carries_every_token_id_once(client, model):
 
 
 # phases a request's timeline has on each stack (protocol/timeline.py); `up` pushes
-# prompts of 16 tokens or more through the prefill worker
+# prompts of 16 tokens or more through the prefill worker, which starts computing with
+# decode's request: decode's reservation follows it, so no `reserve` wait comes first
 SERVE_PHASES = {"render", "prefill_queue", "prefill", "hops", "decode", "derender", "send"}
 TIMELINE_PHASES = {
     "serve": SERVE_PHASES,
-    "up": SERVE_PHASES | {"route", "reserve", "handoff", "decode_first_step"},
+    "up": SERVE_PHASES | {"route", "handoff", "decode_first_step"},
 }
 
 
@@ -325,11 +326,13 @@ def test_timeline_on_request(client, model, stack, server):
 
     header = {"x-splitserve-timeline": "1"}
 
-    def probe(name: str) -> list[dict]:  # a prompt of its own: no prefix hit keeps it off prefill
+    def probe(name: str) -> list[dict]:
+        # a prompt of its own from its first block: no prefix hit on decode keeps it off
+        # prefill, nor (bidirectional) makes prefill wait for decode's prefix offer
         return [
             {
                 "role": "user",
-                "content": f"Timeline probe {name}: " + " ".join(f"{name}{i}" for i in range(20)),
+                "content": f"{name} timeline probe: " + " ".join(f"{name}{i}" for i in range(20)),
             }
         ]
 

@@ -36,6 +36,7 @@ from splitserve.engine.api.mm_metrics import EncoderWorkerCollector
 from splitserve.protocol import access
 from splitserve.protocol.errors import APIError
 from splitserve.protocol.http_edge import install_error_handlers, read_json_body
+from splitserve.protocol.http_pool import SERVER_KEEPALIVE_S
 
 if TYPE_CHECKING:  # torch: imported when an engine or encoder is built, not for --help
     from splitserve.engine.encoder_worker import EncoderJob, EncoderWorker
@@ -195,7 +196,12 @@ def run_encoder(args: argparse.Namespace, model_dir: str) -> int:
     app = access.AccessGuard(create_encoder_app(worker, args.max_pixel_bytes), access.internal_policy(args))
     try:
         uvicorn.run(
-            app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=5,
+            timeout_keep_alive=SERVER_KEEPALIVE_S,
         )
     finally:
         ec.close()

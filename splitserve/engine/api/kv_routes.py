@@ -16,6 +16,13 @@ KV flags, the reservation and transfer-failure endpoints, and the handoff metric
   request ended before decode read the held blocks (its client left, decode failed):
   they are freed now rather than at the hold's TTL. `{"released": false}` when nothing
   was held (already read, expired, or never held).
+- `POST /inference/v1/kv/push_target` `{request_id, kv_transfer_params?}` (prefill, push):
+  where a request sent with `kv_transfer_params.push_target_pending` pushes its KV (decode's
+  reservation, as `/kv/reserve` answered it); without `kv_transfer_params`, nothing is to be
+  pushed and its kept blocks go. Answers `{request_id, status}`: `planned` (running: its
+  final chunk reports the push), `sent` (it had finished: the push is done, with `kv_bytes`,
+  `send_s` and any `kv_transfer_error`), `early` (not admitted yet: it will take this
+  target) or `cancelled`.
 - `GET /inference/v1/kv/info`: role, transport, mode and the KV address.
 
 With `--kv-peers`, a generate request whose `kv_transfer_params` name any other KV peer
@@ -36,7 +43,7 @@ from splitserve.config import EngineRole, TransferConfig
 from splitserve.kv.handoff_metrics import ForwardRegistry
 from splitserve.protocol.errors import APIError
 from splitserve.protocol.http_edge import read_json_body
-from splitserve.protocol.kv_transfer import KVTransferParams
+from splitserve.protocol.kv_transfer import KVTransferParams, check_kv_transfer_params
 
 if TYPE_CHECKING:
     from splitserve.kv.pd_connector import PDConnector
@@ -254,6 +261,35 @@ def install_kv_routes(app: FastAPI, connector: PDConnector) -> None:
     async def release_hold(raw: Request) -> JSONResponse:
         request_id, _ = await request_id_of(raw)
         return JSONResponse({"request_id": request_id, "released": connector.release_hold(request_id)})
+
+    @app.post("/inference/v1/kv/push_target")
+    async def push_target(raw: Request) -> JSONResponse:
+        if connector.role != "prefill":
+            raise APIError(400, f"this engine's role is {connector.role}; push targets go to prefill workers")
+        request_id, body = await request_id_of(raw)
+        target = body.get("kv_transfer_params")
+        if target is None:
+            return JSONResponse(
+                {
+                    "request_id": request_id,
+                    "status": "cancelled",
+                    "cancelled": connector.pusher.cancel(request_id),
+                }
+            )
+        if not isinstance(target, dict):
+            raise APIError(400, "kv_transfer_params must be an object", param="kv_transfer_params")
+        params = check_kv_transfer_params(target)
+        check_kv_peer(connector, target)
+        answer = await asyncio.to_thread(connector.pusher.set_target, request_id, params)
+        report: dict = {"request_id": request_id, "status": answer.status}
+        if answer.outcome is not None:
+            sent = KVTransferParams(
+                kv_bytes=answer.outcome.num_bytes,
+                send_s=answer.outcome.send_s,
+                kv_transfer_error=answer.outcome.error,
+            )
+            report.update(sent.to_wire())
+        return JSONResponse(report)
 
     @app.get("/inference/v1/kv/info")
     async def info() -> JSONResponse:
