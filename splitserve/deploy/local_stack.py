@@ -4,7 +4,6 @@ proxy last, on `--host:--port`, once the others are healthy), supervised while t
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import shutil
@@ -94,16 +93,17 @@ class LocalStack:
         plan: DeploymentPlan,
         secrets: dict[str, str],
         pinned: dict[str, frozenset[int]],
-        args: argparse.Namespace,
+        proxy_host: str,
+        proxy_port: int,
     ) -> None:
         self.plan = plan
         self.secrets = secrets
         self.pinned = pinned
-        self.proxy_host = args.host
-        self.proxy_port = args.port
+        self.proxy_host = proxy_host
+        self.proxy_port = proxy_port
         self.parts: list[Part] = []
         self.cleanup: list[str] = []  # directories of this run
-        self.picked = {args.port}  # the proxy binds last: every part's port differs from it and each other
+        self.picked = {proxy_port}  # the proxy binds last: every part's port differs from it and each other
         self.stop_requested: list[int] = []
         self.stop_at_once: list[int] = []
         self.liveness: LivenessWatch | None = None

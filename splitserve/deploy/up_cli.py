@@ -188,13 +188,13 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"splitserve up: {exc}", file=sys.stderr)
         return 2
-    from splitserve.model.resolve import resolve_model_or_exit
+    from splitserve.model_files.resolve import resolve_model_or_exit
 
     resolved = resolve_model_or_exit(args.model)
     plan = plan_from_args(args, resolved.path, args.served_model_name or resolved.name)
     remove_stale_ec_directories()
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    stack = LocalStack(plan, deployment_secrets(api_key), pinned, args)
+    stack = LocalStack(plan, deployment_secrets(api_key), pinned, args.host, args.port)
     previous = {sig: signal.signal(sig, stack.request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         error = stack.start(args.startup_timeout)
