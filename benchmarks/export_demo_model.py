@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from splitserve.model.demo import ensure_demo_model, splitserve_home
+from splitserve.model_files.demo import ensure_demo_model, splitserve_home
 
 DEFAULT_EXPORT_DIR = splitserve_home() / "smollm2-135m-instruct-hf"
 

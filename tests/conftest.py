@@ -15,9 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from splitserve.model.demo import ensure_demo_model
 from splitserve.model.tiny import write_tiny_model
 from splitserve.model.tiny_text import TinyModelSpec
+from splitserve.model_files.demo import ensure_demo_model
 from splitserve.protocol.ports import pick_free_port
 
 

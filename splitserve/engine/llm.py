@@ -57,7 +57,7 @@ class LLM:
         **engine_kwargs: Any,
     ) -> None:
         if config is None:
-            from splitserve.model.resolve import resolve_model
+            from splitserve.model_files.resolve import resolve_model
 
             config = engine_config_from_kwargs(resolve_model(model).path, **engine_kwargs)
         self.engine = LLMEngine(config, connector, ec_connector=ec_connector)

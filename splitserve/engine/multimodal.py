@@ -21,9 +21,9 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from splitserve.kv.block_hash import MultiModalSpan
 from splitserve.kv.ec_connector import IMAGE_HASH_PATTERN, ECConnector
 from splitserve.model.qwen2_vl import ImagePlacement, Qwen2VLConfig, Qwen2VLModel, mrope_positions
+from splitserve.protocol.block_hash import MultiModalSpan
 from splitserve.protocol.errors import InvalidRequestError
 from splitserve.protocol.multimodal import ImageInput
 

@@ -7,7 +7,7 @@ import time
 from typing import TYPE_CHECKING
 
 from splitserve.engine.sampling_params import SamplingParams
-from splitserve.kv.block_hash import BlockHash, compute_block_hashes, kv_block_hashes
+from splitserve.protocol.block_hash import BlockHash, compute_block_hashes, kv_block_hashes
 
 if TYPE_CHECKING:
     from splitserve.engine.multimodal import MultiModalInputs

@@ -14,7 +14,7 @@ from splitserve.protocol.drain import add_serving_arguments, serve_draining
 from splitserve.protocol.http_edge import DEFAULT_MAX_BODY_BYTES
 
 if TYPE_CHECKING:
-    from splitserve.model.resolve import ResolvedModel
+    from splitserve.model_files.resolve import ResolvedModel
 
 logger = logging.getLogger("splitserve.render")
 
@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     from splitserve.frontend.app import create_render_app
     from splitserve.frontend.chat_template import TemplateError
     from splitserve.frontend.render import Renderer
-    from splitserve.model.resolve import resolve_model_or_exit
+    from splitserve.model_files.resolve import resolve_model_or_exit
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

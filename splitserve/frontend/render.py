@@ -27,7 +27,7 @@ from splitserve.frontend.image_metrics import ImageStats
 from splitserve.frontend.images import MediaConfig, VisionModel, render_images
 from splitserve.frontend.tokenizer import Tokenizer
 from splitserve.gguf_file import is_gguf_file
-from splitserve.kv.block_hash import MultiModalSpan, compute_block_hashes
+from splitserve.protocol.block_hash import MultiModalSpan, compute_block_hashes
 from splitserve.protocol.errors import InvalidRequestError, check_model
 from splitserve.protocol.multimodal import PIXEL_DTYPES, ImageInput, features_to_wire
 from splitserve.protocol.openai_api import ChatCompletionRequest, CompletionRequest

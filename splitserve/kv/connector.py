@@ -56,7 +56,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
-from splitserve.kv.block_hash import BlockHash
+from splitserve.protocol.block_hash import BlockHash
 
 if TYPE_CHECKING:
     import torch

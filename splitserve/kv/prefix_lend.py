@@ -23,9 +23,9 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from splitserve.kv.block_hash import BlockHash
 from splitserve.kv.pd_loads import Load
 from splitserve.kv.reservations import HoldTable
+from splitserve.protocol.block_hash import BlockHash
 from splitserve.protocol.kv_transfer import KVTransferParams, TransferMode
 
 if TYPE_CHECKING:

@@ -1,7 +1,7 @@
 """`splitserve tiny-model`: a complete Hugging Face model directory with random weights.
 
 The directory is what tests and benchmarks run on (the demo model is a real one,
-`splitserve.model.demo`): config.json,
+`splitserve.model_files.demo`): config.json,
 model.safetensors, generation_config.json, tokenizer.json and a tokenizer_config.json
 holding the chat template (tiny_text.py builds a text decoder, tiny_vl.py a Qwen2-VL).
 """

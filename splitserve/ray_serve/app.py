@@ -4,12 +4,11 @@
 from __future__ import annotations
 
 import os
-import secrets
 import time
 from typing import Any
 
-from splitserve.frontend.stream_state import STATE_KEY_ENV
-from splitserve.protocol.access import API_KEY_ENV, INTERNAL_TOKEN_ENV
+from splitserve.deploy.plan import deployment_secrets
+from splitserve.protocol.access import API_KEY_ENV
 from splitserve.ray_serve.config import DEFAULT_TARGETS, RayDeployConfig, TierSpec
 from splitserve.ray_serve.ingress import ProxyIngress
 from splitserve.ray_serve.tier import INGRESS_NAME, TierReplica
@@ -49,19 +48,6 @@ def deployment_options(name: str, spec: TierSpec, env: dict[str, str]) -> dict[s
     else:
         options["num_replicas"] = spec.replicas
     return options
-
-
-def deployment_env(api_key: str | None) -> dict[str, str]:
-    """The secrets every replica gets through its environment (Ray's runtime_env), never a
-    command line: one internal token per deployment (or the one this shell has), the render
-    replicas' shared state key, and the API key the ingress checks."""
-    env = {
-        INTERNAL_TOKEN_ENV: os.environ.get(INTERNAL_TOKEN_ENV) or secrets.token_urlsafe(32),
-        STATE_KEY_ENV: os.environ.get(STATE_KEY_ENV) or secrets.token_hex(32),
-    }
-    if api_key:
-        env[API_KEY_ENV] = api_key
-    return env
 
 
 def build_app(config: RayDeployConfig, env: dict[str, str]):
@@ -109,7 +95,7 @@ def deploy(config: RayDeployConfig, api_key: str | None) -> str:
     serve.start(
         http_options={"host": config.http_host, "port": config.http_port, "location": config.proxy_location}
     )
-    serve.run(build_app(config, deployment_env(api_key)), name=config.app_name, route_prefix="/")
+    serve.run(build_app(config, deployment_secrets(api_key)), name=config.app_name, route_prefix="/")
     http = _get_global_client().http_config  # what Serve runs with, not what was asked
     host = http.host if http.host not in ("0.0.0.0", "::") else "127.0.0.1"
     return f"http://{host}:{http.port}"
@@ -173,4 +159,4 @@ def app_builder(args: dict[str, Any]):
 
     config = config_from_mapping(args)
     check(config)
-    return build_app(with_transport(config), deployment_env(os.environ.get(API_KEY_ENV) or None))
+    return build_app(with_transport(config), deployment_secrets(os.environ.get(API_KEY_ENV) or None))

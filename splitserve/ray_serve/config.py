@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from splitserve.deploy.plan import TierPlan, engine_flags, render_flags, server_tiers
+
 TIERS = ("render", "prefill", "decode", "encoder")
 # The tier each replica's load signal comes from (autoscaling.py, docs/ray.md).
 DEFAULT_TARGETS = {"render": 0.7, "prefill": 2.0, "decode": 0.7, "encoder": 2.0}
@@ -66,15 +68,13 @@ class ServerConfig:
     it changes, restarts replicas (the replica counts are not in it, so scaling a tier
     leaves the others running)."""
 
-    model: str | None
-    served_model_name: str | None
     app_name: str
-    transport: str | None
-    mode: str
-    log_level: str
-    engine_args: tuple[str, ...]
-    render_args: tuple[str, ...]
+    tiers: tuple[TierPlan, ...]  # each server tier's command line (deploy/plan.py)
+    transport: str | None  # "auto": an engine is told its node too
     encoder_cache: bool = False  # an encoder tier runs: engines load embeddings from its cache
+
+    def tier(self, role: str) -> TierPlan:
+        return next(tier for tier in self.tiers if tier.role == role)
 
 
 @dataclass(frozen=True)
@@ -99,16 +99,19 @@ class RayDeployConfig:
         return dict(self.tiers).get(name, TierSpec(replicas=0))
 
     def server(self) -> ServerConfig:
-        return ServerConfig(
+        """The tiers' plan (the same command lines `up` starts locally) and what a replica
+        needs besides."""
+        tiers = server_tiers(
             model=self.model,
             served_model_name=self.served_model_name,
-            app_name=self.app_name,
-            transport=self.transport,
-            mode=self.mode,
             log_level=self.log_level,
-            engine_args=self.engine_args,
-            render_args=self.render_args,
-            encoder_cache=self.runs("encoder"),
+            mode=self.mode,
+            transport=self.transport,
+            render=self.render_args,
+            engine=self.engine_args,
+        )
+        return ServerConfig(
+            app_name=self.app_name, tiers=tiers, transport=self.transport, encoder_cache=self.runs("encoder")
         )
 
     def runs(self, name: str) -> bool:
@@ -221,28 +224,10 @@ def parse_tier_flag(text: str) -> tuple[str, dict[str, Any]]:
     return name, raw
 
 
-def engine_flags(args: argparse.Namespace) -> tuple[str, ...]:
-    """The engine flags `splitserve up` passes to every engine, local or on Ray (the KV
-    transport and mode are the caller's: Ray picks the transport by placement)."""
-    flags: list[str] = ["--drain-timeout", str(args.drain_timeout)]
-    for flag, value in (
-        ("--num-blocks", args.num_blocks),
-        ("--kv-cache-memory", args.kv_cache_memory),
-        ("--max-model-len", args.max_model_len),
-        ("--max-num-batched-tokens", args.max_num_batched_tokens),
-        ("--dtype", args.dtype),
-        ("--kv-timeout", args.kv_timeout),
-        ("--kv-reservation-ttl", args.kv_reservation_ttl),
-    ):
-        if value is not None:
-            flags += [flag, str(value)]
-    return tuple(flags)
-
-
 def config_from_args(args: argparse.Namespace) -> RayDeployConfig:
     """The config `splitserve up --ray` deploys: `--ray-config FILE`, or the same flags as
-    `up` (`--prefill/--decode/--render/--encoder`, model, engine flags) with `--ray-tier`
-    settings per tier."""
+    `up` (`--prefill/--decode/--render/--encoder`, model, the render's and the engines'
+    flags as `up`'s plan has them) with `--ray-tier` settings per tier."""
     if args.ray_config:
         return load_yaml(args.ray_config)
     tiers: dict[str, dict[str, Any]] = {
@@ -256,12 +241,6 @@ def config_from_args(args: argparse.Namespace) -> RayDeployConfig:
         if name not in TIERS:
             raise ConfigError(f"--ray-tier {text}: unknown tier {name!r} (tiers: {', '.join(TIERS)})")
         tiers[name].update(settings)
-    render_args = [
-        "--reasoning-parser", args.reasoning_parser, "--tool-call-parser", args.tool_call_parser,
-        "--max-body-bytes", str(args.max_body_bytes), "--drain-timeout", str(args.drain_timeout),
-    ]  # fmt: skip
-    if args.max_model_len:
-        render_args += ["--max-model-len", str(args.max_model_len)]
     return RayDeployConfig(
         model=args.model,
         served_model_name=args.served_model_name,
@@ -276,7 +255,7 @@ def config_from_args(args: argparse.Namespace) -> RayDeployConfig:
         open_health_metrics=args.open_health_metrics,
         log_level=args.log_level,
         engine_args=engine_flags(args),
-        render_args=tuple(render_args),
+        render_args=render_flags(args),
     )
 
 

@@ -42,6 +42,7 @@ from typing import Any
 
 import httpx
 
+from splitserve.deploy.plan import kv_event_flags
 from splitserve.protocol.access import internal_headers
 from splitserve.protocol.ports import pick_free_port
 from splitserve.protocol.process_lifetime import child_command
@@ -73,26 +74,19 @@ def encoder_cache_path(flags: list[str]) -> str | None:
 
 
 def server_command(
-    role: str, config: ServerConfig, host: str, ports: list[int], node_id: str, ec_flags: list[str]
+    config: ServerConfig, role: str, host: str, ports: list[int], node_id: str, ec_flags: list[str]
 ) -> list[str]:
-    """The `splitserve` command line a replica of `role` runs on node `node_id` (no secrets
-    on it)."""
-    model = [config.model] if config.model else []
-    base = ["--host", host, "--port", str(ports[0]), "--log-level", config.log_level]
+    """The `splitserve` command line a replica of `role` runs on node `node_id`: the tier's
+    plan, then where this replica is (no secrets on it)."""
+    tier = config.tier(role)
+    command = [*tier.argv, "--host", host, "--port", str(ports[0])]
     if role == "render":
-        name = ["--served-model-name", config.served_model_name] if config.served_model_name else []
-        return ["render", *model, *base, *name, *config.render_args]
-    if role == "encoder":
-        return ["engine", *model, "--role", role, *base, *config.engine_args, *ec_flags]
-    command = ["engine", *model, "--role", role, *base, "--kv-mode", config.mode, *config.engine_args]
+        return command
     command += ec_flags
-    if config.transport:
-        command += ["--kv-transport", config.transport]
-    if config.transport == "auto":  # shm with the engines on this node, tcp with the others
-        command += ["--kv-node-id", node_id]
-    # KV events: the proxy's router indexes them (cache-aware routing), dialling this node.
-    command += ["--kv-events-endpoint", f"tcp://{host}:{ports[1]}"]
-    command += ["--kv-events-replay-endpoint", f"tcp://{host}:{ports[2]}"]
+    if tier.moves_kv:
+        if config.transport == "auto":  # shm with the engines on this node, tcp with the others
+            command += ["--kv-node-id", node_id]
+        command += kv_event_flags(host, ports[1], ports[2])
     return command
 
 
@@ -124,7 +118,7 @@ class TierReplica:
             self.ec_home = await asyncio.wait_for(self.ingress().encoder_cache.remote(), STARTUP_TIMEOUT_S)
         ec_flags = encoder_cache_flags(self.node_id, self.ec_home)
         self.ec_path = encoder_cache_path(ec_flags)
-        command = server_command(role, config, host, ports, self.node_id, ec_flags)
+        command = server_command(config, role, host, ports, self.node_id, ec_flags)
         log_fd, self.log_path = tempfile.mkstemp(prefix=f"splitserve-ray-{role}-", suffix=".log")
         with os.fdopen(log_fd, "wb") as log_file:
             # No preexec_fn: a replica has many threads, and a child forked from them could

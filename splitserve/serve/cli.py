@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
     from splitserve.frontend.chat_template import TemplateError
     from splitserve.frontend.local_client import LocalFrontendClient
     from splitserve.frontend.render import Renderer
-    from splitserve.model.resolve import resolve_model_or_exit
+    from splitserve.model_files.resolve import resolve_model_or_exit
     from splitserve.service.app import create_openai_app
 
     logging.basicConfig(

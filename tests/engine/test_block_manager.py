@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.request import Request
 from splitserve.engine.sampling_params import SamplingParams
-from splitserve.kv.block_hash import compute_block_hashes
+from splitserve.protocol.block_hash import compute_block_hashes
 
 BLOCK = 4
 PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 9, 9, 9, 9], [7] * 12]

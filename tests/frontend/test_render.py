@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from splitserve.frontend.render import RenderConfig, Renderer
-from splitserve.kv.block_hash import compute_block_hashes
+from splitserve.protocol.block_hash import compute_block_hashes
 from splitserve.protocol.errors import InvalidRequestError
 from splitserve.protocol.openai_api import ChatCompletionRequest, CompletionRequest
 

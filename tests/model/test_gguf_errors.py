@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from splitserve.model.demo import SMOLLM2_135M_INSTRUCT
+from splitserve.model_files.demo import SMOLLM2_135M_INSTRUCT
 from tests.conftest import free_port
 from tests.model.gguf_files import GGUF_SPEC, write_tiny_gguf
 
@@ -90,7 +90,7 @@ def test_without_a_package_index_the_demo_model_is_a_clear_error(tmp_path):
 
 def test_a_prepared_demo_model_needs_no_package_index(demo_home, demo_model):
     before = demo_model.stat().st_mtime_ns
-    code = "from splitserve.model.resolve import resolve_model; print(resolve_model(None).path)"
+    code = "from splitserve.model_files.resolve import resolve_model; print(resolve_model(None).path)"
     result = subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,

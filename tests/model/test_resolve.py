@@ -12,7 +12,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from splitserve.model.resolve import ModelNotFoundError, ResolvedModel, resolve_model
+from splitserve.model_files.resolve import ModelNotFoundError, ResolvedModel, resolve_model
 from tests.conftest import free_port, running_server
 from tests.model.gguf_files import GGUF_SPEC, write_tiny_gguf
 

@@ -174,7 +174,7 @@ def engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
 def run(args: argparse.Namespace) -> int:
     from splitserve.engine.api.app import create_engine_app
     from splitserve.engine.async_engine import AsyncEngine
-    from splitserve.model.resolve import resolve_model_or_exit
+    from splitserve.model_files.resolve import resolve_model_or_exit
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

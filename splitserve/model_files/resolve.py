@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from splitserve.gguf_file import GGUF_SUFFIX
-from splitserve.model.demo import SMOLLM2_135M_INSTRUCT, DemoModelUnavailable, ensure_demo_model
+from splitserve.model_files.demo import SMOLLM2_135M_INSTRUCT, DemoModelUnavailable, ensure_demo_model
 
 _HF_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 # What a serving snapshot needs; GGUF repositories are named by file instead.

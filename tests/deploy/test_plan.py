@@ -1,0 +1,135 @@
+"""The deployment plan: the command line each tier gets from `up`'s flags, and that `up`
+and `up --ray` give a tier the same one (pure: nothing is started)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from splitserve.deploy import up_cli
+from splitserve.deploy.plan import DeploymentPlan, deployment_secrets, plan_from_args, tier_env
+from splitserve.protocol.access import API_KEY_ENV, INTERNAL_TOKEN_ENV
+from splitserve.ray_serve.config import config_from_args, with_transport
+from splitserve.ray_serve.tier import server_command
+
+
+def up_args(*flags: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    up_cli.add_arguments(parser)
+    return parser.parse_args(["/models/m", *flags])
+
+
+def plan(*flags: str) -> DeploymentPlan:
+    return plan_from_args(up_args(*flags), "/models/m", "m")
+
+
+def flag_value(argv: tuple[str, ...], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+def test_each_tier_gets_its_command_and_the_flags_meant_for_it():
+    tiers = plan("--transport", "tcp", "--mode", "pull", "--num-blocks", "512", "--routing", "round-robin")
+    render, prefill, decode, encoder, proxy = (
+        tiers.tier(r) for r in ("render", "prefill", "decode", "encoder", "proxy")
+    )
+    assert (
+        render.argv[:2] == ("render", "/models/m") and flag_value(render.argv, "--served-model-name") == "m"
+    )
+    for engine in (prefill, decode):
+        assert engine.argv[:4] == ("engine", "/models/m", "--role", engine.role) and engine.moves_kv
+        assert (flag_value(engine.argv, "--kv-mode"), flag_value(engine.argv, "--kv-transport")) == (
+            "pull",
+            "tcp",
+        )
+        assert flag_value(engine.argv, "--num-blocks") == "512"
+    assert "--kv-mode" not in encoder.argv and "--kv-transport" not in encoder.argv and not encoder.moves_kv
+    assert flag_value(encoder.argv, "--num-blocks") == "512"
+    assert proxy.argv[0] == "proxy" and flag_value(proxy.argv, "--routing") == "round-robin"
+    assert flag_value(proxy.argv, "--mode") == "pull" and "--num-blocks" not in proxy.argv
+    assert "--routing" not in render.argv + prefill.argv  # a proxy flag goes to the proxy only
+    for tier in tiers.tiers:  # placement is the launcher's
+        assert "--host" not in tier.argv and "--port" not in tier.argv
+
+
+@pytest.mark.parametrize(
+    ("flags", "tier", "present", "absent"),
+    [
+        ((), "render", [], ["--max-model-len", "--trust-request-chat-template"]),
+        (("--max-model-len", "4096"), "render", ["--max-model-len"], []),
+        (("--max-model-len", "4096"), "decode", ["--max-model-len"], []),
+        (("--trust-request-chat-template",), "render", ["--trust-request-chat-template"], []),
+        (("--no-kv-bidirectional", "--open-health-metrics"), "proxy",
+         ["--no-kv-bidirectional", "--open-health-metrics"], []),
+        ((), "proxy", ["--pd-decision"], ["--no-kv-bidirectional", "--quota-by", "--routing"]),
+        (("--quota-by", "address", "api-key"), "proxy", ["--quota-by"], []),
+        (("--dtype", "bfloat16"), "prefill", ["--dtype"], []),
+        ((), "prefill", ["--kv-mode"], ["--kv-transport", "--dtype"]),
+    ],
+)  # fmt: skip
+def test_a_flag_reaches_its_tier_only_when_given(flags, tier, present, absent):
+    argv = plan(*flags).tier(tier).argv
+    assert all(flag in argv for flag in present) and not any(flag in argv for flag in absent), argv
+
+
+def test_quota_by_keeps_every_value_and_the_cost_profile_is_an_absolute_path():
+    proxy = plan("--quota-by", "address", "api-key", "--pd-cost-profile", "costs.json").tier("proxy").argv
+    assert proxy[proxy.index("--quota-by") + 1 : proxy.index("--quota-by") + 3] == ("address", "api-key")
+    assert flag_value(proxy, "--pd-cost-profile").startswith("/")
+
+
+def test_part_names_follow_the_replica_counts_in_start_order():
+    assert plan().part_names() == ["render", "prefill-0", "decode-0", "proxy"]
+    names = plan("--render", "2", "--prefill", "0", "--decode", "2", "--encoder", "1").part_names()
+    assert names == ["render-0", "render-1", "decode-0", "decode-1", "encoder-0", "proxy"]
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        (),
+        ("--transport", "shm", "--mode", "pull", "--max-model-len", "2048", "--kv-timeout", "9"),
+        (
+            "--trust-request-chat-template",
+            "--reasoning-parser",
+            "none",
+            "--max-pixel-bytes-per-request",
+            "1024",
+        ),
+    ],
+)
+def test_up_and_up_ray_give_every_server_tier_the_same_command_line(flags):
+    args = up_args("--served-model-name", "m", *flags)
+    local = plan_from_args(args, args.model, args.served_model_name)
+    ray = config_from_args(args).server()
+    for role in ("render", "prefill", "decode", "encoder"):
+        assert ray.tier(role) == local.tier(role)
+
+
+def test_a_ray_replica_adds_its_placement_to_the_plan():
+    server = with_transport(config_from_args(up_args("--encoder", "1"))).server()
+    ec = ["--ec-remote", "10.0.0.2:7000"]
+    decode = server_command(server, "decode", "10.0.0.1", [8001, 8002, 8003], "node-a", ec)
+    assert decode[: len(server.tier("decode").argv)] == list(server.tier("decode").argv)
+    assert (
+        flag_value(tuple(decode), "--kv-transport") == "auto"
+        and flag_value(tuple(decode), "--kv-node-id") == "node-a"
+    )
+    assert flag_value(tuple(decode), "--kv-events-replay-endpoint") == "tcp://10.0.0.1:8003"
+    assert "--ec-remote" in decode
+    render = server_command(server, "render", "10.0.0.1", [8001, 8002, 8003], "node-a", ec)
+    assert render[-4:] == ["--host", "10.0.0.1", "--port", "8001"] and "--ec-remote" not in render
+    encoder = server_command(server, "encoder", "10.0.0.1", [8001, 8002, 8003], "node-a", ec)
+    assert (
+        "--kv-events-endpoint" not in encoder and "--kv-node-id" not in encoder and "--ec-remote" in encoder
+    )
+
+
+def test_secrets_go_by_name_to_the_tiers_that_need_them():
+    tiers = plan()
+    values = deployment_secrets("key-1,key-2")
+    assert set(tier_env(tiers.tier("proxy"), values)) == {INTERNAL_TOKEN_ENV, API_KEY_ENV}
+    assert set(tier_env(tiers.tier("decode"), values)) == {INTERNAL_TOKEN_ENV}
+    assert API_KEY_ENV not in tier_env(tiers.tier("proxy"), deployment_secrets(None))
+    for tier in tiers.tiers:  # never on a command line
+        assert not set(values.values()) & set(tier.argv)
