@@ -139,9 +139,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from splitserve.protocol.pd_decision import load_cost_profile
     from splitserve.router.app import create_proxy_app
     from splitserve.router.kv_index import KVRoutingWeights
-    from splitserve.router.pd_decision import load_cost_profile
     from splitserve.router.pd_engine_client import PDEngineClient
     from splitserve.router.pd_policy import PDPolicy
     from splitserve.router.workers import WorkerPool

@@ -1,4 +1,4 @@
-"""The P/D decision's costs as this proxy measures them (router/pd_decision.py computes).
+"""The P/D decision's costs as this proxy measures them (protocol/pd_decision.py computes).
 
 - Prefill cost per token: from the load polls (`GET /inference/v1/stats`), which carry each
   engine's last step (`last_step_time_s`, `last_step_tokens`). A prefill worker's steps are
@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from splitserve.router.pd_decision import CostModel, CostProfile, DecisionInputs, break_even_tokens
+from splitserve.protocol.pd_decision import CostModel, CostProfile, DecisionInputs, break_even_tokens
 
 MIN_STEP_TOKENS = 128
 SMOOTHING = 0.2  # weight of each new observation in the moving averages

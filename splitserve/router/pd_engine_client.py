@@ -36,12 +36,18 @@ from splitserve.protocol.errors import APIError
 from splitserve.protocol.http_engine_client import HTTPEngineClient
 from splitserve.protocol.http_pool import pooled_client
 from splitserve.protocol.kv_transfer import KVTransferParams
+from splitserve.protocol.pd_decision import (
+    CostProfile,
+    DecisionInputs,
+    PDDecision,
+    decide,
+    threshold_decision,
+)
 from splitserve.router.attempt_timeline import AttemptClock, with_phases
 from splitserve.router.decode_supervision import DecodeSupervisor
 from splitserve.router.kv_index import KVBlockIndex, KVEventFeed, KVRoutingWeights, request_block_hashes
 from splitserve.router.metrics import ProxyMetrics
 from splitserve.router.pd_costs import CostCalibrator
-from splitserve.router.pd_decision import CostProfile, DecisionInputs, PDDecision, decide, threshold_decision
 from splitserve.router.pd_policy import ConversationHints, PDPolicy
 from splitserve.router.pd_push_control import PushControl
 from splitserve.router.prefill_report import (
@@ -175,7 +181,7 @@ class PDEngineClient(EngineClient):
         )
 
     def decide_path(self, inputs: DecisionInputs) -> PDDecision:
-        """Prefill on a prefill worker or on decode, by `--pd-decision` (router/pd_decision.py)."""
+        """Prefill on a prefill worker or on decode, by `--pd-decision` (protocol/pd_decision.py)."""
         if self.policy.decision == "threshold":
             decision = threshold_decision(inputs, self.policy.min_prefill_tokens, self.costs.costs())
         else:

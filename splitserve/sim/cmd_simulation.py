@@ -10,6 +10,7 @@ import numpy as np
 
 from splitserve.config import SchedulerConfig, TransferConfig
 from splitserve.goodput import SLO, SLO_AVERAGE, SLO_WORST_GAP
+from splitserve.protocol.pd_decision import CostModel
 from splitserve.sim.cmd_common import (
     clean,
     efficiency,
@@ -21,7 +22,6 @@ from splitserve.sim.cmd_common import (
 )
 from splitserve.sim.engine import InstanceConfig
 from splitserve.sim.metrics import goodput
-from splitserve.sim.pd_split import PDCosts
 from splitserve.sim.profile import load_profile
 from splitserve.sim.simulator import Deployment, KVLink, simulate
 from splitserve.sim.specs import load_gpu, load_model
@@ -76,7 +76,7 @@ def profile_fields(args: argparse.Namespace) -> dict:
     if profile is not None:
         fields.update(steps=profile.steps, cpu=profile.cpu)
     if decision == "cost":
-        fields["pd_costs"] = profile.decision_costs() if profile else PDCosts()
+        fields["pd_costs"] = profile.decision_costs() if profile else CostModel()
     return fields
 
 

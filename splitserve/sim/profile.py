@@ -4,7 +4,7 @@ FILE`) and the proxy (`splitserve proxy --pd-cost-profile FILE`) read.
     {"model": NAME, "gpu": NAME,
      "samples": [...measured steps, calibrate.py's format...],
      "prefill_s_per_token": ..., "decode_prefill_s_per_token": ...,   # P/D decision costs
-     "handoff_fixed_s": ..., "handoff_s_per_token": ...,               # (router/pd_decision.py)
+     "handoff_fixed_s": ..., "handoff_s_per_token": ...,               # (protocol/pd_decision.py)
      "sim": {"version": 1,
              "steps": {...step_model.py's fitted prefill and decode step times...},
              "cpu": {"render_s_per_request": ..., "render_s_per_token": ...,
@@ -13,9 +13,9 @@ FILE`) and the proxy (`splitserve proxy --pd-cost-profile FILE`) read.
              "fit": {"rms_rel_error": ..., "max_rel_error": ..., "samples": N}}}
 
 The top-level cost fields are the proxy's `CostModel` fields: the proxy pins what the file
-names; the simulator's P/D decision (pd_split.py) uses the same numbers. "sim" is the
-simulator's alone (the proxy ignores it). A file with samples but no "sim" (what `sim
-calibrate --save` wrote) is a profile too: its step model is fitted on loading.
+names; the simulator's P/D decision (protocol/pd_decision.py, the proxy's own) uses the
+same numbers. "sim" is the simulator's alone (the proxy ignores it). A file with samples but
+no "sim" (what `sim calibrate --save` wrote) is a profile too: its step model is fitted on loading.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
+from splitserve.protocol.pd_decision import COST_FIELDS, CostModel
 from splitserve.sim.calibrate import CalibrationError, Sample, parse_samples, samples_to_json
-from splitserve.sim.pd_split import PD_COST_FIELDS, PDCosts
 from splitserve.sim.step_model import StepModel, fit_errors, fit_step_model
 
 PROFILE_VERSION = 1
@@ -60,14 +60,14 @@ class EngineProfile:
     model: str | None = None
     gpu: str | None = None
 
-    def decision_costs(self) -> PDCosts:
+    def decision_costs(self) -> CostModel:
         """The P/D decision's costs: the named fields, the rest from the step model."""
         per_token = self.steps.prefill_s_per_token + self.steps.prefill_s_per_pair * 256
         values: dict[str, float] = {"prefill_s_per_token": per_token, "decode_prefill_s_per_token": per_token}
         if self.handoff_fixed_s is not None:
             values["handoff_fixed_s"] = self.handoff_fixed_s
         values.update(self.pd_costs)
-        return PDCosts(**values)
+        return CostModel(**values)
 
     def to_json(self) -> dict:
         sim: dict = {"version": PROFILE_VERSION, "steps": self.steps.to_json()}
@@ -87,7 +87,7 @@ class EngineProfile:
 
 def slope_s_per_token(samples: list[Sample]) -> float:
     """Least-squares slope of prefill step time over prompt tokens, on an empty cache (the
-    figure the proxy derives from samples: router/pd_decision.py)."""
+    figure the proxy derives from samples: protocol/pd_decision.py)."""
     points = [(s.tokens, s.step_s) for s in samples if s.kind == "prefill" and s.context == 0]
     if len({n for n, _ in points}) < 2:
         raise CalibrationError("need prefill steps of at least two prompt lengths")
@@ -153,7 +153,7 @@ def parse_profile(data: object, source: str = "profile") -> EngineProfile:
     else:
         raise CalibrationError(f"{source}: no step model (sim.steps) and no samples to fit one")
     pd_costs = {}
-    for name in PD_COST_FIELDS:
+    for name in COST_FIELDS:
         if name in data:
             pd_costs[name] = _number(data, name, source)
     cpu = None

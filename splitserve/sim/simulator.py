@@ -16,9 +16,9 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from splitserve.config import TransferConfig
+from splitserve.protocol.pd_decision import CostModel, DecisionInputs, decide
 from splitserve.sim.engine import Engine, InstanceConfig
 from splitserve.sim.kv import exposed_transfer_s, transfer_s
-from splitserve.sim.pd_split import PDCosts, goes_remote
 from splitserve.sim.profile import CpuCosts
 from splitserve.sim.roofline import Efficiency, Roofline
 from splitserve.sim.serving_path import through_serving_path
@@ -76,7 +76,7 @@ class Deployment:
     steps: StepModel | None = None
     # P/D: decide each request's path on cost (conditional disaggregation); None: every
     # request through a prefill worker
-    pd_costs: PDCosts | None = None
+    pd_costs: CostModel | None = None
     cpu: CpuCosts | None = None  # the render tier's time before the engine sees a request
 
     def __post_init__(self) -> None:
@@ -301,7 +301,8 @@ class _Sim:
         queued_on_prefill = min(sum(total - done for _, done, total, _ in p.waiting) for p in self.front)
         prompt = int(self.wl.prompt[rid])
         assert self.dep.pd_costs is not None
-        if goes_remote(prompt, len(d.run_ids), queued_on_decode, queued_on_prefill, self.dep.pd_costs):
+        inputs = DecisionInputs(prompt, len(d.run_ids), queued_on_decode, queued_on_prefill)
+        if decide(inputs, self.dep.pd_costs).remote:
             return False
         self.local[rid] = True
         d.enqueue_prefill(rid, 0)

@@ -1,4 +1,4 @@
-"""Conditional disaggregation on cost: the pure decision (router/pd_decision.py), the
+"""Conditional disaggregation on cost: the pure decision (protocol/pd_decision.py), the
 proxy's measurements (router/pd_costs.py), the profile file and flags, and the paths
 requests take through a live `splitserve up --pd-decision cost`."""
 
@@ -16,8 +16,7 @@ import httpx
 import pytest
 
 from splitserve.cli import main
-from splitserve.router.pd_costs import MIN_STEP_TOKENS, CostCalibrator
-from splitserve.router.pd_decision import (
+from splitserve.protocol.pd_decision import (
     CostModel,
     CostProfileError,
     DecisionInputs,
@@ -27,6 +26,7 @@ from splitserve.router.pd_decision import (
     parse_cost_profile,
     threshold_decision,
 )
+from splitserve.router.pd_costs import MIN_STEP_TOKENS, CostCalibrator
 from splitserve.router.pd_policy import PDPolicy
 from splitserve.sim.calibrate import samples_to_json, synthetic_samples
 from splitserve.sim.roofline import Efficiency, Roofline

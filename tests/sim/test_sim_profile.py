@@ -14,8 +14,7 @@ import httpx
 import pytest
 
 from splitserve.cli import main
-from splitserve.router.pd_decision import CostModel, DecisionInputs, decide, load_cost_profile
-from splitserve.sim.pd_split import PDCosts, goes_remote
+from splitserve.protocol.pd_decision import load_cost_profile
 from splitserve.sim.profile import load_profile
 from tests.conftest import free_port, running_server
 
@@ -222,21 +221,6 @@ def test_a_bad_profile_is_refused_with_a_clear_error(tiny_model: str, tmp_path: 
     ]:
         assert main(["sim", "simulate", "--model", tiny_model, "--gpu", host, "--profile", path]) == 2
         assert message in capsys.readouterr().err
-
-
-def test_the_simulators_pd_decision_is_the_proxys():
-    sim_costs, router_costs = (
-        PDCosts(handoff_fixed_s=0.03, prefill_s_per_token=25e-6),
-        CostModel(handoff_fixed_s=0.03, prefill_s_per_token=25e-6),
-    )
-    for tokens in (0, 1, 50, 300, 600, 900, 2000, 8000):
-        for streams in (0, 1, 4, 16):
-            for decode_queue in (0, 500):
-                for prefill_queue in (0, 3000):
-                    inputs = DecisionInputs(tokens, streams, decode_queue, prefill_queue)
-                    assert goes_remote(tokens, streams, decode_queue, prefill_queue, sim_costs) == (
-                        decide(inputs, router_costs).remote
-                    ), inputs
 
 
 # ---- distribution-aware planning ----------------------------------------------------------
