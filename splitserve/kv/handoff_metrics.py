@@ -11,21 +11,32 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from splitserve.kv.arrivals import TransferResult
+
 PREFIX = "splitserve_kv"
 _SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
+GAUGES = {  # name -> help; the connector reads the values at each scrape
+    "reservations_active": "Decode: requests holding blocks for incoming KV.",
+    "reserved_blocks": "Decode: blocks reserved for incoming KV.",
+    "holds_active": "Prefill (pull): finished requests whose blocks await a reader.",
+    "prefix_lends_active": "Decode: requests whose held prefix blocks are lent to a prefill worker.",
+}
+
+
 class _Gauges(Collector):
-    def __init__(self, read: Callable[[], dict[str, tuple[str, float]]]):
+    def __init__(self, read: Callable[[], dict[str, float]]):
         self._read = read
 
     def collect(self) -> Iterator[Metric]:
-        for name, (help_, value) in self._read().items():
-            yield GaugeMetricFamily(f"{PREFIX}_{name}", help_, value)
+        for name, value in self._read().items():
+            yield GaugeMetricFamily(f"{PREFIX}_{name}", GAUGES[name], value)
 
 
 class HandoffMetrics:
-    def __init__(self, gauges: Callable[[], dict[str, tuple[str, float]]] | None = None):
+    def __init__(self, gauges: Callable[[], dict[str, float]] | None = None):
+        """`gauges`: the live value of each of GAUGES."""
         self.registry = CollectorRegistry()
         r = self.registry
         self.bytes = Counter(f"{PREFIX}_transfer_bytes", "KV bytes moved.", ["direction"], registry=r)
@@ -76,6 +87,26 @@ class HandoffMetrics:
         )
         if gauges is not None:
             r.register(_Gauges(gauges))
+
+    def count_arrival(
+        self, side: str, result: TransferResult, num_blocks: int, transfer_s: float, fallback: str | None
+    ) -> None:
+        """A transfer into this worker ended (`side`: "decode" or "prefix_pull");
+        `fallback`: what a failure made the request do ("fail", "recompute"; None: nothing)."""
+        self.bytes.labels("received").inc(result.num_bytes)
+        if result.ok:
+            self.transfers.labels(side, "ok").inc()
+            if side == "prefix_pull":
+                self.prefix_blocks.labels("pulled").inc(num_blocks)
+            else:
+                self.transfer_time.observe(transfer_s)
+            return
+        self.transfers.labels(side, "failed").inc()
+        self.failures.labels(side).inc()
+        if result.expired:
+            self.reservations_expired.inc()
+        if fallback is not None:
+            self.fallbacks.labels(fallback).inc()
 
 
 class ForwardRegistry(Collector):

@@ -40,6 +40,7 @@ from splitserve.kv.connector import ConnectorRequest, KVCacheAllocator, KVConnec
 from splitserve.kv.handoff_metrics import HandoffMetrics
 from splitserve.kv.layer_push import LayerPusher
 from splitserve.kv.pd_loads import Load, handoff_report, wall_to_monotonic
+from splitserve.kv.prefill_finish import push_finished
 from splitserve.kv.prefix_lend import (
     PrefixLends,
     prefill_prompt_sources,
@@ -86,7 +87,6 @@ class PDConnector(KVConnector):
         self._failed: set[str] = set()
         self._freeable: set[str] = set()
         self._lent: set[str] = set()  # decode: requests whose prefix blocks are on loan
-        self._unread: set[str] = set()  # prefill: holds released before decode read them
         self._finish_waits: dict[str, int] = {}  # finished requests: what still reads/writes their blocks
         self.pusher = LayerPusher(self.transport, config.timeout_s, config.reservation_ttl_s)
         self.pusher.on_parked_end = self._on_parked_end
@@ -125,24 +125,12 @@ class PDConnector(KVConnector):
         assert self.peer is not None
         return RemoteAddress(self.peer.engine_id, self.peer.host, self.peer.port)
 
-    def _gauges(self) -> dict[str, tuple[str, float]]:
+    def _gauges(self) -> dict[str, float]:
         return {
-            "reservations_active": (
-                "Decode: requests holding blocks for incoming KV.",
-                self.reservations.active(),
-            ),
-            "reserved_blocks": (
-                "Decode: blocks reserved for incoming KV.",
-                self.reservations.reserved_blocks(),
-            ),
-            "holds_active": (
-                "Prefill (pull): finished requests whose blocks await a reader.",
-                self.holds.active(),
-            ),
-            "prefix_lends_active": (
-                "Decode: requests whose held prefix blocks are lent to a prefill worker.",
-                self.lends.active(),
-            ),
+            "reservations_active": self.reservations.active(),
+            "reserved_blocks": self.reservations.reserved_blocks(),
+            "holds_active": self.holds.active(),
+            "prefix_lends_active": self.lends.active(),
         }
 
     def _wake(self) -> None:
@@ -320,23 +308,12 @@ class PDConnector(KVConnector):
             self.reservations.remove(request_id, expired=not result.ok and result.first_arrival is None)
             if result.ok:  # prefill has pushed, so it is done reading our prefix
                 self.lends.release_for(request_id)
-        self.metrics.bytes.labels("received").inc(result.num_bytes)
-        if result.ok:
-            self.metrics.transfers.labels(side, "ok").inc()
-            if load.mode == "prefix":
-                self.metrics.prefix_blocks.labels("pulled").inc(load.num_blocks)
-            else:
-                self.metrics.transfer_time.observe(load.transfer_s)
-        else:
+        if not result.ok:
             logger.warning("KV transfer %s for %s failed: %s", side, request_id, result.error)
-            self.metrics.transfers.labels(side, "failed").inc()
-            self.metrics.failures.labels(side).inc()
-            if result.expired:
-                self.metrics.reservations_expired.inc()
-            if not load.orphaned:
-                self.metrics.fallbacks.labels("fail" if fail_request else "recompute").inc()
-                if fail_request and self._abort is not None:
-                    self._abort(request_id)
+        fallback = None if result.ok or load.orphaned else "fail" if fail_request else "recompute"
+        self.metrics.count_arrival(side, result, load.num_blocks, load.transfer_s, fallback)
+        if fallback == "fail" and self._abort is not None:
+            self._abort(request_id)
         self._wake()
 
     def get_finished_loading(self) -> set[str]:
@@ -425,35 +402,8 @@ class PDConnector(KVConnector):
         address = self.kv_address()
         if params.mode(self.config.mode) == "push":
             sources = prefill_prompt_sources(request, params, prefix, self.block_size)
-            if self.pusher.park(request.request_id, request.finish_reason, block_ids):
-                # computed before decode said where its KV goes: kept for the target
-                parked = KVTransferParams(
-                    transfer_mode="push",
-                    push_target_pending=True,
-                    prefill_done_at=done_at,
-                    prompt_sources=sources,
-                )
-                return True, parked.with_address(address).to_wire()
-            outcome = self.pusher.finish(request.request_id, request.finish_reason)
-            if outcome is None:
-                failed = KVTransferParams(transfer_mode="push", kv_transfer_error="no usable push target")
-                return False, failed.with_address(address).to_wire()
-            if outcome.error is not None:
-                self.metrics.failures.labels("prefill").inc()
-                self.metrics.transfers.labels("prefill", "failed").inc()
-            else:
-                self.metrics.transfers.labels("prefill", "ok").inc()
-                self.metrics.send_time.observe(outcome.send_s)
-            self.metrics.bytes.labels("sent").inc(outcome.num_bytes)
-            pushed = KVTransferParams(
-                transfer_mode="push",
-                prefill_done_at=done_at,
-                kv_bytes=outcome.num_bytes,
-                send_s=outcome.send_s,
-                kv_transfer_error=outcome.error,
-                prompt_sources=sources,
-            )
-            return False, pushed.with_address(address).to_wire()
+            keep, pushed = push_finished(self.pusher, self.metrics, request, block_ids, sources, done_at)
+            return keep, pushed.with_address(address).to_wire()
         if request.finish_reason not in ("stop", "length") or not block_ids:
             return False, None
         self.holds.hold(request.request_id, block_ids, request.prompt_kv_hashes())
@@ -472,22 +422,14 @@ class PDConnector(KVConnector):
         """Prefill, pull mode: free a hold nobody will read (the proxy's request ended
         first). Reads already under way for it are the aborted request's, so they may see
         the blocks reused."""
-        with self._lock:
-            self._unread.add(request_id)
-        released = self.holds.release(request_id)
-        if not released:
-            with self._lock:
-                self._unread.discard(request_id)
-        return released
+        return self.holds.release(request_id, "unread")
 
-    def _on_hold_released(self, request_id: str, expired: bool) -> None:
+    def _on_hold_released(self, request_id: str, how: str) -> None:
         with self._lock:
             self._freeable.add(request_id)
-            unread = request_id in self._unread
-            self._unread.discard(request_id)
-        if expired:
+        if how == "expired":
             self.metrics.reservations_expired.inc()
-        elif unread:
+        elif how == "unread":
             self.metrics.transfers.labels("prefill", "released_unread").inc()
         else:
             self.metrics.transfers.labels("prefill", "ok").inc()

@@ -68,11 +68,11 @@ class PrefixLends:
     def clear(self) -> None:
         self._table.clear()
 
-    def _ended(self, lend_id: str, expired: bool) -> None:
+    def _ended(self, lend_id: str, how: str) -> None:
         request_id = lend_id.rsplit(LEND_MARK, 1)[0]
         with self._lock:
             self._lend_of.pop(request_id, None)
-        self._on_ended(request_id, expired)
+        self._on_ended(request_id, how == "expired")
 
 
 def matched_prefix_blocks(own: Sequence[BlockHash], offered: Sequence[str], max_blocks: int) -> int:

@@ -104,12 +104,15 @@ class ReservationTable:
             return sum(len(r.block_ids) for r in self._reservations.values())
 
 
+HOLD_RELEASES = ("read", "unread", "expired")
+
+
 class HoldTable:
     """Finished requests' blocks kept for a pull; released by the reader or by the TTL."""
 
-    def __init__(self, ttl_s: float, on_release: Callable[[str, bool], None]):
+    def __init__(self, ttl_s: float, on_release: Callable[[str, str], None]):
         self.ttl_s = ttl_s
-        self._on_release = on_release  # (request_id, expired)
+        self._on_release = on_release  # (request_id, how: one of HOLD_RELEASES)
         self._lock = threading.Lock()
         # request -> the blocks it holds, each with the hash of the KV it holds
         self._holds: dict[str, dict[int, str]] = {}
@@ -118,7 +121,7 @@ class HoldTable:
     def hold(self, request_id: str, block_ids: list[int], block_hashes: Sequence[str]) -> None:
         """Hold `block_ids` for a reader; a block without a hash (past `block_hashes`) is
         never lent."""
-        timer = threading.Timer(self.ttl_s, self.release, args=(request_id, True))
+        timer = threading.Timer(self.ttl_s, self.release, args=(request_id, "expired"))
         timer.daemon = True
         with self._lock:
             self._holds[request_id] = dict(zip(block_ids, block_hashes, strict=False))
@@ -138,14 +141,18 @@ class HoldTable:
                 held.get(block) == wanted for block, wanted in zip(block_ids, block_hashes, strict=True)
             )
 
-    def release(self, request_id: str, expired: bool = False) -> bool:
+    def release(self, request_id: str, how: str = "read") -> bool:
+        """End a hold: "read" (its reader is done), "unread" (nobody will read it) or
+        "expired" (its TTL passed); False when there is none."""
+        if how not in HOLD_RELEASES:
+            raise ValueError(f"a hold ends as one of {HOLD_RELEASES}, not {how!r}")
         with self._lock:
             if self._holds.pop(request_id, None) is None:
                 return False
             timer = self._timers.pop(request_id, None)
-        if timer is not None and not expired:
+        if timer is not None and how != "expired":
             timer.cancel()
-        self._on_release(request_id, expired)
+        self._on_release(request_id, how)
         return True
 
     def active(self) -> int:
