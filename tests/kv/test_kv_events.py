@@ -23,7 +23,7 @@ from splitserve.protocol.kv_events import (
     encode_batch,
 )
 from splitserve.router.kv_index import KVBlockIndex, KVEventFeed
-from tests.conftest import free_port, running_server
+from tests.conftest import free_port, running_server, wait_until
 
 BLOCK = 4
 
@@ -153,15 +153,6 @@ def test_engine_cli_publishes_and_a_late_subscriber_resyncs(tiny_model: str) -> 
     held = apply_events(set(), batches)
     assert set(compute_block_hashes(first, BLOCK)) <= held
     assert set(compute_block_hashes(second, BLOCK)) <= held
-
-
-def wait_until(condition, timeout_s: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def run_prompt(engine: LLMEngine, request_id: str, prompt: list[int]) -> None:

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.conftest import free_port, running_server
+from tests.conftest import free_port, running_server, wait_until
 from tests.security.test_access import DialCounter
 
 PROMPT = list(range(10, 90))  # 80 tokens: 5 blocks of 16
@@ -35,15 +35,6 @@ def _gauge(base: str, name: str) -> float:
         if line.startswith(f"splitserve_kv_{name} "):
             return float(line.split()[1])
     raise AssertionError(f"no gauge {name}")
-
-
-def _wait_until(condition, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.1)
-    return False
 
 
 class WaitingClient:
@@ -114,7 +105,7 @@ def test_decode_refuses_reservations_past_its_limit_and_frees_them_when_clients_
         finally:
             for pin in pins:
                 pin.close()  # the clients leave: their reservations go now, not at the TTL
-        assert _wait_until(lambda: _gauge(decode, "reservations_active") == 0, 60)
+        assert wait_until(lambda: _gauge(decode, "reservations_active") == 0, 60)
         assert _gauge(decode, "reserved_blocks") == 0
         again = WaitingClient(decode, "third")
         try:
@@ -124,7 +115,7 @@ def test_decode_refuses_reservations_past_its_limit_and_frees_them_when_clients_
             assert reserved.status_code == 200, reserved.text
         finally:
             again.close()
-        assert _wait_until(lambda: _gauge(decode, "reserved_blocks") == 0, 60)
+        assert wait_until(lambda: _gauge(decode, "reserved_blocks") == 0, 60)
 
 
 def test_the_proxy_passes_the_429_and_its_retry_after_on(tiny_model):
