@@ -89,25 +89,15 @@ class EngineProbe:
     def decode_step_s(self, batch: int, context: int, max_tokens: int) -> float:
         """Median engine-side mean ITL of `batch` requests decoding together."""
         itls: list[float] = []
-        errors: list[BaseException] = []
 
         def one() -> None:
-            try:
-                itl = (self.generate(context, max_tokens).get("metrics") or {}).get("mean_itl_ms")
-                if itl is None:
-                    raise CalibrationError("the engine's response carries no metrics.mean_itl_ms")
-                with self._lock:
-                    itls.append(float(itl) / 1e3)
-            except BaseException as exc:  # reported below, in the caller's thread
-                errors.append(exc)
+            itl = (self.generate(context, max_tokens).get("metrics") or {}).get("mean_itl_ms")
+            if itl is None:
+                raise CalibrationError("the engine's response carries no metrics.mean_itl_ms")
+            with self._lock:
+                itls.append(float(itl) / 1e3)
 
-        threads = [threading.Thread(target=one) for _ in range(batch)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
+        run_together(one, batch)
         itls.sort()
         return itls[len(itls) // 2]
 
@@ -139,3 +129,23 @@ def measure(
     if len(samples) < 3:
         raise CalibrationError("fewer than 3 usable step shapes (prompts larger than the engine's budget?)")
     return samples
+
+
+def run_together(task: Callable[[], None], copies: int) -> None:
+    """Run `copies` of `task` at once, each in its own thread; the first error any raised
+    is raised here, in the caller's thread."""
+    errors: list[BaseException] = []
+
+    def guarded() -> None:
+        try:
+            task()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=guarded) for _ in range(copies)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]

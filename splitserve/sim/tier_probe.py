@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import random
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -34,6 +33,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from splitserve.sim.calibrate import CalibrationError
+from splitserve.sim.engine_probe import run_together
 from splitserve.sim.profile import CpuCosts
 from splitserve.sim.step_model import StepModel
 
@@ -135,21 +135,11 @@ def measure_serving_path(
     together = float("inf")
     for _ in range(repeats):
         gaps: list[float] = []
-        errors: list[BaseException] = []
 
-        def one(gaps: list[float] = gaps, errors: list[BaseException] = errors) -> None:
-            try:
-                gaps.append(_stream_gap_s(base, prompt(), stream_tokens, timeout_s))
-            except BaseException as exc:  # reported in the caller's thread
-                errors.append(exc)
+        def one(gaps: list[float] = gaps) -> None:
+            gaps.append(_stream_gap_s(base, prompt(), stream_tokens, timeout_s))
 
-        threads = [threading.Thread(target=one) for _ in range(batch)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
+        run_together(one, batch)
         together = min(together, sorted(gaps)[len(gaps) // 2])
     step_alone = float(steps.decode_s(1, context))
     step_together = float(steps.decode_s(batch, batch * context))

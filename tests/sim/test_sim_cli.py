@@ -15,7 +15,7 @@ from splitserve.cli import main
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _launch(args: list[str]) -> subprocess.Popen:
+def run_sim(args: list[str]) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "splitserve.cli", "sim", *args],
         cwd=ROOT,
@@ -152,7 +152,7 @@ def runs(tmp_path_factory) -> dict[str, tuple[int, object, str]]:
         "bad_rate": ["goodput", "--rates=-0.4,1"],
         "bad_config": ["kv", "--model", str(tmp / "missing" / "config.json")],
     }
-    procs = {name: _launch([*args, "--json"]) for name, args in commands.items()}
+    procs = {name: run_sim([*args, "--json"]) for name, args in commands.items()}
     out = {}
     for name, p in procs.items():
         stdout, stderr = p.communicate(timeout=120)
@@ -160,7 +160,7 @@ def runs(tmp_path_factory) -> dict[str, tuple[int, object, str]]:
         out[name] = (p.returncode, data, stderr)
     samples = tmp / "samples.json"
     samples.write_text(out["synthetic"][1])
-    p = _launch(["calibrate", str(samples), "--json"])
+    p = run_sim(["calibrate", str(samples), "--json"])
     stdout, stderr = p.communicate(timeout=60)
     out["calibrate"] = (p.returncode, json.loads(stdout) if p.returncode == 0 else stdout, stderr)
     out["tmp"] = (0, tmp, "")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from splitserve.cli import main
 from splitserve.protocol.pd_decision import load_cost_profile
 from splitserve.sim.profile import load_profile
 from tests.conftest import free_port, running_server
+from tests.sim.test_sim_cli import run_sim
 
 ROOT = Path(__file__).resolve().parents[2]
 HOST = {"name": "cpu-host", "peak_flops": 1e11, "mem_bw": 1e10, "mem_bytes": 8e9}
@@ -26,16 +26,6 @@ REFERENCE_KERNELS = {"SPLITSERVE_NATIVE_OPS": "0"}  # no kernel build on the fir
 def write(path: Path, data: object) -> str:
     path.write_text(json.dumps(data))
     return str(path)
-
-
-def run_sim(args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "splitserve.cli", "sim", *args],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
 
 
 def finished(proc: subprocess.Popen) -> dict:
