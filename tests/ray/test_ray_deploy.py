@@ -374,6 +374,12 @@ def test_a_replaced_ingress_keeps_the_tiers_and_answers_again(cluster, tiny_mode
     args = ["up", tiny_model, "--ray", cluster, "--ray-app-name", APP, "--port", str(port), "--prefill", "0"]
     args += ["--num-blocks", "256", "--max-model-len", "1024", "--open-health-metrics"]
     args += ["--ray-tier", "render:num_cpus=0.5", "--ray-tier", "decode:num_cpus=0.5"]
+    from ray import serve
+
+    # Nothing of Serve runs now (an earlier test's `down` stopped it, from another driver):
+    # this finds the controller this process knew dead and forgets it, so that `workers()`
+    # reaches the one `up` starts instead of a handle on the stopped one.
+    serve.shutdown()
     try:
         done = splitserve(*args, env=secrets_env)
         assert done.returncode == 0, done.stdout + done.stderr

@@ -53,17 +53,21 @@ class ChatStream(threading.Thread):
             self.error = repr(exc)
 
 
+# long enough that the stream is still running when the test finds its decode worker
+ANSWER_TOKENS = 600
+
+
 def test_an_image_chat_resumes_on_another_decode_worker_equal_to_its_undisturbed_run(tiny_model_factory):
     model_dir = tiny_model_factory(arch="qwen2_vl")
     port = free_port()
     args = ["up", model_dir, "--port", str(port), "--encoder", "1", "--decode", "2", "--num-blocks", "256"]
-    args += ["--max-model-len", "1024", "--min-prefill-tokens", "16", "--pd-decision", "threshold"]
+    args += ["--max-model-len", "2048", "--min-prefill-tokens", "16", "--pd-decision", "threshold"]
     args += ["--stall-timeout", "1"]
     with running_server(args, port, timeout=240, env={"SPLITSERVE_INTERNAL_TOKEN": TOKEN}) as base:
         while "OpenAI API:" not in up_log(port):
             time.sleep(0.1)
         model = httpx.get(f"{base}/v1/models").json()["data"][0]["id"]
-        body = {**image_chat_body(model, PICTURES[1:3]), "max_tokens": 200, "stream": True}
+        body = {**image_chat_body(model, PICTURES[1:3]), "max_tokens": ANSWER_TOKENS, "stream": True}
         undisturbed = ChatStream(base, body)
         undisturbed.run()
         assert undisturbed.finish_reason == "length", undisturbed.error
@@ -72,27 +76,27 @@ def test_an_image_chat_resumes_on_another_decode_worker_equal_to_its_undisturbed
         disturbed.start()
         while not disturbed.token_ids and disturbed.is_alive():
             time.sleep(0.01)
-        victim = busy_decode(port)
+        victim = busy_decode(port, disturbed)
         os.kill(part_pid(port, victim), signal.SIGKILL)
         disturbed.join()
         proxy_metrics = httpx.get(f"{base}/metrics").text
 
     assert disturbed.error is None and disturbed.finish_reason == "length"
-    assert len(disturbed.token_ids) == 200
+    assert len(disturbed.token_ids) == ANSWER_TOKENS
     assert disturbed.token_ids == undisturbed.token_ids
     assert metric(proxy_metrics, "splitserve_proxy_retries_total") >= 1
     # the images went to the encoder once; the resumed request carried hashes only
     assert metric(proxy_metrics, "splitserve_proxy_encoder_images_sent_total") == 2
 
 
-def busy_decode(port: int) -> str:
-    for _ in range(200):
+def busy_decode(port: int, stream: ChatStream) -> str:
+    while stream.is_alive():
         for name, url in part_urls(port).items():
             if name.startswith("decode"):
                 stats = httpx.get(f"{url}/inference/v1/stats", headers=AUTH, timeout=10).json()
                 if stats["num_running"] + stats["num_waiting"] > 0:
                     return name
-    raise AssertionError("no decode worker is running the stream")
+    raise AssertionError(f"the stream ended before a decode worker was seen running it: {stream.error}")
 
 
 def part_pid(port: int, name: str) -> int:
