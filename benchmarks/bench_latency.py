@@ -176,6 +176,12 @@ def main() -> int:
     parser.add_argument("--stream-output-len", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-vllm", action="store_true")
+    parser.add_argument(
+        "--with-up",
+        action="store_true",
+        help="also `splitserve up --prefill 1 --decode 1` (engines pinned as in the headline), "
+        "with its ratios to serve",
+    )
     parser.add_argument("--vllm", default=VLLM)
     args = parser.parse_args()
 
@@ -193,6 +199,17 @@ def main() -> int:
     ]  # fmt: skip
     splitserve_env = {**env, "PYTHONPATH": str(ROOT)}
     results.append(run_engine("splitserve", splitserve_cmd, splitserve_env, args, vocab, port))
+    up_figures = None
+    if args.with_up:
+        port = free_port()
+        up_cmd = [arg if arg != "serve" else "up" for arg in splitserve_cmd]
+        up_cmd[up_cmd.index("--port") + 1] = str(port)
+        cpus = sorted(os.sched_getaffinity(0))
+        up_cmd += ["--prefill", "1", "--decode", "1"]
+        if len(cpus) >= 2:
+            first, second = cpus[0], cpus[1]
+            up_cmd += ["--cpu-affinity", f"prefill={first},decode={second},render={first},proxy={first}"]
+        up_figures = run_engine("splitserve up", up_cmd, splitserve_env, args, vocab, port)
     if not args.skip_vllm:
         port = free_port()
         vllm_cmd = [
@@ -214,6 +231,15 @@ def main() -> int:
     if args.streams:
         cells = " | ".join(f"{r.stream_tokens_per_s:14.1f}" for r in results)
         print(f"{f'{args.streams} streams, output tok/s':<32} | {cells}")
+    if up_figures is not None:
+        print(f"\nsplitserve up (P/D): {up_figures.latency} streams {up_figures.stream_tokens_per_s}")
+        serve = results[0]
+        for length in args.prompt_lens:
+            mine, theirs = up_figures.latency[length], serve.latency[length]
+            print(
+                f"ratio up / serve, prompt {length}: TTFT {mine.ttft_ms / theirs.ttft_ms:.2f}x "
+                f"({mine.ttft_ms - theirs.ttft_ms:+.1f} ms), ITL {mine.itl_ms / theirs.itl_ms:.2f}x"
+            )
     if len(results) > 1:
         ours, peer = results
         print()

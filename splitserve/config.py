@@ -40,6 +40,10 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     max_model_len: int | None = None  # None: the model's max_position_embeddings
+    # vLLM's name: a prompt computes at most this many tokens in a step that also carries
+    # decodes (0: no cap), so a long prefill stalls the running streams for one chunk at a
+    # time, never for the whole prompt
+    long_prefill_token_threshold: int = 0
 
 
 @dataclass(frozen=True)

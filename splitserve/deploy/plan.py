@@ -103,6 +103,7 @@ def engine_flags(args: argparse.Namespace) -> tuple[str, ...]:
         ("--kv-cache-memory", args.kv_cache_memory),
         ("--max-model-len", args.max_model_len),
         ("--max-num-batched-tokens", args.max_num_batched_tokens),
+        ("--long-prefill-token-threshold", args.long_prefill_token_threshold),
         ("--dtype", args.dtype),
         ("--kv-timeout", args.kv_timeout),
         ("--kv-reservation-ttl", args.kv_reservation_ttl),

@@ -139,6 +139,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument(
+        "--long-prefill-token-threshold", type=int, default=32,
+        help="engines: a prompt computes at most this many tokens in a step that carries "
+        "decodes, so a local prefill on decode stalls its streams a chunk at a time (0: no cap)",
+    )  # fmt: skip
+    parser.add_argument(
         "--dtype", choices=["float32", "bfloat16", "float16"], default=None,
         help="engines' compute dtype (default: the one config.json names)",
     )  # fmt: skip

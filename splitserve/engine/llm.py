@@ -20,7 +20,7 @@ _CACHE_KEYS = (
     "enable_prefix_caching",
     "encoder_cache_bytes",
 )
-_SCHEDULER_KEYS = ("max_num_batched_tokens", "max_num_seqs", "max_model_len")
+_SCHEDULER_KEYS = ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "long_prefill_token_threshold")
 
 
 class CompletionResult(NamedTuple):

@@ -78,11 +78,13 @@ class Scheduler:
         preempted: list[Request] = []
         too_long: list[Request] = []
         bm = self.block_manager
+        prefill_cap = self.prefill_chunk_cap()
 
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            remaining = request.num_tokens - request.num_computed_tokens
+            num_new = min(remaining, budget if remaining == 1 else min(budget, prefill_cap))
             target = request.num_computed_tokens + num_new
             if cdiv(target, bm.block_size) > bm.num_blocks:
                 self.running.pop(index)
@@ -104,7 +106,7 @@ class Scheduler:
             request = self.waiting[0]
             if preempted and request is preempted[-1]:
                 break  # it was just pushed out for lack of blocks: not this step
-            item = self._admit(request, budget)
+            item = self._admit(request, min(budget, prefill_cap))
             if item is None:
                 break
             self.waiting.popleft()
@@ -123,6 +125,14 @@ class Scheduler:
             if item.request.metrics["first_scheduled_time"] is None:
                 item.request.metrics["first_scheduled_time"] = now
         return SchedulerOutput(scheduled, num_tokens, preempted, too_long)
+
+    def prefill_chunk_cap(self) -> int:
+        """The most prompt tokens one request computes this step: the long-prefill threshold
+        while any running request decodes, else the whole budget."""
+        threshold = self.config.long_prefill_token_threshold
+        if threshold and any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running):
+            return threshold
+        return self.config.max_num_batched_tokens
 
     def _admit(self, request: Request, budget: int) -> ScheduledRequest | None:
         bm = self.block_manager

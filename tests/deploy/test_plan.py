@@ -72,6 +72,14 @@ def test_a_flag_reaches_its_tier_only_when_given(flags, tier, present, absent):
     assert all(flag in argv for flag in present) and not any(flag in argv for flag in absent), argv
 
 
+def test_engines_chunk_a_local_prefill_beside_decodes_by_default():
+    """`up`'s engines get --long-prefill-token-threshold 32 unless told otherwise (0: off)."""
+    assert flag_value(plan().tier("decode").argv, "--long-prefill-token-threshold") == "32"
+    off = plan("--long-prefill-token-threshold", "0").tier("decode").argv
+    assert flag_value(off, "--long-prefill-token-threshold") == "0"
+    assert "--long-prefill-token-threshold" not in plan().tier("proxy").argv
+
+
 def test_quota_by_keeps_every_value_and_the_cost_profile_is_an_absolute_path():
     proxy = plan("--quota-by", "address", "api-key", "--pd-cost-profile", "costs.json").tier("proxy").argv
     assert proxy[proxy.index("--quota-by") + 1 : proxy.index("--quota-by") + 3] == ("address", "api-key")

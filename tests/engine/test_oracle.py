@@ -88,3 +88,41 @@ def test_max_num_seqs_caps_the_running_batch(tiny_model):
         assert stats.num_running <= 3 and stats.last_step_tokens <= 40
         engine.check_integrity()
     assert [tokens[f"r{i}"] for i in range(len(prompts))] == expected
+
+
+def test_long_prefill_threshold_chunks_prompts_only_beside_decodes(tiny_model):
+    """A prompt that arrives while another request decodes computes at most
+    `long_prefill_token_threshold` tokens a step (the stream stalls one chunk at a time);
+    alone, it takes the whole budget. Greedy tokens are the oracle's either way."""
+    from splitserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from splitserve.engine.llm_engine import LLMEngine
+
+    short, long = [5, 6, 7, 8], list(range(10, 210))
+    expected = oracle_greedy(tiny_model, [short, long], 12)
+    engine = LLMEngine(
+        EngineConfig(
+            ModelConfig(tiny_model),
+            CacheConfig(num_blocks=64),
+            SchedulerConfig(max_num_batched_tokens=512, long_prefill_token_threshold=48),
+        )
+    )
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    tokens: dict[str, list[int]] = {"alone": [], "short": [], "long": []}
+    engine.add_request("alone", long, params)
+    for out in engine.step():
+        tokens[out.request_id] += out.new_token_ids
+    assert engine.stats().last_step_tokens == len(long)  # no decode beside it: one step
+
+    engine.add_request("short", short, params)
+    steps: list[int] = []
+    while engine.has_unfinished_requests():
+        if len(steps) == 2:
+            engine.add_request("long", long, params)  # arrives while "short" decodes
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+        steps.append(engine.stats().last_step_tokens)
+        engine.check_integrity()
+    # beside the two decodes, the long prompt goes in chunks of at most 48 tokens
+    assert max(steps[2:]) <= 48 + 2
+    assert sum(1 for n in steps[2:] if n > 2) >= -(-len(long) // 48)
+    assert [tokens["short"], tokens["long"], tokens["alone"]] == [*expected, expected[1]]

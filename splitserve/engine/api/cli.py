@@ -77,6 +77,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-num-seqs", type=_positive_int, default=scheduler.max_num_seqs)
     parser.add_argument(
+        "--long-prefill-token-threshold",
+        type=_non_negative_int,
+        default=scheduler.long_prefill_token_threshold,
+        help="a prompt computes at most this many tokens in a step that carries decodes, so "
+        "streams stall one chunk at a time (0: no cap)",
+    )
+    parser.add_argument(
         "--max-model-len",
         type=_positive_int,
         default=None,
@@ -164,6 +171,7 @@ def engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_num_seqs=args.max_num_seqs,
             max_model_len=args.max_model_len,
+            long_prefill_token_threshold=args.long_prefill_token_threshold,
         ),
         role=args.role,
         transfer=kv_routes.transfer_config(args, device),
