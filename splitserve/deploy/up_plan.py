@@ -169,6 +169,7 @@ def gguf_model_spec(path: str) -> ModelSpec:
         "hidden_size": metadata_value(reader, f"{arch}.embedding_length"),
         "num_attention_heads": metadata_value(reader, f"{arch}.attention.head_count"),
         "num_key_value_heads": metadata_value(reader, f"{arch}.attention.head_count_kv"),
+        "head_dim": metadata_value(reader, f"{arch}.attention.key_length"),
         "intermediate_size": metadata_value(reader, f"{arch}.feed_forward_length"),
         "vocab_size": len(tokens) or None,
         "torch_dtype": "float32",  # the engine dequantizes a GGUF's weights to float32

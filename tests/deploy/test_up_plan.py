@@ -23,6 +23,7 @@ from splitserve.sim.profile import load_profile
 from splitserve.sim.specs import load_model
 from splitserve.sim.workload import synthetic
 from tests.conftest import free_port, wait_until
+from tests.model.gguf_files import GGUF_SPEC, write_tiny_gguf
 
 # A tiny engine profile (the shape `sim calibrate --out` writes): 2 ms + 20 us per prompt
 # token per prefill step; decode steps of 4 ms at batch 1 up to 12 ms at batch 16.
@@ -107,6 +108,15 @@ def test_a_bad_profile_or_lengths_spec_is_a_clear_error(tiny_model: str, tmp_pat
     ]:
         assert main(["up", tiny_model, "--plan", "--rate", "1", "--dry-run", *extra]) == 2
         assert message in capsys.readouterr().err
+
+
+def test_a_gguf_model_is_planned_from_its_metadata(tmp_path: Path, capsys):
+    gguf = write_tiny_gguf(tmp_path / "llama.gguf", GGUF_SPEC["llama"], "Q8_0")
+    flags = ["--plan", "--rate", "1", "--lengths", "32/8", "--plan-max-engines", "1", "--dry-run"]
+    assert main(["up", str(gguf), *flags]) == 0
+    out = capsys.readouterr().out
+    assert "no --profile: the simulator's roofline" in out
+    assert "picked: 1 decode (serve-like) (--prefill 0 --decode 1)" in out
 
 
 def test_up_plan_starts_its_pick_which_answers_and_stops_cleanly(tiny_model: str, tmp_path: Path):
