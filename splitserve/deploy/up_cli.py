@@ -7,7 +7,8 @@ once). A part that dies is started again (`deploy/supervisor.py`); `up` stops on
 request or when a part cannot start at all.
 
 `run` is plan (`deploy/plan.py`: every tier's command line, the one `up --ray` deploys
-too), start and supervise (`deploy/local_stack.py`).
+too), start and supervise (`deploy/local_stack.py`). `--plan --rate R` first lets the
+simulator choose the engines and their CPUs for this host (`deploy/up_plan.py`).
 """
 
 from __future__ import annotations
@@ -17,10 +18,13 @@ import os
 import signal
 import sys
 
+from rich.console import Console
+
 from splitserve.deploy.cpu_affinity import parse_cpu_affinity
 from splitserve.deploy.local_stack import LocalStack, remove_stale_ec_directories
 from splitserve.deploy.plan import deployment_secrets, part_names, plan_from_args, up_replicas
 from splitserve.deploy.supervisor import Part
+from splitserve.deploy.up_plan import NoteGiven, add_plan_arguments, plan_flag_error, plan_layout
 from splitserve.frontend.media_cli import add_media_arguments
 from splitserve.protocol.access import API_KEY_ENV
 from splitserve.protocol.drain import add_serving_arguments
@@ -36,9 +40,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reasoning-parser", choices=["auto", "qwen3", "none"], default="auto")
     parser.add_argument("--tool-call-parser", choices=["auto", "hermes", "none"], default="auto")
     parser.add_argument(
-        "--prefill", type=int, default=1, help="prefill engines (0: decode prefills everything)"
+        "--prefill",
+        type=int,
+        default=1,
+        action=NoteGiven,
+        help="prefill engines (0: decode prefills everything)",
     )
-    parser.add_argument("--decode", type=int, default=1, help="decode engines")
+    parser.add_argument("--decode", type=int, default=1, action=NoteGiven, help="decode engines")
     parser.add_argument("--render", type=int, default=1, help="render tier replicas")
     parser.add_argument(
         "--encoder",
@@ -173,11 +181,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"]
     )
+    add_plan_arguments(parser)  # --plan --rate R: the layout the simulator picks for this host
     add_ray_arguments(parser)  # --ray [ADDRESS]: the same stack as a Ray Serve application
 
 
 def run(args: argparse.Namespace) -> int:
     """Plan, start, supervise: until a stop is asked for or a part cannot start."""
+    from splitserve.model_files.resolve import resolve_model_or_exit
+
+    error = plan_flag_error(args)
+    if error is not None:
+        print(f"splitserve up: {error}", file=sys.stderr)
+        return 2
+    resolved = None
+    if args.plan:
+        resolved = resolve_model_or_exit(args.model)
+        try:
+            layout = plan_layout(args, resolved.path, Console(soft_wrap=True, highlight=False, markup=False))
+        except ValueError as exc:  # a bad profile, lengths file or model config
+            print(f"splitserve up: --plan: {exc}", file=sys.stderr)
+            return 2
+        if layout is None:
+            return 1
+        if args.dry_run:
+            return 0
+        # the pick, as the flags would have given it
+        args.prefill, args.decode = layout.prefill, layout.decode
+        args.cpu_affinity = layout.cpu_affinity(sorted(os.sched_getaffinity(0)))
     if args.ray is not None:
         if args.cpu_affinity:
             print("splitserve up: --cpu-affinity pins local processes; Ray places --ray's", file=sys.stderr)
@@ -193,9 +223,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"splitserve up: {exc}", file=sys.stderr)
         return 2
-    from splitserve.model_files.resolve import resolve_model_or_exit
-
-    resolved = resolve_model_or_exit(args.model)
+    resolved = resolved or resolve_model_or_exit(args.model)
     plan = plan_from_args(args, resolved.path, args.served_model_name or resolved.name)
     remove_stale_ec_directories()
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
