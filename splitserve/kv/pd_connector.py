@@ -34,7 +34,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from splitserve.config import EngineRole, TransferConfig
-from splitserve.kv.arrivals import TransferResult
 from splitserve.kv.block_hash import cdiv
 from splitserve.kv.connector import ConnectorRequest, KVCacheAllocator, KVConnector, StepKVInfo
 from splitserve.kv.handoff_metrics import HandoffMetrics
@@ -47,9 +46,10 @@ from splitserve.kv.prefix_lend import (
     pullable_prefix_tokens,
 )
 from splitserve.kv.reservations import HoldTable, Reservation, ReservationTable
-from splitserve.kv.transport import KVTransport
-from splitserve.kv.transport_factory import make_transport
-from splitserve.kv.transport_types import PeerInfo, TransferError
+from splitserve.kv.transport.arrivals import TransferResult
+from splitserve.kv.transport.base import KVTransport
+from splitserve.kv.transport.factory import make_transport
+from splitserve.kv.transport.types import PeerInfo, TransferError
 from splitserve.protocol.kv_transfer import KVParamsError, KVTransferParams, RemoteAddress
 
 if TYPE_CHECKING:
