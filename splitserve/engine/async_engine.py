@@ -20,7 +20,7 @@ from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.model_runner import KVCacheAllocator
 from splitserve.engine.outputs import EngineStats, RequestOutput
 from splitserve.engine.sampling_params import SamplingParams
-from splitserve.kv.connector import KVConnector
+from splitserve.kv.connector.base import KVConnector
 from splitserve.kv.ec_connector import ECConnector
 from splitserve.protocol.errors import InvalidRequestError
 from splitserve.protocol.multimodal import ImageInput

@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 from splitserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.sampling_params import SamplingParams
-from splitserve.kv.connector import KVConnector
+from splitserve.kv.connector.base import KVConnector
 from splitserve.kv.ec_connector import ECConnector
 from splitserve.protocol.multimodal import ImageInput
 

@@ -22,7 +22,7 @@ from splitserve.engine.outputs import EngineStats, RequestOutput
 from splitserve.engine.request import Request
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.scheduler import Scheduler
-from splitserve.kv.connector import KVCacheAllocator, KVConnector
+from splitserve.kv.connector.base import KVCacheAllocator, KVConnector
 from splitserve.kv.ec_connector import ECConnector
 from splitserve.kv.events import KVEventPublisher
 from splitserve.protocol.errors import InvalidRequestError, PromptTooLongError

@@ -138,7 +138,7 @@ def test_encoder_prefill_decode(vl_model, vl_cases, tmp_path):
 
     from splitserve.config import CacheConfig, EngineConfig, ModelConfig, TransferConfig
     from splitserve.engine.async_engine import AsyncEngine
-    from splitserve.kv.pd_connector import PDConnector
+    from splitserve.kv.connector.pd_connector import PDConnector
 
     cases, expected = vl_cases
     EncoderWorker(vl_model, SharedMemoryECConnector(tmp_path), dtype="float32").encode(jobs_of(cases))

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from splitserve.kv.block_hash import cdiv
-from splitserve.kv.connector import StepKVInfo
+from splitserve.kv.connector.base import StepKVInfo
 from splitserve.kv.transport.base import KVTransport
 from splitserve.kv.transport.types import PeerInfo, TransferError
 from splitserve.protocol.kv_transfer import KVParamsError, KVTransferParams
