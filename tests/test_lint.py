@@ -23,10 +23,10 @@ ALLOWED_IMPORTS: dict[tuple[str, str], str] = {
         "SamplingParams moves to protocol/ with the typed generate request (issue 28), "
         "and engine/llm_engine.py imports it from engine/ meanwhile"
     ),
-    ("splitserve.ray_serve.ingress", "splitserve.kv.ec_connector"): (
+    ("splitserve.ray_serve.ingress", "splitserve.encoder_cache.connector"): (
         "the ingress keeps the deployment's encoder cache: torch only with an encoder tier"
     ),
-    ("splitserve.ray_serve.ingress", "splitserve.kv.ec_tcp"): (
+    ("splitserve.ray_serve.ingress", "splitserve.encoder_cache.tcp"): (
         "the encoder cache's tcp server, in the ingress only with an encoder tier"
     ),
 }

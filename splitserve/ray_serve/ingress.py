@@ -83,8 +83,8 @@ class EncoderCacheHome:
     router's memory of which images were encoded."""
 
     def __init__(self, node_id: str, host: str) -> None:
-        from splitserve.kv.ec_connector import SharedMemoryECConnector, default_shm_directory
-        from splitserve.kv.ec_tcp import ECServer
+        from splitserve.encoder_cache.connector import SharedMemoryECConnector, default_shm_directory
+        from splitserve.encoder_cache.tcp import ECServer
 
         root = str(default_shm_directory("ray").parent)
         # Named after this process: the cache of an ingress killed outright (its close never

@@ -25,7 +25,7 @@ import threading
 import torch
 import zmq
 
-from splitserve.kv.ec_connector import ECConnector, check_image_hash
+from splitserve.encoder_cache.connector import ECConnector, check_image_hash
 from splitserve.kv.transport.frame_mac import FrameMac
 
 logger = logging.getLogger(__name__)
