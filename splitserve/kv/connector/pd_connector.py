@@ -34,7 +34,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from splitserve.config import EngineRole, TransferConfig
-from splitserve.kv.block_hash import cdiv
 from splitserve.kv.connector.base import ConnectorRequest, KVCacheAllocator, KVConnector, StepKVInfo
 from splitserve.kv.connector.handoff_metrics import HandoffMetrics
 from splitserve.kv.connector.layer_push import LayerPusher
@@ -50,6 +49,7 @@ from splitserve.kv.transport.arrivals import TransferResult
 from splitserve.kv.transport.base import KVTransport
 from splitserve.kv.transport.factory import make_transport
 from splitserve.kv.transport.types import PeerInfo, TransferError
+from splitserve.protocol.block_hash import cdiv
 from splitserve.protocol.kv_transfer import KVParamsError, KVTransferParams, RemoteAddress
 
 if TYPE_CHECKING:
