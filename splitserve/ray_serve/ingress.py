@@ -23,7 +23,13 @@ from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from splitserve.protocol.access import (
+from splitserve.protocol.errors import error_body
+from splitserve.router.app import create_proxy_app
+from splitserve.router.encoder_pool import EncoderPool
+from splitserve.router.pd_engine_client import PDEngineClient
+from splitserve.router.pd_policy import PDPolicy
+from splitserve.router.workers import WorkerPool, WorkerRole
+from splitserve.runtime.access import (
     API_KEY_ENV,
     OPEN_WITH_FLAG,
     AccessGuard,
@@ -31,13 +37,7 @@ from splitserve.protocol.access import (
     api_keys,
     internal_token,
 )
-from splitserve.protocol.errors import error_body
-from splitserve.protocol.process_lifetime import owned_directory, remove_dead_owners
-from splitserve.router.app import create_proxy_app
-from splitserve.router.encoder_pool import EncoderPool
-from splitserve.router.pd_engine_client import PDEngineClient
-from splitserve.router.pd_policy import PDPolicy
-from splitserve.router.workers import WorkerPool, WorkerRole
+from splitserve.runtime.process_lifetime import owned_directory, remove_dead_owners
 
 logger = logging.getLogger(__name__)
 

@@ -33,10 +33,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 from splitserve.config import CacheConfig
 from splitserve.engine.api.generate import DEFAULT_MAX_PIXEL_BYTES, parse_features
 from splitserve.engine.api.mm_metrics import EncoderWorkerCollector
-from splitserve.protocol import access
 from splitserve.protocol.errors import APIError
-from splitserve.protocol.http_edge import install_error_handlers, read_json_body
-from splitserve.protocol.http_pool import SERVER_KEEPALIVE_S
+from splitserve.runtime import access
+from splitserve.runtime.http_edge import install_error_handlers, read_json_body
+from splitserve.runtime.http_pool import SERVER_KEEPALIVE_S
 
 if TYPE_CHECKING:  # torch: imported when an engine or encoder is built, not for --help
     from splitserve.encoder_cache.connector import ECConnector

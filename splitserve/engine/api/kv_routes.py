@@ -42,8 +42,8 @@ from fastapi.responses import JSONResponse
 from splitserve.config import EngineRole, TransferConfig
 from splitserve.kv.connector.handoff_metrics import ForwardRegistry
 from splitserve.protocol.errors import APIError
-from splitserve.protocol.http_edge import read_json_body
 from splitserve.protocol.kv_transfer import KVTransferParams, check_kv_transfer_params
+from splitserve.runtime.http_edge import read_json_body
 
 if TYPE_CHECKING:
     from splitserve.kv.connector.pd_connector import PDConnector

@@ -45,7 +45,7 @@ from splitserve.kv.transport.types import (
     TransferError,
     dtype_name,
 )
-from splitserve.protocol.access import internal_token
+from splitserve.runtime.access import internal_token
 
 __all__ = ["KVTransport"]
 

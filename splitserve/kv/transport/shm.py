@@ -31,7 +31,7 @@ from splitserve.kv.transport.types import (
     TransferError,
     dtype_from_name,
 )
-from splitserve.protocol.process_lifetime import process_alive
+from splitserve.runtime.process_lifetime import process_alive
 
 logger = logging.getLogger(__name__)
 
