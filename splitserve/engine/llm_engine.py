@@ -24,10 +24,10 @@ from splitserve.engine.request import Request
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.scheduler import Scheduler
 from splitserve.kv.connector.base import KVCacheAllocator, KVConnector
-from splitserve.kv.events import KVEventPublisher
 from splitserve.protocol.errors import InvalidRequestError, PromptTooLongError
 from splitserve.protocol.kv_events import AllBlocksCleared
 from splitserve.protocol.multimodal import ImageInput
+from splitserve.runtime.kv_events import KVEventPublisher
 
 logger = logging.getLogger(__name__)
 
