@@ -178,3 +178,13 @@ def test_layers_reach_nothing_above_them_except_the_allowed_imports():
                     elif target in graph:
                         queue.append(target)
     assert not broken, "\n".join(broken)
+
+
+def test_no_module_over_450_lines():
+    too_long = []
+    for folder in ("splitserve", "tests", "benchmarks"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            lines = len(path.read_text().splitlines())
+            if lines > 450:
+                too_long.append(f"{path.relative_to(ROOT)}: {lines} lines")
+    assert not too_long, "\n".join(too_long)
