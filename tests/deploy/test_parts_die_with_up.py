@@ -20,9 +20,9 @@ import httpx
 import pytest
 
 from tests.conftest import free_port, running_server
-from tests.protocol.test_process_lifetime import kill_if_alive, wait_dead
 from tests.router.test_migration import GREEDY, Stream
 from tests.router.test_pd_proxy import up_log
+from tests.runtime.test_process_lifetime import kill_if_alive, wait_dead
 
 SHM = Path("/dev/shm")
 FLAGS = ["--num-blocks", "256", "--max-model-len", "4096"]
