@@ -203,7 +203,7 @@ class PDEngineClient(EngineClient):
         def served(decode: Worker) -> None:
             self.conversations.remember(conversation, decode.url)
 
-        # the client's KV-block budget (runtime/client_quota.py) is charged once per
+        # the client's KV-block budget (protocol/client_quota.py) is charged once per
         # request, before any worker is asked, and given back when the request ends
         with kv_blocks_held(self._prompt_blocks(request, hinted)):
             chunks = self.decode_streams.stream(request, hinted, served)
