@@ -26,10 +26,10 @@ from splitserve.deploy.plan import deployment_secrets, part_names, plan_from_arg
 from splitserve.deploy.supervisor import Part
 from splitserve.deploy.up_plan import NoteGiven, add_plan_arguments, plan_flag_error, plan_layout
 from splitserve.frontend.media_cli import add_media_arguments
-from splitserve.protocol.access import API_KEY_ENV
-from splitserve.protocol.drain import add_serving_arguments
-from splitserve.protocol.http_edge import DEFAULT_MAX_BODY_BYTES
 from splitserve.ray_serve.cli import add_ray_arguments
+from splitserve.runtime.access import API_KEY_ENV
+from splitserve.runtime.drain import add_serving_arguments
+from splitserve.runtime.http_edge import DEFAULT_MAX_BODY_BYTES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -16,12 +16,12 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import NamedTuple
 
 from splitserve.config import EngineConfig
+from splitserve.encoder_cache.connector import ECConnector
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.model_runner import KVCacheAllocator
 from splitserve.engine.outputs import EngineStats, RequestOutput
 from splitserve.engine.sampling_params import SamplingParams
-from splitserve.kv.connector import KVConnector
-from splitserve.kv.ec_connector import ECConnector
+from splitserve.kv.connector.base import KVConnector
 from splitserve.protocol.errors import InvalidRequestError
 from splitserve.protocol.multimodal import ImageInput
 

@@ -12,8 +12,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
 from splitserve.engine.request import Request
-from splitserve.kv.block_hash import cdiv
-from splitserve.protocol.block_hash import BlockHash
+from splitserve.protocol.block_hash import BlockHash, cdiv
 from splitserve.protocol.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 
 

@@ -6,10 +6,10 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from splitserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from splitserve.encoder_cache.connector import ECConnector
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.sampling_params import SamplingParams
-from splitserve.kv.connector import KVConnector
-from splitserve.kv.ec_connector import ECConnector
+from splitserve.kv.connector.base import KVConnector
 from splitserve.protocol.multimodal import ImageInput
 
 _MODEL_KEYS = ("dtype", "device", "seed", "serial_step_tokens")

@@ -15,6 +15,7 @@ import time
 from collections.abc import Sequence
 
 from splitserve.config import EngineConfig
+from splitserve.encoder_cache.connector import ECConnector
 from splitserve.engine.block_manager import BlockManager, cdiv
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.multimodal import MultiModalInputs
@@ -22,12 +23,11 @@ from splitserve.engine.outputs import EngineStats, RequestOutput
 from splitserve.engine.request import Request
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.scheduler import Scheduler
-from splitserve.kv.connector import KVCacheAllocator, KVConnector
-from splitserve.kv.ec_connector import ECConnector
-from splitserve.kv.events import KVEventPublisher
+from splitserve.kv.connector.base import KVCacheAllocator, KVConnector
 from splitserve.protocol.errors import InvalidRequestError, PromptTooLongError
 from splitserve.protocol.kv_events import AllBlocksCleared
 from splitserve.protocol.multimodal import ImageInput
+from splitserve.runtime.kv_events import KVEventPublisher
 
 logger = logging.getLogger(__name__)
 

@@ -34,14 +34,14 @@ from splitserve.protocol.derender_api import (
 )
 from splitserve.protocol.errors import InvalidRequestError
 from splitserve.protocol.frontend_client import DerenderPiece
-from splitserve.protocol.http_edge import (
+from splitserve.protocol.openai_api import ChatCompletionRequest, CompletionRequest
+from splitserve.protocol.openai_chunks import delta_to_wire
+from splitserve.runtime.http_edge import (
     DEFAULT_MAX_BODY_BYTES,
     install_error_handlers,
     parse_model,
     read_json_body,
 )
-from splitserve.protocol.openai_api import ChatCompletionRequest, CompletionRequest
-from splitserve.protocol.openai_chunks import delta_to_wire
 
 
 def _check_token_ids(token_ids: list[int], vocab_size: int, where: str) -> None:

@@ -5,7 +5,8 @@ cache_salt (first block only) and the hashes of multimodal items overlapping the
 H is blake2b, so hashes can cross process and tenant boundaries: the render tier and the
 router compute the same values as the engine. Only full blocks are hashed. Here in
 `protocol/` because the hashes travel on the wire (render results, KV events, KV
-transfers) and both the render tier and the engine compute them.
+transfers) and both the render tier and the engine compute them; with them the block
+arithmetic (`cdiv`) the engine's block manager and the KV connector share.
 """
 
 from __future__ import annotations
@@ -18,6 +19,11 @@ from typing import NamedTuple
 BlockHash = bytes  # 16-byte blake2b digest; use .hex() on the wire
 
 _ROOT = b"splitserve-block-hash-v1"
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division: the number of b-sized blocks that cover a tokens."""
+    return -(-a // b)
 
 
 class MultiModalSpan(NamedTuple):

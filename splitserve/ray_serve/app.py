@@ -8,10 +8,10 @@ import time
 from typing import Any
 
 from splitserve.deploy.plan import deployment_secrets
-from splitserve.protocol.access import API_KEY_ENV
 from splitserve.ray_serve.config import DEFAULT_TARGETS, RayDeployConfig, TierSpec
 from splitserve.ray_serve.ingress import ProxyIngress
 from splitserve.ray_serve.tier import INGRESS_NAME, TierReplica
+from splitserve.runtime.access import API_KEY_ENV
 
 HEALTH_CHECK_PERIOD_S = 2.0  # also the tier replicas' heartbeat to the ingress
 GRACEFUL_SHUTDOWN_S = 30.0  # a replica torn down drains its server first

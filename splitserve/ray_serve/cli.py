@@ -6,8 +6,8 @@ import argparse
 import os
 import sys
 
-from splitserve.protocol.access import API_KEY_ENV
 from splitserve.ray_serve.config import ConfigError, RayDeployConfig, check, check_cluster, config_from_args
+from splitserve.runtime.access import API_KEY_ENV
 
 DEFAULT_APP_NAME = "splitserve"
 RAY_CLIENT_PORT = 10001  # Ray Client's default port on the head node (`ray start --head`)

@@ -20,8 +20,8 @@ from splitserve.protocol.kv_events import (
     BlockRemoved,
     BlockStored,
     KVEventBatch,
-    KVEventSubscriber,
 )
+from splitserve.runtime.kv_events import KVEventSubscriber
 
 logger = logging.getLogger(__name__)
 

@@ -29,12 +29,9 @@ from typing import NamedTuple
 
 import httpx
 
-from splitserve.protocol.client_quota import kv_blocks_held
 from splitserve.protocol.engine_api import prompt_cached_tokens
 from splitserve.protocol.engine_client import EngineClient
 from splitserve.protocol.errors import APIError
-from splitserve.protocol.http_engine_client import HTTPEngineClient
-from splitserve.protocol.http_pool import pooled_client
 from splitserve.protocol.kv_transfer import KVTransferParams
 from splitserve.protocol.pd_decision import (
     CostProfile,
@@ -59,6 +56,9 @@ from splitserve.router.prefill_report import (
 from splitserve.router.routing import Router, RoutingPolicy
 from splitserve.router.worker_watch import WorkerWatch
 from splitserve.router.workers import Worker, WorkerPool, WorkerRole
+from splitserve.runtime.client_quota import kv_blocks_held
+from splitserve.runtime.http_engine_client import HTTPEngineClient
+from splitserve.runtime.http_pool import pooled_client
 
 logger = logging.getLogger(__name__)
 

@@ -22,15 +22,15 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from splitserve.protocol.engine_client import EngineClient
 from splitserve.protocol.errors import APIError
 from splitserve.protocol.frontend_client import FrontendClient
-from splitserve.protocol.http_edge import (
+from splitserve.protocol.openai_api import ChatCompletionRequest, CompletionRequest
+from splitserve.protocol.timeline import TIMELINE_HEADER, TimelineSink, wanted
+from splitserve.runtime.http_edge import (
     DEFAULT_MAX_BODY_BYTES,
     SSE_HEADERS,
     install_error_handlers,
     parse_model,
     read_json_body,
 )
-from splitserve.protocol.openai_api import ChatCompletionRequest, CompletionRequest
-from splitserve.protocol.timeline import TIMELINE_HEADER, TimelineSink, wanted
 from splitserve.service.openai_service import OpenAIService
 
 Hook = Callable[[], Awaitable[None]]

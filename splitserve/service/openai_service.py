@@ -24,7 +24,6 @@ from splitserve.protocol.engine_api import choice_logprobs
 from splitserve.protocol.engine_client import EngineClient
 from splitserve.protocol.errors import APIError
 from splitserve.protocol.frontend_client import DerenderPiece, FrontendClient, RenderedPrompt
-from splitserve.protocol.http_edge import SSE_DONE, sse_event
 from splitserve.protocol.openai_api import ChatCompletionRequest, CompletionRequest
 from splitserve.protocol.openai_chunks import (
     ChoiceDelta,
@@ -34,6 +33,7 @@ from splitserve.protocol.openai_chunks import (
     usage_dict,
 )
 from splitserve.protocol.timeline import DECODE, RENDER, SEND, TIMELINE_FIELD, RequestTimeline, TimelineSink
+from splitserve.runtime.http_edge import SSE_DONE, sse_event
 from splitserve.service.merged_streams import MergedStreams
 
 

@@ -1,6 +1,6 @@
 """`splitserve up` killed outright (SIGKILL, mid-stream; the issue's case: with an encoder)
 leaves nothing behind: within 2 s no process it started remains (the kernel ends them:
-`protocol/process_lifetime.py`), their ports are free, no KV segment of theirs is in
+`runtime/process_lifetime.py`), their ports are free, no KV segment of theirs is in
 /dev/shm, and the next `up` on the same port removes the encoder cache the killed one
 left on tmpfs, starts and answers."""
 
@@ -20,9 +20,9 @@ import httpx
 import pytest
 
 from tests.conftest import free_port, running_server
-from tests.protocol.test_process_lifetime import kill_if_alive, wait_dead
 from tests.router.test_migration import GREEDY, Stream
 from tests.router.test_pd_proxy import up_log
+from tests.runtime.test_process_lifetime import kill_if_alive, wait_dead
 
 SHM = Path("/dev/shm")
 FLAGS = ["--num-blocks", "256", "--max-model-len", "4096"]

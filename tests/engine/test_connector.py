@@ -12,7 +12,7 @@ from splitserve.config import CacheConfig, EngineConfig, ModelConfig
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.llm import LLM
 from splitserve.engine.sampling_params import SamplingParams
-from splitserve.kv.inprocess import InProcessConnector, InProcessKVStore
+from splitserve.kv.connector.inprocess import InProcessConnector, InProcessKVStore
 from tests.engine.helpers import make_prompts
 
 PROMPTS = make_prompts(2048, seed=5)

@@ -12,7 +12,8 @@ from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.request import Request
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.protocol.block_hash import compute_block_hashes
-from splitserve.protocol.kv_events import BlockRemoved, KVEventSubscriber
+from splitserve.protocol.kv_events import BlockRemoved
+from splitserve.runtime.kv_events import KVEventSubscriber
 from tests.conftest import free_port, running_server
 
 BLOCK = 4

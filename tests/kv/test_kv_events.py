@@ -17,12 +17,12 @@ from splitserve.protocol.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
-    KVEventSubscriber,
     SequencedBatch,
     decode_batch,
     encode_batch,
 )
 from splitserve.router.kv_index import KVBlockIndex, KVEventFeed
+from splitserve.runtime.kv_events import KVEventSubscriber
 from tests.conftest import free_port, running_server, wait_until
 
 BLOCK = 4
@@ -200,7 +200,7 @@ def test_malformed_replay_requests_do_not_stop_the_publisher() -> None:
     replay request and goes on publishing and replaying."""
     import zmq
 
-    from splitserve.kv.events import KVEventPublisher
+    from splitserve.runtime.kv_events import KVEventPublisher
 
     events = KVEventsConfig(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
     publisher = KVEventPublisher(events)

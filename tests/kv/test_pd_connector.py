@@ -13,7 +13,7 @@ import pytest
 from splitserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, TransferConfig
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.sampling_params import SamplingParams
-from splitserve.kv.pd_connector import PDConnector
+from splitserve.kv.connector.pd_connector import PDConnector
 from splitserve.protocol.kv_transfer import KVTransferParams
 
 VOCAB = 2048

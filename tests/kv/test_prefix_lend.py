@@ -12,7 +12,7 @@ import pytest
 
 from splitserve.config import TransferConfig
 from splitserve.engine.sampling_params import SamplingParams
-from splitserve.kv.prefix_lend import matched_prefix_blocks
+from splitserve.kv.connector.prefix_lend import matched_prefix_blocks
 from splitserve.protocol.kv_transfer import KVTransferParams
 from tests.kv.test_pd_connector import collect, make_engine
 

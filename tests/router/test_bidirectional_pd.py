@@ -21,10 +21,10 @@ import httpx
 import openai
 import pytest
 
-from splitserve.protocol.access import INTERNAL_TOKEN_ENV
 from splitserve.router.pd_engine_client import PDEngineClient
 from splitserve.router.pd_policy import PDPolicy
 from splitserve.router.workers import WorkerPool
+from splitserve.runtime.access import INTERNAL_TOKEN_ENV
 from tests.conftest import free_port, running_server
 from tests.router.test_multiturn_reuse import SYSTEM, common_prefix
 from tests.router.test_pd_proxy import internal_auth, metric, started_parts, up_log

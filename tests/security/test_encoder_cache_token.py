@@ -13,8 +13,8 @@ import pytest
 import torch
 import zmq
 
+from splitserve.encoder_cache.tcp import TcpECConnector
 from splitserve.engine.api.encode_routes import ECSetup
-from splitserve.kv.ec_tcp import TcpECConnector
 
 IMAGE = "ab" * 32
 INTRUDER_IMAGE = "cd" * 32

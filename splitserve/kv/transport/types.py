@@ -21,7 +21,7 @@ class PeerInfo(NamedTuple):
 class PoolLayout(NamedTuple):
     """What a peer must know to write into (or read from) a pool; exchanged at connection set-up.
     Never a path: a shm pool is named by its owner's pid and descriptor number, and the
-    peer checks that they lead to the segment the owner's engine ID names (shm_transport)."""
+    peer checks that they lead to the segment the owner's engine ID names (shm.py)."""
 
     shape: tuple[int, ...]
     dtype: str

@@ -49,7 +49,7 @@ def internal_token() -> str | None:
 
 
 def internal_headers() -> dict[str, str]:
-    """The header every internal HTTP client sends (`protocol/http_pool.pooled_client`)."""
+    """The header every internal HTTP client sends (`runtime/http_pool.pooled_client`)."""
     token = internal_token()
     return {"Authorization": f"Bearer {token}"} if token else {}
 

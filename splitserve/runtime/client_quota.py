@@ -33,9 +33,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from splitserve.protocol.access import bearer_token
-from splitserve.protocol.drain import RETRY_AFTER_S
 from splitserve.protocol.errors import APIError, error_body
+from splitserve.runtime.access import bearer_token
+from splitserve.runtime.drain import RETRY_AFTER_S
 
 # Generation requests: what reserves KV in a P/D deployment.
 QUOTA_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
