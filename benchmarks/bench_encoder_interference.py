@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from splitserve.engine.llm import LLM  # noqa: E402
-from splitserve.engine.sampling_params import SamplingParams  # noqa: E402
+from splitserve.protocol.sampling_params import SamplingParams  # noqa: E402
 from splitserve.frontend.image_processor import ImageProcessorConfig, process_image  # noqa: E402
 from splitserve.model.qwen2_vl import load_qwen2_vl_config  # noqa: E402
 from splitserve.model.tiny import write_tiny_model  # noqa: E402

@@ -26,7 +26,7 @@ import torch
 
 from splitserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from splitserve.engine.llm_engine import LLMEngine
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.protocol.sampling_params import SamplingParams
 from splitserve.model.tiny import write_tiny_model
 from splitserve.model.tiny_text import TinyModelSpec
 from splitserve.sim import Deployment, InstanceConfig, Roofline, Workload, load_gpu, load_model, simulate

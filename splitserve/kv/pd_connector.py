@@ -142,7 +142,7 @@ class PDConnector(KVConnector):
         self, request: ConnectorRequest, num_computed_tokens: int
     ) -> tuple[int, bool]:
         """Side-effect free (vLLM's contract): it may be asked again for the same request."""
-        params = KVTransferParams.from_wire(request.kv_transfer_params)
+        params = request.kv_transfer_params
         if params.do_remote_decode:
             mode = params.mode(self.config.mode)
             return pullable_prefix_tokens(request, num_computed_tokens, params, self.block_size, mode), True
@@ -169,7 +169,7 @@ class PDConnector(KVConnector):
     def update_state_after_alloc(
         self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int
     ) -> None:
-        params = KVTransferParams.from_wire(request.kv_transfer_params)
+        params = request.kv_transfer_params
         if params.do_remote_decode:
             if params.mode(self.config.mode) == "push":
                 self.pusher.plan(
@@ -360,7 +360,7 @@ class PDConnector(KVConnector):
             return load, False
 
     def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> tuple[bool, dict | None]:
-        params = KVTransferParams.from_wire(request.kv_transfer_params)
+        params = request.kv_transfer_params
         if params.do_remote_decode:
             load, in_flight = self._end_load(request.request_id)
             delay, report = self._prefill_finished(request, block_ids, params, load)

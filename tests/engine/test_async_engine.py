@@ -10,7 +10,7 @@ import pytest
 from splitserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.llm import LLM
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.protocol.sampling_params import SamplingParams
 from splitserve.protocol.errors import InvalidRequestError, PromptTooLongError
 from tests.engine.helpers import make_prompts
 

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.request import Request
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.protocol.sampling_params import SamplingParams
 from splitserve.protocol.block_hash import compute_block_hashes
 
 BLOCK = 4

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from splitserve.engine.llm import LLM
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.protocol.sampling_params import SamplingParams
 from tests.engine.helpers import make_prompts, oracle_greedy
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -152,7 +152,7 @@ def test_loading_a_model_and_generating_never_imports_torch_dynamo(tiny_model_fa
     script = (
         "import sys\n"
         "from splitserve.engine.llm import LLM\n"
-        "from splitserve.engine.sampling_params import SamplingParams\n"
+        "from splitserve.protocol.sampling_params import SamplingParams\n"
         f"llm = LLM({model!r}, num_blocks=32)\n"
         "llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))\n"
         "assert 'torch._dynamo' not in sys.modules, 'torch._dynamo was imported'\n"

@@ -10,7 +10,7 @@ import httpx
 
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.request import Request
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.protocol.sampling_params import SamplingParams
 from splitserve.protocol.block_hash import compute_block_hashes
 from splitserve.protocol.kv_events import BlockRemoved, KVEventSubscriber
 from tests.conftest import free_port, running_server

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from splitserve.engine.llm import LLM
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.protocol.sampling_params import SamplingParams
 from splitserve.protocol.errors import InvalidRequestError
 from tests.engine.helpers import make_prompts, oracle_log_softmax
 

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from splitserve.engine.llm import LLM
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.protocol.sampling_params import SamplingParams
 from splitserve.protocol.errors import InvalidRequestError
 from tests.engine.helpers import make_prompts
 

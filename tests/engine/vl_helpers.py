@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.protocol.sampling_params import SamplingParams
 from splitserve.frontend.image_processor import ImageProcessorConfig, process_image
 from splitserve.model.qwen2_vl import load_qwen2_vl_config
 from splitserve.protocol.multimodal import ImageInput

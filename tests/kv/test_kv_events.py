@@ -11,7 +11,7 @@ import msgpack
 
 from splitserve.config import CacheConfig, EngineConfig, KVEventsConfig, ModelConfig
 from splitserve.engine.llm_engine import LLMEngine
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.protocol.sampling_params import SamplingParams
 from splitserve.protocol.block_hash import compute_block_hashes
 from splitserve.protocol.kv_events import (
     AllBlocksCleared,

@@ -11,7 +11,7 @@ import random
 import pytest
 
 from splitserve.config import TransferConfig
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.protocol.sampling_params import SamplingParams
 from splitserve.kv.prefix_lend import matched_prefix_blocks
 from splitserve.protocol.kv_transfer import KVTransferParams
 from tests.kv.test_pd_connector import collect, make_engine

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from splitserve.engine.llm import LLM
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.protocol.sampling_params import SamplingParams
 from splitserve.frontend.chat_template import ChatTemplate
 from splitserve.frontend.gguf_tokenizer import load_gguf_render_files
 from splitserve.model.decoder import DecoderModel, load_model
