@@ -106,12 +106,15 @@ def profile_decode_step(llm: object, workload: Workload) -> None:
     """Prefill the whole batch, then profile one decode step of all 64 sequences."""
     import torch
 
+    from splitserve.protocol.generate_request import GenerateRequest
     from splitserve.protocol.sampling_params import SamplingParams
 
     engine = llm.engine  # type: ignore[attr-defined]
     for i, prompt in enumerate(workload.prompts):
         engine.add_request(
-            f"profile-{i}", prompt, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+            GenerateRequest(
+                f"profile-{i}", tuple(prompt), SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+            )
         )
     while engine.scheduler.waiting or any(
         r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running

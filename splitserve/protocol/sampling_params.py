@@ -1,5 +1,10 @@
 """Per-request sampling parameters (the `sampling_params` object of the generate API).
 
+One field is ours, not vLLM's: `preceding_output_tokens`, the output tokens that precede a
+resumed request's (a migrated request's prompt ends with them). A seeded request draws its
+noise from (seed, output position), so it continues the undisturbed run; the field moves
+nothing else (not max_tokens, nor usage).
+
 Torch-free: the render tier builds them, the router edits them (`dataclasses.replace`),
 the engine's sampler reads them."""
 

@@ -7,6 +7,7 @@ import pytest
 from splitserve.engine.llm import LLM
 from splitserve.protocol.sampling_params import SamplingParams
 from tests.engine.helpers import make_prompts, oracle_greedy
+from tests.generate_requests import generate_request
 
 MAX_TOKENS = 24
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
@@ -79,7 +80,7 @@ def test_max_num_seqs_caps_the_running_batch(tiny_model):
     )
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", prompt, params)
+        engine.add_request(generate_request(f"r{i}", prompt, params))
     tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
     while engine.has_unfinished_requests():
         for out in engine.step():
