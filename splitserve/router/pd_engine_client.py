@@ -229,32 +229,32 @@ class PDEngineClient(EngineClient):
         url = hinted or (decode[0].url if decode else "")
         return math.ceil(len(tokens) / self.router.block_size(url))
 
-    async def _run(self, decode: Worker, body: GenerateRequest) -> AsyncIterator[dict]:
-        """`body` run with `decode` decoding: P/D, or decode alone when the P/D decision
+    async def _run(self, decode: Worker, request: GenerateRequest) -> AsyncIterator[dict]:
+        """`request` run with `decode` decoding: P/D, or decode alone when the P/D decision
         says so (`decide_path`). Its final chunk carries where the time to first token went
         (`metrics.phases`)."""
         clock = AttemptClock()
-        self._count_prefix_hits(decode, body)
-        tokens = body.token_ids
+        self._count_prefix_hits(decode, request)
+        tokens = request.token_ids
         prefill = None
-        inputs = self.decision_inputs(decode, len(tokens) - self.cached_tokens(decode, body))
+        inputs = self.decision_inputs(decode, len(tokens) - self.cached_tokens(decode, request))
         if self.decide_path(inputs).remote:
-            prefill = self._pick("prefill", body)
+            prefill = self._pick("prefill", request)
             if prefill is None and self.pool.workers("prefill"):
                 self.metrics.fallbacks.labels("no_prefill_worker").inc()
         if prefill is None:
             self.metrics.requests.labels("decode_only").inc()
-            stream = self._send(decode, body)
+            stream = self._send(decode, request)
             clock.dispatch()
         elif self.policy.mode == "push":
             self.metrics.requests.labels("pd_push").inc()
-            stream = self._push(decode, prefill, body, clock)
+            stream = self._push(decode, prefill, request, clock)
         else:
             self.metrics.requests.labels("pd_pull").inc()
-            stream = self._pull(decode, prefill, body, clock)
+            stream = self._pull(decode, prefill, request, clock)
         num_tokens = len(tokens)
         # decode computes the prompt when no prefill worker does (only the last token else)
-        computed = num_tokens - self.cached_tokens(decode, body) if prefill is None else 1
+        computed = num_tokens - self.cached_tokens(decode, request) if prefill is None else 1
         blocks = math.ceil(num_tokens / self.router.block_size(decode.url))
         sent = time.monotonic()
         first = True
@@ -275,27 +275,29 @@ class PDEngineClient(EngineClient):
         finally:
             await stream.aclose()
 
-    def _count_prefix_hits(self, worker: Worker, body: GenerateRequest) -> None:
-        hashes = request_block_hashes(body)
+    def _count_prefix_hits(self, worker: Worker, request: GenerateRequest) -> None:
+        hashes = request_block_hashes(request)
         self.metrics.prefix_query_blocks.inc(len(hashes))
         self.metrics.prefix_hit_blocks.inc(self.kv_index.matched_blocks(worker.url, hashes))
 
-    def _prefill_body(self, body: GenerateRequest, kv_transfer_params: KVTransferParams) -> GenerateRequest:
+    def _prefill_body(
+        self, request: GenerateRequest, kv_transfer_params: KVTransferParams
+    ) -> GenerateRequest:
         return dataclasses.replace(
-            body,
-            request_id=f"{body.request_id}-prefill",
-            sampling_params=dataclasses.replace(body.sampling_params, max_tokens=1),
+            request,
+            request_id=f"{request.request_id}-prefill",
+            sampling_params=dataclasses.replace(request.sampling_params, max_tokens=1),
             kv_transfer_params=kv_transfer_params,
         )
 
-    async def _run_prefill(self, prefill: Worker, body: GenerateRequest) -> PrefillResult:
+    async def _run_prefill(self, prefill: Worker, request: GenerateRequest) -> PrefillResult:
         """Run the prefill request; its kv_transfer_params and cached tokens, or PrefillFailed."""
         started = time.monotonic()
         final: dict = {}
-        computed = len(body.token_ids) - self.cached_tokens(prefill, body)
+        computed = len(request.token_ids) - self.cached_tokens(prefill, request)
         with self.pool.lease(prefill), self.router.loads.tracking(prefill.url, computed, 0):
             try:
-                async for chunk in self._send(prefill, body):
+                async for chunk in self._send(prefill, request):
                     final = chunk
             except APIError as exc:
                 if exc.status >= 500:
@@ -311,24 +313,24 @@ class PDEngineClient(EngineClient):
         )
 
     async def _push(
-        self, decode: Worker, prefill: Worker, body: GenerateRequest, clock: AttemptClock
+        self, decode: Worker, prefill: Worker, request: GenerateRequest, clock: AttemptClock
     ) -> AsyncIterator[dict]:
         """Decode's request and prefill's start together: prefill computes while decode
         reserves, and the reservation follows it (`_send_push_target`). Bidirectional with a
         prefix decode holds: prefill waits for the reservation, whose prefix offer it pulls
         instead of computing."""
-        request_id = body.request_id
+        request_id = request.request_id
         clock.dispatch()
         wait_for_kv = KVTransferParams(do_remote_prefill=True)
-        stream = self._send(decode, dataclasses.replace(body, kv_transfer_params=wait_for_kv))
+        stream = self._send(decode, dataclasses.replace(request, kv_transfer_params=wait_for_kv))
         first_task = asyncio.ensure_future(anext(stream))
         prefill_task: asyncio.Future | None = None
         prefill_done_at: list[float] = []
         prefill_report: dict = {}
-        concurrent = not (self.policy.bidirectional and self._may_lend(decode, body))
+        concurrent = not (self.policy.bidirectional and self._may_lend(decode, request))
 
         def start_prefill(kv: KVTransferParams) -> asyncio.Future:
-            prefill_body = self._prefill_body(body, kv)
+            prefill_body = self._prefill_body(request, kv)
             run = self._push_prefill(
                 decode, prefill, prefill_body, request_id, prefill_done_at, prefill_report, clock
             )
@@ -369,24 +371,24 @@ class PDEngineClient(EngineClient):
             )
             await stream.aclose()
 
-    def _may_lend(self, decode: Worker, body: GenerateRequest) -> bool:
+    def _may_lend(self, decode: Worker, request: GenerateRequest) -> bool:
         """May `decode` hold a prefix of the prompt to lend: by the KV event index, or as
         the conversation's last decode worker (its turn's events may not be indexed yet)."""
-        hinted = self.conversations.worker_of(body.conversation_id)
-        return hinted == decode.url or self.cached_tokens(decode, body) > 0
+        hinted = self.conversations.worker_of(request.conversation_id)
+        return hinted == decode.url or self.cached_tokens(decode, request) > 0
 
     async def _push_prefill(
         self,
         decode: Worker,
         prefill: Worker,
-        body: GenerateRequest,
+        request: GenerateRequest,
         request_id: str,
         done_at: list[float],
         params_out: dict,
         clock: AttemptClock,
     ) -> None:
         try:
-            result = await self._run_prefill(prefill, body)
+            result = await self._run_prefill(prefill, request)
             clock.prefill_metrics = result.metrics
             params_out.update(result.params.to_wire(), cached_tokens=result.cached_tokens)
             done_at.append(time.monotonic())
@@ -394,7 +396,7 @@ class PDEngineClient(EngineClient):
             await self.push_control.prefill_failed(decode, request_id, str(exc))
 
     async def _pull(
-        self, decode: Worker, prefill: Worker, body: GenerateRequest, clock: AttemptClock
+        self, decode: Worker, prefill: Worker, request: GenerateRequest, clock: AttemptClock
     ) -> AsyncIterator[dict]:
         kv: KVTransferParams | None = None
         prefill_cached = 0
@@ -403,7 +405,7 @@ class PDEngineClient(EngineClient):
         try:
             hold = KVTransferParams(do_remote_decode=True, transfer_mode="pull")
             kv, prefill_cached, clock.prefill_metrics = await self._run_prefill(
-                prefill, self._prefill_body(body, hold)
+                prefill, self._prefill_body(request, hold)
             )
             prefill_done = time.monotonic()
             if not kv.remote_block_ids:
@@ -413,7 +415,7 @@ class PDEngineClient(EngineClient):
             self.metrics.fallbacks.labels("prefill_failed").inc()
             logger.warning("%s; decode %s computes the prompt", exc, decode.url)
             kv = None
-        decode_body = dataclasses.replace(body, kv_transfer_params=kv) if kv else body
+        decode_body = dataclasses.replace(request, kv_transfer_params=kv) if kv else request
         report = dataclasses.replace(kv, prompt_token_ids=None).to_wire() if kv else {}
         if kv:
             report["cached_tokens"] = prefill_cached
