@@ -63,7 +63,7 @@ def image_request(model_dir: str, seed: int, num_images: int) -> tuple[list[int]
 
 def encoder_process(model_dir: str, cache_dir: str, jobs: mp.Queue, done: mp.Queue) -> None:
     from splitserve.engine.encoder_worker import EncoderJob, EncoderWorker
-    from splitserve.kv.ec_connector import SharedMemoryECConnector
+    from splitserve.encoder_cache.connector import SharedMemoryECConnector
 
     torch.set_num_threads(1)
     worker = EncoderWorker(model_dir, SharedMemoryECConnector(cache_dir), dtype="float32", device="cpu")
@@ -76,7 +76,7 @@ def encoder_process(model_dir: str, cache_dir: str, jobs: mp.Queue, done: mp.Que
 
 def run(model_dir: str, args: argparse.Namespace, epd: bool) -> tuple[list[float], float]:
     """Inter-token gaps (s) of the text streams, and the image requests' mean latency."""
-    from splitserve.kv.ec_connector import SharedMemoryECConnector
+    from splitserve.encoder_cache.connector import SharedMemoryECConnector
 
     torch.set_num_threads(1)
     cache_dir = tempfile.mkdtemp(prefix="ec-bench-")

@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from splitserve.model.tiny import TinyModelSpec, write_tiny_model  # noqa: E402
 from splitserve.model.tiny_vl import TinyVisionSpec  # noqa: E402
-from splitserve.protocol.ports import pick_free_port as free_port  # noqa: E402
+from splitserve.runtime.ports import pick_free_port as free_port  # noqa: E402
 
 
 def picture_url(seed: int) -> str:

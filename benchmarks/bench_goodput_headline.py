@@ -45,7 +45,7 @@ from splitserve.bench.report import LiveProgress, print_summary
 from splitserve.bench.runner import BenchPlan, BenchResult, run_benchmark, server_model, write_json
 from splitserve.bench.workload import PromptFactory, Session, SessionFactory, SyntheticSpec, Tokenizer
 from splitserve.goodput import SLO, Lengths, arrival_times, interpolated_goodput
-from splitserve.protocol.ports import pick_free_port
+from splitserve.runtime.ports import pick_free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE_SLOS = (SLO(ttft=2.0, tpot=0.030), SLO(ttft=2.0, gap=0.100))

@@ -1,4 +1,4 @@
-"""What authenticating the KV data plane costs: the keyed MAC (`kv/frame_mac.py`) every
+"""What authenticating the KV data plane costs: the keyed MAC (`kv/transport/frame_mac.py`) every
 tcp KV frame carries, against copying the same frame once (what the tcp transport does
 anyway), including the replay stamp (session and sequence number) the receiver
 checks. shm frames carry no data (only a small notification), so their MAC is noise.
@@ -15,7 +15,7 @@ import argparse
 import secrets
 import time
 
-from splitserve.kv.frame_mac import FrameMac, ReplayGuard, SenderSession
+from splitserve.kv.transport.frame_mac import FrameMac, ReplayGuard, SenderSession
 
 
 def _best_seconds(action, repeats: int) -> float:

@@ -42,8 +42,8 @@ from typing import NamedTuple
 import httpx
 from bench_model import DEFAULT_MODEL_DIR, compute_dtype, ensure_bench_model
 
-from splitserve.protocol.http_engine_client import HTTPEngineClient
-from splitserve.protocol.ports import pick_free_port as free_port
+from splitserve.runtime.http_engine_client import HTTPEngineClient
+from splitserve.runtime.ports import pick_free_port as free_port
 from splitserve.router.pd_engine_client import PDEngineClient
 from splitserve.router.pd_policy import PDPolicy
 from splitserve.router.workers import WorkerPool

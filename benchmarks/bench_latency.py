@@ -37,7 +37,7 @@ from typing import NamedTuple
 import httpx
 from bench_model import compute_dtype, cpu_isa_flags, resolve_bench_model
 
-from splitserve.protocol.ports import pick_free_port as free_port
+from splitserve.runtime.ports import pick_free_port as free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM = "/work/vllm-peer/bin/vllm"

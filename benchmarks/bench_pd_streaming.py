@@ -28,8 +28,8 @@ import httpx
 from bench_render import free_port, served
 
 from splitserve.protocol.frontend_client import DerenderPiece
-from splitserve.protocol.http_frontend_client import HTTPFrontendClient
-from splitserve.protocol.http_pool import pooled_client
+from splitserve.runtime.http_frontend_client import HTTPFrontendClient
+from splitserve.runtime.http_pool import pooled_client
 from splitserve.protocol.openai_api import ChatCompletionRequest
 
 QUESTION = "Tell me about the cache, the prefill and the decode of this request, in a few words please."

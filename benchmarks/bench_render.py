@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 import httpx
 
-from splitserve.protocol.ports import pick_free_port as free_port
+from splitserve.runtime.ports import pick_free_port as free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_BIN = "/work/vllm-peer/bin/vllm"

@@ -44,7 +44,7 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class TransferConfig:
-    # auto: shm with peers on the same node, tcp with the others (kv/auto_transport.py)
+    # auto: shm with peers on the same node, tcp with the others (kv/transport/auto.py)
     transport: Literal["shm", "tcp", "auto"] = "shm"
     mode: Literal["push", "pull"] = "push"
     timeout_s: float = 30.0

@@ -18,7 +18,7 @@ import pytest
 from splitserve.model.tiny import write_tiny_model
 from splitserve.model.tiny_text import TinyModelSpec
 from splitserve.model_files.demo import ensure_demo_model
-from splitserve.protocol.ports import pick_free_port
+from splitserve.runtime.ports import pick_free_port
 
 
 @pytest.fixture(scope="session")
@@ -61,7 +61,7 @@ _RECENT_PORTS: collections.deque[int] = collections.deque(maxlen=256)
 
 
 def free_port() -> int:
-    """A port outside the kernel's ephemeral range (see splitserve.protocol.ports), other
+    """A port outside the kernel's ephemeral range (see splitserve.runtime.ports), other
     than the ones handed to this session's recent servers, some of which bind later."""
     port = pick_free_port("127.0.0.1", avoid=_RECENT_PORTS)
     _RECENT_PORTS.append(port)

@@ -17,9 +17,9 @@ import httpx
 from splitserve.deploy.liveness import LivenessWatch
 from splitserve.deploy.plan import DeploymentPlan, TierPlan, kv_event_flags, tier_env
 from splitserve.deploy.supervisor import Part, Supervisor, kill_part, start_part
-from splitserve.protocol.access import API_KEY_ENV, INTERNAL_TOKEN_ENV, api_keys
-from splitserve.protocol.ports import pick_free_port
-from splitserve.protocol.process_lifetime import owned_directory, remove_dead_owners
+from splitserve.runtime.access import API_KEY_ENV, INTERNAL_TOKEN_ENV, api_keys
+from splitserve.runtime.ports import pick_free_port
+from splitserve.runtime.process_lifetime import owned_directory, remove_dead_owners
 
 POLL_S = 0.2
 INTERNAL_HOST = "127.0.0.1"  # internal parts: only the proxy is exposed (--host)

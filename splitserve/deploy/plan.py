@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from splitserve.frontend.media_cli import media_flags
 from splitserve.frontend.stream_state import STATE_KEY_ENV
-from splitserve.protocol.access import API_KEY_ENV, INTERNAL_TOKEN_ENV
+from splitserve.runtime.access import API_KEY_ENV, INTERNAL_TOKEN_ENV
 
 SERVER_TIERS = ("render", "prefill", "decode", "encoder")  # what both launchers start
 KV_ROLES = ("prefill", "decode")  # the engines that move KV (and publish KV events)

@@ -14,8 +14,8 @@ import time
 from typing import NamedTuple
 
 from splitserve.deploy.cpu_affinity import THREADS_ENV, pin
-from splitserve.protocol.drain import SUPERVISED_ENV
-from splitserve.protocol.process_lifetime import child_command
+from splitserve.runtime.drain import SUPERVISED_ENV
+from splitserve.runtime.process_lifetime import child_command
 
 FIRST_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 10.0
@@ -47,7 +47,7 @@ def start_part(
     env = {**(env if env is not None else os.environ), SUPERVISED_ENV: "1"}
     if cpus is not None:
         env[THREADS_ENV] = str(len(cpus))
-    # The kernel ends the part when `up` goes, however it goes (protocol/process_lifetime.py).
+    # The kernel ends the part when `up` goes, however it goes (runtime/process_lifetime.py).
     # That follows the thread that forks: `up` starts every part from its main thread.
     # Its own session: a terminal's signals reach `up` alone, and `kill_part` reaches the
     # helpers a part started (a compiler building its kernels) with it.

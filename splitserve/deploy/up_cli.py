@@ -22,9 +22,9 @@ from splitserve.deploy.local_stack import LocalStack, remove_stale_ec_directorie
 from splitserve.deploy.plan import deployment_secrets, part_names, plan_from_args, up_replicas
 from splitserve.deploy.supervisor import Part
 from splitserve.frontend.media_cli import add_media_arguments
-from splitserve.protocol.access import API_KEY_ENV
-from splitserve.protocol.drain import add_serving_arguments
-from splitserve.protocol.http_edge import DEFAULT_MAX_BODY_BYTES
+from splitserve.runtime.access import API_KEY_ENV
+from splitserve.runtime.drain import add_serving_arguments
+from splitserve.runtime.http_edge import DEFAULT_MAX_BODY_BYTES
 from splitserve.ray_serve.cli import add_ray_arguments
 
 

@@ -19,8 +19,8 @@ from splitserve.config import EngineConfig
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.model_runner import KVCacheAllocator
 from splitserve.engine.outputs import EngineStats, RequestOutput
-from splitserve.kv.connector import KVConnector
-from splitserve.kv.ec_connector import ECConnector
+from splitserve.kv.connector.base import KVConnector
+from splitserve.encoder_cache.connector import ECConnector
 from splitserve.protocol.errors import InvalidRequestError
 from splitserve.protocol.generate_request import GenerateRequest
 

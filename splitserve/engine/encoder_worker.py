@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from splitserve.engine.device import choose_dtype
-from splitserve.kv.ec_connector import IMAGE_HASH_PATTERN, ECConnector
+from splitserve.encoder_cache.connector import IMAGE_HASH_PATTERN, ECConnector
 from splitserve.model.qwen2_vl import load_qwen2_vl_config, load_vision_tower
 from splitserve.protocol.errors import InvalidRequestError
 

@@ -7,8 +7,8 @@ from typing import Any, NamedTuple
 
 from splitserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from splitserve.engine.llm_engine import LLMEngine
-from splitserve.kv.connector import KVConnector
-from splitserve.kv.ec_connector import ECConnector
+from splitserve.kv.connector.base import KVConnector
+from splitserve.encoder_cache.connector import ECConnector
 from splitserve.protocol.generate_request import GenerateRequest
 from splitserve.protocol.kv_transfer import KVTransferParams
 from splitserve.protocol.multimodal import ImageInput

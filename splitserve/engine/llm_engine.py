@@ -20,9 +20,9 @@ from splitserve.engine.multimodal import MultiModalInputs
 from splitserve.engine.outputs import EngineStats, RequestOutput
 from splitserve.engine.request import Request
 from splitserve.engine.scheduler import Scheduler
-from splitserve.kv.connector import KVCacheAllocator, KVConnector
-from splitserve.kv.ec_connector import ECConnector
-from splitserve.kv.events import KVEventPublisher
+from splitserve.kv.connector.base import KVCacheAllocator, KVConnector
+from splitserve.encoder_cache.connector import ECConnector
+from splitserve.runtime.kv_events import KVEventPublisher
 from splitserve.protocol.errors import InvalidRequestError, PromptTooLongError
 from splitserve.protocol.generate_request import GenerateRequest
 from splitserve.protocol.kv_events import AllBlocksCleared

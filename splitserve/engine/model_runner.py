@@ -12,8 +12,8 @@ from splitserve.engine.device import choose_dtype, default_device
 from splitserve.engine.multimodal import EncoderCache, MultiModalRunner
 from splitserve.engine.outputs import ModelRunnerOutput, SampledToken
 from splitserve.engine.scheduler import ScheduledRequest, SchedulerOutput
-from splitserve.kv.connector import KVCacheAllocator, KVConnector, RequestSlots, StepKVInfo
-from splitserve.kv.ec_connector import ECConnector
+from splitserve.kv.connector.base import KVCacheAllocator, KVConnector, RequestSlots, StepKVInfo
+from splitserve.encoder_cache.connector import ECConnector
 from splitserve.model.attention import AttentionMetadata, PrefillChunk
 from splitserve.model.decoder import DecoderModel, load_model
 from splitserve.model.decoder_config import DecoderConfig

@@ -21,7 +21,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from splitserve.kv.ec_connector import IMAGE_HASH_PATTERN, ECConnector
+from splitserve.encoder_cache.connector import IMAGE_HASH_PATTERN, ECConnector
 from splitserve.model.qwen2_vl import ImagePlacement, Qwen2VLConfig, Qwen2VLModel, mrope_positions
 from splitserve.protocol.block_hash import MultiModalSpan
 from splitserve.protocol.errors import InvalidRequestError

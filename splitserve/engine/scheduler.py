@@ -22,7 +22,7 @@ from splitserve.config import SchedulerConfig
 from splitserve.engine.block_manager import BlockManager, cdiv
 from splitserve.engine.outputs import ModelRunnerOutput
 from splitserve.engine.request import Request, RequestStatus
-from splitserve.kv.connector import KVConnector
+from splitserve.kv.connector.base import KVConnector
 
 logger = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ from splitserve.protocol.derender_api import (
 )
 from splitserve.protocol.errors import InvalidRequestError
 from splitserve.protocol.frontend_client import DerenderPiece
-from splitserve.protocol.http_edge import (
+from splitserve.runtime.http_edge import (
     DEFAULT_MAX_BODY_BYTES,
     install_error_handlers,
     parse_model,

@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING
 
 from splitserve.frontend.media_cli import add_media_arguments, media_config
 from splitserve.frontend.stream_state import STATE_KEY_ENV, resolve_state_key
-from splitserve.protocol import access
-from splitserve.protocol.drain import add_serving_arguments, serve_draining
-from splitserve.protocol.http_edge import DEFAULT_MAX_BODY_BYTES
+from splitserve.runtime import access
+from splitserve.runtime.drain import add_serving_arguments, serve_draining
+from splitserve.runtime.http_edge import DEFAULT_MAX_BODY_BYTES
 
 if TYPE_CHECKING:
     from splitserve.model_files.resolve import ResolvedModel

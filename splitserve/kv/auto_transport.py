@@ -17,10 +17,10 @@ import logging
 import torch
 import zmq
 
-from splitserve.kv.send_lane import LaneSocket
-from splitserve.kv.shm_transport import ShmTransport, map_peer_pool
-from splitserve.kv.tcp_transport import TcpTransport
-from splitserve.kv.transport_types import (
+from splitserve.kv.transport.send_lane import LaneSocket
+from splitserve.kv.transport.shm import ShmTransport, map_peer_pool
+from splitserve.kv.transport.tcp import TcpTransport
+from splitserve.kv.transport.types import (
     PeerInfo,
     PoolLayout,
     PullJob,

@@ -15,9 +15,9 @@ from typing import NamedTuple
 
 import zmq
 
-from splitserve.kv.frame_mac import FrameMac, ReplayGuard, hello_stamp
-from splitserve.kv.send_lane import LaneSocket
-from splitserve.kv.transport_types import TransferError
+from splitserve.kv.transport.frame_mac import FrameMac, ReplayGuard, hello_stamp
+from splitserve.kv.transport.send_lane import LaneSocket
+from splitserve.kv.transport.types import TransferError
 
 logger = logging.getLogger(__name__)
 

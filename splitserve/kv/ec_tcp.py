@@ -7,7 +7,7 @@ One request, one reply, each a JSON header frame plus, for embeddings, one raw d
   -> {"id": n, "nonce": hex, "ok": bool, "found": bool, ["dtype", "shape"], ["error"]}
 The server binds to loopback unless told otherwise; with a token (the deployment's internal
 token: engines pass `protocol.access.internal_token()`) every message carries a keyed MAC
-derived from it (`kv/frame_mac.py`, its own label), the token itself never crosses the
+derived from it (`kv/transport/frame_mac.py`, its own label), the token itself never crosses the
 wire, the server refuses a request without a valid MAC (an untagged "unauthorized"), and
 a client takes only a reply with a valid MAC that echoes its request's random nonce. A client that gets
 no answer within its timeout reports a miss, so the engine falls back to its own encoder
@@ -25,8 +25,8 @@ import threading
 import torch
 import zmq
 
-from splitserve.kv.ec_connector import ECConnector, check_image_hash
-from splitserve.kv.frame_mac import FrameMac
+from splitserve.encoder_cache.connector import ECConnector, check_image_hash
+from splitserve.kv.transport.frame_mac import FrameMac
 
 logger = logging.getLogger(__name__)
 

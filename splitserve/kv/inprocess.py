@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import torch
 
-from splitserve.kv.connector import ConnectorRequest, KVConnector, StepKVInfo
+from splitserve.kv.connector.base import ConnectorRequest, KVConnector, StepKVInfo
 from splitserve.protocol.kv_transfer import KVTransferParams
 
 logger = logging.getLogger(__name__)

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from splitserve.kv.block_hash import cdiv
-from splitserve.kv.connector import StepKVInfo
-from splitserve.kv.transport import KVTransport
-from splitserve.kv.transport_types import PeerInfo, TransferError
+from splitserve.kv.connector.base import StepKVInfo
+from splitserve.kv.transport.base import KVTransport
+from splitserve.kv.transport.types import PeerInfo, TransferError
 from splitserve.protocol.kv_transfer import KVParamsError, KVTransferParams
 
 logger = logging.getLogger(__name__)

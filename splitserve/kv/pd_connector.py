@@ -14,10 +14,10 @@ prefill to release them (or the hold expires after the TTL).
 Concurrent reservation (push): the proxy may send the prefill request at once with
 `push_target_pending`; prefill computes while decode reserves, and the proxy forwards the
 reservation (`POST /inference/v1/kv/push_target`); the layers computed by then are queued
-at once (`kv/layer_push.py`).
+at once (`kv/connector/layer_push.py`).
 
 Bidirectional (push): decode's reservation also offers the leading blocks it already
-holds of the prompt, by chained block hash (`kv/prefix_lend.py`); prefill pulls the run
+holds of the prompt, by chained block hash (`kv/connector/prefix_lend.py`); prefill pulls the run
 whose hashes equal its own request's before computing the rest.
 
 A transfer that fails or times out makes decode recompute the prompt itself; a prefix
@@ -34,22 +34,22 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from splitserve.config import EngineRole, TransferConfig
-from splitserve.kv.arrivals import TransferResult
+from splitserve.kv.transport.arrivals import TransferResult
 from splitserve.kv.block_hash import cdiv
-from splitserve.kv.connector import ConnectorRequest, KVCacheAllocator, KVConnector, StepKVInfo
-from splitserve.kv.handoff_metrics import HandoffMetrics
-from splitserve.kv.layer_push import LayerPusher
-from splitserve.kv.pd_loads import Load, handoff_report, wall_to_monotonic
-from splitserve.kv.prefill_finish import push_finished
-from splitserve.kv.prefix_lend import (
+from splitserve.kv.connector.base import ConnectorRequest, KVCacheAllocator, KVConnector, StepKVInfo
+from splitserve.kv.connector.handoff_metrics import HandoffMetrics
+from splitserve.kv.connector.layer_push import LayerPusher
+from splitserve.kv.connector.pd_loads import Load, handoff_report, wall_to_monotonic
+from splitserve.kv.connector.prefill_finish import push_finished
+from splitserve.kv.connector.prefix_lend import (
     PrefixLends,
     prefill_prompt_sources,
     pullable_prefix_tokens,
 )
-from splitserve.kv.reservations import HoldTable, Reservation, ReservationTable
-from splitserve.kv.transport import KVTransport
-from splitserve.kv.transport_factory import make_transport
-from splitserve.kv.transport_types import PeerInfo, TransferError
+from splitserve.kv.connector.reservations import HoldTable, Reservation, ReservationTable
+from splitserve.kv.transport.base import KVTransport
+from splitserve.kv.transport.factory import make_transport
+from splitserve.kv.transport.types import PeerInfo, TransferError
 from splitserve.protocol.kv_transfer import KVParamsError, KVTransferParams, RemoteAddress
 
 if TYPE_CHECKING:

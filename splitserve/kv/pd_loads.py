@@ -7,10 +7,10 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from splitserve.kv.handoff_metrics import HandoffMetrics
+from splitserve.kv.connector.handoff_metrics import HandoffMetrics
 
 if TYPE_CHECKING:
-    from splitserve.kv.connector import ConnectorRequest
+    from splitserve.kv.connector.base import ConnectorRequest
 
 
 def wall_to_monotonic(wall: float) -> float:

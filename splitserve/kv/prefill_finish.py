@@ -4,9 +4,9 @@ kv_transfer_params) and whether its blocks stay allocated, from the layer pusher
 
 from __future__ import annotations
 
-from splitserve.kv.connector import ConnectorRequest
-from splitserve.kv.handoff_metrics import HandoffMetrics
-from splitserve.kv.layer_push import LayerPusher
+from splitserve.kv.connector.base import ConnectorRequest
+from splitserve.kv.connector.handoff_metrics import HandoffMetrics
+from splitserve.kv.connector.layer_push import LayerPusher
 from splitserve.protocol.kv_transfer import KVTransferParams
 
 

@@ -23,13 +23,13 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from splitserve.kv.pd_loads import Load
-from splitserve.kv.reservations import HoldTable
+from splitserve.kv.connector.pd_loads import Load
+from splitserve.kv.connector.reservations import HoldTable
 from splitserve.protocol.block_hash import BlockHash
 from splitserve.protocol.kv_transfer import KVTransferParams, TransferMode
 
 if TYPE_CHECKING:
-    from splitserve.kv.connector import ConnectorRequest
+    from splitserve.kv.connector.base import ConnectorRequest
 
 LEND_MARK = "@prefix-"
 

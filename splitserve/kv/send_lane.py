@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import zmq
 
-from splitserve.kv.frame_mac import SenderSession
-from splitserve.kv.transport_types import Barrier, CallbackJob, PeerInfo, PoolLayout, TransferError
+from splitserve.kv.transport.frame_mac import SenderSession
+from splitserve.kv.transport.types import Barrier, CallbackJob, PeerInfo, PoolLayout, TransferError
 
 if TYPE_CHECKING:
     import torch

@@ -20,10 +20,10 @@ import warnings
 import torch
 import zmq
 
-from splitserve.kv.block_copy import copy_blocks
-from splitserve.kv.send_lane import LaneSocket
-from splitserve.kv.transport import KVTransport
-from splitserve.kv.transport_types import (
+from splitserve.kv.transport.block_copy import copy_blocks
+from splitserve.kv.transport.send_lane import LaneSocket
+from splitserve.kv.transport.base import KVTransport
+from splitserve.kv.transport.types import (
     PeerInfo,
     PoolLayout,
     PullJob,
@@ -31,7 +31,7 @@ from splitserve.kv.transport_types import (
     TransferError,
     dtype_from_name,
 )
-from splitserve.protocol.process_lifetime import process_alive
+from splitserve.runtime.process_lifetime import process_alive
 
 logger = logging.getLogger(__name__)
 

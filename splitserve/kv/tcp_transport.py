@@ -11,10 +11,10 @@ import warnings
 import torch
 import zmq
 
-from splitserve.kv.block_copy import copy_blocks, gather_blocks
-from splitserve.kv.send_lane import LaneSocket
-from splitserve.kv.transport import KVTransport
-from splitserve.kv.transport_types import CallbackJob, PeerInfo, PullJob, PushJob, TransferError
+from splitserve.kv.transport.block_copy import copy_blocks, gather_blocks
+from splitserve.kv.transport.send_lane import LaneSocket
+from splitserve.kv.transport.base import KVTransport
+from splitserve.kv.transport.types import CallbackJob, PeerInfo, PullJob, PushJob, TransferError
 
 
 class TcpTransport(KVTransport):

@@ -33,10 +33,10 @@ import torch
 import zmq
 
 from splitserve.config import TransferConfig
-from splitserve.kv.arrivals import ArrivalTracker, TransferResult
-from splitserve.kv.control_channel import ControlChannel
-from splitserve.kv.send_lane import LaneSocket, SendLanes, job_transfer_id
-from splitserve.kv.transport_types import (
+from splitserve.kv.transport.arrivals import ArrivalTracker, TransferResult
+from splitserve.kv.transport.control_channel import ControlChannel
+from splitserve.kv.transport.send_lane import LaneSocket, SendLanes, job_transfer_id
+from splitserve.kv.transport.types import (
     ControlJob,
     PeerInfo,
     PoolLayout,
@@ -45,7 +45,7 @@ from splitserve.kv.transport_types import (
     TransferError,
     dtype_name,
 )
-from splitserve.protocol.access import internal_token
+from splitserve.runtime.access import internal_token
 
 __all__ = ["KVTransport"]
 

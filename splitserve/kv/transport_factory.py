@@ -4,8 +4,8 @@ transports themselves import)."""
 from __future__ import annotations
 
 from splitserve.config import TransferConfig
-from splitserve.kv.transport import KVTransport
-from splitserve.kv.transport_types import TransferError
+from splitserve.kv.transport.base import KVTransport
+from splitserve.kv.transport.types import TransferError
 
 
 def make_transport(
@@ -13,15 +13,15 @@ def make_transport(
 ) -> KVTransport:
     """The transport `config.transport` names."""
     if config.transport == "shm":
-        from splitserve.kv.shm_transport import ShmTransport
+        from splitserve.kv.transport.shm import ShmTransport
 
         return ShmTransport(engine_id, config, host, port, max_queued_jobs)
     if config.transport == "tcp":
-        from splitserve.kv.tcp_transport import TcpTransport
+        from splitserve.kv.transport.tcp import TcpTransport
 
         return TcpTransport(engine_id, config, host, port, max_queued_jobs)
     if config.transport == "auto":
-        from splitserve.kv.auto_transport import AutoTransport
+        from splitserve.kv.transport.auto import AutoTransport
 
         return AutoTransport(engine_id, config, host, port, max_queued_jobs)
     raise TransferError(f"unknown KV transport {config.transport!r} (shm, tcp or auto)")

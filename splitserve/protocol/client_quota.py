@@ -33,8 +33,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from splitserve.protocol.access import bearer_token
-from splitserve.protocol.drain import RETRY_AFTER_S
+from splitserve.runtime.access import bearer_token
+from splitserve.runtime.drain import RETRY_AFTER_S
 from splitserve.protocol.errors import APIError, error_body
 
 # Generation requests: what reserves KV in a P/D deployment.

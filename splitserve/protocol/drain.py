@@ -24,7 +24,7 @@ from typing import Any
 import uvicorn
 
 from splitserve.protocol.errors import error_body
-from splitserve.protocol.http_pool import SERVER_KEEPALIVE_S
+from splitserve.runtime.http_pool import SERVER_KEEPALIVE_S
 
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 DEFAULT_MAX_IN_FLIGHT = 1024

@@ -16,7 +16,7 @@ import httpx
 from splitserve.protocol.engine_api import without_routing_hints
 from splitserve.protocol.engine_client import EngineClient
 from splitserve.protocol.errors import APIError
-from splitserve.protocol.http_pool import pooled_client
+from splitserve.runtime.http_pool import pooled_client
 
 
 class HTTPEngineClient(EngineClient):

@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 
-from splitserve.protocol.call_batcher import CallBatcher
+from splitserve.runtime.call_batcher import CallBatcher
 from splitserve.protocol.derender_api import MAX_PIECES
 from splitserve.protocol.errors import APIError
 from splitserve.protocol.frontend_client import (
@@ -21,7 +21,7 @@ from splitserve.protocol.frontend_client import (
     FrontendClient,
     RenderedPrompt,
 )
-from splitserve.protocol.http_pool import pooled_client
+from splitserve.runtime.http_pool import pooled_client
 from splitserve.protocol.openai_api import ChatCompletionRequest, CompletionRequest
 from splitserve.protocol.openai_chunks import delta_from_wire
 

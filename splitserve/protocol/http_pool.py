@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import httpx
 
-from splitserve.protocol.access import internal_headers
+from splitserve.runtime.access import internal_headers
 
 # Every tier's uvicorn keeps an idle keep-alive connection this long (its default, 5 s,
 # made a proxy idle for a few seconds open new TCP connections for the next burst)...

@@ -2,7 +2,7 @@
 included: no reliance on its clean-up running).
 
 Children. `child_command(argv)` is the command line that runs `splitserve ARGV...` through
-this module's launcher, `python -m splitserve.protocol.process_lifetime PARENT_PID ARGV...`,
+this module's launcher, `python -m splitserve.runtime.process_lifetime PARENT_PID ARGV...`,
 which, before anything else:
 1. asks the kernel for SIGKILL when its parent goes (Linux `prctl(PR_SET_PDEATHSIG)`);
 2. checks that its parent is still PARENT_PID: a parent that died between the fork and the

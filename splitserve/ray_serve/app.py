@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from splitserve.deploy.plan import deployment_secrets
-from splitserve.protocol.access import API_KEY_ENV
+from splitserve.runtime.access import API_KEY_ENV
 from splitserve.ray_serve.config import DEFAULT_TARGETS, RayDeployConfig, TierSpec
 from splitserve.ray_serve.ingress import ProxyIngress
 from splitserve.ray_serve.tier import INGRESS_NAME, TierReplica

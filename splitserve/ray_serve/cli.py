@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from splitserve.protocol.access import API_KEY_ENV
+from splitserve.runtime.access import API_KEY_ENV
 from splitserve.ray_serve.config import ConfigError, RayDeployConfig, check, check_cluster, config_from_args
 
 DEFAULT_APP_NAME = "splitserve"

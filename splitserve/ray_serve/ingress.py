@@ -23,7 +23,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from splitserve.protocol.access import (
+from splitserve.runtime.access import (
     API_KEY_ENV,
     OPEN_WITH_FLAG,
     AccessGuard,
@@ -32,7 +32,7 @@ from splitserve.protocol.access import (
     internal_token,
 )
 from splitserve.protocol.errors import error_body
-from splitserve.protocol.process_lifetime import owned_directory, remove_dead_owners
+from splitserve.runtime.process_lifetime import owned_directory, remove_dead_owners
 from splitserve.router.app import create_proxy_app
 from splitserve.router.encoder_pool import EncoderPool
 from splitserve.router.pd_engine_client import PDEngineClient
@@ -83,8 +83,8 @@ class EncoderCacheHome:
     router's memory of which images were encoded."""
 
     def __init__(self, node_id: str, host: str) -> None:
-        from splitserve.kv.ec_connector import SharedMemoryECConnector, default_shm_directory
-        from splitserve.kv.ec_tcp import ECServer
+        from splitserve.encoder_cache.connector import SharedMemoryECConnector, default_shm_directory
+        from splitserve.encoder_cache.tcp import ECServer
 
         root = str(default_shm_directory("ray").parent)
         # Named after this process: the cache of an ingress killed outright (its close never

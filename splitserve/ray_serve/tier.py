@@ -10,7 +10,7 @@ replica and registered with the ingress.
   deregisters first (the router sends nothing new) and then stops the server, which
   drains what it still serves.
 - A replica that dies outright takes its server with it: the server is started through
-  `protocol/process_lifetime.py`'s launcher, so the kernel sends it SIGKILL when the
+  `runtime/process_lifetime.py`'s launcher, so the kernel sends it SIGKILL when the
   replica goes (Linux PR_SET_PDEATHSIG; it follows the thread that started it, the
   replica's event-loop thread, which lives as long as the replica); the router's health
   check takes the URL out of rotation at once and the ingress drops it once its
@@ -43,9 +43,9 @@ from typing import Any
 import httpx
 
 from splitserve.deploy.plan import kv_event_flags
-from splitserve.protocol.access import internal_headers
-from splitserve.protocol.ports import pick_free_port
-from splitserve.protocol.process_lifetime import child_command
+from splitserve.runtime.access import internal_headers
+from splitserve.runtime.ports import pick_free_port
+from splitserve.runtime.process_lifetime import child_command
 from splitserve.ray_serve.config import ServerConfig
 
 logger = logging.getLogger(__name__)

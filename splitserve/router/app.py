@@ -15,8 +15,8 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
 from splitserve.protocol.frontend_client import FrontendClient
-from splitserve.protocol.http_edge import DEFAULT_MAX_BODY_BYTES
-from splitserve.protocol.http_frontend_client import HTTPFrontendClient
+from splitserve.runtime.http_edge import DEFAULT_MAX_BODY_BYTES
+from splitserve.runtime.http_frontend_client import HTTPFrontendClient
 from splitserve.router.encoder_pool import EncoderPool, EncoderPoolEngineClient
 from splitserve.router.load import load_loop
 from splitserve.router.pd_engine_client import PDEngineClient

@@ -6,10 +6,10 @@ import argparse
 import logging
 import sys
 
-from splitserve.protocol import access
-from splitserve.protocol.client_quota import QUOTA_BY, ClientQuota, QuotaLimits
-from splitserve.protocol.drain import add_serving_arguments, serve_draining
-from splitserve.protocol.http_edge import DEFAULT_MAX_BODY_BYTES
+from splitserve.runtime import access
+from splitserve.runtime.client_quota import QUOTA_BY, ClientQuota, QuotaLimits
+from splitserve.runtime.drain import add_serving_arguments, serve_draining
+from splitserve.runtime.http_edge import DEFAULT_MAX_BODY_BYTES
 from splitserve.router.routing import RoutingPolicy
 
 

@@ -29,7 +29,7 @@ import httpx
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from splitserve.protocol.engine_client import EngineClient
-from splitserve.protocol.http_pool import pooled_client
+from splitserve.runtime.http_pool import pooled_client
 from splitserve.protocol.multimodal import features_without_pixels
 
 logger = logging.getLogger(__name__)

@@ -29,13 +29,13 @@ from typing import NamedTuple
 
 import httpx
 
-from splitserve.protocol.client_quota import kv_blocks_held
+from splitserve.runtime.client_quota import kv_blocks_held
 from splitserve.protocol.engine_api import prompt_cached_tokens
 from splitserve.protocol.engine_client import EngineClient
 from splitserve.protocol.errors import APIError
 from splitserve.protocol.generate_request import GenerateRequest
-from splitserve.protocol.http_engine_client import HTTPEngineClient
-from splitserve.protocol.http_pool import pooled_client
+from splitserve.runtime.http_engine_client import HTTPEngineClient
+from splitserve.runtime.http_pool import pooled_client
 from splitserve.protocol.kv_transfer import KVTransferParams, chunk_kv_transfer_params
 from splitserve.protocol.pd_decision import (
     CostProfile,
@@ -213,7 +213,7 @@ class PDEngineClient(EngineClient):
         def served(decode: Worker) -> None:
             self.conversations.remember(conversation, decode.url)
 
-        # the client's KV-block budget (protocol/client_quota.py) is charged once per
+        # the client's KV-block budget (runtime/client_quota.py) is charged once per
         # request, before any worker is asked, and given back when the request ends
         with kv_blocks_held(self._prompt_blocks(request, hinted)):
             chunks = self.decode_streams.stream(request, hinted, served)

@@ -14,8 +14,8 @@ import sys
 
 from splitserve.engine.api import cli as engine_cli
 from splitserve.frontend import cli as render_cli
-from splitserve.protocol import access
-from splitserve.protocol.drain import serve_draining
+from splitserve.runtime import access
+from splitserve.runtime.drain import serve_draining
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

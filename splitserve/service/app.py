@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from splitserve.protocol.engine_client import EngineClient
 from splitserve.protocol.errors import APIError
 from splitserve.protocol.frontend_client import FrontendClient
-from splitserve.protocol.http_edge import (
+from splitserve.runtime.http_edge import (
     DEFAULT_MAX_BODY_BYTES,
     SSE_HEADERS,
     install_error_handlers,

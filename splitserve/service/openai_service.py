@@ -24,7 +24,7 @@ from splitserve.protocol.engine_api import choice_logprobs
 from splitserve.protocol.engine_client import EngineClient
 from splitserve.protocol.errors import APIError
 from splitserve.protocol.frontend_client import DerenderPiece, FrontendClient, RenderedPrompt
-from splitserve.protocol.http_edge import SSE_DONE, sse_event
+from splitserve.runtime.http_edge import SSE_DONE, sse_event
 from splitserve.protocol.openai_api import ChatCompletionRequest, CompletionRequest
 from splitserve.protocol.openai_chunks import (
     ChoiceDelta,

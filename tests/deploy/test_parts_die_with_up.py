@@ -1,6 +1,6 @@
 """`splitserve up` killed outright (SIGKILL, mid-stream; the issue's case: with an encoder)
 leaves nothing behind: within 2 s no process it started remains (the kernel ends them:
-`protocol/process_lifetime.py`), their ports are free, no KV segment of theirs is in
+`runtime/process_lifetime.py`), their ports are free, no KV segment of theirs is in
 /dev/shm, and the next `up` on the same port removes the encoder cache the killed one
 left on tmpfs, starts and answers."""
 

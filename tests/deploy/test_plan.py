@@ -9,7 +9,7 @@ import pytest
 
 from splitserve.deploy import up_cli
 from splitserve.deploy.plan import DeploymentPlan, deployment_secrets, plan_from_args, tier_env
-from splitserve.protocol.access import API_KEY_ENV, INTERNAL_TOKEN_ENV
+from splitserve.runtime.access import API_KEY_ENV, INTERNAL_TOKEN_ENV
 from splitserve.ray_serve.config import config_from_args, with_transport
 from splitserve.ray_serve.tier import server_command
 

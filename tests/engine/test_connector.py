@@ -11,7 +11,7 @@ import pytest
 from splitserve.config import CacheConfig, EngineConfig, ModelConfig
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.llm import LLM
-from splitserve.kv.inprocess import InProcessConnector, InProcessKVStore
+from splitserve.kv.connector.inprocess import InProcessConnector, InProcessKVStore
 from splitserve.protocol.sampling_params import SamplingParams
 from tests.engine.helpers import make_prompts
 from tests.generate_requests import generate_request

@@ -12,7 +12,7 @@ import torch
 
 from splitserve.engine.encoder_worker import EncoderJob, EncoderWorker
 from splitserve.engine.llm import LLM
-from splitserve.kv.ec_connector import SharedMemoryECConnector
+from splitserve.encoder_cache.connector import SharedMemoryECConnector
 from splitserve.protocol.errors import InvalidRequestError
 from splitserve.protocol.kv_transfer import KVTransferParams
 from tests.engine.vl_helpers import GREEDY
@@ -90,7 +90,7 @@ def test_image_hashes_never_name_paths(vl_model, vl_cases, tmp_path):
 def test_encoder_cache_across_hosts_over_tcp(vl_model, vl_cases, tmp_path):
     """The encoder host serves its cache (token-protected); a worker elsewhere publishes
     into it and an engine elsewhere loads from it; a wrong token or a dead server is a miss."""
-    from splitserve.kv.ec_tcp import ECServer, TcpECConnector
+    from splitserve.encoder_cache.tcp import ECServer, TcpECConnector
 
     cases, expected = vl_cases
     server = ECServer(SharedMemoryECConnector(tmp_path), token="internal-secret")
@@ -141,7 +141,7 @@ def test_encoder_prefill_decode(vl_model, vl_cases, tmp_path):
 
     from splitserve.config import CacheConfig, EngineConfig, ModelConfig, TransferConfig
     from splitserve.engine.async_engine import AsyncEngine
-    from splitserve.kv.pd_connector import PDConnector
+    from splitserve.kv.connector.pd_connector import PDConnector
 
     cases, expected = vl_cases
     EncoderWorker(vl_model, SharedMemoryECConnector(tmp_path), dtype="float32").encode(jobs_of(cases))

@@ -297,7 +297,7 @@ def test_a_derender_of_more_pieces_than_one_call_takes_is_split(servers, tiny_mo
 
     from splitserve.protocol.derender_api import MAX_PIECES
     from splitserve.protocol.frontend_client import DerenderPiece
-    from splitserve.protocol.http_frontend_client import HTTPFrontendClient
+    from splitserve.runtime.http_frontend_client import HTTPFrontendClient
 
     token_ids = Tokenizer.from_dir(tiny_model).encode("hello world, how are you today? " * 300)[:1500]
     assert len(token_ids) == 1500 > MAX_PIECES

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from splitserve.kv.shm_transport import segment_path
+from splitserve.kv.transport.shm import segment_path
 from tests.conftest import free_port, running_server
 from tests.router.test_pd_proxy import up_log
 
@@ -47,7 +47,7 @@ def leave_segment(engine_id: str, then: str) -> subprocess.Popen:
     stays alive holding it."""
     code = (
         "import os, signal, sys, time\n"
-        "from splitserve.kv.shm_transport import segment_path\n"
+        "from splitserve.kv.transport.shm import segment_path\n"
         f"os.close(os.open(segment_path(os.getpid(), {engine_id!r}), os.O_CREAT | os.O_RDWR, 0o600))\n"
         "print('created', flush=True)\n"
         f"os.kill(os.getpid(), signal.SIGKILL) if {then!r} == 'die' else time.sleep(600)\n"

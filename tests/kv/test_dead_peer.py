@@ -23,11 +23,11 @@ import torch
 import zmq
 
 from splitserve.config import TransferConfig
-from splitserve.kv.arrivals import TransferResult
-from splitserve.kv.send_lane import SendLanes
-from splitserve.kv.shm_transport import segment_path
-from splitserve.kv.transport_factory import make_transport
-from splitserve.kv.transport_types import ControlJob, PeerInfo, TransferError
+from splitserve.kv.transport.arrivals import TransferResult
+from splitserve.kv.transport.send_lane import SendLanes
+from splitserve.kv.transport.shm import segment_path
+from splitserve.kv.transport.factory import make_transport
+from splitserve.kv.transport.types import ControlJob, PeerInfo, TransferError
 from splitserve.router.pd_engine_client import PDEngineClient
 from splitserve.router.pd_policy import PDPolicy
 from splitserve.router.workers import WorkerPool

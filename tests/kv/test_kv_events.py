@@ -203,7 +203,7 @@ def test_malformed_replay_requests_do_not_stop_the_publisher() -> None:
     replay request and goes on publishing and replaying."""
     import zmq
 
-    from splitserve.kv.events import KVEventPublisher
+    from splitserve.runtime.kv_events import KVEventPublisher
 
     events = KVEventsConfig(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
     publisher = KVEventPublisher(events)

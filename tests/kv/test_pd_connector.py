@@ -12,7 +12,7 @@ import pytest
 
 from splitserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, TransferConfig
 from splitserve.engine.async_engine import AsyncEngine
-from splitserve.kv.pd_connector import PDConnector
+from splitserve.kv.connector.pd_connector import PDConnector
 from splitserve.protocol.kv_transfer import KVTransferParams
 from splitserve.protocol.sampling_params import SamplingParams
 from tests.generate_requests import generate_request

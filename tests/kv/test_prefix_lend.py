@@ -11,7 +11,7 @@ import random
 import pytest
 
 from splitserve.config import TransferConfig
-from splitserve.kv.prefix_lend import matched_prefix_blocks
+from splitserve.kv.connector.prefix_lend import matched_prefix_blocks
 from splitserve.protocol.kv_transfer import KVTransferParams
 from splitserve.protocol.sampling_params import SamplingParams
 from tests.generate_requests import generate_request

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from splitserve.config import TransferConfig
-from splitserve.kv.transport_factory import make_transport
-from splitserve.kv.transport_types import PeerInfo, TransferError
+from splitserve.kv.transport.factory import make_transport
+from splitserve.kv.transport.types import PeerInfo, TransferError
 from tests.kv.transport_peer import (
     SHAPE,
     dying_sender,

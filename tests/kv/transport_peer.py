@@ -9,7 +9,7 @@ import time
 import torch
 
 from splitserve.config import TransferConfig
-from splitserve.kv.transport_factory import make_transport
+from splitserve.kv.transport.factory import make_transport
 
 SHAPE = (3, 2, 8, 4, 2, 5)  # layers, k/v, blocks, block size, kv heads, head dim
 
@@ -55,7 +55,7 @@ def receiver(kind: str, timeout_s: float, ttl_s: float, dst: list[int], to_paren
 
 def dying_sender(kind: str, peer: tuple, src: list[int], dst: list[int], layers_before_death: int) -> None:
     """Push some layers, then die without a word (as a killed prefill worker would)."""
-    from splitserve.kv.transport_types import PeerInfo
+    from splitserve.kv.transport.types import PeerInfo
 
     transport = make_transport("dying", TransferConfig(transport=kind, timeout_s=5))
     filled_pool(transport)
@@ -96,7 +96,7 @@ def churn(kind: str, rounds: int) -> None:
     flight (to the receiver and to a peer that never answers); print this process's pid."""
     import zmq
 
-    from splitserve.kv.transport_types import PeerInfo
+    from splitserve.kv.transport.types import PeerInfo
 
     context = zmq.Context()
     sink = context.socket(zmq.ROUTER)  # bound, never read: a stalled peer

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from splitserve.protocol.call_batcher import CallBatcher
+from splitserve.runtime.call_batcher import CallBatcher
 
 
 def test_callers_share_calls_and_get_their_own_results():

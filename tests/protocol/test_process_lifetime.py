@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from splitserve.protocol.process_lifetime import (
+from splitserve.runtime.process_lifetime import (
     PARENT_GONE_EXIT_CODE,
     child_command,
     owned_directory,
@@ -69,7 +69,7 @@ def parent_of_a_child(port: int, then: str) -> subprocess.Popen:
     ]
     code = (
         "import os, subprocess, sys\n"
-        "from splitserve.protocol.process_lifetime import child_command\n"
+        "from splitserve.runtime.process_lifetime import child_command\n"
         f"child = subprocess.Popen(child_command({command!r}))\n"
         "print(child.pid, flush=True)\n"
         f"os._exit(0) if {then!r} == 'exit' else sys.stdin.read()\n"
@@ -133,7 +133,7 @@ def test_the_launcher_runs_nothing_for_a_parent_that_is_not_its_own():
 
 def test_only_the_directories_of_dead_owners_are_removed(tmp_path):
     prefix = "splitserve-test-"
-    code = "from splitserve.protocol.process_lifetime import owned_directory\n"
+    code = "from splitserve.runtime.process_lifetime import owned_directory\n"
     code += f"print(owned_directory({prefix!r}, {str(tmp_path)!r}))"
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True

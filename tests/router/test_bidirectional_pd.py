@@ -21,7 +21,7 @@ import httpx
 import openai
 import pytest
 
-from splitserve.protocol.access import INTERNAL_TOKEN_ENV
+from splitserve.runtime.access import INTERNAL_TOKEN_ENV
 from splitserve.router.pd_engine_client import PDEngineClient
 from splitserve.router.pd_policy import PDPolicy
 from splitserve.router.workers import WorkerPool

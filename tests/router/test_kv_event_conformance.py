@@ -3,7 +3,7 @@ restarted with its numbers reset, AllBlocksCleared, replays longer than ZeroMQ's
 high-water mark), applying what the subscriber returns leaves the proxy's index
 (`KVBlockIndex`) equal to the publisher's own record of what it stored and removed, or,
 where batches are lost for good, without any block the publisher removed. Real
-publishers (kv/events.py) on real sockets; a lost live batch is one published while the
+publishers (runtime/kv_events.py) on real sockets; a lost live batch is one published while the
 subscriber's SUB socket is disconnected."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 from splitserve.config import KVEventsConfig
-from splitserve.kv.events import KVEventPublisher
+from splitserve.runtime.kv_events import KVEventPublisher
 from splitserve.protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventSubscriber
 from splitserve.router.kv_index import KVBlockIndex, KVEventFeed
 from tests.conftest import free_port

@@ -20,7 +20,7 @@ from typing import NamedTuple
 import httpx
 import pytest
 
-from splitserve.protocol.access import INTERNAL_TOKEN_ENV
+from splitserve.runtime.access import INTERNAL_TOKEN_ENV
 from tests.conftest import free_port, running_server
 from tests.router.test_kv_routing import served, served_by, text
 

@@ -14,7 +14,7 @@ import torch
 import zmq
 
 from splitserve.engine.api.encode_routes import ECSetup
-from splitserve.kv.ec_tcp import TcpECConnector
+from splitserve.encoder_cache.tcp import TcpECConnector
 
 IMAGE = "ab" * 32
 INTRUDER_IMAGE = "cd" * 32

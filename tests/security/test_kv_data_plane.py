@@ -16,8 +16,8 @@ import torch
 import zmq
 
 from splitserve.config import TransferConfig
-from splitserve.kv.transport_factory import make_transport
-from splitserve.kv.transport_types import PeerInfo
+from splitserve.kv.transport.factory import make_transport
+from splitserve.kv.transport.types import PeerInfo
 from tests.conftest import wait_until
 from tests.kv.transport_peer import SHAPE, filled_pool, kv_hashes, pattern, pull_source
 

@@ -13,9 +13,9 @@ import torch
 import zmq
 
 from splitserve.config import TransferConfig
-from splitserve.kv.frame_mac import MAX_SESSIONS_PER_PEER, FrameMac, ReplayGuard, hello_stamp, stamp
-from splitserve.kv.transport_factory import make_transport
-from splitserve.kv.transport_types import PeerInfo
+from splitserve.kv.transport.frame_mac import MAX_SESSIONS_PER_PEER, FrameMac, ReplayGuard, hello_stamp, stamp
+from splitserve.kv.transport.factory import make_transport
+from splitserve.kv.transport.types import PeerInfo
 from tests.conftest import wait_until
 from tests.kv.transport_peer import SHAPE, filled_pool, pattern
 

@@ -24,7 +24,7 @@ from splitserve.engine.async_engine import AsyncEngine
 from splitserve.protocol.engine_api import merge_chunks
 from splitserve.protocol.errors import APIError
 from splitserve.protocol.generate_request import DEFAULT_MAX_PIXEL_BYTES
-from splitserve.protocol.http_edge import install_error_handlers, read_json_body
+from splitserve.runtime.http_edge import install_error_handlers, read_json_body
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
 

@@ -8,8 +8,8 @@ import re
 
 from splitserve.config import CacheConfig, EngineConfig, KVEventsConfig, ModelConfig, SchedulerConfig
 from splitserve.engine.api import encode_routes, kv_routes
-from splitserve.protocol import access
-from splitserve.protocol.drain import add_serving_arguments, serve_draining
+from splitserve.runtime import access
+from splitserve.runtime.drain import add_serving_arguments, serve_draining
 
 _SIZE_UNITS = {
     "": 1,

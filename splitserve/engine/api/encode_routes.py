@@ -32,16 +32,16 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from splitserve.config import CacheConfig
 from splitserve.engine.api.mm_metrics import EncoderWorkerCollector
-from splitserve.protocol import access
+from splitserve.runtime import access
 from splitserve.protocol.errors import APIError
 from splitserve.protocol.generate_request import DEFAULT_MAX_PIXEL_BYTES, parse_features
-from splitserve.protocol.http_edge import install_error_handlers, read_json_body
-from splitserve.protocol.http_pool import SERVER_KEEPALIVE_S
+from splitserve.runtime.http_edge import install_error_handlers, read_json_body
+from splitserve.runtime.http_pool import SERVER_KEEPALIVE_S
 
 if TYPE_CHECKING:  # torch: imported when an engine or encoder is built, not for --help
     from splitserve.engine.encoder_worker import EncoderJob, EncoderWorker
-    from splitserve.kv.ec_connector import ECConnector
-    from splitserve.kv.ec_tcp import ECServer
+    from splitserve.encoder_cache.connector import ECConnector
+    from splitserve.encoder_cache.tcp import ECServer
 
 ENCODE_PATH = "/inference/v1/encode"
 
@@ -92,8 +92,8 @@ class ECSetup:
     """The encoder-cache connector the flags ask for, and the server they may start."""
 
     def __init__(self, args: argparse.Namespace, encoder_role: bool) -> None:
-        from splitserve.kv.ec_connector import SharedMemoryECConnector, default_shm_directory
-        from splitserve.kv.ec_tcp import ECServer, TcpECConnector
+        from splitserve.encoder_cache.connector import SharedMemoryECConnector, default_shm_directory
+        from splitserve.encoder_cache.tcp import ECServer, TcpECConnector
 
         self.connector: ECConnector | None = None
         self.server: ECServer | None = None

@@ -9,7 +9,7 @@ KV flags, the reservation and transfer-failure endpoints, and the handoff metric
   An empty `remote_block_ids` means decode's prefix cache already holds the prompt.
   Bidirectional: `prefix_lend_id, prefix_block_ids, prefix_block_hashes` offer the leading
   blocks decode already holds (its prefix-cache hit, by chained block hash) for the
-  prefill worker to pull instead of computing them (`kv/prefix_lend.py`).
+  prefill worker to pull instead of computing them (`kv/connector/prefix_lend.py`).
 - `POST /inference/v1/kv/transfer_failed` `{request_id, error?}` (decode): stop waiting for
   that request's KV now (its prefill failed); it recomputes (or fails, by policy).
 - `POST /inference/v1/kv/release_hold` `{request_id}` (prefill, pull mode): the proxy's
@@ -40,13 +40,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from splitserve.config import EngineRole, TransferConfig
-from splitserve.kv.handoff_metrics import ForwardRegistry
+from splitserve.kv.connector.handoff_metrics import ForwardRegistry
 from splitserve.protocol.errors import APIError
-from splitserve.protocol.http_edge import read_json_body
+from splitserve.runtime.http_edge import read_json_body
 from splitserve.protocol.kv_transfer import KV_TRANSFER_PARAMS, KVTransferParams, parse_kv_transfer_params
 
 if TYPE_CHECKING:
-    from splitserve.kv.pd_connector import PDConnector
+    from splitserve.kv.connector.pd_connector import PDConnector
 
 MAX_RESERVE_WAIT_S = 120.0
 
@@ -172,7 +172,7 @@ def make_connector(
     """The P/D connector for a prefill or decode engine; None for a collocated one."""
     if role == "both":
         return None
-    from splitserve.kv.pd_connector import PDConnector  # torch: only engines pay for it
+    from splitserve.kv.connector.pd_connector import PDConnector  # torch: only engines pay for it
 
     return PDConnector(role, transfer, host=host, port=kv_port)
 

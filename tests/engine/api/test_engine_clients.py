@@ -16,7 +16,7 @@ from splitserve.engine.api.local_client import LocalEngineClient
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.protocol.engine_client import EngineClient
 from splitserve.protocol.errors import APIError
-from splitserve.protocol.http_engine_client import HTTPEngineClient
+from splitserve.runtime.http_engine_client import HTTPEngineClient
 from tests.conftest import free_port, running_server
 
 VOCAB = 2048

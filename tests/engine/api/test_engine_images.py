@@ -16,7 +16,7 @@ from splitserve.engine.api.app import create_engine_app
 from splitserve.engine.api.encode_routes import ENCODE_PATH, ECSetup, create_encoder_app
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.encoder_worker import EncoderWorker
-from splitserve.kv.ec_connector import SharedMemoryECConnector
+from splitserve.encoder_cache.connector import SharedMemoryECConnector
 from splitserve.protocol.multimodal import features_to_wire, features_without_pixels
 from tests.conftest import free_port
 from tests.engine.api.helpers import (
