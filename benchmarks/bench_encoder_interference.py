@@ -32,13 +32,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from splitserve.engine.llm import LLM  # noqa: E402
-from splitserve.engine.sampling_params import SamplingParams  # noqa: E402
 from splitserve.frontend.image_processor import ImageProcessorConfig, process_image  # noqa: E402
 from splitserve.model.qwen2_vl import load_qwen2_vl_config  # noqa: E402
 from splitserve.model.tiny import write_tiny_model  # noqa: E402
 from splitserve.model.tiny_text import TinyModelSpec  # noqa: E402
 from splitserve.model.tiny_vl import TinyVisionSpec  # noqa: E402
+from splitserve.protocol.generate_request import GenerateRequest  # noqa: E402
 from splitserve.protocol.multimodal import ImageInput  # noqa: E402
+from splitserve.protocol.sampling_params import SamplingParams  # noqa: E402
 
 TEXT = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
 IMAGE_REPLY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -97,7 +98,7 @@ def run(model_dir: str, args: argparse.Namespace, epd: bool) -> tuple[list[float
         encoder.start()
         assert done.get(timeout=120) == "ready"
     for i in range(args.streams):
-        engine.add_request(f"text-{i}", [20 + i, 30, 40, 50], TEXT)
+        engine.add_request(GenerateRequest(f"text-{i}", (20 + i, 30, 40, 50), TEXT))
     last_token: dict[str, float] = {}
     gaps: list[float] = []
     sent = 0
@@ -112,13 +113,22 @@ def run(model_dir: str, args: argparse.Namespace, epd: bool) -> tuple[list[float
             if epd:  # the proxy: encoder job first, the request once its images are cached
                 jobs.put((sent, requests[sent][1]))
             else:
-                engine.add_request(f"image-{sent}", requests[sent][0], IMAGE_REPLY, images=requests[sent][1])
+                engine.add_request(
+                    GenerateRequest(
+                        f"image-{sent}",
+                        tuple(requests[sent][0]),
+                        IMAGE_REPLY,
+                        images=tuple(requests[sent][1]),
+                    )
+                )
             sent += 1
         while epd and not done.empty():
             index = done.get()
             token_ids, images = requests[index]
             hashes_only = [dataclasses.replace(i, pixel_values=None) for i in images]
-            engine.add_request(f"image-{index}", token_ids, IMAGE_REPLY, images=hashes_only)
+            engine.add_request(
+                GenerateRequest(f"image-{index}", tuple(token_ids), IMAGE_REPLY, images=tuple(hashes_only))
+            )
         for out in engine.step():
             stamp = time.monotonic()
             if out.request_id.startswith("text-"):

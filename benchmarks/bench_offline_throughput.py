@@ -70,7 +70,7 @@ def make_workload(num_seqs: int, min_len: int, max_len: int, vocab: int, seed: i
 
 def run_splitserve(model: Path, workload: Workload, args: argparse.Namespace) -> Result:
     from splitserve.engine.llm import LLM
-    from splitserve.engine.sampling_params import SamplingParams
+    from splitserve.protocol.sampling_params import SamplingParams
 
     # The checkpoint is bf16; where this CPU only emulates bf16 matmul, splitserve is told
     # to compute in float32 over the same weights (vLLM-CPU keeps bf16 with its own kernels).
@@ -106,12 +106,15 @@ def profile_decode_step(llm: object, workload: Workload) -> None:
     """Prefill the whole batch, then profile one decode step of all 64 sequences."""
     import torch
 
-    from splitserve.engine.sampling_params import SamplingParams
+    from splitserve.protocol.generate_request import GenerateRequest
+    from splitserve.protocol.sampling_params import SamplingParams
 
     engine = llm.engine  # type: ignore[attr-defined]
     for i, prompt in enumerate(workload.prompts):
         engine.add_request(
-            f"profile-{i}", prompt, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+            GenerateRequest(
+                f"profile-{i}", tuple(prompt), SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+            )
         )
     while engine.scheduler.waiting or any(
         r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running

@@ -26,9 +26,10 @@ import torch
 
 from splitserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from splitserve.engine.llm_engine import LLMEngine
-from splitserve.engine.sampling_params import SamplingParams
 from splitserve.model.tiny import write_tiny_model
 from splitserve.model.tiny_text import TinyModelSpec
+from splitserve.protocol.generate_request import GenerateRequest
+from splitserve.protocol.sampling_params import SamplingParams
 from splitserve.sim import Deployment, InstanceConfig, Roofline, Workload, load_gpu, load_model, simulate
 from splitserve.sim.calibrate import Sample, fit, samples_to_json
 
@@ -78,7 +79,9 @@ def measure(engine: LLMEngine, repeats: int = 4) -> list[Sample]:
         best = float("inf")
         for rep in range(repeats):
             rid = f"p{n}-{past}-{rep}"
-            engine.add_request(rid, prompt(n + past, n + rep), SamplingParams(max_tokens=1, **greedy))
+            engine.add_request(
+                GenerateRequest(rid, tuple(prompt(n + past, n + rep)), SamplingParams(max_tokens=1, **greedy))
+            )
             done = 0  # a prompt longer than the budget is chunked: step k has k * BUDGET cached
             while engine.has_unfinished_requests():
                 engine.step()
@@ -90,7 +93,11 @@ def measure(engine: LLMEngine, repeats: int = 4) -> list[Sample]:
     for batch, ctx in ((1, 256), (4, 256), (8, 512), (16, 256), (32, 128)):  # decode at a known context
         for i in range(batch):
             engine.add_request(
-                f"d{batch}-{i}", prompt(ctx, 1000 + i), SamplingParams(max_tokens=4 + repeats, **greedy)
+                GenerateRequest(
+                    f"d{batch}-{i}",
+                    tuple(prompt(ctx, 1000 + i)),
+                    SamplingParams(max_tokens=4 + repeats, **greedy),
+                )
             )
         best, steps = float("inf"), 0
         while engine.has_unfinished_requests():
@@ -106,9 +113,11 @@ def measure(engine: LLMEngine, repeats: int = 4) -> list[Sample]:
 def holdout(engine: LLMEngine, n: int = 24, prompt_len: int = 300, output: int = 24) -> float:
     for i in range(n):
         engine.add_request(
-            f"h{i}",
-            prompt(prompt_len, 5000 + i),
-            SamplingParams(max_tokens=output, temperature=0.0, ignore_eos=True),
+            GenerateRequest(
+                f"h{i}",
+                tuple(prompt(prompt_len, 5000 + i)),
+                SamplingParams(max_tokens=output, temperature=0.0, ignore_eos=True),
+            ),
         )
     total = 0.0
     while engine.has_unfinished_requests():

@@ -37,10 +37,6 @@ LAYERS: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = (
 # The imports that break a layer today, each with why it stays for now. An entry that no
 # import needs any more fails the test: take it out.
 ALLOWED_IMPORTS: dict[tuple[str, str], str] = {
-    ("splitserve.model.sampler", "splitserve.engine.sampling_params"): (
-        "SamplingParams moves to protocol/ with the typed generate request (issue 28), "
-        "and engine/llm_engine.py imports it from engine/ meanwhile"
-    ),
     ("splitserve.ray_serve.ingress", "splitserve.encoder_cache.connector"): (
         "the ingress keeps the deployment's encoder cache: torch only with an encoder tier"
     ),

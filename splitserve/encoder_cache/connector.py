@@ -1,7 +1,7 @@
 """The encoder-cache (EC) connector seam: visual embeddings computed by an encoder worker,
 found by image hash, loaded by the prefill/decode engine.
 
-Same shape as the KV connector (`splitserve.kv.connector`): one object per engine holds
+Same shape as the KV connector (`splitserve.kv.connector.base`): one object per engine holds
 both halves.
 
 Scheduler half (the engine thread, when a request is added):

@@ -12,7 +12,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from typing import NamedTuple
 
 from splitserve.config import EngineConfig
@@ -20,10 +20,9 @@ from splitserve.encoder_cache.connector import ECConnector
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.model_runner import KVCacheAllocator
 from splitserve.engine.outputs import EngineStats, RequestOutput
-from splitserve.engine.sampling_params import SamplingParams
 from splitserve.kv.connector.base import KVConnector
 from splitserve.protocol.errors import InvalidRequestError
-from splitserve.protocol.multimodal import ImageInput
+from splitserve.protocol.generate_request import GenerateRequest
 
 logger = logging.getLogger(__name__)
 
@@ -45,13 +44,8 @@ class _Stream:
 
 class _AddCommand(NamedTuple):
     stream: _Stream
-    request_id: str
-    prompt_token_ids: Sequence[int]
-    sampling_params: SamplingParams
-    cache_salt: str | None
-    kv_transfer_params: dict | None
+    request: GenerateRequest
     arrival_time: float
-    images: list[ImageInput] | None
 
 
 class AsyncEngine:
@@ -106,54 +100,24 @@ class AsyncEngine:
         self.shutdown()
 
     # ---- API ----------------------------------------------------------------------
-    def validate_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        sampling_params: SamplingParams,
-        cache_salt: str | None = None,
-        kv_transfer_params: dict | None = None,
-        images: list[ImageInput] | None = None,
-    ) -> None:
-        self.engine.validate_request(
-            request_id, prompt_token_ids, sampling_params, cache_salt, kv_transfer_params, images
-        )
+    def validate_request(self, request: GenerateRequest) -> None:
+        self.engine.validate_request(request)
 
-    async def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        sampling_params: SamplingParams,
-        *,
-        cache_salt: str | None = None,
-        kv_transfer_params: dict | None = None,
-        images: list[ImageInput] | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs (deltas) until one is finished. Invalid requests
         raise at the first `__anext__`, before any output. Closing or cancelling the
         iterator early aborts the request and frees its blocks."""
         if not self.is_running:
             raise RuntimeError("AsyncEngine is not running; call start()")
-        self.validate_request(
-            request_id, prompt_token_ids, sampling_params, cache_salt, kv_transfer_params, images
-        )
+        self.validate_request(request)
+        request_id = request.request_id
         stream = _Stream(asyncio.get_running_loop())
         with self._lock:
             if request_id in self._streams:
                 raise InvalidRequestError(f"request_id {request_id!r} is already in use", param="request_id")
             self._streams[request_id] = stream
-            self._commands.append(
-                _AddCommand(
-                    stream,
-                    request_id,
-                    prompt_token_ids,  # immutable from the API edge; the Request copies it once
-                    sampling_params,
-                    cache_salt,
-                    kv_transfer_params,
-                    time.monotonic(),
-                    images,
-                )
-            )
+            # immutable from the API edge; the engine's Request copies its token IDs once
+            self._commands.append(_AddCommand(stream, request, time.monotonic()))
         self._wake.set()
         finished = False
         try:
@@ -186,7 +150,7 @@ class AsyncEngine:
         """The snapshot of the engine thread's last loop, plus the prompts accepted since
         (not yet added), so that a router polling the load sees every request it sent."""
         with self._lock:
-            pending = sum(len(c.prompt_token_ids) for c in self._commands if isinstance(c, _AddCommand))
+            pending = sum(len(c.request.token_ids) for c in self._commands if isinstance(c, _AddCommand))
         stats = self._stats
         if not pending:
             return stats
@@ -211,15 +175,7 @@ class AsyncEngine:
                     self._route(engine.take_pending_outputs())
                     continue
                 try:
-                    engine.add_validated_request(
-                        command.request_id,
-                        command.prompt_token_ids,
-                        command.sampling_params,
-                        cache_salt=command.cache_salt,
-                        kv_transfer_params=command.kv_transfer_params,
-                        arrival_time=command.arrival_time,
-                        images=command.images,
-                    )
+                    engine.add_validated_request(command.request, arrival_time=command.arrival_time)
                 except Exception as exc:  # validated already; a race or an engine bug
                     self._deliver(command.stream, [exc])
                 else:

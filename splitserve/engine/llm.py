@@ -8,9 +8,11 @@ from typing import Any, NamedTuple
 from splitserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from splitserve.encoder_cache.connector import ECConnector
 from splitserve.engine.llm_engine import LLMEngine
-from splitserve.engine.sampling_params import SamplingParams
 from splitserve.kv.connector.base import KVConnector
+from splitserve.protocol.generate_request import GenerateRequest
+from splitserve.protocol.kv_transfer import KVTransferParams
 from splitserve.protocol.multimodal import ImageInput
+from splitserve.protocol.sampling_params import SamplingParams
 
 _MODEL_KEYS = ("dtype", "device", "seed", "serial_step_tokens")
 _CACHE_KEYS = (
@@ -91,12 +93,17 @@ class LLM:
             self._counter += 1
             request_id = f"llm-{self._counter}"
             self.engine.add_request(
-                request_id,
-                list(prompt),
-                param,
-                cache_salt=cache_salt,
-                kv_transfer_params=kv_params,
-                images=image_inputs,
+                GenerateRequest(
+                    request_id,
+                    tuple(prompt),
+                    param,
+                    cache_salt=cache_salt,
+                    # the wire form a prefill's result reports, as the HTTP edge takes it
+                    kv_transfer_params=KVTransferParams.from_wire(kv_params)
+                    if kv_params is not None
+                    else None,
+                    images=tuple(image_inputs or ()),
+                )
             )
             ids.append(request_id)
         tokens: dict[str, list[int]] = {i: [] for i in ids}

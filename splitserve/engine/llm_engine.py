@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
 
 from splitserve.config import EngineConfig
 from splitserve.encoder_cache.connector import ECConnector
@@ -21,12 +20,13 @@ from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.multimodal import MultiModalInputs
 from splitserve.engine.outputs import EngineStats, RequestOutput
 from splitserve.engine.request import Request
-from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.scheduler import Scheduler
 from splitserve.kv.connector.base import KVCacheAllocator, KVConnector
 from splitserve.protocol.errors import InvalidRequestError, PromptTooLongError
+from splitserve.protocol.generate_request import GenerateRequest
 from splitserve.protocol.kv_events import AllBlocksCleared
 from splitserve.protocol.multimodal import ImageInput
+from splitserve.protocol.sampling_params import SamplingParams
 from splitserve.runtime.kv_events import KVEventPublisher
 
 logger = logging.getLogger(__name__)
@@ -71,20 +71,14 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.model_info.eos_token_ids)
 
     # ---- requests -----------------------------------------------------------------
-    def validate_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        sampling_params: SamplingParams,
-        cache_salt: str | None = None,
-        kv_transfer_params: dict | None = None,
-        images: list[ImageInput] | None = None,
-    ) -> None:
-        """Raise InvalidRequestError / PromptTooLongError; reads only immutable state."""
-        if not isinstance(request_id, str) or not request_id:
+    def validate_request(self, request: GenerateRequest) -> None:
+        """Raise InvalidRequestError / PromptTooLongError; reads only immutable state.
+        The wire checks are `GenerateRequest.from_wire`'s; these need the model."""
+        if not isinstance(request.request_id, str) or not request.request_id:
             raise InvalidRequestError("request_id must be a non-empty string", param="request_id")
-        if not isinstance(sampling_params, SamplingParams):
+        if not isinstance(request.sampling_params, SamplingParams):
             raise InvalidRequestError("sampling_params must be a SamplingParams", param="sampling_params")
+        prompt_token_ids = request.token_ids
         if not isinstance(prompt_token_ids, (list, tuple)) or not prompt_token_ids:
             raise InvalidRequestError("token_ids must be a non-empty list of integers", param="token_ids")
         vocab = self.model_info.vocab_size
@@ -106,66 +100,36 @@ class LLMEngine:
                 f"{self.block_manager.num_blocks * self.block_manager.block_size - 1}",
                 param="token_ids",
             )
-        if cache_salt is not None and not isinstance(cache_salt, str):
+        if request.cache_salt is not None and not isinstance(request.cache_salt, str):
             raise InvalidRequestError("cache_salt must be a string", param="cache_salt")
-        if kv_transfer_params is not None and not isinstance(kv_transfer_params, dict):
-            raise InvalidRequestError("kv_transfer_params must be an object", param="kv_transfer_params")
-        self._multimodal_inputs(prompt_token_ids, images)
+        self._multimodal_inputs(list(prompt_token_ids), list(request.images))
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        sampling_params: SamplingParams,
-        *,
-        cache_salt: str | None = None,
-        kv_transfer_params: dict | None = None,
-        arrival_time: float | None = None,
-        images: list[ImageInput] | None = None,
-    ) -> None:
-        self.validate_request(
-            request_id, prompt_token_ids, sampling_params, cache_salt, kv_transfer_params, images
-        )
-        self.add_validated_request(
-            request_id,
-            prompt_token_ids,
-            sampling_params,
-            cache_salt=cache_salt,
-            kv_transfer_params=kv_transfer_params,
-            arrival_time=arrival_time,
-            images=images,
-        )
+    def add_request(self, request: GenerateRequest, *, arrival_time: float | None = None) -> None:
+        self.validate_request(request)
+        self.add_validated_request(request, arrival_time=arrival_time)
 
-    def add_validated_request(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        sampling_params: SamplingParams,
-        *,
-        cache_salt: str | None = None,
-        kv_transfer_params: dict | None = None,
-        arrival_time: float | None = None,
-        images: list[ImageInput] | None = None,
-    ) -> None:
+    def add_validated_request(self, request: GenerateRequest, *, arrival_time: float | None = None) -> None:
         """`add_request` for a request `validate_request` has accepted (the async engine
         validates on the caller's thread; its engine thread does not validate again)."""
-        multimodal = self._multimodal_inputs(list(prompt_token_ids), images)
-        if self.scheduler.request_id_in_use(request_id):
-            raise InvalidRequestError(f"request_id {request_id!r} is already in use", param="request_id")
-        if self.config.role == "prefill" and sampling_params.max_tokens != 1:
-            sampling_params = dataclasses.replace(sampling_params, max_tokens=1)
-        request = Request(
-            request_id,
-            list(prompt_token_ids),
-            sampling_params,
-            eos_token_ids=self.eos_token_ids,
-            block_size=self.block_manager.block_size,
-            cache_salt=cache_salt,
-            kv_transfer_params=kv_transfer_params,
-            arrival_time=arrival_time,
-            multimodal=multimodal,
+        multimodal = self._multimodal_inputs(list(request.token_ids), list(request.images))
+        if self.scheduler.request_id_in_use(request.request_id):
+            raise InvalidRequestError(
+                f"request_id {request.request_id!r} is already in use", param="request_id"
+            )
+        sampling_params = request.sampling_params.for_context(
+            len(request.token_ids), self.model_info.max_model_len
         )
-        self.scheduler.add(request)
+        if self.config.role == "prefill":
+            sampling_params = dataclasses.replace(sampling_params, max_tokens=1)
+        self.scheduler.add(
+            Request(
+                dataclasses.replace(request, sampling_params=sampling_params),
+                eos_token_ids=self.eos_token_ids,
+                block_size=self.block_manager.block_size,
+                arrival_time=arrival_time,
+                multimodal=multimodal,
+            )
+        )
 
     def _multimodal_inputs(
         self, prompt: list[int], images: list[ImageInput] | None

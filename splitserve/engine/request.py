@@ -6,8 +6,9 @@ import enum
 import time
 from typing import TYPE_CHECKING
 
-from splitserve.engine.sampling_params import SamplingParams
 from splitserve.protocol.block_hash import BlockHash, compute_block_hashes, kv_block_hashes
+from splitserve.protocol.generate_request import GenerateRequest
+from splitserve.protocol.kv_transfer import KVTransferParams
 
 if TYPE_CHECKING:
     from splitserve.engine.multimodal import MultiModalInputs
@@ -26,24 +27,24 @@ class Request:
 
     def __init__(
         self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        sampling_params: SamplingParams,
+        generate: GenerateRequest,
         *,
         eos_token_ids: frozenset[int],
         block_size: int,
-        cache_salt: str | None = None,
-        kv_transfer_params: dict | None = None,
         arrival_time: float | None = None,
         multimodal: MultiModalInputs | None = None,
     ) -> None:
-        self.request_id = request_id
+        sampling_params = generate.sampling_params
+        if sampling_params.max_tokens is None:
+            raise ValueError("max_tokens must be resolved (SamplingParams.for_context) before the engine")
+        self.request_id = generate.request_id
         self.multimodal = multimodal  # images: their placements, hashes, M-RoPE positions
-        self.prompt_token_ids = list(prompt_token_ids)
-        self.all_token_ids = list(prompt_token_ids)
+        self.prompt_token_ids = list(generate.token_ids)
+        self.all_token_ids = list(generate.token_ids)
         self.sampling_params = sampling_params
-        self.cache_salt = cache_salt
-        self.kv_transfer_params = kv_transfer_params
+        self.max_tokens: int = sampling_params.max_tokens
+        self.cache_salt = generate.cache_salt
+        self.kv_transfer_params = generate.kv_transfer_params or KVTransferParams()
         self.block_size = block_size
         self.stop_token_ids = frozenset(sampling_params.stop_token_ids) | (
             frozenset() if sampling_params.ignore_eos else eos_token_ids

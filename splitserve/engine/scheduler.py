@@ -208,10 +208,7 @@ class Scheduler:
         """Why the request is done after its last appended token; None while it is not."""
         if request.all_token_ids[-1] in request.stop_token_ids:
             return "stop"
-        if (
-            request.num_output_tokens >= request.sampling_params.max_tokens
-            or request.num_tokens >= self.max_model_len
-        ):
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
             return "length"
         return None
 

@@ -83,18 +83,21 @@ def create_render_app(
     async def render_chat(raw: Request) -> JSONResponse:
         request = parse_model(ChatCompletionRequest, await read_json_body(raw, max_body_bytes))
         generate = renderer.render_chat(request)
+        body = generate.to_wire(routing_hints=True)  # the render tier's edge
         if _wants_state(raw):
-            generate["derender_state"] = states.seed(chat_seed(renderer, request, generate))
-        return JSONResponse(generate)
+            body["derender_state"] = states.seed(chat_seed(renderer, request, generate))
+        return JSONResponse(body)
 
     @app.post("/v1/completions/render")
     async def render_completion(raw: Request) -> JSONResponse:
         request = parse_model(CompletionRequest, await read_json_body(raw, max_body_bytes))
-        generates = renderer.render_completion(request)
-        if _wants_state(raw):
-            for generate in generates:
-                generate["derender_state"] = states.seed(completion_seed(request, generate))
-        return JSONResponse(generates)
+        bodies = []
+        for generate in renderer.render_completion(request):
+            body = generate.to_wire(routing_hints=True)  # the render tier's edge
+            if _wants_state(raw):
+                body["derender_state"] = states.seed(completion_seed(request, generate))
+            bodies.append(body)
+        return JSONResponse(bodies)
 
     @app.post("/v1/derender/pieces")
     async def derender_pieces(raw: Request) -> JSONResponse:

@@ -46,11 +46,14 @@ class LocalFrontendClient(FrontendClient):
 
     async def render_chat(self, request: ChatCompletionRequest) -> RenderedPrompt:
         generate = self.renderer.render_chat(request)
-        return RenderedPrompt(generate, chat_seed(self.renderer, request, generate))
+        seed = chat_seed(self.renderer, request, generate)
+        return RenderedPrompt(generate.to_wire(routing_hints=True), seed)
 
     async def render_completion(self, request: CompletionRequest) -> list[RenderedPrompt]:
-        generates = self.renderer.render_completion(request)
-        return [RenderedPrompt(generate, completion_seed(request, generate)) for generate in generates]
+        return [
+            RenderedPrompt(generate.to_wire(routing_hints=True), completion_seed(request, generate))
+            for generate in self.renderer.render_completion(request)
+        ]
 
     async def derender(self, pieces: list[DerenderPiece]) -> list[DerenderedPiece]:
         results: list[DerenderedPiece] = []

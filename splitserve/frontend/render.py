@@ -1,4 +1,5 @@
-"""Render: an OpenAI chat or completions request → the engine's generate request.
+"""Render: an OpenAI chat or completions request → the engine's generate request (the
+typed `GenerateRequest`, written to the wire at the render tier's edge).
 
 The chat template runs in a sandbox, the tokenizer caches segment IDs by content so a
 resent conversation costs O(new text), and block hashes are computed here so a router can
@@ -29,8 +30,10 @@ from splitserve.frontend.tokenizer import Tokenizer
 from splitserve.gguf_file import is_gguf_file
 from splitserve.protocol.block_hash import MultiModalSpan, compute_block_hashes
 from splitserve.protocol.errors import InvalidRequestError, check_model
+from splitserve.protocol.generate_request import GenerateRequest
 from splitserve.protocol.multimodal import PIXEL_DTYPES, ImageInput, features_to_wire
 from splitserve.protocol.openai_api import ChatCompletionRequest, CompletionRequest
+from splitserve.protocol.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -125,7 +128,9 @@ class Renderer:
             raise InvalidRequestError("the rendered prompt is empty", param="messages")
         return token_ids
 
-    def render_chat(self, request: ChatCompletionRequest, *, request_id: str | None = None) -> dict[str, Any]:
+    def render_chat(
+        self, request: ChatCompletionRequest, *, request_id: str | None = None
+    ) -> GenerateRequest:
         """The generate request for one chat choice (n > 1 is fanned out by the caller)."""
         self.check_model(request.model)
         token_ids, images = self.chat_token_ids_and_images(request)
@@ -181,7 +186,7 @@ class Renderer:
 
     def render_completion(
         self, request: CompletionRequest, *, request_id: str | None = None
-    ) -> list[dict[str, Any]]:
+    ) -> list[GenerateRequest]:
         """One generate request per prompt, as vLLM's /v1/completions/render."""
         self.check_model(request.model)
         base = request_id or request.request_id or f"cmpl-{uuid.uuid4().hex}"
@@ -239,34 +244,30 @@ class Renderer:
         *,
         logprobs: int | None,
         images: list[ImageInput] | None = None,
-    ) -> dict[str, Any]:
-        sampling_params = {
-            "max_tokens": max_tokens,
-            "temperature": 1.0 if request.temperature is None else request.temperature,
-            "top_p": 1.0 if request.top_p is None else request.top_p,
-            "top_k": -1 if request.top_k in (None, 0) else request.top_k,
-            "seed": request.seed,
-            "stop_token_ids": list(request.stop_token_ids or []),
-            "ignore_eos": request.ignore_eos,
-            "logprobs": logprobs,
-        }
-        body: dict[str, Any] = {
-            "request_id": request_id,
-            "token_ids": token_ids,
-            "sampling_params": sampling_params,
-            "block_hashes": self.block_hashes(token_ids, request.cache_salt, images),
-            "features": self._features(images),
-            "model": self.model_name,
-            "stream": request.stream,
-            "cache_salt": request.cache_salt,
-        }
-        if request.stream:
-            body["stream_options"] = {"include_usage": request.include_usage()}
-        if request.return_token_ids:
-            body["return_token_ids"] = True
-        if request.conversation_id is not None:
-            body["conversation_id"] = request.conversation_id  # the proxy's hint; engine clients drop it
-        return body
+    ) -> GenerateRequest:
+        sampling_params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if request.temperature is None else request.temperature,
+            top_p=1.0 if request.top_p is None else request.top_p,
+            top_k=-1 if request.top_k in (None, 0) else request.top_k,
+            seed=request.seed,
+            stop_token_ids=tuple(request.stop_token_ids or ()),
+            ignore_eos=request.ignore_eos,
+            logprobs=logprobs,
+        )
+        return GenerateRequest(
+            request_id=request_id,
+            token_ids=tuple(token_ids),
+            sampling_params=sampling_params,
+            stream=request.stream,
+            include_usage=request.stream and request.include_usage(),
+            return_token_ids=request.return_token_ids,
+            cache_salt=request.cache_salt,
+            features=self._features(images),
+            model=self.model_name,
+            block_hashes=tuple(self.block_hashes(token_ids, request.cache_salt, images)),
+            conversation_id=request.conversation_id,  # the proxy's hint: never sent to an engine
+        )
 
     def _features(self, images: list[ImageInput] | None) -> dict[str, Any] | None:
         if not images or self.vision is None:

@@ -17,6 +17,7 @@ from splitserve.frontend.render import Renderer
 from splitserve.frontend.stream_state import StreamStateCodec, StreamStateError
 from splitserve.protocol.errors import InvalidRequestError
 from splitserve.protocol.frontend_client import DerenderedPiece, DerenderPiece
+from splitserve.protocol.generate_request import GenerateRequest
 from splitserve.protocol.openai_api import ChatCompletionRequest, CompletionRequest
 from splitserve.protocol.openai_chunks import merge_deltas
 
@@ -53,16 +54,16 @@ def completion_options(request: CompletionRequest) -> DecodeOptions:
     )
 
 
-def chat_seed(renderer: Renderer, request: ChatCompletionRequest, generate: dict[str, Any]) -> DecoderSeed:
+def chat_seed(renderer: Renderer, request: ChatCompletionRequest, generate: GenerateRequest) -> DecoderSeed:
     return DecoderSeed(
-        generate["request_id"],
+        generate.request_id,
         chat_options(renderer, request),
-        renderer.starts_in_reasoning(generate["token_ids"]),
+        renderer.starts_in_reasoning(list(generate.token_ids)),
     )
 
 
-def completion_seed(request: CompletionRequest, generate: dict[str, Any]) -> DecoderSeed:
-    return DecoderSeed(generate["request_id"], completion_options(request), False)
+def completion_seed(request: CompletionRequest, generate: GenerateRequest) -> DecoderSeed:
+    return DecoderSeed(generate.request_id, completion_options(request), False)
 
 
 def final_finish_reason(engine_reason: str | None, decoder: ChoiceDecoder) -> str:

@@ -11,8 +11,8 @@ from typing import NamedTuple
 
 import torch
 
-from splitserve.engine.sampling_params import SamplingParams
 from splitserve.model.ops import argmax_rows
+from splitserve.protocol.sampling_params import SamplingParams
 
 
 class SamplerOutput(NamedTuple):

@@ -1,20 +1,14 @@
-"""The engine API's response side, shared by every tier: `/inference/v1/generate` chunks
+"""The engine API's response side, shared by every tier (the request is
+`protocol/generate_request.py`'s): `/inference/v1/generate` chunks
 (SSE `data:` events of `{request_id, choices: [{index, token_ids, finish_reason,
 stop_reason, logprobs?}], usage?, prompt_token_ids?, kv_transfer_params?, metrics?}`,
-vLLM's field names) and the non-streaming response they merge into.
-
-One request field is ours: `sampling_params.preceding_output_tokens`, the output tokens
-that precede a resumed request's (a migrated request's prompt ends with them). A seeded
-request draws its noise from (seed, output position), so it continues the undisturbed
-run; the field moves nothing else (not max_tokens, nor usage)."""
+vLLM's field names) and the non-streaming response they merge into."""
 
 from __future__ import annotations
 
 from typing import Any
 
-PRECEDING_OUTPUT_TOKENS = "preceding_output_tokens"  # in sampling_params
-PROMPT_TEXT = "prompt_text"  # the client's prompt text, for the proxy's text-prefix router
-ROUTING_HINTS = ("conversation_id", PROMPT_TEXT)  # for the proxy's placement only, never sent to an engine
+from splitserve.protocol.generate_request import ROUTING_HINTS
 
 
 def without_routing_hints(body: dict) -> dict:

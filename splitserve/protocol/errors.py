@@ -1,7 +1,7 @@
 """The errors every tier raises for a client, and their OpenAI body.
 
 A tier raises a domain error (`InvalidRequestError`, `ModelNotFoundError`, or an
-`APIError` with a status); the HTTP edge (`protocol/http_edge.py`) is the one place that
+`APIError` with a status); the HTTP edge (`runtime/http_edge.py`) is the one place that
 turns them into a status code and `{"error": {message, type, param, code}}`. An HTTP
 client of another tier turns such a body back into an `APIError` with `from_body`.
 """

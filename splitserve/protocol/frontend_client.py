@@ -1,7 +1,7 @@
 """How the OpenAI service talks to the render tier (the frontend), wherever it runs.
 
 Implementations: in-process (`frontend/local_client.py`, the collocated `serve`) and HTTP
-(`protocol/http_frontend_client.py`, the P/D proxy in front of `splitserve render`). The
+(`runtime/http_frontend_client.py`, the P/D proxy in front of `splitserve render`). The
 request crosses to the frontend once, at render; what the way back needs later (decode
 options, whether the output starts in reasoning, the parsers' state) travels in an opaque
 per-choice `state`: an object in process, a signed string over HTTP.

@@ -8,8 +8,9 @@ On the wire it is a JSON object with vLLM's key names (`do_remote_prefill`,
 bidirectional transfer `prefix_lend_id`, `prefix_block_ids`, `prefix_block_hashes`: the
 leading blocks decode holds of this prompt, by chained block hash, that prefill may pull);
 a finished request reports `kv_bytes`, `send_s`, `kv_transfer_error`, `handoff`,
-`prompt_sources` and, through the proxy, `prefill`. The engine keeps the object as it
-arrived (as vLLM's Request does); every tier reads and writes it only through `KVTransferParams`.
+`prompt_sources` and, through the proxy, `prefill`. A request carries it parsed (the
+typed generate request, protocol/generate_request.py) into the engine's `Request`; every
+tier reads and writes it only through `KVTransferParams`.
 
 Reading is lenient by design: a field that cannot describe a transfer leaves the flags
 readable and makes `remote_address()`/`block_ids()` raise `KVParamsError`, so the engine
@@ -22,9 +23,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
-from splitserve.protocol.errors import InvalidRequestError
+from splitserve.protocol.errors import APIError, InvalidRequestError
 
 TransferMode = Literal["push", "pull"]
+KV_TRANSFER_PARAMS = "kv_transfer_params"  # the key, in a generate request and in its final chunk
 
 
 class KVParamsError(ValueError):
@@ -186,6 +188,27 @@ def check_kv_transfer_params(data: dict[str, Any]) -> KVTransferParams:
         if data.get(name) is not None and getattr(params, name) is None:
             raise InvalidRequestError(f"{param} is not valid: {str(data[name])[:100]}", param)
     return params
+
+
+def parse_kv_transfer_params(body: dict[str, Any]) -> KVTransferParams | None:
+    """A request body's kv_transfer_params, read strictly (`check_kv_transfer_params`):
+    None when absent, a 400 when not an object."""
+    raw = body.get(KV_TRANSFER_PARAMS)
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise APIError(400, f"{KV_TRANSFER_PARAMS} must be an object", param=KV_TRANSFER_PARAMS)
+    return check_kv_transfer_params(raw)
+
+
+def chunk_kv_transfer_params(chunk: dict[str, Any]) -> KVTransferParams:
+    """What an engine's (final) chunk reports in its kv_transfer_params, read leniently."""
+    return KVTransferParams.from_wire(chunk.get(KV_TRANSFER_PARAMS))
+
+
+def with_kv_transfer_params(chunk: dict[str, Any], params: KVTransferParams) -> dict[str, Any]:
+    """The chunk reporting `params` as its kv_transfer_params."""
+    return {**chunk, KV_TRANSFER_PARAMS: params.to_wire()}
 
 
 def _text(value: Any) -> str | None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 
-from splitserve.protocol.kv_transfer import KVTransferParams
+from splitserve.protocol.kv_transfer import chunk_kv_transfer_params
 from splitserve.protocol.timeline import (
     DECODE_FIRST_STEP,
     ENGINE_PHASES_KEY,
@@ -56,7 +56,7 @@ class AttemptClock:
         if isinstance(prefiller, Mapping):
             parts.update(queue_and_prefill(prefiller) or {})
         if self.prefill_metrics is not None:
-            handoff = KVTransferParams.from_wire(final_chunk.get("kv_transfer_params")).handoff or {}
+            handoff = chunk_kv_transfer_params(final_chunk).handoff or {}
             transfer = _seconds(handoff, "exposed_transfer_s") + _seconds(handoff, "notification_s")
             parts[HANDOFF] = transfer
             parts[DECODE_FIRST_STEP] = max(0.0, _seconds(handoff, "exposed_handoff_s") - transfer)

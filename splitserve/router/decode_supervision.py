@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
-import uuid
 from collections.abc import AsyncIterator, Callable
 
 import httpx
 
 from splitserve.protocol.errors import APIError
+from splitserve.protocol.generate_request import GenerateRequest
 from splitserve.router.metrics import ProxyMetrics
 from splitserve.router.migration import StreamedSoFar, as_original, resumed_request
 from splitserve.router.stall import ABORT_TIMEOUT_S, PROBE_TIMEOUT_S, DecodeStalled, watch_for_stall
@@ -32,9 +33,9 @@ logger = logging.getLogger(__name__)
 
 # (request, workers already tried, the conversation's last decode worker) → a decode
 # worker not tried yet, or None when none is left
-PickDecode = Callable[[dict, set[str], str | None], Worker | None]
+PickDecode = Callable[[GenerateRequest, set[str], str | None], Worker | None]
 # (decode worker, generate request) → its chunks: the request run with that worker decoding
-RunOn = Callable[[Worker, dict], AsyncIterator[dict]]
+RunOn = Callable[[Worker, GenerateRequest], AsyncIterator[dict]]
 
 DEFAULT_RESUME_WAIT_S = 60.0
 
@@ -63,13 +64,13 @@ class DecodeSupervisor:
 
     async def stream(
         self,
-        request: dict,
+        request: GenerateRequest,
         hinted: str | None = None,
         on_finished: Callable[[Worker], None] | None = None,
     ) -> AsyncIterator[dict]:
         """The chunks of `request`, as one stream whatever happens to its decode workers;
         `on_finished(worker)` when `worker` has streamed its end."""
-        base_id = str(request.get("request_id") or f"pd-{uuid.uuid4().hex}")
+        base_id = request.request_id
         tried: set[str] = set()
         streamed = StreamedSoFar()
         attempt = request
@@ -85,7 +86,7 @@ class DecodeSupervisor:
             tried.add(decode.url)
             before = len(streamed.token_ids)
             try:
-                stream = self.run_on(decode, {**attempt, "request_id": attempt_id})
+                stream = self.run_on(decode, dataclasses.replace(attempt, request_id=attempt_id))
                 with self.pool.lease(decode):
                     async with contextlib.aclosing(self._watched(decode, stream)) as chunks:
                         async for chunk in chunks:
@@ -117,7 +118,9 @@ class DecodeSupervisor:
                     exc.message,
                 )
 
-    async def _wait_for_decode(self, request: dict, hinted: str | None, deadline: float) -> Worker | None:
+    async def _wait_for_decode(
+        self, request: GenerateRequest, hinted: str | None, deadline: float
+    ) -> Worker | None:
         """A decode worker that came (back) into rotation before `deadline` (a restarted one
         may be one tried already: same URL, new process); None past it."""
         loop = asyncio.get_running_loop()

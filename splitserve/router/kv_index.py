@@ -15,6 +15,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from splitserve.protocol.generate_request import GenerateRequest
 from splitserve.protocol.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -101,14 +102,13 @@ class KVBlockIndex:
             return {worker: len(hashes) for worker, hashes in self._held.items()}
 
 
-def request_block_hashes(body: dict) -> list[bytes]:
+def request_block_hashes(request: GenerateRequest) -> list[bytes]:
     """The chained block hashes the render tier attached to a generate request (hex)."""
-    hashes = body.get("block_hashes")
-    if not isinstance(hashes, list):
+    if request.block_hashes is None:
         return []
     try:
-        return [bytes.fromhex(h) for h in hashes]
-    except (TypeError, ValueError):
+        return [bytes.fromhex(h) for h in request.block_hashes]
+    except ValueError:
         return []
 
 

@@ -15,9 +15,11 @@ image, are those decode gave them (index + the prompt's rope delta).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
-from splitserve.protocol.engine_api import PRECEDING_OUTPUT_TOKENS
+from splitserve.protocol.generate_request import GenerateRequest
+from splitserve.protocol.kv_transfer import chunk_kv_transfer_params
 
 
 class StreamedSoFar:
@@ -43,29 +45,29 @@ def placeholder_tokens(features: Any, prompt: list[Any]) -> set[Any]:
     return {prompt[o] for o in offsets if isinstance(o, int) and 0 <= o < len(prompt)}
 
 
-def resumed_request(request: dict[str, Any], streamed: list[int]) -> dict[str, Any] | None:
+def resumed_request(request: GenerateRequest, streamed: list[int]) -> GenerateRequest | None:
     """The request that continues `request` after `streamed`; None when nothing is owed or
-    the request cannot be continued this way."""
-    prompt = request.get("token_ids")
-    sampling = dict(request.get("sampling_params") or {})
-    if not isinstance(prompt, list):
-        return None
-    if set(streamed) & placeholder_tokens(request.get("features"), prompt):
+    the request cannot be continued this way. (vLLM's `min_tokens` needs no adjusting: a
+    request reaches the router only with its neutral value.)"""
+    if set(streamed) & placeholder_tokens(request.features, list(request.token_ids)):
         return None  # an image token after the prompt would read as an image the features lack
-    max_tokens = sampling.get("max_tokens")
-    if isinstance(max_tokens, int):
+    sampling = request.sampling_params
+    max_tokens = sampling.max_tokens  # None: what the context leaves, for the engine to say
+    if max_tokens is not None:
         if max_tokens - len(streamed) <= 0:
             return None
-        sampling["max_tokens"] = max_tokens - len(streamed)
-    min_tokens = sampling.get("min_tokens")
-    if isinstance(min_tokens, int):
-        sampling["min_tokens"] = max(0, min_tokens - len(streamed))
-    if sampling.get("seed") is not None:  # only seeded requests: vLLM has no such field
-        preceding = sampling.get(PRECEDING_OUTPUT_TOKENS)
-        sampling[PRECEDING_OUTPUT_TOKENS] = (preceding if isinstance(preceding, int) else 0) + len(streamed)
-    resumed = {**request, "token_ids": [*prompt, *streamed], "sampling_params": sampling}
-    resumed.pop("kv_transfer_params", None)
-    return resumed
+        max_tokens -= len(streamed)
+    preceding = sampling.preceding_output_tokens
+    if sampling.seed is not None:  # only seeded requests: vLLM has no such field
+        preceding += len(streamed)
+    return dataclasses.replace(
+        request,
+        token_ids=(*request.token_ids, *streamed),
+        sampling_params=dataclasses.replace(
+            sampling, max_tokens=max_tokens, preceding_output_tokens=preceding
+        ),
+        kv_transfer_params=None,
+    )
 
 
 def resumed_prompt_sources(final: dict[str, Any]) -> dict[str, int] | None:
@@ -80,7 +82,7 @@ def resumed_prompt_sources(final: dict[str, Any]) -> dict[str, int] | None:
         return None
     reused, pulled, received, computed = counts
     held = reused + pulled  # decode's own prefix: what it received starts after it
-    prefill = (final.get("kv_transfer_params") or {}).get("prefill") or {}
+    prefill = chunk_kv_transfer_params(final).prefill or {}
     sources = prefill.get("prompt_sources") or {}
     prefill_pulled = int(sources.get("pulled_tokens") or 0)
     prefill_reused = sources.get("reused_tokens")
@@ -96,7 +98,7 @@ def resumed_prompt_sources(final: dict[str, Any]) -> dict[str, int] | None:
     }
 
 
-def as_original(chunk: dict[str, Any], request: dict[str, Any], streamed_before: int) -> dict[str, Any]:
+def as_original(chunk: dict[str, Any], request: GenerateRequest, streamed_before: int) -> dict[str, Any]:
     """A chunk of the resumed request, told as the original request: the streamed tokens
     count as output, not prompt. The final chunk's `metrics.resumed` tells the resumed
     request's prompt (`prompt_tokens` = the original prompt + `streamed_tokens`) and where
@@ -117,5 +119,5 @@ def as_original(chunk: dict[str, Any], request: dict[str, Any], streamed_before:
             "completion_tokens": int(usage.get("completion_tokens") or 0) + streamed_before,
         }
     if isinstance(chunk.get("prompt_token_ids"), list):
-        chunk["prompt_token_ids"] = request.get("token_ids")
+        chunk["prompt_token_ids"] = list(request.token_ids)
     return chunk

@@ -32,7 +32,8 @@ import httpx
 from splitserve.protocol.engine_api import prompt_cached_tokens
 from splitserve.protocol.engine_client import EngineClient
 from splitserve.protocol.errors import APIError
-from splitserve.protocol.kv_transfer import KVTransferParams
+from splitserve.protocol.generate_request import GenerateRequest
+from splitserve.protocol.kv_transfer import KVTransferParams, chunk_kv_transfer_params
 from splitserve.protocol.pd_decision import (
     CostProfile,
     DecisionInputs,
@@ -122,6 +123,10 @@ class PDEngineClient(EngineClient):
     def generate(self, request: dict) -> AsyncIterator[dict]:
         return self._generate(request)
 
+    def _send(self, worker: Worker, request: GenerateRequest) -> AsyncIterator[dict]:
+        """`request` run on `worker`: the one place a request leaves the router."""
+        return self._client(worker).generate(request.to_wire())
+
     async def abort(self, request_ids: list[str]) -> None:
         for worker in self.pool.workers():
             with contextlib.suppress(APIError):
@@ -155,13 +160,13 @@ class PDEngineClient(EngineClient):
     def _pick(
         self,
         role: WorkerRole,
-        body: dict,
+        request: GenerateRequest,
         exclude: set[str] | frozenset[str] = frozenset(),
         hinted: str | None = None,
     ) -> Worker | None:
         """The worker of `role` the routing policy picks (router/routing.py); `hinted`:
         the conversation's last decode worker."""
-        return self.router.pick(self.pool, role, body, exclude, hinted)
+        return self.router.pick(self.pool, role, request, exclude, hinted)
 
     def decision_inputs(self, decode: Worker, uncached_tokens: int) -> DecisionInputs:
         """What the P/D decision weighs for a prompt `decode` lacks `uncached_tokens` of:
@@ -189,21 +194,26 @@ class PDEngineClient(EngineClient):
         logger.debug("P/D decision %s for %s", decision, inputs)
         return decision
 
-    def cached_tokens(self, worker: Worker, body: dict) -> int:
+    def cached_tokens(self, worker: Worker, request: GenerateRequest) -> int:
         """The leading prompt tokens `worker` holds, by the KV event index."""
-        matched = self.kv_index.matched_blocks(worker.url, request_block_hashes(body))
+        matched = self.kv_index.matched_blocks(worker.url, request_block_hashes(request))
         return matched * self.block_sizes.get(worker.url, 0)
 
     # ---- the flow -------------------------------------------------------------------
-    async def _generate(self, request: dict) -> AsyncIterator[dict]:
-        hint = request.get("conversation_id")
-        conversation = hint if isinstance(hint, str) else None
+    async def _generate(self, body: dict) -> AsyncIterator[dict]:
+        # the one parse of the request in the router (pixels are the engines' to check)
+        try:
+            request = GenerateRequest.from_wire(body, max_pixel_bytes=None, routing_hints=True)
+        except APIError as exc:
+            self.metrics.errors.labels(str(exc.status)).inc()
+            raise
+        conversation = request.conversation_id
         hinted = self.conversations.worker_of(conversation)
 
         def served(decode: Worker) -> None:
             self.conversations.remember(conversation, decode.url)
 
-        # the client's KV-block budget (protocol/client_quota.py) is charged once per
+        # the client's KV-block budget (runtime/client_quota.py) is charged once per
         # request, before any worker is asked, and given back when the request ends
         with kv_blocks_held(self._prompt_blocks(request, hinted)):
             chunks = self.decode_streams.stream(request, hinted, served)
@@ -211,44 +221,40 @@ class PDEngineClient(EngineClient):
                 async for chunk in chunks:
                     yield chunk
 
-    def _prompt_blocks(self, request: dict, hinted: str | None) -> int:
+    def _prompt_blocks(self, request: GenerateRequest, hinted: str | None) -> int:
         """The KV blocks the prompt takes on decode, at the block size of the conversation's
         decode worker, else of any decode worker (a deployment has one block size)."""
-        tokens = request.get("token_ids")
-        if not isinstance(tokens, list):
-            return 0
+        tokens = request.token_ids
         decode = self.pool.workers("decode")
         url = hinted or (decode[0].url if decode else "")
         return math.ceil(len(tokens) / self.router.block_size(url))
 
-    async def _run(self, decode: Worker, body: dict) -> AsyncIterator[dict]:
-        """`body` run with `decode` decoding: P/D, or decode alone when the P/D decision
+    async def _run(self, decode: Worker, request: GenerateRequest) -> AsyncIterator[dict]:
+        """`request` run with `decode` decoding: P/D, or decode alone when the P/D decision
         says so (`decide_path`). Its final chunk carries where the time to first token went
         (`metrics.phases`)."""
         clock = AttemptClock()
-        self._count_prefix_hits(decode, body)
-        tokens = body.get("token_ids")
+        self._count_prefix_hits(decode, request)
+        tokens = request.token_ids
         prefill = None
-        inputs: DecisionInputs | None = None
-        if isinstance(tokens, list):
-            inputs = self.decision_inputs(decode, len(tokens) - self.cached_tokens(decode, body))
-        if inputs is not None and self.decide_path(inputs).remote:
-            prefill = self._pick("prefill", body)
+        inputs = self.decision_inputs(decode, len(tokens) - self.cached_tokens(decode, request))
+        if self.decide_path(inputs).remote:
+            prefill = self._pick("prefill", request)
             if prefill is None and self.pool.workers("prefill"):
                 self.metrics.fallbacks.labels("no_prefill_worker").inc()
         if prefill is None:
             self.metrics.requests.labels("decode_only").inc()
-            stream = self._client(decode).generate(body)
+            stream = self._send(decode, request)
             clock.dispatch()
         elif self.policy.mode == "push":
             self.metrics.requests.labels("pd_push").inc()
-            stream = self._push(decode, prefill, body, clock)
+            stream = self._push(decode, prefill, request, clock)
         else:
             self.metrics.requests.labels("pd_pull").inc()
-            stream = self._pull(decode, prefill, body, clock)
-        num_tokens = len(tokens) if isinstance(tokens, list) else 0
+            stream = self._pull(decode, prefill, request, clock)
+        num_tokens = len(tokens)
         # decode computes the prompt when no prefill worker does (only the last token else)
-        computed = num_tokens - self.cached_tokens(decode, body) if prefill is None else 1
+        computed = num_tokens - self.cached_tokens(decode, request) if prefill is None else 1
         blocks = math.ceil(num_tokens / self.router.block_size(decode.url))
         sent = time.monotonic()
         first = True
@@ -261,8 +267,7 @@ class PDEngineClient(EngineClient):
                         load.prefilled()
                         ttft = time.monotonic() - sent
                         self.metrics.ttft.observe(ttft)
-                        if inputs is not None:
-                            self.costs.observe_first_token(inputs, prefill is not None, ttft)
+                        self.costs.observe_first_token(inputs, prefill is not None, ttft)
                         raise_if_transfer_failed(chunk)
                     if is_final(chunk):
                         chunk = with_phases(chunk, clock.phases(chunk))
@@ -270,36 +275,35 @@ class PDEngineClient(EngineClient):
         finally:
             await stream.aclose()
 
-    def _count_prefix_hits(self, worker: Worker, body: dict) -> None:
-        hashes = request_block_hashes(body)
+    def _count_prefix_hits(self, worker: Worker, request: GenerateRequest) -> None:
+        hashes = request_block_hashes(request)
         self.metrics.prefix_query_blocks.inc(len(hashes))
         self.metrics.prefix_hit_blocks.inc(self.kv_index.matched_blocks(worker.url, hashes))
 
-    def _prefill_body(self, body: dict, kv_transfer_params: KVTransferParams) -> dict:
-        sampling = dict(body.get("sampling_params") or {})
-        sampling["max_tokens"] = 1
-        return {
-            **body,
-            "request_id": f"{body['request_id']}-prefill",
-            "sampling_params": sampling,
-            "kv_transfer_params": kv_transfer_params.to_wire(),
-        }
+    def _prefill_body(
+        self, request: GenerateRequest, kv_transfer_params: KVTransferParams
+    ) -> GenerateRequest:
+        return dataclasses.replace(
+            request,
+            request_id=f"{request.request_id}-prefill",
+            sampling_params=dataclasses.replace(request.sampling_params, max_tokens=1),
+            kv_transfer_params=kv_transfer_params,
+        )
 
-    async def _run_prefill(self, prefill: Worker, body: dict) -> PrefillResult:
+    async def _run_prefill(self, prefill: Worker, request: GenerateRequest) -> PrefillResult:
         """Run the prefill request; its kv_transfer_params and cached tokens, or PrefillFailed."""
         started = time.monotonic()
         final: dict = {}
-        tokens = body.get("token_ids")
-        computed = len(tokens) - self.cached_tokens(prefill, body) if isinstance(tokens, list) else 0
+        computed = len(request.token_ids) - self.cached_tokens(prefill, request)
         with self.pool.lease(prefill), self.router.loads.tracking(prefill.url, computed, 0):
             try:
-                async for chunk in self._client(prefill).generate(body):
+                async for chunk in self._send(prefill, request):
                     final = chunk
             except APIError as exc:
                 if exc.status >= 500:
                     self.pool.report_failure(prefill, exc.message)
                 raise PrefillFailed(f"prefill on {prefill.url} failed: {exc.message}") from exc
-        params = KVTransferParams.from_wire(final.get("kv_transfer_params"))
+        params = chunk_kv_transfer_params(final)
         if params.kv_transfer_error:
             raise PrefillFailed(f"prefill on {prefill.url} could not ship its KV: {params.kv_transfer_error}")
         self.metrics.prefill_time.observe(time.monotonic() - started)
@@ -309,24 +313,24 @@ class PDEngineClient(EngineClient):
         )
 
     async def _push(
-        self, decode: Worker, prefill: Worker, body: dict, clock: AttemptClock
+        self, decode: Worker, prefill: Worker, request: GenerateRequest, clock: AttemptClock
     ) -> AsyncIterator[dict]:
         """Decode's request and prefill's start together: prefill computes while decode
         reserves, and the reservation follows it (`_send_push_target`). Bidirectional with a
         prefix decode holds: prefill waits for the reservation, whose prefix offer it pulls
         instead of computing."""
-        request_id = body["request_id"]
+        request_id = request.request_id
         clock.dispatch()
-        wait_for_kv = KVTransferParams(do_remote_prefill=True).to_wire()
-        stream = self._client(decode).generate({**body, "kv_transfer_params": wait_for_kv})
+        wait_for_kv = KVTransferParams(do_remote_prefill=True)
+        stream = self._send(decode, dataclasses.replace(request, kv_transfer_params=wait_for_kv))
         first_task = asyncio.ensure_future(anext(stream))
         prefill_task: asyncio.Future | None = None
         prefill_done_at: list[float] = []
         prefill_report: dict = {}
-        concurrent = not (self.policy.bidirectional and self._may_lend(decode, body))
+        concurrent = not (self.policy.bidirectional and self._may_lend(decode, request))
 
         def start_prefill(kv: KVTransferParams) -> asyncio.Future:
-            prefill_body = self._prefill_body(body, kv)
+            prefill_body = self._prefill_body(request, kv)
             run = self._push_prefill(
                 decode, prefill, prefill_body, request_id, prefill_done_at, prefill_report, clock
             )
@@ -346,7 +350,7 @@ class PDEngineClient(EngineClient):
                 assert prefill_task is not None
                 target = self.push_control.push_params(reservation) if reservation is not None else None
                 await self.push_control.send_target(
-                    decode, prefill, body, target, prefill_task, prefill_report
+                    decode, prefill, request_id, target, prefill_task, prefill_report
                 )
             else:
                 clock.reservation_answered()
@@ -367,25 +371,24 @@ class PDEngineClient(EngineClient):
             )
             await stream.aclose()
 
-    def _may_lend(self, decode: Worker, body: dict) -> bool:
+    def _may_lend(self, decode: Worker, request: GenerateRequest) -> bool:
         """May `decode` hold a prefix of the prompt to lend: by the KV event index, or as
         the conversation's last decode worker (its turn's events may not be indexed yet)."""
-        conversation = body.get("conversation_id")
-        hinted = self.conversations.worker_of(conversation) if isinstance(conversation, str) else None
-        return hinted == decode.url or self.cached_tokens(decode, body) > 0
+        hinted = self.conversations.worker_of(request.conversation_id)
+        return hinted == decode.url or self.cached_tokens(decode, request) > 0
 
     async def _push_prefill(
         self,
         decode: Worker,
         prefill: Worker,
-        body: dict,
+        request: GenerateRequest,
         request_id: str,
         done_at: list[float],
         params_out: dict,
         clock: AttemptClock,
     ) -> None:
         try:
-            result = await self._run_prefill(prefill, body)
+            result = await self._run_prefill(prefill, request)
             clock.prefill_metrics = result.metrics
             params_out.update(result.params.to_wire(), cached_tokens=result.cached_tokens)
             done_at.append(time.monotonic())
@@ -393,7 +396,7 @@ class PDEngineClient(EngineClient):
             await self.push_control.prefill_failed(decode, request_id, str(exc))
 
     async def _pull(
-        self, decode: Worker, prefill: Worker, body: dict, clock: AttemptClock
+        self, decode: Worker, prefill: Worker, request: GenerateRequest, clock: AttemptClock
     ) -> AsyncIterator[dict]:
         kv: KVTransferParams | None = None
         prefill_cached = 0
@@ -402,7 +405,7 @@ class PDEngineClient(EngineClient):
         try:
             hold = KVTransferParams(do_remote_decode=True, transfer_mode="pull")
             kv, prefill_cached, clock.prefill_metrics = await self._run_prefill(
-                prefill, self._prefill_body(body, hold)
+                prefill, self._prefill_body(request, hold)
             )
             prefill_done = time.monotonic()
             if not kv.remote_block_ids:
@@ -412,13 +415,13 @@ class PDEngineClient(EngineClient):
             self.metrics.fallbacks.labels("prefill_failed").inc()
             logger.warning("%s; decode %s computes the prompt", exc, decode.url)
             kv = None
-        decode_body = {**body, "kv_transfer_params": kv.to_wire()} if kv else body
+        decode_body = dataclasses.replace(request, kv_transfer_params=kv) if kv else request
         report = dataclasses.replace(kv, prompt_token_ids=None).to_wire() if kv else {}
         if kv:
             report["cached_tokens"] = prefill_cached
         first = True
         try:
-            async for chunk in self._client(decode).generate(decode_body):
+            async for chunk in self._send(decode, decode_body):
                 if first and prefill_done:
                     self.metrics.handoff_time.observe(time.monotonic() - prefill_done)
                 first = False

@@ -12,7 +12,7 @@ import logging
 import httpx
 
 from splitserve.protocol.errors import APIError
-from splitserve.protocol.kv_transfer import KVParamsError, KVTransferParams
+from splitserve.protocol.kv_transfer import KVParamsError, KVTransferParams, with_kv_transfer_params
 from splitserve.router.metrics import ProxyMetrics
 from splitserve.router.pd_policy import PDPolicy
 from splitserve.router.workers import Worker
@@ -88,7 +88,7 @@ class PushControl:
         self,
         decode: Worker,
         prefill: Worker,
-        body: dict,
+        request_id: str,
         target: KVTransferParams | None,
         prefill_task: asyncio.Future,
         report: dict,
@@ -97,9 +97,9 @@ class PushControl:
         nothing is to be pushed (None: decode holds the prompt, or reserved nothing): then
         it is stopped, as if it had never been sent. A target prefill cannot take makes
         decode recompute, as a failed prefill does."""
-        message: dict = {"request_id": f"{body['request_id']}-prefill"}
+        message: dict = {"request_id": f"{request_id}-prefill"}
         if target is not None:
-            message["kv_transfer_params"] = target.to_wire()
+            message = with_kv_transfer_params(message, target)
         url = f"{prefill.url}/inference/v1/kv/push_target"
         failure: str | None = None
         try:
@@ -117,7 +117,7 @@ class PushControl:
             prefill_task.cancel()
             await asyncio.gather(prefill_task, return_exceptions=True)
         if target is not None and failure is not None:
-            await self.prefill_failed(decode, body["request_id"], failure)
+            await self.prefill_failed(decode, request_id, failure)
 
     async def prefill_failed(self, decode: Worker, request_id: str, error: str) -> None:
         """Decode stops waiting for the request's KV and recomputes (or fails, by policy)."""

@@ -9,7 +9,7 @@ import dataclasses
 
 from splitserve.protocol.engine_api import with_prompt_cached_tokens
 from splitserve.protocol.errors import APIError
-from splitserve.protocol.kv_transfer import KVTransferParams
+from splitserve.protocol.kv_transfer import chunk_kv_transfer_params, with_kv_transfer_params
 
 PREFILL_REPORT_WAIT_S = 5.0  # decode has its KV: the prefill's answer is on its way
 
@@ -28,7 +28,7 @@ def raise_if_transfer_failed(chunk: dict) -> None:
         or choices[0].get("token_ids")
     ):
         return
-    handoff = KVTransferParams.from_wire(chunk.get("kv_transfer_params")).handoff or {}
+    handoff = chunk_kv_transfer_params(chunk).handoff or {}
     if handoff.get("error"):
         raise APIError(
             502, f"the KV transfer failed and the decode worker's policy is fail: {handoff['error']}"
@@ -49,9 +49,8 @@ def with_prefill(chunk: dict, prefill_report: dict) -> dict:
     Its usage's cached tokens are the prefill worker's: decode received the rest of the
     prompt's KV, computed for this request by prefill."""
     if prefill_report and any(c.get("finish_reason") is not None for c in chunk.get("choices") or []):
-        decode_params = KVTransferParams.from_wire(chunk.get("kv_transfer_params"))
-        reported = dataclasses.replace(decode_params, prefill=prefill_report)
-        chunk = {**chunk, "kv_transfer_params": reported.to_wire()}
+        reported = dataclasses.replace(chunk_kv_transfer_params(chunk), prefill=prefill_report)
+        chunk = with_kv_transfer_params(chunk, reported)
         if "cached_tokens" in prefill_report:
             chunk = with_prompt_cached_tokens(chunk, prefill_report["cached_tokens"])
     return chunk

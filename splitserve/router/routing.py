@@ -25,8 +25,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from splitserve.protocol.engine_api import PROMPT_TEXT
 from splitserve.protocol.frontend_client import DerenderedPiece, DerenderPiece, FrontendClient, RenderedPrompt
+from splitserve.protocol.generate_request import PROMPT_TEXT, GenerateRequest
 from splitserve.protocol.openai_api import ChatCompletionRequest, CompletionRequest
 from splitserve.router.kv_index import KVBlockIndex, KVRoutingWeights, request_block_hashes
 from splitserve.router.load import LoadTracker
@@ -113,28 +113,28 @@ class Router:
         self,
         pool: WorkerPool,
         role: WorkerRole,
-        body: dict,
+        request: GenerateRequest,
         exclude: set[str] | frozenset[str] = frozenset(),
         hinted: str | None = None,
     ) -> Worker | None:
         """A healthy worker of `role` not in `exclude`, by the policy; None when none is left."""
         if self.policy is RoutingPolicy.CACHE_AWARE:
-            return self._cache_aware(pool, role, body, exclude, hinted)
+            return self._cache_aware(pool, role, request, exclude, hinted)
         if self.policy is RoutingPolicy.ROUND_ROBIN:
             return self._round_robin(pool, role, exclude)
         if self.policy is RoutingPolicy.TEXT_PREFIX:
-            return self._text_prefix(pool, role, body, exclude)
+            return self._text_prefix(pool, role, request, exclude)
         return pool.pick(role, exclude)  # least-loaded
 
     def _cache_aware(
         self,
         pool: WorkerPool,
         role: WorkerRole,
-        body: dict,
+        request: GenerateRequest,
         exclude: set[str] | frozenset[str],
         hinted: str | None,
     ) -> Worker | None:
-        hashes = request_block_hashes(body)
+        hashes = request_block_hashes(request)
         weights, index = self.weights, self.kv_index
 
         def cost(worker: Worker) -> float:
@@ -172,10 +172,10 @@ class Router:
             return chosen
 
     def _text_prefix(
-        self, pool: WorkerPool, role: WorkerRole, body: dict, exclude: set[str] | frozenset[str]
+        self, pool: WorkerPool, role: WorkerRole, request: GenerateRequest, exclude: set[str] | frozenset[str]
     ) -> Worker | None:
-        text = body.get(PROMPT_TEXT)
-        if not isinstance(text, str) or not text:
+        text = request.prompt_text
+        if not text:
             return pool.pick(role, exclude)
         chosen = pool.pick(role, exclude, lambda worker: -self.texts.matched_chars(worker.url, text))
         if chosen is not None:

@@ -10,9 +10,10 @@ import pytest
 from splitserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.llm import LLM
-from splitserve.engine.sampling_params import SamplingParams
 from splitserve.protocol.errors import InvalidRequestError, PromptTooLongError
+from splitserve.protocol.sampling_params import SamplingParams
 from tests.engine.helpers import make_prompts
+from tests.generate_requests import generate_request
 
 PROMPTS = make_prompts(2048, seed=4)
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -34,7 +35,7 @@ def engine(tiny_model):
 
 async def collect(engine: AsyncEngine, request_id: str, prompt: list[int], params=GREEDY):
     tokens, last = [], None
-    async for out in engine.generate(request_id, prompt, params):
+    async for out in engine.generate(generate_request(request_id, prompt, params)):
         tokens.extend(out.new_token_ids)
         last = out
     return tokens, last
@@ -42,7 +43,7 @@ async def collect(engine: AsyncEngine, request_id: str, prompt: list[int], param
 
 async def collect_signalling(engine: AsyncEngine, request_id: str, prompt: list[int], params, started):
     tokens, last = [], None
-    async for out in engine.generate(request_id, prompt, params):
+    async for out in engine.generate(generate_request(request_id, prompt, params)):
         tokens.extend(out.new_token_ids)
         last = out
         started.set()
@@ -87,7 +88,7 @@ def test_abort_and_early_close_free_blocks(engine):
 
     async def main():
         # early close: the client stops reading after two outputs
-        stream = engine.generate("closed", PROMPTS[2], long)
+        stream = engine.generate(generate_request("closed", PROMPTS[2], long))
         got = [await stream.__anext__(), await stream.__anext__()]
         await stream.aclose()
         assert not got[-1].finished
@@ -130,7 +131,7 @@ def test_abort_and_early_close_free_blocks(engine):
 def test_bad_prompts_raise_before_any_output(engine, prompt, error, param):
     async def main():
         with pytest.raises(error) as info:
-            async for _ in engine.generate("bad", prompt, GREEDY):
+            async for _ in engine.generate(generate_request("bad", prompt, GREEDY)):
                 raise AssertionError("no output expected")
         assert info.value.param == param
 
@@ -139,10 +140,12 @@ def test_bad_prompts_raise_before_any_output(engine, prompt, error, param):
 
 def test_duplicate_request_id_and_kv_budget(engine, tiny_model):
     async def main():
-        first = engine.generate("dup", PROMPTS[0], SamplingParams(max_tokens=50, temperature=0.0))
+        first = engine.generate(
+            generate_request("dup", PROMPTS[0], SamplingParams(max_tokens=50, temperature=0.0))
+        )
         await first.__anext__()
         with pytest.raises(InvalidRequestError):
-            await engine.generate("dup", PROMPTS[0], GREEDY).__anext__()
+            await engine.generate(generate_request("dup", PROMPTS[0], GREEDY)).__anext__()
         await first.aclose()
 
     asyncio.run(main())
@@ -151,7 +154,7 @@ def test_duplicate_request_id_and_kv_budget(engine, tiny_model):
 
         async def too_big():
             with pytest.raises(PromptTooLongError):
-                await small.generate("x", [5] * 32, GREEDY).__anext__()
+                await small.generate(generate_request("x", [5] * 32, GREEDY)).__anext__()
             tokens, last = await collect(small, "ok", [5] * 31, SamplingParams(max_tokens=5, temperature=0))
             # positions 0..31 fit; the token sampled at position 31 is the last one
             assert len(tokens) == 2 and last.finish_reason == "length"
@@ -189,6 +192,6 @@ def test_generate_requires_start(tiny_model):
 
     async def main():
         with pytest.raises(RuntimeError):
-            await engine.generate("x", [1, 2], GREEDY).__anext__()
+            await engine.generate(generate_request("x", [1, 2], GREEDY)).__anext__()
 
     asyncio.run(main())

@@ -7,8 +7,9 @@ from hypothesis import strategies as st
 
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.request import Request
-from splitserve.engine.sampling_params import SamplingParams
 from splitserve.protocol.block_hash import compute_block_hashes
+from splitserve.protocol.sampling_params import SamplingParams
+from tests.generate_requests import generate_request
 
 BLOCK = 4
 PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 9, 9, 9, 9], [7] * 12]
@@ -26,7 +27,9 @@ ops = st.lists(
 
 def make_request(index: int, tokens: list[int], salt: str | None) -> Request:
     return Request(
-        f"r{index}", tokens, SamplingParams(), eos_token_ids=frozenset(), block_size=BLOCK, cache_salt=salt
+        generate_request(f"r{index}", tokens, SamplingParams(), cache_salt=salt),
+        eos_token_ids=frozenset(),
+        block_size=BLOCK,
     )
 
 

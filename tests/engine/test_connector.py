@@ -11,9 +11,10 @@ import pytest
 from splitserve.config import CacheConfig, EngineConfig, ModelConfig
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.llm import LLM
-from splitserve.engine.sampling_params import SamplingParams
 from splitserve.kv.connector.inprocess import InProcessConnector, InProcessKVStore
+from splitserve.protocol.sampling_params import SamplingParams
 from tests.engine.helpers import make_prompts
+from tests.generate_requests import generate_request
 
 PROMPTS = make_prompts(2048, seed=5)
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -77,7 +78,7 @@ def test_async_decode_engine_wakes_on_load(tiny_model, collocated):
     async def run(engine: AsyncEngine, i: int) -> list[int]:
         tokens: list[int] = []
         async for out in engine.generate(
-            f"d{i}", PROMPTS[i], GREEDY, kv_transfer_params=first[i].kv_transfer_params
+            generate_request(f"d{i}", PROMPTS[i], GREEDY, kv_transfer_params=first[i].kv_transfer_params)
         ):
             tokens.extend(out.new_token_ids)
         return tokens
@@ -99,7 +100,11 @@ def test_abort_while_loading_keeps_blocks_until_the_load_ends(tiny_model):
 
         async def main():
             streams = [
-                engine.generate(f"d{i}", PROMPTS[i], GREEDY, kv_transfer_params=first[i].kv_transfer_params)
+                engine.generate(
+                    generate_request(
+                        f"d{i}", PROMPTS[i], GREEDY, kv_transfer_params=first[i].kv_transfer_params
+                    )
+                )
                 for i in range(len(PROMPTS))
             ]
             tasks = [asyncio.ensure_future(s.__anext__()) for s in streams]

@@ -16,6 +16,7 @@ from splitserve.engine.llm import LLM
 from splitserve.protocol.errors import InvalidRequestError
 from splitserve.protocol.kv_transfer import KVTransferParams
 from tests.engine.vl_helpers import GREEDY
+from tests.generate_requests import generate_request
 
 
 def jobs_of(cases) -> list[EncoderJob]:
@@ -50,7 +51,9 @@ def test_a_miss_is_encoded_by_the_engine_and_published(vl_model, vl_cases, tmp_p
     connector = SharedMemoryECConnector(tmp_path)
     llm = LLM(vl_model, num_blocks=128, ec_connector=connector)
     with pytest.raises(InvalidRequestError, match="no pixels and is in no encoder cache"):
-        llm.engine.add_request("lost", cases[0].token_ids, GREEDY, images=without_pixels(cases[0]))
+        llm.engine.add_request(
+            generate_request("lost", cases[0].token_ids, GREEDY, images=without_pixels(cases[0]))
+        )
     # with pixels: the engine encodes the image itself (slower, never lost) and publishes it
     assert llm.generate([cases[0].token_ids], GREEDY, images=[cases[0].images])[0].token_ids == expected[0]
     assert llm.engine.multimodal.num_images_encoded == 1
@@ -157,11 +160,13 @@ def test_encoder_prefill_decode(vl_model, vl_cases, tmp_path):
         decoding = asyncio.ensure_future(
             collect(
                 decode.generate(
-                    request_id,
-                    case.token_ids,
-                    GREEDY,
-                    kv_transfer_params={"do_remote_prefill": True},
-                    images=images,
+                    generate_request(
+                        request_id,
+                        case.token_ids,
+                        GREEDY,
+                        kv_transfer_params={"do_remote_prefill": True},
+                        images=images,
+                    ),
                 )
             )
         )
@@ -175,7 +180,11 @@ def test_encoder_prefill_decode(vl_model, vl_cases, tmp_path):
             **KVTransferParams().with_address(decode_connector.kv_address()).to_wire(),
         }
         await collect(
-            prefill.generate(request_id + "-p", case.token_ids, GREEDY, kv_transfer_params=kv, images=images)
+            prefill.generate(
+                generate_request(
+                    request_id + "-p", case.token_ids, GREEDY, kv_transfer_params=kv, images=images
+                )
+            )
         )
         return await decoding
 

@@ -37,7 +37,7 @@ def test_small_steps_run_on_one_thread_and_compute_the_same_tokens(tiny_model):
     import torch
 
     from splitserve.engine.llm import LLM
-    from splitserve.engine.sampling_params import SamplingParams
+    from splitserve.protocol.sampling_params import SamplingParams
 
     assert parse("--serial-step-tokens", "0").serial_step_tokens == 0
     assert parse().serial_step_tokens == ModelConfig.serial_step_tokens

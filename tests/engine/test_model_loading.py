@@ -14,8 +14,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from splitserve.engine.llm import LLM
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.protocol.sampling_params import SamplingParams
 from tests.engine.helpers import make_prompts, oracle_greedy
+from tests.generate_requests import generate_request
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
@@ -110,7 +111,7 @@ def test_kv_cache_allocator_hook_places_the_pool_in_a_shared_file(tiny_model, tm
     assert calls and calls[0][0][:4] == (layers, 2, 16, 16)
     assert engine.kv_cache.shape[2] == 16 and engine.kv_cache.shape[3] == engine.model_info.block_size
     prompt = make_prompts(2048, seed=9)[1]
-    engine.add_request("r", prompt, GREEDY)
+    engine.add_request(generate_request("r", prompt, GREEDY))
     tokens = []
     while engine.has_unfinished_requests():
         tokens += [t for out in engine.step() for t in out.new_token_ids]
@@ -152,7 +153,7 @@ def test_loading_a_model_and_generating_never_imports_torch_dynamo(tiny_model_fa
     script = (
         "import sys\n"
         "from splitserve.engine.llm import LLM\n"
-        "from splitserve.engine.sampling_params import SamplingParams\n"
+        "from splitserve.protocol.sampling_params import SamplingParams\n"
         f"llm = LLM({model!r}, num_blocks=32)\n"
         "llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))\n"
         "assert 'torch._dynamo' not in sys.modules, 'torch._dynamo was imported'\n"

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from splitserve.engine.llm import LLM
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.protocol.sampling_params import SamplingParams
 from tests.engine.helpers import make_prompts, oracle_greedy
+from tests.generate_requests import generate_request
 
 MAX_TOKENS = 24
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
@@ -79,7 +80,7 @@ def test_max_num_seqs_caps_the_running_batch(tiny_model):
     )
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", prompt, params)
+        engine.add_request(generate_request(f"r{i}", prompt, params))
     tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -108,16 +109,16 @@ def test_long_prefill_threshold_chunks_prompts_only_beside_decodes(tiny_model):
     )
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     tokens: dict[str, list[int]] = {"alone": [], "short": [], "long": []}
-    engine.add_request("alone", long, params)
+    engine.add_request(generate_request("alone", long, params))
     for out in engine.step():
         tokens[out.request_id] += out.new_token_ids
     assert engine.stats().last_step_tokens == len(long)  # no decode beside it: one step
 
-    engine.add_request("short", short, params)
+    engine.add_request(generate_request("short", short, params))
     steps: list[int] = []
     while engine.has_unfinished_requests():
         if len(steps) == 2:
-            engine.add_request("long", long, params)  # arrives while "short" decodes
+            engine.add_request(generate_request("long", long, params))  # arrives while "short" decodes
         for out in engine.step():
             tokens[out.request_id] += out.new_token_ids
         steps.append(engine.stats().last_step_tokens)

@@ -14,6 +14,7 @@ from splitserve.frontend.image_processor import ImageProcessorConfig, process_im
 from splitserve.protocol.errors import InvalidRequestError
 from splitserve.protocol.multimodal import ImageInput
 from tests.engine.vl_helpers import GREEDY, VLCase, picture, transformers_greedy
+from tests.generate_requests import generate_request
 
 
 @pytest.mark.parametrize("max_num_batched_tokens", [2048, 16])
@@ -94,13 +95,13 @@ def test_inconsistent_images_are_refused(vl_model, tiny_model):
     }
     for name, images in bad.items():
         with pytest.raises(InvalidRequestError) as error:
-            llm.engine.add_request(f"bad-{name}", case.token_ids, GREEDY, images=images)
+            llm.engine.add_request(generate_request(f"bad-{name}", case.token_ids, GREEDY, images=images))
         assert error.value.param == "images", name
     assert not llm.engine.has_unfinished_requests()
     assert llm.generate([case.token_ids], GREEDY, images=[case.images])[0].finish_reason == "length"
     text_llm = LLM(tiny_model, num_blocks=16)
     with pytest.raises(InvalidRequestError, match="takes no images"):
-        text_llm.engine.add_request("img", [1, 2, 3], GREEDY, images=case.images)
+        text_llm.engine.add_request(generate_request("img", [1, 2, 3], GREEDY, images=case.images))
 
 
 def test_async_engine_takes_images(vl_model, vl_cases):
@@ -116,7 +117,7 @@ def test_async_engine_takes_images(vl_model, vl_cases):
 
     async def run(engine: AsyncEngine, request_id: str, images) -> list[int]:
         tokens = []
-        async for out in engine.generate(request_id, case.token_ids, GREEDY, images=images):
+        async for out in engine.generate(generate_request(request_id, case.token_ids, GREEDY, images=images)):
             tokens += out.new_token_ids
         return tokens
 
@@ -151,7 +152,7 @@ def test_rendered_chat_through_the_wire_equals_transformers(vl_model):
             ]
         }
     )
-    body = json.loads(json.dumps(Renderer(RenderConfig(model=vl_model)).render_chat(request)))
+    body = json.loads(json.dumps(Renderer(RenderConfig(model=vl_model)).render_chat(request).to_wire()))
     images = features_from_wire(body["features"], max_pixel_bytes=2**30)
 
     case = VLCase(vl_model, [], seed=0)

@@ -10,11 +10,11 @@ import httpx
 
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.request import Request
-from splitserve.engine.sampling_params import SamplingParams
 from splitserve.protocol.block_hash import compute_block_hashes
 from splitserve.protocol.kv_events import BlockRemoved
 from splitserve.runtime.kv_events import KVEventSubscriber
 from tests.conftest import free_port, running_server
+from tests.generate_requests import generate_request
 
 BLOCK = 4
 
@@ -66,7 +66,7 @@ def test_memory_pressure_releases_retained_blocks_expired_first() -> None:
     manager = BlockManager(8, BLOCK, retention_ttl_s=10.0, clock=lambda: now[0])
 
     def run(request_id: str, tokens: list[int]) -> Request:
-        request = Request(request_id, tokens, SamplingParams(), eos_token_ids=frozenset(), block_size=BLOCK)
+        request = Request(generate_request(request_id, tokens), eos_token_ids=frozenset(), block_size=BLOCK)
         assert manager.allocate_slots(request, len(tokens), manager.get_computed_blocks(request))
         request.num_computed_tokens = len(tokens)
         manager.cache_full_blocks(request)

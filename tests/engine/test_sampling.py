@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from splitserve.engine.llm import LLM
-from splitserve.engine.sampling_params import SamplingParams
 from splitserve.protocol.errors import InvalidRequestError
+from splitserve.protocol.sampling_params import SamplingParams
 from tests.engine.helpers import make_prompts, oracle_log_softmax
 
 PROMPTS = make_prompts(2048, seed=3)[:4]

@@ -9,8 +9,8 @@ import dataclasses
 import pytest
 
 from splitserve.engine.llm import LLM
-from splitserve.engine.sampling_params import SamplingParams
 from splitserve.protocol.errors import InvalidRequestError
+from splitserve.protocol.sampling_params import SamplingParams
 from tests.engine.helpers import make_prompts
 
 PROMPTS = make_prompts(2048, seed=11)[:4]

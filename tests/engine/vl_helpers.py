@@ -9,10 +9,10 @@ import numpy as np
 import torch
 from PIL import Image
 
-from splitserve.engine.sampling_params import SamplingParams
 from splitserve.frontend.image_processor import ImageProcessorConfig, process_image
 from splitserve.model.qwen2_vl import load_qwen2_vl_config
 from splitserve.protocol.multimodal import ImageInput
+from splitserve.protocol.sampling_params import SamplingParams
 
 MAX_TOKENS = 24  # long enough that a decode-position error (M-RoPE's delta) shows
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)

@@ -53,7 +53,7 @@ def test_render_equals_transformers_processing(renderer, vl_model):
     from transformers import AutoImageProcessor, AutoTokenizer
 
     images = [png(120, 90, 1), png(60, 200, 2, "JPEG")]
-    body = renderer.render_chat(image_chat(data_url(images[0]), data_url(images[1], "image/jpeg")))
+    body = renderer.render_chat(image_chat(data_url(images[0]), data_url(images[1], "image/jpeg"))).to_wire()
 
     tokenizer, processor = (
         AutoTokenizer.from_pretrained(vl_model),
@@ -91,8 +91,8 @@ def test_render_equals_transformers_processing(renderer, vl_model):
 def test_image_hashes_enter_the_block_hashes(renderer):
     """Same size (same token IDs), different pixels: equal block hashes before the image,
     different from the first block that covers it on."""
-    first = renderer.render_chat(image_chat(data_url(png(100, 100, 3)), text="x" * 80))
-    second = renderer.render_chat(image_chat(data_url(png(100, 100, 4)), text="x" * 80))
+    first = renderer.render_chat(image_chat(data_url(png(100, 100, 3)), text="x" * 80)).to_wire()
+    second = renderer.render_chat(image_chat(data_url(png(100, 100, 4)), text="x" * 80)).to_wire()
     assert first["token_ids"] == second["token_ids"]
     offset = first["features"]["mm_placeholders"]["image"][0]["offset"]
     shared = offset // 16
@@ -100,7 +100,7 @@ def test_image_hashes_enter_the_block_hashes(renderer):
     assert all(
         a != b for a, b in zip(first["block_hashes"][shared:], second["block_hashes"][shared:], strict=True)
     )
-    again = renderer.render_chat(image_chat(data_url(png(100, 100, 3)), text="x" * 80))
+    again = renderer.render_chat(image_chat(data_url(png(100, 100, 3)), text="x" * 80)).to_wire()
     assert again["block_hashes"] == first["block_hashes"]
 
 
@@ -111,12 +111,14 @@ def test_local_files_only_under_the_allowed_path(vl_model, tmp_path):
     (tmp_path / "secret.png").write_bytes(png(80, 80, 6))
     closed = Renderer(RenderConfig(model=vl_model))
     with pytest.raises(InvalidRequestError, match="disabled"):
-        closed.render_chat(image_chat(f"file://{allowed}/cat.png"))
+        closed.render_chat(image_chat(f"file://{allowed}/cat.png")).to_wire()
     opened = Renderer(RenderConfig(model=vl_model, media=MediaConfig(allowed_media_path=str(allowed))))
-    body = opened.render_chat(image_chat(f"file://{allowed}/cat.png"))
+    body = opened.render_chat(image_chat(f"file://{allowed}/cat.png")).to_wire()
     assert (
         body["features"]["mm_hashes"]["image"]
-        == closed.render_chat(image_chat(data_url(png(80, 80, 5))))["features"]["mm_hashes"]["image"]
+        == closed.render_chat(image_chat(data_url(png(80, 80, 5)))).to_wire()["features"]["mm_hashes"][
+            "image"
+        ]
     )
     for url in (
         f"file://{allowed}/../secret.png",
@@ -124,7 +126,7 @@ def test_local_files_only_under_the_allowed_path(vl_model, tmp_path):
         f"file://{allowed}/none.png",
     ):
         with pytest.raises(InvalidRequestError, match="not a file under the allowed media path"):
-            opened.render_chat(image_chat(url))
+            opened.render_chat(image_chat(url)).to_wire()
 
 
 @pytest.mark.parametrize(
@@ -140,25 +142,25 @@ def test_local_files_only_under_the_allowed_path(vl_model, tmp_path):
 )
 def test_bad_images_are_client_errors(renderer, urls, status, message):
     with pytest.raises(InvalidRequestError, match=message) as error:
-        renderer.render_chat(image_chat(*urls))
+        renderer.render_chat(image_chat(*urls)).to_wire()
     assert error.value.status == status and error.value.param == "messages"
 
 
 def test_size_limits_are_413(vl_model):
     tight = Renderer(RenderConfig(model=vl_model, media=MediaConfig(max_pixel_bytes_per_request=100_000)))
     with pytest.raises(InvalidRequestError, match="max_pixel_bytes_per_request") as error:
-        tight.render_chat(image_chat(data_url(png(300, 300, 10))))
+        tight.render_chat(image_chat(data_url(png(300, 300, 10)))).to_wire()
     assert error.value.status == 413
     renderer = Renderer(RenderConfig(model=vl_model))
     with pytest.raises(InvalidRequestError, match="max_source_pixels") as error:  # a decompression bomb
-        renderer.render_chat(image_chat(data_url(png_header_only(20_000, 20_000))))
+        renderer.render_chat(image_chat(data_url(png_header_only(20_000, 20_000)))).to_wire()
     assert error.value.status == 413
 
 
 def test_text_model_refuses_images(tiny_model):
     renderer = Renderer(RenderConfig(model=tiny_model))
     with pytest.raises(InvalidRequestError, match="takes no images") as error:
-        renderer.render_chat(image_chat(data_url(png(40, 40, 11))))
+        renderer.render_chat(image_chat(data_url(png(40, 40, 11)))).to_wire()
     assert error.value.status == 400
 
 
@@ -210,7 +212,7 @@ def test_remote_images_only_from_allowed_public_hosts(vl_model):
             RenderConfig(model=vl_model, media=MediaConfig(allowed_media_domains=("localhost",)))
         )
         with pytest.raises(InvalidRequestError, match="private address"):  # localhost is not public
-            closed.render_chat(image_chat(f"{base}/cat.png"))
+            closed.render_chat(image_chat(f"{base}/cat.png")).to_wire()
         media = MediaConfig(
             allowed_media_domains=("localhost",),
             allow_private_media_addresses=True,
@@ -218,10 +220,10 @@ def test_remote_images_only_from_allowed_public_hosts(vl_model):
             limits=ImageLimits(max_encoded_bytes=20_000),
         )
         opened = Renderer(RenderConfig(model=vl_model, media=media))
-        body = opened.render_chat(image_chat(f"{base}/cat.png"))
+        body = opened.render_chat(image_chat(f"{base}/cat.png")).to_wire()
         assert (
             body["features"]["mm_hashes"]
-            == opened.render_chat(image_chat(data_url(cat)))["features"]["mm_hashes"]
+            == opened.render_chat(image_chat(data_url(cat))).to_wire()["features"]["mm_hashes"]
         )
         cases = [
             (f"http://127.0.0.1:{server.port}/cat.png", 400, "not an allowed media domain"),
@@ -232,7 +234,7 @@ def test_remote_images_only_from_allowed_public_hosts(vl_model):
         ]
         for url, status, message in cases:
             with pytest.raises(InvalidRequestError, match=message) as error:
-                opened.render_chat(image_chat(url))
+                opened.render_chat(image_chat(url)).to_wire()
             assert error.value.status == status, url
     finally:
         server.close()

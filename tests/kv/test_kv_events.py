@@ -11,7 +11,6 @@ import msgpack
 
 from splitserve.config import CacheConfig, EngineConfig, KVEventsConfig, ModelConfig
 from splitserve.engine.llm_engine import LLMEngine
-from splitserve.engine.sampling_params import SamplingParams
 from splitserve.protocol.block_hash import compute_block_hashes
 from splitserve.protocol.kv_events import (
     AllBlocksCleared,
@@ -21,9 +20,11 @@ from splitserve.protocol.kv_events import (
     decode_batch,
     encode_batch,
 )
+from splitserve.protocol.sampling_params import SamplingParams
 from splitserve.router.kv_index import KVBlockIndex, KVEventFeed
 from splitserve.runtime.kv_events import KVEventSubscriber
 from tests.conftest import free_port, running_server, wait_until
+from tests.generate_requests import generate_request
 
 BLOCK = 4
 
@@ -78,7 +79,9 @@ def test_events_match_the_engines_block_table_after_a_random_workload(tiny_model
             prompt = rng.choice(prefixes) + [rng.randrange(10, 200) for _ in range(rng.randrange(1, 10))]
             salt = "tenant-b" if index % 4 == 3 else None
             engine.add_request(
-                f"r{index}", prompt, SamplingParams(max_tokens=5, temperature=0.0), cache_salt=salt
+                generate_request(
+                    f"r{index}", prompt, SamplingParams(max_tokens=5, temperature=0.0), cache_salt=salt
+                )
             )
             while engine.has_unfinished_requests():
                 engine.step()
@@ -156,7 +159,7 @@ def test_engine_cli_publishes_and_a_late_subscriber_resyncs(tiny_model: str) -> 
 
 
 def run_prompt(engine: LLMEngine, request_id: str, prompt: list[int]) -> None:
-    engine.add_request(request_id, prompt, SamplingParams(max_tokens=2, temperature=0.0))
+    engine.add_request(generate_request(request_id, prompt, SamplingParams(max_tokens=2, temperature=0.0)))
     while engine.has_unfinished_requests():
         engine.step()
 

@@ -12,9 +12,10 @@ import pytest
 
 from splitserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, TransferConfig
 from splitserve.engine.async_engine import AsyncEngine
-from splitserve.engine.sampling_params import SamplingParams
 from splitserve.kv.connector.pd_connector import PDConnector
 from splitserve.protocol.kv_transfer import KVTransferParams
+from splitserve.protocol.sampling_params import SamplingParams
+from tests.generate_requests import generate_request
 
 VOCAB = 2048
 BLOCK = 16
@@ -52,7 +53,11 @@ async def pd_generate(prefill, decode, request_id: str, tokens: list[int], mode:
     if mode == "push":
         task = asyncio.ensure_future(
             collect(
-                decode[0].generate(request_id, tokens, params, kv_transfer_params={"do_remote_prefill": True})
+                decode[0].generate(
+                    generate_request(
+                        request_id, tokens, params, kv_transfer_params={"do_remote_prefill": True}
+                    )
+                )
             )
         )
         reservation = await asyncio.to_thread(dconn.reservations.wait, request_id, 30)
@@ -68,17 +73,26 @@ async def pd_generate(prefill, decode, request_id: str, tokens: list[int], mode:
                 **KVTransferParams().with_address(dconn.kv_address()).to_wire(),
             }
             _, prefill_out = await collect(
-                prefill[0].generate(request_id + "-p", tokens, params, kv_transfer_params=kv)
+                prefill[0].generate(
+                    generate_request(request_id + "-p", tokens, params, kv_transfer_params=kv)
+                )
             )
         out_tokens, final = await task
         return out_tokens, final, prefill_out
     _, prefill_out = await collect(
         prefill[0].generate(
-            request_id, tokens, params, kv_transfer_params={"do_remote_decode": True, "transfer_mode": "pull"}
+            generate_request(
+                request_id,
+                tokens,
+                params,
+                kv_transfer_params={"do_remote_decode": True, "transfer_mode": "pull"},
+            )
         )
     )
     out_tokens, final = await collect(
-        decode[0].generate(request_id, tokens, params, kv_transfer_params=prefill_out.kv_transfer_params)
+        decode[0].generate(
+            generate_request(request_id, tokens, params, kv_transfer_params=prefill_out.kv_transfer_params)
+        )
     )
     return out_tokens, final, prefill_out
 
@@ -112,7 +126,7 @@ def test_disaggregated_greedy_equals_collocated(tiny_model, collocated, kind, mo
         expected = {}
         for name, tokens in {**PROMPTS, **FOLLOW_UPS, "shared": SHARED}.items():
             expected[name], _ = await collect(
-                collocated.generate(f"ref-{kind}-{mode}-{name}", tokens, GREEDY)
+                collocated.generate(generate_request(f"ref-{kind}-{mode}-{name}", tokens, GREEDY))
             )
         results = await asyncio.gather(
             *(pd_generate(prefill, decode, f"{name}-{kind}-{mode}", t, mode) for name, t in PROMPTS.items())
@@ -136,9 +150,11 @@ def test_disaggregated_greedy_equals_collocated(tiny_model, collocated, kind, mo
 
         # prefill holds a prefix decode lacks: its cached blocks must travel too
         warm = prompt(9, 50)
-        await collect(prefill[0].generate(f"warm-{kind}-{mode}", warm, GREEDY))
+        await collect(prefill[0].generate(generate_request(f"warm-{kind}-{mode}", warm, GREEDY)))
         tokens = warm + prompt(10, 30)
-        reference, _ = await collect(collocated.generate(f"ref-warm-{kind}-{mode}", tokens, GREEDY))
+        reference, _ = await collect(
+            collocated.generate(generate_request(f"ref-warm-{kind}-{mode}", tokens, GREEDY))
+        )
         out, final, _ = await pd_generate(prefill, decode, f"warm-pd-{kind}-{mode}", tokens, mode)
         assert out == reference
         assert final.kv_transfer_params["handoff"]["transferred"]
@@ -146,14 +162,23 @@ def test_disaggregated_greedy_equals_collocated(tiny_model, collocated, kind, mo
         if mode == "pull":  # decode never attends to KV computed for other tokens
             _, prefill_out = await collect(
                 prefill[0].generate(
-                    f"midnight-{kind}", PROMPTS["odd"], GREEDY, kv_transfer_params={"do_remote_decode": True}
+                    generate_request(
+                        f"midnight-{kind}",
+                        PROMPTS["odd"],
+                        GREEDY,
+                        kv_transfer_params={"do_remote_decode": True},
+                    )
                 )
             )
             changed = [*PROMPTS["odd"][:10], PROMPTS["odd"][10] + 1, *PROMPTS["odd"][11:]]
-            reference, _ = await collect(collocated.generate(f"ref-midnight-{kind}", changed, GREEDY))
+            reference, _ = await collect(
+                collocated.generate(generate_request(f"ref-midnight-{kind}", changed, GREEDY))
+            )
             params = prefill_out.kv_transfer_params
             out, final = await collect(
-                decode[0].generate(f"midnight-{kind}", changed, GREEDY, kv_transfer_params=params)
+                decode[0].generate(
+                    generate_request(f"midnight-{kind}", changed, GREEDY, kv_transfer_params=params)
+                )
             )
             assert out == reference
             assert final.kv_transfer_params["handoff"]["transferred"] is False
@@ -166,21 +191,25 @@ def test_disaggregated_greedy_equals_collocated(tiny_model, collocated, kind, mo
             # the same tokens under another tenant's cache_salt: the hold is not lent to it
             _, prefill_out = await collect(
                 prefill[0].generate(
-                    f"salted-{kind}",
-                    PROMPTS["long"],
-                    GREEDY,
-                    cache_salt="tenant-a",
-                    kv_transfer_params={"do_remote_decode": True},
+                    generate_request(
+                        f"salted-{kind}",
+                        PROMPTS["long"],
+                        GREEDY,
+                        cache_salt="tenant-a",
+                        kv_transfer_params={"do_remote_decode": True},
+                    ),
                 )
             )
             params = prefill_out.kv_transfer_params
             out, final = await collect(
                 decode[0].generate(
-                    f"salted-{kind}",
-                    PROMPTS["long"],
-                    GREEDY,
-                    cache_salt="tenant-b",
-                    kv_transfer_params=params,
+                    generate_request(
+                        f"salted-{kind}",
+                        PROMPTS["long"],
+                        GREEDY,
+                        cache_salt="tenant-b",
+                        kv_transfer_params=params,
+                    ),
                 )
             )
             assert out == expected["long"]
@@ -213,10 +242,12 @@ def test_a_reservation_that_never_receives_kv_is_released_after_the_ttl(tiny_mod
 
     async def run() -> None:
         tokens = PROMPTS["long"]
-        expected, _ = await collect(collocated.generate(f"ref-ttl-{policy}", tokens, GREEDY))
+        expected, _ = await collect(
+            collocated.generate(generate_request(f"ref-ttl-{policy}", tokens, GREEDY))
+        )
         params = {"do_remote_prefill": True}
         task = asyncio.ensure_future(
-            collect(decode[0].generate("ttl", tokens, GREEDY, kv_transfer_params=params))
+            collect(decode[0].generate(generate_request("ttl", tokens, GREEDY, kv_transfer_params=params)))
         )
         reservation = await asyncio.to_thread(decode[1].reservations.wait, "ttl", 10)
         assert reservation is not None and len(reservation.block_ids) == -(-(len(tokens) - 1) // BLOCK)

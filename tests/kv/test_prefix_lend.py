@@ -11,9 +11,10 @@ import random
 import pytest
 
 from splitserve.config import TransferConfig
-from splitserve.engine.sampling_params import SamplingParams
 from splitserve.kv.connector.prefix_lend import matched_prefix_blocks
 from splitserve.protocol.kv_transfer import KVTransferParams
+from splitserve.protocol.sampling_params import SamplingParams
+from tests.generate_requests import generate_request
 from tests.kv.test_pd_connector import collect, make_engine
 
 BLOCK = 16
@@ -35,7 +36,13 @@ async def bidirectional(prefill, decode, request_id: str, prompt: list[int], par
     task = asyncio.ensure_future(
         collect(
             decode[0].generate(
-                request_id, prompt, params, cache_salt=salt, kv_transfer_params={"do_remote_prefill": True}
+                generate_request(
+                    request_id,
+                    prompt,
+                    params,
+                    cache_salt=salt,
+                    kv_transfer_params={"do_remote_prefill": True},
+                )
             )
         )
     )
@@ -55,7 +62,9 @@ async def bidirectional(prefill, decode, request_id: str, prompt: list[int], par
         ).with_address(dconn.kv_address())
         _, prefill_out = await collect(
             prefill[0].generate(
-                request_id + "-p", prompt, params, cache_salt=salt, kv_transfer_params=kv.to_wire()
+                generate_request(
+                    request_id + "-p", prompt, params, cache_salt=salt, kv_transfer_params=kv.to_wire()
+                )
             )
         )
     out, final = await task
@@ -73,7 +82,7 @@ def test_prefill_pulls_the_answer_decode_generated_and_computes_only_the_new_tur
     async def run() -> None:
         answer, _, _ = await bidirectional(prefill, decode, f"t1-{kind}", turn1, greedy(30))
         turn2 = turn1 + answer + tokens(2, 20)  # 90 tokens; decode holds 69 of them (4 blocks)
-        expected, _ = await collect(collocated.generate(f"ref-{kind}", turn2, greedy(8)))
+        expected, _ = await collect(collocated.generate(generate_request(f"ref-{kind}", turn2, greedy(8))))
         out, final, prefill_out = await bidirectional(prefill, decode, f"t2-{kind}", turn2, greedy(8))
         assert out == expected
         sources = prefill_out.kv_transfer_params["prompt_sources"]
@@ -86,7 +95,7 @@ def test_prefill_pulls_the_answer_decode_generated_and_computes_only_the_new_tur
         assert final.kv_transfer_params["handoff"]["transferred"]
         # the pulled blocks are now in prefill's own cache: a third turn reuses them locally
         turn3 = turn2 + out + tokens(3, 20)
-        expected3, _ = await collect(collocated.generate(f"ref3-{kind}", turn3, greedy(4)))
+        expected3, _ = await collect(collocated.generate(generate_request(f"ref3-{kind}", turn3, greedy(4))))
         out3, _, prefill3 = await bidirectional(prefill, decode, f"t3-{kind}", turn3, greedy(4))
         assert out3 == expected3
         assert prefill3.kv_transfer_params["prompt_sources"]["reused_tokens"] >= 4 * BLOCK

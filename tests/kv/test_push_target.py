@@ -11,6 +11,7 @@ import pytest
 
 from splitserve.config import TransferConfig
 from splitserve.protocol.kv_transfer import KVTransferParams
+from tests.generate_requests import generate_request
 from tests.kv.test_pd_connector import GREEDY, collect, make_engine, prompt
 
 PENDING = {"do_remote_decode": True, "transfer_mode": "push", "push_target_pending": True}
@@ -42,16 +43,18 @@ def test_prefill_finished_before_the_reservation_still_hands_its_kv_over(engines
     tokens = prompt(11, 150)
 
     async def run() -> None:
-        expected, _ = await collect(collocated.generate("ref-parked", tokens, GREEDY))
+        expected, _ = await collect(collocated.generate(generate_request("ref-parked", tokens, GREEDY)))
         # prefill runs to its end with no destination: its blocks are kept for one
         _, prefill_final = await collect(
-            prefill.generate("parked-p", tokens, GREEDY, kv_transfer_params=PENDING)
+            prefill.generate(generate_request("parked-p", tokens, GREEDY, kv_transfer_params=PENDING))
         )
         assert prefill_final.kv_transfer_params["push_target_pending"] is True
         assert "kv_transfer_error" not in prefill_final.kv_transfer_params
         wait_for_kv = {"do_remote_prefill": True}
         task = asyncio.ensure_future(
-            collect(decode.generate("parked", tokens, GREEDY, kv_transfer_params=wait_for_kv))
+            collect(
+                decode.generate(generate_request("parked", tokens, GREEDY, kv_transfer_params=wait_for_kv))
+            )
         )
         reservation = await asyncio.to_thread(dconn.reservations.wait, "parked", 30)
         assert reservation is not None and reservation.block_ids
@@ -72,16 +75,18 @@ def test_a_target_that_arrives_before_the_prefill_is_taken_by_it(engines):
     tokens = prompt(12, 90)
 
     async def run() -> None:
-        expected, _ = await collect(collocated.generate("ref-early", tokens, GREEDY))
+        expected, _ = await collect(collocated.generate(generate_request("ref-early", tokens, GREEDY)))
         wait_for_kv = {"do_remote_prefill": True}
         task = asyncio.ensure_future(
-            collect(decode.generate("early", tokens, GREEDY, kv_transfer_params=wait_for_kv))
+            collect(
+                decode.generate(generate_request("early", tokens, GREEDY, kv_transfer_params=wait_for_kv))
+            )
         )
         reservation = await asyncio.to_thread(dconn.reservations.wait, "early", 30)
         assert reservation is not None
         assert pconn.pusher.set_target("early-p", target_of(dconn, reservation)).status == "early"
         _, prefill_final = await collect(
-            prefill.generate("early-p", tokens, GREEDY, kv_transfer_params=PENDING)
+            prefill.generate(generate_request("early-p", tokens, GREEDY, kv_transfer_params=PENDING))
         )
         assert "push_target_pending" not in prefill_final.kv_transfer_params
         assert prefill_final.kv_transfer_params.get("kv_bytes", 0) > 0
@@ -96,7 +101,7 @@ def test_a_cancelled_target_frees_a_parked_prefill(engines):
 
     async def run() -> None:
         _, final = await collect(
-            prefill.generate("gone-p", prompt(13, 70), GREEDY, kv_transfer_params=PENDING)
+            prefill.generate(generate_request("gone-p", prompt(13, 70), GREEDY, kv_transfer_params=PENDING))
         )
         assert final.kv_transfer_params["push_target_pending"] is True
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from splitserve.engine.llm import LLM
-from splitserve.engine.sampling_params import SamplingParams
 from splitserve.frontend.chat_template import ChatTemplate
 from splitserve.frontend.gguf_tokenizer import load_gguf_render_files
 from splitserve.model.decoder import DecoderModel, load_model
 from splitserve.model.gguf_loader import load_gguf_config
+from splitserve.protocol.sampling_params import SamplingParams
 from tests.engine.helpers import make_prompts
 from tests.model.gguf_files import GGUF_SPEC, QUANT_TYPES, write_tiny_gguf
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from splitserve.engine.llm import LLM
-from splitserve.engine.sampling_params import SamplingParams
 from splitserve.model import ops
+from splitserve.protocol.sampling_params import SamplingParams
 from tests.engine.helpers import make_prompts, oracle_greedy
 
 

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from splitserve.protocol.generate_request import GenerateRequest
 from splitserve.protocol.kv_events import BlockStored, KVEventBatch
 from splitserve.router.kv_index import KVBlockIndex, KVRoutingWeights
 from splitserve.router.load import REPORT_LAG_S, LoadTracker, WorkerLoad
@@ -103,11 +104,13 @@ def test_a_burst_spreads_before_any_report_and_a_long_queue_outweighs_a_cached_p
     hashes = [bytes([i]) * 32 for i in range(20)]
     index.apply("http://a", KVEventBatch(ts=0.0, events=[BlockStored(hashes, None, [], 16, None)]))
     router = Router(RoutingPolicy.CACHE_AWARE, index, KVRoutingWeights())
-    body = {"block_hashes": [h.hex() for h in hashes] + ["ff" * 32]}  # 21 blocks, 20 on a
+    body = GenerateRequest(
+        "r", (1,), block_hashes=(*(h.hex() for h in hashes), "ff" * 32)
+    )  # 21 blocks, 20 on a
     with contextlib.ExitStack() as requests:
         picks = []
         for _ in range(4):  # each counts 21 uncached blocks of prefill where it went
-            worker = router.pick(pool, "decode", {"block_hashes": ["ee" * 32] * 21})
+            worker = router.pick(pool, "decode", GenerateRequest("r", (1,), block_hashes=("ee" * 32,) * 21))
             picks.append(worker.url)
             requests.enter_context(router.loads.tracking(worker.url, 21 * 16, 21))
         assert sorted(picks) == ["http://a", "http://a", "http://b", "http://b"]

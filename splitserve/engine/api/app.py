@@ -17,13 +17,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from splitserve.engine.api.generate import DEFAULT_MAX_PIXEL_BYTES
 from splitserve.engine.api.local_client import LocalEngineClient
 from splitserve.engine.api.metrics import EngineMetrics
 from splitserve.engine.api.mm_metrics import MultiModalCollector
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.protocol.engine_api import merge_chunks
 from splitserve.protocol.errors import APIError
+from splitserve.protocol.generate_request import DEFAULT_MAX_PIXEL_BYTES
 from splitserve.runtime.http_edge import install_error_handlers, read_json_body
 
 MAX_BODY_BYTES = 64 * 1024 * 1024

@@ -31,9 +31,9 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, generate_latest
 
 from splitserve.config import CacheConfig
-from splitserve.engine.api.generate import DEFAULT_MAX_PIXEL_BYTES, parse_features
 from splitserve.engine.api.mm_metrics import EncoderWorkerCollector
 from splitserve.protocol.errors import APIError
+from splitserve.protocol.generate_request import DEFAULT_MAX_PIXEL_BYTES, parse_features
 from splitserve.runtime import access
 from splitserve.runtime.http_edge import install_error_handlers, read_json_body
 from splitserve.runtime.http_pool import SERVER_KEEPALIVE_S

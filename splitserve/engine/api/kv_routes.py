@@ -42,7 +42,11 @@ from fastapi.responses import JSONResponse
 from splitserve.config import EngineRole, TransferConfig
 from splitserve.kv.connector.handoff_metrics import ForwardRegistry
 from splitserve.protocol.errors import APIError
-from splitserve.protocol.kv_transfer import KVTransferParams, check_kv_transfer_params
+from splitserve.protocol.kv_transfer import (
+    KV_TRANSFER_PARAMS,
+    KVTransferParams,
+    parse_kv_transfer_params,
+)
 from splitserve.runtime.http_edge import read_json_body
 
 if TYPE_CHECKING:
@@ -125,31 +129,31 @@ def transfer_config(args: argparse.Namespace, device: str) -> TransferConfig:
     )
 
 
-def check_kv_peer(connector: PDConnector, params: dict | None) -> None:
+def check_kv_peer(connector: PDConnector, params: KVTransferParams | None) -> None:
     """Refuse (403) a request naming a KV peer not registered with the deployment: the
     engine never dials a host a request picks."""
-    parsed = KVTransferParams.from_wire(params)
+    parsed = params or KVTransferParams()
     if parsed.remote_host is None and parsed.remote_port is None:
         return
     if not connector.transport.may_dial(str(parsed.remote_host), int(parsed.remote_port or 0)):
         raise APIError(
             403,
             f"KV peer {parsed.remote_host}:{parsed.remote_port} is not registered with this deployment",
-            param="kv_transfer_params",
+            param=KV_TRANSFER_PARAMS,
             code="kv_peer_not_registered",
         )
 
 
-def admit_generate(connector: PDConnector, params: dict | None) -> None:
+def admit_generate(connector: PDConnector, params: KVTransferParams | None) -> None:
     """What a generate request's kv_transfer_params must pass before the engine takes it."""
     check_kv_peer(connector, params)
     check_reservation_quota(connector, params)
 
 
-def check_reservation_quota(connector: PDConnector, params: dict | None) -> None:
+def check_reservation_quota(connector: PDConnector, params: KVTransferParams | None) -> None:
     """Refuse (429, `Retry-After`) a request that would wait for remote KV while decode
     already holds its limit of reservations, so no caller can pin the whole cache."""
-    if connector.role != "decode" or not KVTransferParams.from_wire(params).do_remote_prefill:
+    if connector.role != "decode" or params is None or not params.do_remote_prefill:
         return
     config, table = connector.config, connector.reservations
     pool = connector.transport.pool
@@ -267,8 +271,8 @@ def install_kv_routes(app: FastAPI, connector: PDConnector) -> None:
         if connector.role != "prefill":
             raise APIError(400, f"this engine's role is {connector.role}; push targets go to prefill workers")
         request_id, body = await request_id_of(raw)
-        target = body.get("kv_transfer_params")
-        if target is None:
+        params = parse_kv_transfer_params(body)
+        if params is None:
             return JSONResponse(
                 {
                     "request_id": request_id,
@@ -276,10 +280,7 @@ def install_kv_routes(app: FastAPI, connector: PDConnector) -> None:
                     "cancelled": connector.pusher.cancel(request_id),
                 }
             )
-        if not isinstance(target, dict):
-            raise APIError(400, "kv_transfer_params must be an object", param="kv_transfer_params")
-        params = check_kv_transfer_params(target)
-        check_kv_peer(connector, target)
+        check_kv_peer(connector, params)
         answer = await asyncio.to_thread(connector.pusher.set_target, request_id, params)
         report: dict = {"request_id": request_id, "status": answer.status}
         if answer.outcome is not None:

@@ -8,18 +8,14 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from splitserve.engine.api.generate import (
-    DEFAULT_MAX_PIXEL_BYTES,
-    ChunkBuilder,
-    GenerateRequest,
-    parse_generate_request,
-)
+from splitserve.engine.api.generate import ChunkBuilder
 from splitserve.engine.api.metrics import EngineMetrics
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.outputs import RequestOutput
 from splitserve.protocol.engine_api import without_routing_hints
 from splitserve.protocol.engine_client import EngineClient
 from splitserve.protocol.errors import APIError
+from splitserve.protocol.generate_request import DEFAULT_MAX_PIXEL_BYTES, GenerateRequest
 
 
 class LocalEngineClient(EngineClient):
@@ -39,7 +35,7 @@ class LocalEngineClient(EngineClient):
     def parse(self, body: object) -> GenerateRequest:
         """Validate a generate body (`APIError` on bad input)."""
         try:
-            return parse_generate_request(
+            return GenerateRequest.from_wire(
                 body, max_model_len=self.max_model_len, max_pixel_bytes=self.max_pixel_bytes
             )
         except APIError as exc:
@@ -71,14 +67,7 @@ class LocalEngineClient(EngineClient):
         self._in_flight.add(request.request_id)
         tracker = self.metrics.request_tracker() if self.metrics else None
         builder = ChunkBuilder(request)
-        outputs = self.engine.generate(
-            request.request_id,
-            request.token_ids,
-            request.sampling_params,
-            cache_salt=request.cache_salt,
-            kv_transfer_params=request.kv_transfer_params,
-            images=list(request.images) or None,
-        )
+        outputs = self.engine.generate(request)
         finished = False
         try:
             try:

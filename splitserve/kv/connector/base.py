@@ -57,6 +57,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from splitserve.protocol.block_hash import BlockHash
+from splitserve.protocol.kv_transfer import KVTransferParams
 
 if TYPE_CHECKING:
     import torch
@@ -70,7 +71,7 @@ class ConnectorRequest(Protocol):
 
     request_id: str
     prompt_token_ids: list[int]
-    kv_transfer_params: dict | None
+    kv_transfer_params: KVTransferParams  # parsed at the engine's edge (empty: no transfer)
     num_computed_tokens: int
     num_cached_tokens: int
     block_hashes: list[BlockHash]  # the chained hashes of the request's full blocks

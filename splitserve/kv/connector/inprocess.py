@@ -103,7 +103,7 @@ class InProcessConnector(KVConnector):
     def get_num_new_matched_tokens(
         self, request: ConnectorRequest, num_computed_tokens: int
     ) -> tuple[int, bool]:
-        params = KVTransferParams.from_wire(request.kv_transfer_params)
+        params = request.kv_transfer_params
         if not params.do_remote_prefill:
             return 0, False
         entry = self.store.get(str(params.remote_request_id))
@@ -120,7 +120,7 @@ class InProcessConnector(KVConnector):
     def update_state_after_alloc(
         self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int
     ) -> None:
-        params = KVTransferParams.from_wire(request.kv_transfer_params)
+        params = request.kv_transfer_params
         if params.do_remote_decode:
             assert self.kv_cache is not None
             layers, _, _, _, kv_heads, head_dim = self.kv_cache.shape
@@ -145,7 +145,7 @@ class InProcessConnector(KVConnector):
                 self._pending_loads.append(load)
 
     def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> tuple[bool, dict | None]:
-        params = KVTransferParams.from_wire(request.kv_transfer_params)
+        params = request.kv_transfer_params
         with self._lock:
             if request.request_id in self._loading:  # the loader still writes into its blocks
                 self._orphaned.add(request.request_id)

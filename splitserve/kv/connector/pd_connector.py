@@ -14,10 +14,10 @@ prefill to release them (or the hold expires after the TTL).
 Concurrent reservation (push): the proxy may send the prefill request at once with
 `push_target_pending`; prefill computes while decode reserves, and the proxy forwards the
 reservation (`POST /inference/v1/kv/push_target`); the layers computed by then are queued
-at once (`kv/layer_push.py`).
+at once (`kv/connector/layer_push.py`).
 
 Bidirectional (push): decode's reservation also offers the leading blocks it already
-holds of the prompt, by chained block hash (`kv/prefix_lend.py`); prefill pulls the run
+holds of the prompt, by chained block hash (`kv/connector/prefix_lend.py`); prefill pulls the run
 whose hashes equal its own request's before computing the rest.
 
 A transfer that fails or times out makes decode recompute the prompt itself; a prefix
@@ -142,7 +142,7 @@ class PDConnector(KVConnector):
         self, request: ConnectorRequest, num_computed_tokens: int
     ) -> tuple[int, bool]:
         """Side-effect free (vLLM's contract): it may be asked again for the same request."""
-        params = KVTransferParams.from_wire(request.kv_transfer_params)
+        params = request.kv_transfer_params
         if params.do_remote_decode:
             mode = params.mode(self.config.mode)
             return pullable_prefix_tokens(request, num_computed_tokens, params, self.block_size, mode), True
@@ -169,7 +169,7 @@ class PDConnector(KVConnector):
     def update_state_after_alloc(
         self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int
     ) -> None:
-        params = KVTransferParams.from_wire(request.kv_transfer_params)
+        params = request.kv_transfer_params
         if params.do_remote_decode:
             if params.mode(self.config.mode) == "push":
                 self.pusher.plan(
@@ -360,7 +360,7 @@ class PDConnector(KVConnector):
             return load, False
 
     def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> tuple[bool, dict | None]:
-        params = KVTransferParams.from_wire(request.kv_transfer_params)
+        params = request.kv_transfer_params
         if params.do_remote_decode:
             load, in_flight = self._end_load(request.request_id)
             delay, report = self._prefill_finished(request, block_ids, params, load)

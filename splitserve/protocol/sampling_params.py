@@ -1,7 +1,16 @@
-"""Per-request sampling parameters (the `sampling_params` object of the generate API)."""
+"""Per-request sampling parameters (the `sampling_params` object of the generate API).
+
+One field is ours, not vLLM's: `preceding_output_tokens`, the output tokens that precede a
+resumed request's (a migrated request's prompt ends with them). A seeded request draws its
+noise from (seed, output position), so it continues the undisturbed run; the field moves
+nothing else (not max_tokens, nor usage).
+
+Torch-free: the render tier builds them, the router edits them (`dataclasses.replace`),
+the engine's sampler reads them."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, fields
 from typing import Any
@@ -13,7 +22,9 @@ MAX_LOGPROBS = 20
 
 @dataclass(frozen=True)
 class SamplingParams:
-    max_tokens: int = 16
+    # None: as many as the context leaves (vLLM's null), resolved by `for_context` where
+    # the model's length is known (the engine); the tiers in front pass it on as null
+    max_tokens: int | None = 16
     temperature: float = 1.0  # 0: greedy
     top_p: float = 1.0
     top_k: int = -1  # -1 or 0: disabled
@@ -43,7 +54,7 @@ class SamplingParams:
             value = getattr(self, name)
             return InvalidRequestError(f"sampling_params.{name} {why} (got {value!r})", param=name)
 
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad("max_tokens", "must be an integer >= 1")
         if not _is_number(self.temperature) or not 0.0 <= self.temperature <= 100.0:
             raise bad("temperature", "must be a number in [0, 100]")
@@ -65,6 +76,28 @@ class SamplingParams:
             raise bad("logprobs", f"must be null or an integer in [0, {MAX_LOGPROBS}]")
         if not _is_int(self.preceding_output_tokens) or not 0 <= self.preceding_output_tokens < 2**31:
             raise bad("preceding_output_tokens", "must be an integer in [0, 2**31)")
+
+    def for_context(self, prompt_len: int, max_model_len: int) -> SamplingParams:
+        """These parameters with a null max_tokens resolved: what the context leaves."""
+        if self.max_tokens is not None:
+            return self
+        return dataclasses.replace(self, max_tokens=max(1, max_model_len - prompt_len))
+
+    def to_wire(self) -> dict[str, Any]:
+        """The JSON object; `preceding_output_tokens`, ours alone, only when set."""
+        wire: dict[str, Any] = {
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "seed": self.seed,
+            "stop_token_ids": list(self.stop_token_ids),
+            "ignore_eos": self.ignore_eos,
+            "logprobs": self.logprobs,
+        }
+        if self.preceding_output_tokens:
+            wire["preceding_output_tokens"] = self.preceding_output_tokens
+        return wire
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> SamplingParams:
