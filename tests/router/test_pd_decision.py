@@ -31,7 +31,7 @@ from splitserve.router.pd_policy import PDPolicy
 from splitserve.sim.calibrate import samples_to_json, synthetic_samples
 from splitserve.sim.roofline import Efficiency, Roofline
 from splitserve.sim.specs import load_gpu, load_model
-from tests.conftest import free_port, running_servers
+from tests.conftest import free_port, running_servers, wait_until
 from tests.router.test_pd_proxy import metric
 
 # The numbers measured on this machine for the tiny model (docs/pd.md), pinned so the
@@ -247,7 +247,16 @@ def paths(base: str) -> dict[str, float]:
     }
 
 
+def queues_seen_empty(base: str) -> bool:
+    """Whether the proxy's latest load reports show no prompt tokens queued anywhere (a
+    report polled while the previous request ran stays until the next poll)."""
+    return all(
+        view["queued_prefill_tokens"] == 0 for view in httpx.get(f"{base}/workers").json()["load"].values()
+    )
+
+
 def path_of(base: str, prompt: list[int]) -> tuple[str, list[int]]:
+    assert wait_until(lambda: queues_seen_empty(base), 30), httpx.get(f"{base}/workers").json()["load"]
     before = paths(base)
     tokens = completion(base, prompt)
     after = paths(base)
