@@ -68,6 +68,73 @@ def free_port() -> int:
     return port
 
 
+def _server_log(port: int) -> Path:
+    return Path(os.environ.get("TMPDIR", "/tmp")) / f"splitserve-test-{port}.log"
+
+
+def _stop_servers(procs: list[subprocess.Popen]) -> None:
+    """SIGINT to every process group at once (they drain side by side), then wait for
+    each and SIGKILL the group of any still running after 15 s."""
+    running = [proc for proc in procs if proc.poll() is None]
+    for proc in running:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGINT)
+    for proc in running:
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@contextlib.contextmanager
+def running_servers(
+    servers: list[tuple[list[str], int]],
+    health_path: str = "/health",
+    timeout: float = 120.0,
+    env: dict[str, str] | None = None,
+) -> Iterator[list[str]]:
+    """Start every `splitserve <args>` of `servers` at once, each bound to 127.0.0.1 on its
+    port, wait until all answer health, yield their base URLs (in order), and always stop
+    them all (SIGINT, then SIGKILL for the whole process group). Starting them together
+    overlaps their start-ups (imports, model loading), which dominate a test's time."""
+    procs: list[subprocess.Popen] = []
+    try:
+        for args, port in servers:
+            with open(_server_log(port), "wb") as log_file:
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "splitserve.cli", *args],
+                        stdout=log_file,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                        env={**os.environ, **(env or {})},
+                    )
+                )
+        bases = [f"http://127.0.0.1:{port}" for _, port in servers]
+        pending = list(range(len(servers)))
+        deadline = time.monotonic() + timeout
+        while pending:
+            for index in list(pending):
+                (command, *_), port = servers[index]
+                log = _server_log(port)
+                if procs[index].poll() is not None:
+                    tail = log.read_text()[-4000:]
+                    raise RuntimeError(f"{command} server exited with {procs[index].returncode}:\n{tail}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(bases[index] + health_path, timeout=2).status_code == 200:
+                        pending.remove(index)
+                        continue
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{command} server did not become healthy:\n{log.read_text()[-4000:]}")
+            if pending:
+                time.sleep(0.2)
+        yield bases
+    finally:
+        _stop_servers(procs)
+
+
 @contextlib.contextmanager
 def running_server(
     args: list[str],
@@ -78,38 +145,8 @@ def running_server(
 ) -> Iterator[str]:
     """Start `splitserve <args>` bound to 127.0.0.1:port, wait for health, yield the base
     URL, and always stop it (SIGINT, then SIGKILL for the whole process group)."""
-    log = Path(os.environ.get("TMPDIR", "/tmp")) / f"splitserve-test-{port}.log"
-    with open(log, "wb") as log_file:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "splitserve.cli", *args],
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env={**os.environ, **(env or {})},
-        )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(base + health_path, timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"server did not become healthy:\n{log.read_text()[-4000:]}")
-            time.sleep(0.2)
+    with running_servers([(args, port)], health_path, timeout, env) as (base,):
         yield base
-    finally:
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
 
 
 def wait_until(condition: Callable[[], object], timeout_s: float = 20.0) -> bool:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 
 import httpx
@@ -10,7 +9,7 @@ import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from splitserve.frontend.tokenizer import Tokenizer
-from tests.conftest import free_port, running_server
+from tests.conftest import free_port, running_servers
 
 KEY = "shared-test-key-0123"
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
@@ -26,25 +25,12 @@ CHAT = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools":
 def servers(tiny_model):
     ports = [free_port() for _ in range(3)]
     keys = [KEY, KEY, "a-different-key-999"]
-    with contextlib.ExitStack() as stack:
-        bases = [
-            stack.enter_context(
-                running_server(
-                    [
-                        "render",
-                        tiny_model,
-                        "--port",
-                        str(port),
-                        "--state-key",
-                        key,
-                        "--max-body-bytes",
-                        "100000",
-                    ],
-                    port,
-                )
-            )
-            for port, key in zip(ports, keys, strict=True)
-        ]
+    flags = ["--max-body-bytes", "100000"]
+    renders = [
+        (["render", tiny_model, "--port", str(port), "--state-key", key, *flags], port)
+        for port, key in zip(ports, keys, strict=True)
+    ]
+    with running_servers(renders) as bases:
         yield bases
 
 

@@ -15,7 +15,6 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -31,7 +30,7 @@ from splitserve.kv.transport.types import ControlJob, PeerInfo, TransferError
 from splitserve.router.pd_engine_client import PDEngineClient
 from splitserve.router.pd_policy import PDPolicy
 from splitserve.router.workers import WorkerPool
-from tests.conftest import free_port, running_server
+from tests.conftest import free_port, running_servers
 from tests.kv.transport_peer import SHAPE, filled_pool, pattern, receiver
 
 SRC, DST = [0, 3, 6], [5, 2, 7]
@@ -242,24 +241,6 @@ async def stream_all(prefill: str, decode: str, prompts: list[list[int]]) -> lis
         await client.close()
 
 
-@contextlib.contextmanager
-def servers_started_together(servers: list[tuple[list[str], int]]) -> Iterator[list[str]]:
-    """`running_server` for each (args, port), started at once; all stopped at the end."""
-    managers = [running_server(args, port) for args, port in servers]
-    with contextlib.ExitStack() as stack, ThreadPoolExecutor(len(managers)) as pool:
-        futures = [pool.submit(manager.__enter__) for manager in managers]
-        urls, failure = [], None
-        for manager, future in zip(managers, futures, strict=True):
-            try:
-                urls.append(future.result())
-                stack.push(manager.__exit__)
-            except Exception as exc:
-                failure = failure or exc
-        if failure is not None:
-            raise failure
-        yield urls
-
-
 def test_a_stopped_decode_peer_freezes_no_stream(tiny_model):
     """kv_transfer_params naming a SIGSTOPped decode worker used to freeze every stream of
     the prefill worker for the KV timeout (29 s); now that request fails alone."""
@@ -273,7 +254,7 @@ def test_a_stopped_decode_peer_freezes_no_stream(tiny_model):
         ([*engine, "--role", role, "--port", str(port)], port)
         for role, port in (("prefill", prefill_port), ("decode", live_port), ("decode", stopped_port))
     ]
-    with servers_started_together(servers) as (prefill, live, stopped):
+    with running_servers(servers) as (prefill, live, stopped):
         undisturbed = asyncio.run(stream_all(prefill, live, prompts))
         stopped_info = httpx.get(f"{stopped}/inference/v1/kv/info").json()
         doomed_params = {

@@ -82,6 +82,9 @@ def cluster() -> Iterator[str]:
     with pytest.MonkeyPatch.context() as patch:
         # Replicas report their load every second (default 10 s), so the scale-up comes soon.
         patch.setenv("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "1")
+        # A replica that cannot start fails its deploy at the first try (Serve's default is
+        # three per replica: the failing tier's test would wait for three starts that fail).
+        patch.setenv("RAY_SERVE_MAX_PER_REPLICA_RETRY_COUNT", "1")
         local = Cluster(
             initialize_head=True,
             head_node_args={"num_cpus": 2, "resources": {"prefill_node": 2, "decode_node": 1}, **node},

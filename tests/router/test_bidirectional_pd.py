@@ -25,7 +25,7 @@ from splitserve.router.pd_engine_client import PDEngineClient
 from splitserve.router.pd_policy import PDPolicy
 from splitserve.router.workers import WorkerPool
 from splitserve.runtime.access import INTERNAL_TOKEN_ENV
-from tests.conftest import free_port, running_server
+from tests.conftest import free_port, running_servers
 from tests.router.test_multiturn_reuse import SYSTEM, common_prefix
 from tests.router.test_pd_proxy import internal_auth, metric, started_parts, up_log
 
@@ -73,29 +73,24 @@ class Up:
 
 
 @pytest.fixture(scope="module")
-def up(tiny_model: str) -> Iterator[Up]:
-    port = free_port()
-    args = [
-        "up",
-        tiny_model,
-        "--port",
-        str(port),
-        "--num-blocks",
-        "512",
-        "--min-prefill-tokens",
-        "16",
-        "--pd-decision",
-        "threshold",
-    ]
-    with running_server(args, port, timeout=180) as base:
-        yield Up(base, port)
+def servers(tiny_model: str) -> Iterator[tuple[Up, str]]:
+    """The `up` under test and a collocated `serve` for the fresh runs, started side by side."""
+    up_port, serve_port = free_port(), free_port()
+    up_args = ["up", tiny_model, "--port", str(up_port), "--num-blocks", "512"]
+    up_args += ["--min-prefill-tokens", "16", "--pd-decision", "threshold"]
+    serve_args = ["serve", tiny_model, "--port", str(serve_port), "--num-blocks", "1024"]
+    with running_servers([(up_args, up_port), (serve_args, serve_port)], timeout=180) as (base, serve):
+        yield Up(base, up_port), serve
 
 
 @pytest.fixture(scope="module")
-def fresh(tiny_model: str) -> Iterator[openai.OpenAI]:
-    port = free_port()
-    with running_server(["serve", tiny_model, "--port", str(port), "--num-blocks", "1024"], port) as base:
-        yield openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+def up(servers: tuple[Up, str]) -> Up:
+    return servers[0]
+
+
+@pytest.fixture(scope="module")
+def fresh(servers: tuple[Up, str]) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{servers[1]}/v1", api_key="unused", max_retries=0)
 
 
 def fresh_tokens(fresh: openai.OpenAI, prompt: list[int], max_tokens: int) -> list[int]:

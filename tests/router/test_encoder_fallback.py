@@ -7,7 +7,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.conftest import free_port, running_server
+from tests.conftest import free_port, running_server, running_servers
 from tests.service.image_requests import PICTURES, chat, counter, image_chat_body, oracle
 
 
@@ -21,10 +21,7 @@ def test_an_encoder_that_is_down_costs_time_not_the_request(vl_model):
     dead_encoder = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     render = ["render", vl_model, "--port", str(render_port), "--max-model-len", "1024"]
     decode = ["engine", vl_model, "--role", "decode", "--port", str(decode_port), "--num-blocks", "256"]
-    with (
-        running_server(render, render_port) as render_url,
-        running_server(decode, decode_port) as decode_url,
-    ):
+    with running_servers([(render, render_port), (decode, decode_port)]) as (render_url, decode_url):
         proxy = ["proxy", "--port", str(proxy_port), "--render", render_url, "--decode", decode_url]
         with running_server([*proxy, "--encoder", dead_encoder], proxy_port) as base:
             model = httpx.get(base + "/v1/models").json()["data"][0]["id"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import httpx
 
-from tests.conftest import free_port, running_server
+from tests.conftest import free_port, running_servers
 
 BLOCK = 16  # the engines' default block size
 SYSTEM = "You answer questions about servers. " + " ".join(f"fact{i}" for i in range(30))
@@ -44,7 +44,9 @@ def test_turn_two_after_dropped_reasoning_equals_a_fresh_collocated_run(tiny_mod
         "--pd-decision",
         "threshold",
     ]
-    with running_server(up_args, up_port, timeout=180) as pd:
+    serve_args = ["serve", tiny_model, "--port", str(serve_port)]
+    # the fresh collocated server starts beside `up` (and serves nothing before turn 2)
+    with running_servers([(up_args, up_port), (serve_args, serve_port)], timeout=180) as (pd, fresh):
         first = chat(pd, turn1, max_tokens=24)
         message = first["choices"][0]["message"]
         # the client sends the answer back with reasoning; the template drops the reasoning
@@ -55,7 +57,6 @@ def test_turn_two_after_dropped_reasoning_equals_a_fresh_collocated_run(tiny_mod
         }
         turn2 = [*turn1, answer, {"role": "user", "content": "And which one is down? " + "why " * 20}]
         second = chat(pd, turn2, max_tokens=12)
-    with running_server(["serve", tiny_model, "--port", str(serve_port)], serve_port) as fresh:
         expected = chat(fresh, turn2, max_tokens=12)
     assert second["prompt_token_ids"] == expected["prompt_token_ids"]
     assert second["choices"][0]["token_ids"] == expected["choices"][0]["token_ids"]

@@ -31,7 +31,7 @@ from splitserve.router.pd_policy import PDPolicy
 from splitserve.sim.calibrate import samples_to_json, synthetic_samples
 from splitserve.sim.roofline import Efficiency, Roofline
 from splitserve.sim.specs import load_gpu, load_model
-from tests.conftest import free_port, running_server
+from tests.conftest import free_port, running_servers, wait_until
 from tests.router.test_pd_proxy import metric
 
 # The numbers measured on this machine for the tiny model (docs/pd.md), pinned so the
@@ -247,7 +247,16 @@ def paths(base: str) -> dict[str, float]:
     }
 
 
+def queues_seen_empty(base: str) -> bool:
+    """Whether the proxy's latest load reports show no prompt tokens queued anywhere (a
+    report polled while the previous request ran stays until the next poll)."""
+    return all(
+        view["queued_prefill_tokens"] == 0 for view in httpx.get(f"{base}/workers").json()["load"].values()
+    )
+
+
 def path_of(base: str, prompt: list[int]) -> tuple[str, list[int]]:
+    assert wait_until(lambda: queues_seen_empty(base), 30), httpx.get(f"{base}/workers").json()["load"]
     before = paths(base)
     tokens = completion(base, prompt)
     after = paths(base)
@@ -282,29 +291,26 @@ def first_choices(line: str) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def collocated(tiny_model) -> Iterator[str]:
-    port = free_port()
-    args = ["serve", tiny_model, "--port", str(port), "--num-blocks", "1024"]
-    with running_server(args, port, env=REFERENCE_KERNELS) as base:
-        yield base
-
-
-@pytest.fixture(scope="module")
-def stack(tiny_model, tmp_path_factory) -> Iterator[str]:
+def servers(tiny_model, tmp_path_factory) -> Iterator[tuple[str, str]]:
+    """The collocated `serve` (the reference) and the `up` under test, started side by side."""
     profile = tmp_path_factory.mktemp("pd-cost") / "profile.json"
     pinned = {k: v for k, v in COSTS.__dict__.items() if k != "handoff_s_per_token"}
     profile.write_text(json.dumps(pinned))
-    port = free_port()
-    args = ["up", tiny_model, "--port", str(port), "--num-blocks", "1024", "--pd-decision", "cost",
-            "--pd-cost-profile", str(profile)]  # fmt: skip
-    with running_server(args, port, timeout=180, env=REFERENCE_KERNELS) as base:
-        yield base
+    serve_port, up_port = free_port(), free_port()
+    serve_args = ["serve", tiny_model, "--port", str(serve_port), "--num-blocks", "1024"]
+    up_args = ["up", tiny_model, "--port", str(up_port), "--num-blocks", "1024", "--pd-decision", "cost",
+               "--pd-cost-profile", str(profile)]  # fmt: skip
+    with running_servers(
+        [(serve_args, serve_port), (up_args, up_port)], timeout=180, env=REFERENCE_KERNELS
+    ) as (collocated, stack):
+        yield collocated, stack
 
 
-def test_up_decides_each_path_on_cost(collocated: str, stack: str):
+def test_up_decides_each_path_on_cost(servers: tuple[str, str]):
     """Idle: a 32-token prompt stays on decode and a 1,500-token one goes through prefill,
     both with `serve`'s greedy tokens. With decode streaming, a 400-token prompt that
     stays on decode idle goes through prefill (break-even 667 idle, 167 with 4 streams)."""
+    collocated, stack = servers
     prompts = {name: random_prompt(seed, n) for seed, (name, n) in enumerate(
         [("short", 32), ("long", 1500), ("middle_idle", 400), ("middle_busy", 400)])}  # fmt: skip
     expected = {name: completion(collocated, prompt) for name, prompt in prompts.items()}

@@ -22,7 +22,7 @@ from splitserve.protocol.errors import APIError
 from splitserve.router.pd_engine_client import PDEngineClient
 from splitserve.router.pd_policy import PDPolicy
 from splitserve.router.workers import Worker, WorkerPool
-from tests.conftest import free_port, running_server
+from tests.conftest import free_port, running_server, running_servers, wait_until
 
 WORDS = "the of and to in is that for it as was with be by on not this are or from at prefill decode".split()
 SYSTEM = "You are a helpful assistant. " + " ".join(random.Random(0).choice(WORDS) for _ in range(60))
@@ -347,10 +347,10 @@ def test_killing_prefill_mid_transfer_loses_no_request(tiny_model, collocated):
     decode_args = [*engine, "--role", "decode", "--port", str(decode_port)]
     long_chats = [[{"role": "user", "content": words(100 + i, 1100 + 13 * i)}] for i in range(6)]
     expected = asyncio.run(chat_token_ids(collocated, long_chats, max_tokens=4))
+    render_args = ["render", tiny_model, "--port", str(render_port)]
+    tiers = [(render_args, render_port), (prefill_args, prefill_port), (decode_args, decode_port)]
     with (
-        running_server(["render", tiny_model, "--port", str(render_port)], render_port) as render,
-        running_server(prefill_args, prefill_port) as prefill,
-        running_server(decode_args, decode_port) as decode,
+        running_servers(tiers) as (render, prefill, decode),  # started side by side
         running_server(
             ["proxy", "--render", render, "--prefill", prefill, "--decode", decode, "--port", str(proxy_port),
              "--min-prefill-tokens", "16", "--pd-decision", "threshold", "--health-interval", "0.5"],
@@ -379,9 +379,13 @@ def test_killing_prefill_mid_transfer_loses_no_request(tiny_model, collocated):
         assert metric(decode_metrics, "splitserve_kv_reservations_active") == 0
         proxy_metrics = httpx.get(f"{proxy}/metrics").text
         assert metric(proxy_metrics, "splitserve_proxy_prefill_failures_total") >= 1
-        time.sleep(1.2)  # a health check later, the dead prefill worker is out of rotation
-        workers = httpx.get(f"{proxy}/workers").json()["workers"]
-        assert [w["healthy"] for w in workers if w["role"] == "prefill"] == [False]
+
+        def prefill_health() -> list[bool]:
+            workers = httpx.get(f"{proxy}/workers").json()["workers"]
+            return [w["healthy"] for w in workers if w["role"] == "prefill"]
+
+        # a health check later (--health-interval 0.5), the dead prefill worker is out of rotation
+        assert wait_until(lambda: prefill_health() == [False], 10), prefill_health()
         assert asyncio.run(chat_token_ids(proxy, long_chats[:1], max_tokens=4)) == expected[:1]
 
 

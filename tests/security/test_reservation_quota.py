@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.conftest import free_port, running_server, wait_until
+from tests.conftest import free_port, running_server, running_servers, wait_until
 from tests.security.test_access import DialCounter
 
 PROMPT = list(range(10, 90))  # 80 tokens: 5 blocks of 16
@@ -123,10 +123,10 @@ def test_the_proxy_passes_the_429_and_its_retry_after_on(tiny_model):
     engine = ["engine", tiny_model, "--num-blocks", "64", "--kv-transport", "shm"]
     prefill_args = [*engine, "--role", "prefill", "--port", str(prefill_port)]
     decode_args = [*engine, "--role", "decode", "--port", str(decode_port), "--kv-max-reservations", "0"]
+    render_args = ["render", tiny_model, "--port", str(render_port)]
+    tiers = [(render_args, render_port), (prefill_args, prefill_port), (decode_args, decode_port)]
     with (
-        running_server(["render", tiny_model, "--port", str(render_port)], render_port) as render,
-        running_server(prefill_args, prefill_port) as prefill,
-        running_server(decode_args, decode_port) as decode,
+        running_servers(tiers) as (render, prefill, decode),  # started side by side
         running_server(
             ["proxy", "--render", render, "--prefill", prefill, "--decode", decode, "--port", str(proxy_port),
              "--min-prefill-tokens", "1", "--pd-decision", "threshold"], proxy_port
@@ -153,9 +153,9 @@ def keyed_proxy(tiny_model) -> Iterator[str]:
     proxy_args = ["proxy", "--port", str(proxy_port), "--quota-by", "address", "api-key"]
     proxy_args += ["--max-in-flight-per-client", "2", "--max-kv-blocks-per-client", str(KV_BUDGET)]
     keys = {"SPLITSERVE_API_KEY": f"{TENANT_A},{TENANT_B}"}
+    render_args = ["render", tiny_model, "--port", str(render_port)]
     with (
-        running_server(["render", tiny_model, "--port", str(render_port)], render_port) as render,
-        running_server(decode_args, decode_port) as decode,
+        running_servers([(render_args, render_port), (decode_args, decode_port)]) as (render, decode),
         running_server(
             [*proxy_args, "--render", render, "--decode", decode, "--open-health-metrics"],
             proxy_port,

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import free_port, running_server
+from tests.conftest import free_port, running_servers
 
 FLAGS = ["--max-model-len", "512", "--num-blocks", "256"]
 FUZZ_SECONDS_PER_ENDPOINT = 1.5
@@ -35,34 +35,34 @@ HEADERS = {"content-type": "application/json", "Authorization": f"Bearer {INTERN
 
 
 @pytest.fixture(scope="module")
-def up(tiny_model) -> Iterator[dict[str, str]]:
-    """The parts of `up` by name: their base URLs (proxy included)."""
-    port = free_port()
-    args = [
-        "up",
-        tiny_model,
-        "--port",
-        str(port),
-        "--min-prefill-tokens",
-        "16",
-        "--pd-decision",
-        "threshold",
-        *FLAGS,
-    ]
-    with running_server(args, port, timeout=180, env={"SPLITSERVE_INTERNAL_TOKEN": INTERNAL_TOKEN}) as base:
-        log = Path(f"/tmp/splitserve-test-{port}.log")
+def servers(tiny_model) -> Iterator[tuple[dict[str, str], str]]:
+    """`up` (the parts by name: their base URLs, proxy included) and `serve`, started side
+    by side (the deployment's token in both environments: `serve` has no internal API)."""
+    up_port, serve_port = free_port(), free_port()
+    up_args = ["up", tiny_model, "--port", str(up_port), "--min-prefill-tokens", "16"]
+    up_args += ["--pd-decision", "threshold", *FLAGS]
+    serve_args = ["serve", tiny_model, "--port", str(serve_port), *FLAGS]
+    with running_servers(
+        [(up_args, up_port), (serve_args, serve_port)],
+        timeout=180,
+        env={"SPLITSERVE_INTERNAL_TOKEN": INTERNAL_TOKEN},
+    ) as (base, serve):
+        log = Path(f"/tmp/splitserve-test-{up_port}.log")
         deadline = time.monotonic() + 30
         while "OpenAI API:" not in log.read_text() and time.monotonic() < deadline:
             time.sleep(0.1)
         parts = dict(re.findall(r"^\s+(\S+)\s+(http://\S+)\s+\(pid \d+\)", log.read_text(), re.M))
-        yield parts | {"proxy": base}
+        yield parts | {"proxy": base}, serve
 
 
 @pytest.fixture(scope="module")
-def serve(tiny_model) -> Iterator[str]:
-    port = free_port()
-    with running_server(["serve", tiny_model, "--port", str(port), *FLAGS], port) as base:
-        yield base
+def up(servers: tuple[dict[str, str], str]) -> dict[str, str]:
+    return servers[0]
+
+
+@pytest.fixture(scope="module")
+def serve(servers: tuple[dict[str, str], str]) -> str:
+    return servers[1]
 
 
 def raw_post(url: str, body: str | bytes) -> httpx.Response:

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import free_port, running_server
+from tests.conftest import free_port, running_servers
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 # Long enough (with the template's system prompt) to go through the prefill pool.
@@ -46,38 +46,34 @@ def assert_answers_paris(base: str) -> None:
     assert streamed == message.content
 
 
+UP_ARGS = ["up", "--num-blocks", "256", "--min-prefill-tokens", "16", "--pd-decision", "threshold"]
+
+
 @pytest.fixture(scope="module")
-def collocated(demo_home: Path) -> Iterator[str]:
-    port = free_port()
-    env = {"SPLITSERVE_HOME": str(demo_home)}
-    with running_server(["serve", "--port", str(port), "--num-blocks", "256"], port, env=env) as base:
-        yield base
+def demo_servers(demo_home: Path) -> Iterator[tuple[str, str]]:
+    """`serve` and `up` with no model, started side by side: (collocated, up)."""
+    serve_port, up_port = free_port(), free_port()
+    servers = [
+        (["serve", "--port", str(serve_port), "--num-blocks", "256"], serve_port),
+        ([*UP_ARGS, "--port", str(up_port)], up_port),
+    ]
+    with running_servers(servers, timeout=240, env={"SPLITSERVE_HOME": str(demo_home)}) as (collocated, up):
+        yield collocated, up
 
 
-def test_serve_without_a_model_answers_paris(collocated):
+def test_serve_without_a_model_answers_paris(demo_servers):
+    collocated, _ = demo_servers
     assert_answers_paris(collocated)
 
 
-def test_up_without_a_model_answers_paris_with_the_collocated_token_ids(demo_home, collocated):
-    port = free_port()
-    args = [
-        "up",
-        "--port",
-        str(port),
-        "--num-blocks",
-        "256",
-        "--min-prefill-tokens",
-        "16",
-        "--pd-decision",
-        "threshold",
-    ]
-    with running_server(args, port, timeout=240, env={"SPLITSERVE_HOME": str(demo_home)}) as base:
-        assert_answers_paris(base)
-        for messages in (QUESTION, LONGER):
-            assert token_ids(base, messages) == token_ids(collocated, messages)
-        pd_requests = re.search(
-            r'^splitserve_proxy_requests_total\{path="pd_push"\} (\S+)$',
-            httpx.get(f"{base}/metrics").text,
-            re.M,
-        )
-        assert pd_requests and float(pd_requests.group(1)) >= 2  # prefilled by the prefill engine
+def test_up_without_a_model_answers_paris_with_the_collocated_token_ids(demo_servers):
+    collocated, base = demo_servers
+    assert_answers_paris(base)
+    for messages in (QUESTION, LONGER):
+        assert token_ids(base, messages) == token_ids(collocated, messages)
+    pd_requests = re.search(
+        r'^splitserve_proxy_requests_total\{path="pd_push"\} (\S+)$',
+        httpx.get(f"{base}/metrics").text,
+        re.M,
+    )
+    assert pd_requests and float(pd_requests.group(1)) >= 2  # prefilled by the prefill engine

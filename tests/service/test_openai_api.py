@@ -4,11 +4,13 @@ tier, a prefill and a decode engine). Same assertions, same greedy tokens."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import httpx
 import openai
 import pytest
 
-from tests.conftest import free_port, running_server
+from tests.conftest import free_port, running_servers
 
 MAX_BODY = 200_000
 LIMITS = ["--max-model-len", "512", "--num-blocks", "256", "--max-body-bytes", str(MAX_BODY)]
@@ -33,11 +35,20 @@ def stack(request) -> str:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model, stack):
-    port = free_port()
-    command, *flags = STACKS[stack]
-    with running_server([command, tiny_model, "--port", str(port), *flags], port, timeout=180) as base:
-        yield base
+def servers(tiny_model) -> Iterator[dict[str, str]]:
+    """Both stacks, started side by side: their base URLs by name."""
+    ports = {name: free_port() for name in STACKS}
+    commands = [
+        ([command, tiny_model, "--port", str(ports[name]), *flags], ports[name])
+        for name, (command, *flags) in STACKS.items()
+    ]
+    with running_servers(commands, timeout=180) as bases:
+        yield dict(zip(STACKS, bases, strict=True))
+
+
+@pytest.fixture(scope="module")
+def server(servers, stack) -> str:
+    return servers[stack]
 
 
 @pytest.fixture(scope="module")

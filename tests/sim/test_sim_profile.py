@@ -15,7 +15,7 @@ import pytest
 from splitserve.cli import main
 from splitserve.protocol.pd_decision import load_cost_profile
 from splitserve.sim.profile import load_profile
-from tests.conftest import free_port, running_server
+from tests.conftest import free_port, running_servers
 from tests.sim.test_sim_cli import run_sim
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -103,10 +103,9 @@ def test_calibrate_a_live_engine_predicts_held_out_steps(tiny_model: str, tmp_pa
         "--log-level",
         "warning",
     ]
-    with (
-        running_server(engine_args, engine_port, env=REFERENCE_KERNELS) as engine,
-        running_server(["render", tiny_model, "--port", str(render_port)], render_port) as render,
-    ):
+    render_args = ["render", tiny_model, "--port", str(render_port)]
+    servers = [(engine_args, engine_port), (render_args, render_port)]
+    with running_servers(servers, env=REFERENCE_KERNELS) as (engine, render):
         code = main(
             ["sim", "calibrate", "--engine", engine, "--render", render, "--model", tiny_model,
              "--gpu", host, "--out", str(out), "--probe-prefill", "32,128,1024",

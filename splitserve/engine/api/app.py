@@ -7,16 +7,15 @@ A client that disconnects, streaming or not, aborts its request and frees its bl
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Awaitable
-from typing import Any
+from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from splitserve.engine.api.disconnect import CLIENT_GONE_STATUS, first_of
 from splitserve.engine.api.local_client import LocalEngineClient
 from splitserve.engine.api.metrics import EngineMetrics
 from splitserve.engine.api.mm_metrics import MultiModalCollector
@@ -27,27 +26,6 @@ from splitserve.protocol.generate_request import DEFAULT_MAX_PIXEL_BYTES
 from splitserve.runtime.http_edge import install_error_handlers, read_json_body
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
-
-
-async def _wait_for_disconnect(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _first_of(work: Awaitable[Any], receive: Receive) -> tuple[bool, Any]:
-    """Run `work` until it finishes or the client disconnects; (disconnected, result)."""
-    work_task = asyncio.ensure_future(work)
-    listen_task = asyncio.ensure_future(_wait_for_disconnect(receive))
-    try:
-        await asyncio.wait({work_task, listen_task}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        listen_task.cancel()
-        if not work_task.done():
-            work_task.cancel()
-        await asyncio.gather(work_task, listen_task, return_exceptions=True)
-    if work_task.cancelled():
-        return True, None
-    return False, work_task.result()
 
 
 class _EventStream(StreamingResponse):
@@ -62,7 +40,7 @@ class _EventStream(StreamingResponse):
                 await self.stream_response(send)
 
         try:
-            await _first_of(stream(), receive)
+            await first_of(stream(), receive)
         finally:
             await self.body_iterator.aclose()
 
@@ -116,13 +94,13 @@ def create_engine_app(
         try:
             # Rejections by the engine (413, out-of-vocabulary, duplicate ID) come before
             # the first chunk, so they still get a status code rather than a broken stream.
-            gone, first = await _first_of(anext(chunks), raw_request.receive)
+            gone, first = await first_of(anext(chunks), raw_request.receive)
         except BaseException:
             await chunks.aclose()
             raise
         if gone:  # the client left while the request was queued
             await chunks.aclose()
-            return Response(status_code=499)
+            return Response(status_code=CLIENT_GONE_STATUS)
 
         if request.stream:
 
@@ -146,11 +124,11 @@ def create_engine_app(
             return collected
 
         try:
-            disconnected, collected = await _first_of(collect(), raw_request.receive)
+            disconnected, collected = await first_of(collect(), raw_request.receive)
         finally:
             await chunks.aclose()
         if disconnected:
-            return Response(status_code=499)  # nobody is listening; the request was aborted
+            return Response(status_code=CLIENT_GONE_STATUS)  # nobody is listening; the request was aborted
         return JSONResponse(merge_chunks(collected))
 
     @app.post("/inference/v1/abort_requests")

@@ -7,6 +7,7 @@ KV flags, the reservation and transfer-failure endpoints, and the handoff metric
   `{request_id, remote_engine_id, remote_host, remote_port, remote_block_ids,
   remote_first_block, num_cached_tokens, remote_num_tokens, transfer_mode: "push"}`.
   An empty `remote_block_ids` means decode's prefix cache already holds the prompt.
+  A caller that disconnects ends the wait at once (nobody is left to answer).
   Bidirectional: `prefix_lend_id, prefix_block_ids, prefix_block_hashes` offer the leading
   blocks decode already holds (its prefix-cache hit, by chained block hash) for the
   prefill worker to pull instead of computing them (`kv/connector/prefix_lend.py`).
@@ -37,9 +38,10 @@ import os
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from splitserve.config import EngineRole, TransferConfig
+from splitserve.engine.api.disconnect import CLIENT_GONE_STATUS, first_of
 from splitserve.kv.connector.handoff_metrics import ForwardRegistry
 from splitserve.protocol.errors import APIError
 from splitserve.protocol.kv_transfer import (
@@ -222,7 +224,7 @@ def install_kv_routes(app: FastAPI, connector: PDConnector) -> None:
         return request_id, body
 
     @app.post("/inference/v1/kv/reserve")
-    async def reserve(raw: Request) -> JSONResponse:
+    async def reserve(raw: Request) -> Response:
         if connector.role != "decode":
             raise APIError(
                 400, f"this engine's role is {connector.role}; reservations live on decode workers"
@@ -237,7 +239,11 @@ def install_kv_routes(app: FastAPI, connector: PDConnector) -> None:
             raise APIError(
                 400, f"timeout_s must be a number in [0, {MAX_RESERVE_WAIT_S:.0f}]", param="timeout_s"
             )
-        reservation = await _wait_reserved(connector, request_id, float(timeout))
+        # A caller that leaves stops the wait (the proxy's request ended: refused with a
+        # 429, its client gone), instead of holding this request, and a drain, to the timeout.
+        gone, reservation = await first_of(_wait_reserved(connector, request_id, float(timeout)), raw.receive)
+        if gone:
+            return Response(status_code=CLIENT_GONE_STATUS)
         if reservation is None:
             raise APIError(
                 404, f"request {request_id!r} reserved no blocks within {timeout}s", param="request_id"
