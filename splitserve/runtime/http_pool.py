@@ -14,18 +14,35 @@ SERVER_KEEPALIVE_S = 75
 KEEPALIVE_EXPIRY_S = 60.0
 
 
+class ConnectFailureSafeTransport(httpx.AsyncHTTPTransport):
+    """httpx's transport, with one library race turned into the connect failure it is."""
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        try:
+            return await super().handle_async_request(request)
+        except AttributeError as exc:
+            # A peer that resets a connection as it is accepted (a replica being killed)
+            # can close the transport before httpcore reads its TLS info; under uvloop the
+            # closed transport has no socket and anyio calls getpeername() on None. Nothing
+            # was sent yet, so callers must see a connect failure, not an internal error.
+            if "getpeername" not in str(exc):
+                raise
+            raise httpx.ConnectError(f"connection reset while opening: {exc}", request=request) from exc
+
+
 def pooled_client(
     *, read_timeout_s: float | None, max_connections: int | None = None, keepalive: int = 20
 ) -> httpx.AsyncClient:
     """An AsyncClient for another tier: keep-alive connections that expire before the
     server's, `keepalive` of them kept idle (httpcore scans its whole pool on every
     request, so keep pools small). Every request carries the deployment's internal token."""
+    limits = httpx.Limits(
+        max_connections=max_connections,
+        max_keepalive_connections=keepalive,
+        keepalive_expiry=KEEPALIVE_EXPIRY_S,
+    )
     return httpx.AsyncClient(
         headers=internal_headers(),
         timeout=httpx.Timeout(read_timeout_s, connect=10.0),
-        limits=httpx.Limits(
-            max_connections=max_connections,
-            max_keepalive_connections=keepalive,
-            keepalive_expiry=KEEPALIVE_EXPIRY_S,
-        ),
+        transport=ConnectFailureSafeTransport(limits=limits),
     )
