@@ -172,7 +172,9 @@ def gguf_model_spec(path: str) -> ModelSpec:
         "head_dim": metadata_value(reader, f"{arch}.attention.key_length"),
         "intermediate_size": metadata_value(reader, f"{arch}.feed_forward_length"),
         "vocab_size": len(tokens) or None,
-        "torch_dtype": "float32",  # the engine dequantizes a GGUF's weights to float32
+        # the engine dequantizes a GGUF's weights, then serves them in bf16 where the CPU has
+        # native bf16 matmul: float32 is the most the weights can take
+        "torch_dtype": "float32",
     }
     return model_from_hf_config(config, name=Path(path).stem)
 

@@ -6,6 +6,8 @@ import logging
 
 import torch
 
+from splitserve.model.decoder_config import BF16_WHERE_NATIVE
+
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -28,7 +30,14 @@ def cpu_has_native_half_matmul(dtype: torch.dtype) -> bool:
 def choose_dtype(requested: str | None, config_dtype: str, device: torch.device) -> torch.dtype:
     """The dtype asked for, else the one config.json names. On a CPU without native
     bf16/fp16 matmul those matmuls are emulated (~5x slower than float32 here): say so,
-    and let the operator choose `dtype="float32"`, rather than silently change precision."""
+    and let the operator choose `dtype="float32"`, rather than silently change precision.
+
+    A config that names `BF16_WHERE_NATIVE` (a GGUF file, whose dequantized weights
+    are exact in float32) is served in bfloat16 where that is native and float32 where
+    bf16 would be emulated."""
+    if requested is None and config_dtype == BF16_WHERE_NATIVE:
+        native = device.type != "cpu" or cpu_has_native_half_matmul(torch.bfloat16)
+        return torch.bfloat16 if native else torch.float32
     dtype = resolve_dtype(requested or config_dtype)
     if device.type == "cpu" and dtype != torch.float32 and not cpu_has_native_half_matmul(dtype):
         logger.warning(

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The dtype a GGUF file asks for: its dequantized weights are exact in float32, and the
+# engine serves them in bfloat16 only where the CPU multiplies bf16 natively (a GPU
+# always), float32 elsewhere (engine/device.choose_dtype).
+BF16_WHERE_NATIVE = "bfloat16-where-native"
+
 
 @dataclass(frozen=True)
 class DecoderConfig:
@@ -24,7 +29,7 @@ class DecoderConfig:
     attention_bias: bool
     qk_norm: bool
     tie_word_embeddings: bool
-    dtype: str  # "float32" | "bfloat16" | "float16"
+    dtype: str  # "float32" | "bfloat16" | "float16" | BF16_WHERE_NATIVE
     eos_token_ids: tuple[int, ...]
 
     @property

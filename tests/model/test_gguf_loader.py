@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from splitserve.engine.device import cpu_has_native_half_matmul
 from splitserve.engine.llm import LLM
 from splitserve.frontend.chat_template import ChatTemplate
 from splitserve.frontend.gguf_tokenizer import load_gguf_render_files
@@ -100,7 +101,7 @@ def test_greedy_tokens_and_logprobs_equal_transformers(gguf_dir, arch, qtype):
     path = write_tiny_gguf(gguf_dir / f"gen-{arch}-{qtype}.gguf", GGUF_SPEC[arch], qtype)
     reference = transformers_model(path)
     prompts = make_prompts(GGUF_SPEC[arch].vocab, seed=3)[:4]
-    llm = LLM(str(path), num_blocks=64)
+    llm = LLM(str(path), num_blocks=64, dtype="float32")
     results = llm.generate(
         prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3)
     )
@@ -137,7 +138,7 @@ def test_token_ids_equal_transformers(gguf_dir, arch):
 @pytest.fixture(scope="module")
 def smollm2(demo_model: Path):
     """The real file, loaded once by transformers and once by our engine (float32)."""
-    return demo_model, transformers_model(demo_model), LLM(str(demo_model), num_blocks=64)
+    return demo_model, transformers_model(demo_model), LLM(str(demo_model), num_blocks=64, dtype="float32")
 
 
 def test_smollm2_weights_equal_transformers(smollm2):
@@ -171,3 +172,13 @@ def test_smollm2_token_ids_equal_transformers_and_split_digits(demo_model):
     pieces = [ours.decode([i]) for i in ours.encode("year 2024: 31415")]
     digits = [p for p in pieces if any(ch.isdigit() for ch in p)]
     assert all(len(p) == 1 for p in digits) and "".join(digits) == "202431415"
+
+
+def test_a_gguf_file_is_served_in_bf16_where_the_cpu_multiplies_bf16_natively(gguf_dir):
+    path = write_tiny_gguf(gguf_dir / "dtype-llama-Q4_1.gguf", GGUF_SPEC["llama"], "Q4_1")
+    native = cpu_has_native_half_matmul(torch.bfloat16)
+    default = LLM(str(path), num_blocks=16)
+    assert default.engine.dtype == (torch.bfloat16 if native else torch.float32)
+    assert default.engine.model_info.dtype == ("bfloat16" if native else "float32")
+    assert LLM(str(path), num_blocks=16, dtype="float32").engine.dtype == torch.float32
+    assert LLM(str(path), num_blocks=16, dtype="bfloat16").engine.dtype == torch.bfloat16
