@@ -19,6 +19,7 @@ from splitserve.config import EngineConfig
 from splitserve.encoder_cache.connector import ECConnector
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.model_runner import KVCacheAllocator
+from splitserve.engine.multimodal import MultiModalInputs
 from splitserve.engine.outputs import EngineStats, RequestOutput
 from splitserve.kv.connector.base import KVConnector
 from splitserve.protocol.errors import InvalidRequestError
@@ -45,6 +46,7 @@ class _Stream:
 class _AddCommand(NamedTuple):
     stream: _Stream
     request: GenerateRequest
+    multimodal: MultiModalInputs | None
     arrival_time: float
 
 
@@ -100,8 +102,8 @@ class AsyncEngine:
         self.shutdown()
 
     # ---- API ----------------------------------------------------------------------
-    def validate_request(self, request: GenerateRequest) -> None:
-        self.engine.validate_request(request)
+    def validate_request(self, request: GenerateRequest) -> MultiModalInputs | None:
+        return self.engine.validate_request(request)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs (deltas) until one is finished. Invalid requests
@@ -109,7 +111,7 @@ class AsyncEngine:
         iterator early aborts the request and frees its blocks."""
         if not self.is_running:
             raise RuntimeError("AsyncEngine is not running; call start()")
-        self.validate_request(request)
+        multimodal = self.validate_request(request)
         request_id = request.request_id
         stream = _Stream(asyncio.get_running_loop())
         with self._lock:
@@ -117,7 +119,7 @@ class AsyncEngine:
                 raise InvalidRequestError(f"request_id {request_id!r} is already in use", param="request_id")
             self._streams[request_id] = stream
             # immutable from the API edge; the engine's Request copies its token IDs once
-            self._commands.append(_AddCommand(stream, request, time.monotonic()))
+            self._commands.append(_AddCommand(stream, request, multimodal, time.monotonic()))
         self._wake.set()
         finished = False
         try:
@@ -175,7 +177,9 @@ class AsyncEngine:
                     self._route(engine.take_pending_outputs())
                     continue
                 try:
-                    engine.add_validated_request(command.request, arrival_time=command.arrival_time)
+                    engine.add_validated_request(
+                        command.request, command.multimodal, arrival_time=command.arrival_time
+                    )
                 except Exception as exc:  # validated already; a race or an engine bug
                     self._deliver(command.stream, [exc])
                 else:

@@ -71,9 +71,10 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.model_info.eos_token_ids)
 
     # ---- requests -----------------------------------------------------------------
-    def validate_request(self, request: GenerateRequest) -> None:
+    def validate_request(self, request: GenerateRequest) -> MultiModalInputs | None:
         """Raise InvalidRequestError / PromptTooLongError; reads only immutable state.
-        The wire checks are `GenerateRequest.from_wire`'s; these need the model."""
+        The wire checks are `GenerateRequest.from_wire`'s; these need the model. Returns
+        the request's images checked against its prompt, for `add_validated_request`."""
         if not isinstance(request.request_id, str) or not request.request_id:
             raise InvalidRequestError("request_id must be a non-empty string", param="request_id")
         if not isinstance(request.sampling_params, SamplingParams):
@@ -102,16 +103,22 @@ class LLMEngine:
             )
         if request.cache_salt is not None and not isinstance(request.cache_salt, str):
             raise InvalidRequestError("cache_salt must be a string", param="cache_salt")
-        self._multimodal_inputs(list(prompt_token_ids), list(request.images))
+        return self._multimodal_inputs(list(prompt_token_ids), list(request.images))
 
     def add_request(self, request: GenerateRequest, *, arrival_time: float | None = None) -> None:
-        self.validate_request(request)
-        self.add_validated_request(request, arrival_time=arrival_time)
+        multimodal = self.validate_request(request)
+        self.add_validated_request(request, multimodal, arrival_time=arrival_time)
 
-    def add_validated_request(self, request: GenerateRequest, *, arrival_time: float | None = None) -> None:
-        """`add_request` for a request `validate_request` has accepted (the async engine
-        validates on the caller's thread; its engine thread does not validate again)."""
-        multimodal = self._multimodal_inputs(list(request.token_ids), list(request.images))
+    def add_validated_request(
+        self,
+        request: GenerateRequest,
+        multimodal: MultiModalInputs | None,
+        *,
+        arrival_time: float | None = None,
+    ) -> None:
+        """`add_request` for a request `validate_request` has accepted, with what it
+        returned (the async engine validates on the caller's thread; its engine thread
+        does not validate again)."""
         if self.scheduler.request_id_in_use(request.request_id):
             raise InvalidRequestError(
                 f"request_id {request.request_id!r} is already in use", param="request_id"
