@@ -40,6 +40,7 @@ from splitserve.sim.workload import Workload, load_lengths, observed, synthetic
 
 DEFAULT_LENGTHS = "256/64"  # `splitserve bench`'s default --input-len / --output-len
 PLAN_ONLY = ("rate", "slo_ttft", "slo_tpot", "slo_gap", "profile", "lengths", "dry_run")
+RAY_PLANNER_FLAGS = ("slo_ttft", "slo_tpot", "slo_gap", "profile")
 # a steady-state run of the simulator: long enough for a 95% interval of +-3 points
 PLAN_STEADY_STATE = SteadyState(half_width=0.03, max_requests=3200)
 
@@ -112,8 +113,16 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
 
 def plan_flag_error(args: argparse.Namespace) -> str | None:
     """Why these flags cannot plan (None: they can)."""
+    if args.ray_planner and args.ray is None:
+        return "--ray-planner plans a Ray deployment: only with --ray"
     if not args.plan:
-        given = [f"--{n.replace('_', '-')}" for n in PLAN_ONLY if getattr(args, n) not in (None, False)]
+        # --ray-planner takes --plan's SLOs, target and profile
+        allowed = RAY_PLANNER_FLAGS if args.ray_planner else ()
+        given = [
+            f"--{n.replace('_', '-')}"
+            for n in PLAN_ONLY
+            if getattr(args, n) not in (None, False) and n not in allowed
+        ]
         return f"{', '.join(given)}: only with --plan" if given else None
     chosen = [*args.layout_flags, *(["--cpu-affinity"] if args.cpu_affinity else [])]
     if chosen:

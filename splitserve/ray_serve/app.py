@@ -8,7 +8,13 @@ import time
 from typing import Any
 
 from splitserve.deploy.plan import deployment_secrets
-from splitserve.ray_serve.config import DEFAULT_TARGETS, RayDeployConfig, TierSpec
+from splitserve.ray_serve.config import (
+    DEFAULT_TARGETS,
+    PLANNED_TIERS,
+    PlannerInputs,
+    RayDeployConfig,
+    TierSpec,
+)
 from splitserve.ray_serve.ingress import ProxyIngress
 from splitserve.ray_serve.tier import INGRESS_NAME, TierReplica
 from splitserve.runtime.access import API_KEY_ENV
@@ -17,8 +23,11 @@ HEALTH_CHECK_PERIOD_S = 2.0  # also the tier replicas' heartbeat to the ingress
 GRACEFUL_SHUTDOWN_S = 30.0  # a replica torn down drains its server first
 
 
-def deployment_options(name: str, spec: TierSpec, env: dict[str, str]) -> dict[str, Any]:
-    """Serve options of one tier's deployment: placement, replicas or autoscaling bounds."""
+def deployment_options(
+    name: str, spec: TierSpec, env: dict[str, str], planned: bool = False
+) -> dict[str, Any]:
+    """Serve options of one tier's deployment: placement, replicas or autoscaling bounds
+    (`planned`: the replica target is the planner's, within them)."""
     actor: dict[str, Any] = {
         "num_cpus": spec.num_cpus,
         "num_gpus": spec.num_gpus,
@@ -42,7 +51,7 @@ def deployment_options(name: str, spec: TierSpec, env: dict[str, str]) -> dict[s
             "downscale_delay_s": spec.downscale_delay_s,
             "policy": {
                 "policy_function": "splitserve.ray_serve.autoscaling:TierLoadPolicy",
-                "policy_kwargs": {"target": spec.target or DEFAULT_TARGETS[name]},
+                "policy_kwargs": {"target": spec.target or DEFAULT_TARGETS[name], "planned": planned},
             },
         }
     else:
@@ -59,7 +68,8 @@ def build_app(config: RayDeployConfig, env: dict[str, str]):
     for name, spec in config.tiers:
         if spec.replicas == 0 and not spec.autoscaling:
             continue
-        deployment = serve.deployment(TierReplica).options(**deployment_options(name, spec, env))
+        planned = config.planner is not None and name in PLANNED_TIERS and spec.autoscaling
+        deployment = serve.deployment(TierReplica).options(**deployment_options(name, spec, env, planned))
         tiers[name] = deployment.bind(name, config.server())
     ingress = serve.deployment(serve.ingress()(ProxyIngress)).options(
         name=INGRESS_NAME,
@@ -75,7 +85,24 @@ def build_app(config: RayDeployConfig, env: dict[str, str]):
         config.open_health_metrics,
         config.runs("encoder"),
         config.pd_decision,
+        planner_inputs(config),
         **tiers,
+    )
+
+
+def planner_inputs(config: RayDeployConfig) -> PlannerInputs | None:
+    """What the ingress's planner loop needs: the settings, the model, each planned tier's
+    bounds and one engine replica's CPUs (None: no `--ray-planner`)."""
+    if config.planner is None:
+        return None
+    bounds = {}
+    for name in PLANNED_TIERS:
+        spec = config.tier(name)
+        high = spec.max_replicas if spec.autoscaling and spec.max_replicas is not None else spec.replicas
+        bounds[name] = (spec.lowest_replicas, high)
+    initial = {name: config.tier(name).replicas for name in PLANNED_TIERS}
+    return PlannerInputs(
+        config.planner, config.model, bounds, initial, config.tier("decode").num_cpus, config.mode
     )
 
 

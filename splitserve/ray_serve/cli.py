@@ -63,6 +63,19 @@ def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
         "is a custom resource (e.g. decode:num_gpus=1,gpu_node=1,max_replicas=4)",
     )
     group.add_argument("--ray-app-name", default=DEFAULT_APP_NAME, help="the Serve application's name")
+    group.add_argument(
+        "--ray-planner",
+        action="store_true",
+        help="size the prefill and decode tiers from the traffic the proxy sees, within their "
+        "--ray-tier bounds, with --slo-*, --target and --profile as for --plan (docs/ray.md)",
+    )
+    group.add_argument(
+        "--ray-planner-interval",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="--ray-planner: seconds of traffic each decision reads (default 30)",
+    )
 
 
 def connect(address: str, command: str) -> bool:
@@ -83,7 +96,11 @@ def run_up(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
         check(config)
-    except ConfigError as exc:
+        if config.planner is not None and config.planner.profile:
+            from splitserve.sim.profile import load_profile
+
+            load_profile(config.planner.profile)  # a bad file is told here, not in the ingress's log
+    except (ConfigError, ValueError) as exc:
         print(f"splitserve up --ray: {exc}", file=sys.stderr)
         return 2
     try:

@@ -9,9 +9,10 @@ import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from splitserve.deploy.plan import TierPlan, engine_flags, render_flags, server_tiers
+from splitserve.goodput import SLO, SLO_AVERAGE, SLO_WORST_GAP
 
 TIERS = ("render", "prefill", "decode", "encoder")
 # The tier each replica's load signal comes from (autoscaling.py, docs/ray.md).
@@ -24,12 +25,39 @@ TIER_KEYS = (
 TOP_KEYS = (
     "model", "served_model_name", "app_name", "http_host", "http_port", "transport", "mode",
     "min_prefill_tokens", "pd_decision", "log_level", "engine_args", "render_args", "proxy_location",
-    "tiers", "open_health_metrics",
+    "tiers", "open_health_metrics", "planner",
 )  # fmt: skip
+PLANNER_KEYS = ("interval_s", "slo_ttft", "slo_tpot", "slo_gap", "target", "profile")
 
 
 class ConfigError(ValueError):
     """A config that cannot be deployed; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class PlannerSettings:
+    """`--ray-planner` (the YAML config's `planner:` mapping): re-plan the prefill and
+    decode tiers' replica targets from the traffic every `interval_s` (planner_loop.py)."""
+
+    interval_s: float = 30.0
+    slos: tuple[SLO, ...] = (SLO_AVERAGE, SLO_WORST_GAP)
+    target: float = 0.9  # the fraction of requests that must meet the SLOs
+    profile: str | None = None  # one replica's `sim calibrate --out FILE`, a path the head node has
+    max_num_batched_tokens: int = 2048  # the engines' token budget per step
+
+
+PLANNED_TIERS = ("prefill", "decode")  # the tiers `--ray-planner` sizes
+
+
+class PlannerInputs(NamedTuple):
+    """What the ingress's planner loop is built from (app.py hands it over)."""
+
+    settings: PlannerSettings
+    model: str | None  # as the tiers get it: None, the demo model
+    bounds: dict[str, tuple[int, int]]  # per planned tier: (lowest, highest) replicas
+    initial: dict[str, int]  # per planned tier: the replicas it is deployed with
+    num_cpus: float  # one engine replica's
+    mode: str  # push or pull
 
 
 @dataclass(frozen=True)
@@ -94,6 +122,7 @@ class RayDeployConfig:
     render_args: tuple[str, ...] = ()  # more `splitserve render` flags
     proxy_location: str = "HeadOnly"  # Serve's HTTP proxy: HeadOnly or EveryNode
     open_health_metrics: bool = False  # the ingress's /health and /metrics answer without the API key
+    planner: PlannerSettings | None = None  # None: each tier autoscales on its own load signal
 
     def tier(self, name: str) -> TierSpec:
         return dict(self.tiers).get(name, TierSpec(replicas=0))
@@ -183,8 +212,34 @@ def config_from_mapping(raw: Mapping[str, Any]) -> RayDeployConfig:
             fields[key] = tuple(fields[key])
     if "model" not in fields:
         fields["model"] = None
+    if fields.get("planner") is not None:
+        fields["planner"] = planner_from_mapping(fields["planner"])
     return RayDeployConfig(
         tiers=tuple((str(name), tier_from_mapping(str(name), spec)) for name, spec in tiers.items()), **fields
+    )
+
+
+def planner_from_mapping(raw: Any) -> PlannerSettings:
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"planner: expected a mapping (keys: {', '.join(PLANNER_KEYS)})")
+    unknown = sorted(set(raw) - set(PLANNER_KEYS))
+    if unknown:
+        raise ConfigError(f"planner: unknown key(s) {', '.join(unknown)} (keys: {', '.join(PLANNER_KEYS)})")
+    slo_keys = ("slo_ttft", "slo_tpot", "slo_gap")
+    bounds = {k: _number(f"planner.{k}", raw[k], 1e-6) for k in slo_keys if k in raw}
+    slos = (
+        (SLO(ttft=bounds.get("slo_ttft"), tpot=bounds.get("slo_tpot"), gap=bounds.get("slo_gap")),)
+        if bounds
+        else PlannerSettings.slos
+    )
+    profile = raw.get("profile")
+    if profile is not None and not isinstance(profile, str):
+        raise ConfigError(f"planner.profile: expected a path, got {profile!r}")
+    return PlannerSettings(
+        interval_s=_number("planner.interval_s", raw.get("interval_s", PlannerSettings.interval_s), 1.0),
+        slos=slos,
+        target=_number("planner.target", raw.get("target", PlannerSettings.target), 1e-6),
+        profile=profile,
     )
 
 
@@ -256,7 +311,22 @@ def config_from_args(args: argparse.Namespace) -> RayDeployConfig:
         log_level=args.log_level,
         engine_args=engine_flags(args),
         render_args=render_flags(args),
+        planner=planner_from_args(args),
     )
+
+
+def planner_from_args(args: argparse.Namespace) -> PlannerSettings | None:
+    """`--ray-planner` with `up --plan`'s SLO, target and profile flags (None without it)."""
+    if not args.ray_planner:
+        return None
+    raw: dict[str, Any] = {"interval_s": args.ray_planner_interval, "target": args.target}
+    for key in ("slo_ttft", "slo_tpot", "slo_gap", "profile"):
+        if getattr(args, key) is not None:
+            raw[key] = getattr(args, key)
+    settings = planner_from_mapping(raw)
+    if args.max_num_batched_tokens:
+        settings = dataclasses.replace(settings, max_num_batched_tokens=args.max_num_batched_tokens)
+    return settings
 
 
 def check(config: RayDeployConfig) -> None:
@@ -288,6 +358,16 @@ def check(config: RayDeployConfig) -> None:
         raise ConfigError(f"transport: shm, tcp, auto or unset (auto), not {config.transport!r}")
     if config.proxy_location not in ("HeadOnly", "EveryNode"):
         raise ConfigError(f"proxy_location: HeadOnly or EveryNode, not {config.proxy_location!r}")
+    if config.planner is not None:
+        if not config.tier("decode").autoscaling:
+            raise ConfigError("planner: the decode tier needs autoscaling bounds (max_replicas)")
+        for name in PLANNED_TIERS:
+            spec = config.tier(name)
+            if spec.autoscaling and spec.lowest_replicas < 1:
+                # Serve asks a tier's own replicas for its target: a tier at zero has none
+                raise ConfigError(f"planner: {name} needs min_replicas >= 1 to be planned")
+        if not 0 < config.planner.target <= 1:
+            raise ConfigError(f"planner.target must be in (0, 1], got {config.planner.target:g}")
 
 
 def shown_resource(name: str) -> bool:

@@ -24,6 +24,8 @@ from typing import Any
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from splitserve.protocol.errors import error_body
+from splitserve.ray_serve.config import PlannerInputs
+from splitserve.ray_serve.planner_loop import PlannerLoop
 from splitserve.router.app import create_proxy_app
 from splitserve.router.encoder_pool import EncoderPool
 from splitserve.router.pd_engine_client import PDEngineClient
@@ -109,6 +111,7 @@ class ProxyIngress:
         open_health_metrics: bool,
         encoder_cache: bool = False,
         pd_decision: str = "cost",
+        planner: PlannerInputs | None = None,
         **tiers: Any,
     ) -> None:
         # `tiers`: the tier deployments' handles, bound here only to make them part of the
@@ -132,6 +135,7 @@ class ProxyIngress:
         self.members: dict[str, Member] = {}
         open_paths = OPEN_WITH_FLAG if open_health_metrics else frozenset()
         self.policy = AccessPolicy(api_keys(os.environ.get(API_KEY_ENV)), open_paths)
+        self.planner = None if planner is None else PlannerLoop(planner, self.engine.traffic)
 
     def encoder_cache(self) -> dict[str, Any] | None:
         """Where the encoder cache is (node, directory, server address), or None when the
@@ -150,9 +154,12 @@ class ProxyIngress:
 
     async def register(
         self, role: str, url: str, node_id: str, replica: str, encoder_cache: str | None = None
-    ) -> dict[str, Any] | None:
+    ) -> dict[str, Any]:
         """A replica's heartbeat; answers where the encoder cache is (a replica whose server
-        was started against another one restarts: the ingress, and its cache, were replaced)."""
+        was started against another one restarts: the ingress, and its cache, were replaced)
+        and, with `--ray-planner`, its tier's replica target."""
+        if self.planner is not None:
+            self.planner.ensure_running()
         if url not in self.members:
             logger.warning("%s replica %s registered: %s", role, replica, url)
         self.members[url] = Member(role, url, node_id, replica, time.monotonic(), encoder_cache)
@@ -163,7 +170,8 @@ class ProxyIngress:
                 self.encoders.add(url)
         else:
             self.pool.add(url, ENGINE_ROLES[role])
-        return self.encoder_cache()
+        planned = None if self.planner is None else self.planner.targets().get(role)
+        return {"encoder_cache": self.encoder_cache(), "planned_replicas": planned}
 
     async def deregister(self, url: str) -> None:
         member = self.members.get(url)
@@ -196,6 +204,10 @@ class ProxyIngress:
         for url, member in list(self.members.items()):
             if now - member.last_seen > STALE_S:
                 await self.deregister(url)
+
+    async def planner_decisions(self) -> list[dict]:
+        """`--ray-planner`'s decisions so far, oldest first (empty without it)."""
+        return [] if self.planner is None else self.planner.decisions()
 
     async def workers(self) -> list[dict]:
         """Every registered worker: role, URL, node, replica, how it reaches the encoder

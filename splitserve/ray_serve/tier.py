@@ -52,6 +52,7 @@ logger = logging.getLogger(__name__)
 
 INGRESS_NAME = "ProxyIngress"
 LOAD_METRIC = "tier_load"  # the custom autoscaling metric every tier replica reports
+PLANNED_METRIC = "planned_replicas"  # --ray-planner's target for the tier, from the ingress
 REGISTER_TIMEOUT_S = 5.0
 STARTUP_TIMEOUT_S = 300.0
 
@@ -114,6 +115,7 @@ class TierReplica:
             ports.append(pick_free_port(host, avoid=ports))
         self.url = f"http://{host}:{ports[0]}"
         self.ec_home: dict[str, Any] | None = None
+        self.planned_replicas: int | None = None  # the planner's target, with each heartbeat
         if config.encoder_cache and role != "render":  # where the ingress keeps the encoder cache
             self.ec_home = await asyncio.wait_for(self.ingress().encoder_cache.remote(), STARTUP_TIMEOUT_S)
         ec_flags = encoder_cache_flags(self.node_id, self.ec_home)
@@ -170,13 +172,15 @@ class TierReplica:
         if self.process.poll() is not None:
             raise RuntimeError(self.exited())
         try:
-            home = await asyncio.wait_for(
+            answer = await asyncio.wait_for(
                 self.ingress().register.remote(self.role, self.url, self.node_id, self.replica, self.ec_path),
                 REGISTER_TIMEOUT_S,
             )
         except Exception as exc:  # the ingress restarting: the next heartbeat registers again
             logger.warning("%s %s: registering with the ingress failed: %r", self.role, self.url, exc)
             return
+        self.planned_replicas = answer["planned_replicas"]
+        home = answer["encoder_cache"]
         if self.ec_home is not None and home != self.ec_home:  # a new ingress keeps a new cache
             raise RuntimeError("the encoder cache moved (the ingress was replaced): restarting against it")
 
@@ -190,9 +194,9 @@ class TierReplica:
             return {LOAD_METRIC: (used - used_before) / max(now - then, 1e-3)}
         async with httpx.AsyncClient(timeout=2.0, headers=internal_headers()) as client:
             stats = (await client.get(f"{self.url}/inference/v1/stats")).json()
-        if self.role == "decode":
-            return {LOAD_METRIC: float(stats["kv_usage"])}
-        return {LOAD_METRIC: float(stats["num_running"] + stats["num_waiting"])}
+        load = stats["kv_usage"] if self.role == "decode" else stats["num_running"] + stats["num_waiting"]
+        planned = {} if self.planned_replicas is None else {PLANNED_METRIC: float(self.planned_replicas)}
+        return {LOAD_METRIC: float(load), **planned}
 
     def info(self) -> dict[str, Any]:
         """Where this replica's server is, and how it reaches the encoder cache."""

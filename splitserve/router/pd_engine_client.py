@@ -55,6 +55,7 @@ from splitserve.router.prefill_report import (
     with_prefill_report,
 )
 from splitserve.router.routing import Router, RoutingPolicy
+from splitserve.router.traffic import TrafficLog
 from splitserve.router.worker_watch import WorkerWatch
 from splitserve.router.workers import Worker, WorkerPool, WorkerRole
 from splitserve.runtime.client_quota import kv_blocks_held
@@ -94,6 +95,7 @@ class PDEngineClient(EngineClient):
         self.router = Router(routing, self.kv_index, self.routing_weights)
         self.block_sizes = self.router.block_sizes  # per worker URL, from its KV events info
         self.conversations = ConversationHints()  # clients' conversation_id → decode worker
+        self.traffic = TrafficLog()  # arrivals and lengths, for a planner
         # Control calls (reservations, health) get their own small pool: httpcore scans a
         # whole pool on every request, so the hundreds of long-lived generate streams live
         # in one pool per worker.
@@ -215,10 +217,12 @@ class PDEngineClient(EngineClient):
 
         # the client's KV-block budget (runtime/client_quota.py) is charged once per
         # request, before any worker is asked, and given back when the request ends
+        observed = self.traffic.arrived(request)
         with kv_blocks_held(self._prompt_blocks(request, hinted)):
             chunks = self.decode_streams.stream(request, hinted, served)
             async with contextlib.aclosing(chunks):
                 async for chunk in chunks:
+                    observed.saw(chunk)
                     yield chunk
 
     def _prompt_blocks(self, request: GenerateRequest, hinted: str | None) -> int:
