@@ -28,17 +28,23 @@ import pytest
 from splitserve.model.tiny import write_tiny_model
 from splitserve.model.tiny_text import TinyModelSpec
 from tests.conftest import free_port, running_server
-from tests.deploy.test_up_plan import PROFILE as PLANNER_BASE_PROFILE
+from tests.ray.ray_helpers import (
+    API_KEY,
+    APP,
+    AUTH,
+    PLANNER_INTERVAL_S,
+    app_replicas,
+    check_the_planner_follows_a_stepped_rate,
+    planner_profile,
+    wait_for,
+    workers,
+)
 from tests.router.test_pd_proxy import chat_token_ids, chats, metric
 from tests.service.image_requests import PICTURES, counter, image_chat_body
 
 ray = pytest.importorskip("ray", reason="ray is not installed: pip install 'splitserve[ray]'")
 
-APP = "splitserve-test"
 STORE_BYTES = 80 * 1024 * 1024  # Ray's minimum object store, per node
-API_KEY = "sk-ray-test"
-PLANNER_INTERVAL_S = 3.0
-AUTH = {"Authorization": f"Bearer {API_KEY}"}  # the ingress's OpenAI API wants the key
 
 
 async def deployed_token_ids(base: str, messages: list[list[dict]], max_tokens: int = 8) -> list[list[int]]:
@@ -126,20 +132,6 @@ def up_args(address: str, model: str, port: int) -> list[str]:
     ]  # fmt: skip
 
 
-def app_replicas() -> list[str]:
-    """The application's replica actors on the cluster. (Asked of Ray, not of Serve: `up`
-    and `down` are other drivers, and Serve's controller may have stopped and started
-    since this process last talked to it.)"""
-    actors = ray.util.list_named_actors(all_namespaces=True)
-    return [a["name"] for a in actors if a["namespace"] == "serve" and f"{APP}#" in a["name"]]
-
-
-def workers() -> list[dict]:
-    from ray import serve
-
-    return serve.get_deployment_handle("ProxyIngress", app_name=APP).workers.remote().result()
-
-
 @contextlib.contextmanager
 def steady_load(base: str, messages: list[dict]) -> Iterator[None]:
     """Requests one after another (so decode holds KV blocks, its load signal) until the
@@ -159,13 +151,6 @@ def steady_load(base: str, messages: list[dict]) -> Iterator[None]:
     finally:
         stop.set()
         thread.join()
-
-
-def wait_for(condition, timeout_s: float = 90, what: str = "") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.5)
 
 
 def test_resources_no_node_has_stop_the_deploy_with_a_clear_message(cluster, tiny_model):
@@ -365,75 +350,6 @@ def stream_tokens(base: str, body: dict, outcome: list) -> None:
     except httpx.HTTPError as exc:
         error = repr(exc)
     outcome.append((tokens, finish_reason, error))
-
-
-def planner_profile(path: Path) -> str:
-    """An engine 100x slower than test_up_plan's profile: one decode replica serves about
-    2 requests/s of these within 10 s to the first token and 4 s gaps, two about 4."""
-    steps = json.loads(json.dumps(PLANNER_BASE_PROFILE))
-    sim = steps["sim"]["steps"]
-    sim["prefill"] = {key: value * 100 for key, value in sim["prefill"].items()}
-    sim["decode"]["base_s"] = [value * 100 for value in sim["decode"]["base_s"]]
-    sim["decode"]["s_per_context_token"] *= 100
-    steps["handoff_fixed_s"] *= 100
-    path.write_text(json.dumps(steps))
-    return str(path)
-
-
-def planner_decisions() -> list[dict]:
-    from ray import serve
-
-    return serve.get_deployment_handle("ProxyIngress", app_name=APP).planner_decisions.remote().result()
-
-
-def send_at(base: str, body: dict, rate: float, seconds: float) -> None:
-    """Requests at `rate` a second for `seconds`, each answered (OK) before this returns."""
-    count = round(rate * seconds)
-    statuses: list[int] = []
-
-    def one() -> None:
-        statuses.append(
-            httpx.post(f"{base}/v1/completions", json=body, headers=AUTH, timeout=120).status_code
-        )
-
-    threads = []
-    start = time.monotonic()
-    for i in range(count):
-        while time.monotonic() < start + i / rate:  # an open loop: arrivals do not wait for answers
-            time.sleep(0.01)
-        threads.append(threading.Thread(target=one))
-        threads[-1].start()
-    for thread in threads:
-        thread.join(120)
-    assert statuses == [200] * count, statuses
-
-
-def check_the_planner_follows_a_stepped_rate(base: str) -> None:
-    """`--ray-planner` under a low, high, low arrival rate: the decode target up within two
-    intervals of the step up, Serve runs a second replica, and both come back down within
-    two intervals (plus one: the interval the step falls in) of the step down."""
-    body = {"prompt": "the ingress", "max_tokens": 8, "temperature": 0}
-
-    def decode_targets() -> list[int]:
-        return [d["targets"]["decode"] for d in planner_decisions()]
-
-    def decode_workers() -> int:
-        return sum(1 for m in workers() if m["role"] == "decode")
-
-    send_at(base, body, 0.5, 2 * PLANNER_INTERVAL_S)
-    wait_for(lambda: len(decode_targets()) >= 1, what="a first decision")
-    assert decode_targets()[-1] == 1 and decode_workers() == 1
-    seen = len(decode_targets())
-    send_at(base, body, 5.0, 2 * PLANNER_INTERVAL_S)
-    wait_for(lambda: 2 in decode_targets()[seen:], 3 * PLANNER_INTERVAL_S, "the planner to ask for 2 decode")
-    up = planner_decisions()[decode_targets().index(2, seen)]
-    # (meeting the SLOs or not: a 3 s window of 5/s arrivals may count more than two replicas serve)
-    assert up["rate"] > 2 and up["picked"]["decode"] == 2 and up["prompt_tokens"] > 0, up
-    wait_for(lambda: decode_workers() == 2, what="Serve to start the second decode replica")
-    seen = len(decode_targets())
-    send_at(base, body, 0.5, 3 * PLANNER_INTERVAL_S)
-    wait_for(lambda: 1 in decode_targets()[seen:], 2 * PLANNER_INTERVAL_S, "the planner to ask for 1 decode")
-    wait_for(lambda: decode_workers() == 1, what="Serve to take the second decode replica down")
 
 
 def test_a_replaced_ingress_keeps_the_tiers_and_answers_again(cluster, tiny_model, secrets_env, tmp_path):
