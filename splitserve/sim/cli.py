@@ -246,6 +246,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p = sub.add_parser("cuts", help="what crosses each cut: embeddings, KV cache, MoE hidden states")
     _common(p)
     p.add_argument("--moe-model", default="DeepSeek-V3")
+    p.add_argument(
+        "--hybrid-model",
+        default="Nemotron-3-Nano-seed",
+        help="a hybrid (Mamba + attention) model for the state-vs-KV figure (default: the seed's example)",
+    )
+    p.add_argument("--hybrid-tp", type=int, default=2, help="GPUs the hybrid's layers are split over")
 
     p = sub.add_parser("plan", help="the cheapest layouts that meet the SLO at a request rate")
     _common(p)
