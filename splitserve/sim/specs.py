@@ -43,6 +43,9 @@ GPUS: dict[str, GPUSpec] = {
         GPUSpec("H100-SXM", 989e12, 3.35e12, 80e9, 450e9, 50e9),
         GPUSpec("H200", 989e12, 4.8e12, 141e9, 450e9, 50e9),
         GPUSpec("B200", 2250e12, 7.7e12, 180e9, 900e9, 50e9),
+        # Huawei's two-die NPU as commonly reported (about 750 TFLOP/s BF16, 128 GB at
+        # 3.2 TB/s, HCCS between chips): approximate, the plugin's AFD benchmark ran on it
+        GPUSpec("Ascend-910C", 752e12, 3.2e12, 128e9, 196e9, 25e9),
     )
 }
 

@@ -5,6 +5,8 @@ Mamba state slots counted against memory by the simulator and the pool sizing.""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -153,9 +155,6 @@ def test_simulator_reserves_a_state_slot_per_request(tmp_path):
 
 def test_planner_sizes_pools_for_a_hybrid():
     """`sim plan` on the hybrid: the simulator it searches with reserves each request's state."""
-    import subprocess
-    import sys
-
     args = ["--model", "Nemotron-3-Nano-30B-A3B", "--gpu", "H200", "--rate", "4", "--prompt", "4096"]
     args += ["--output", "128", "--max-gpus", "2", "--max-requests", "800", "--iters", "2"]
     args += ["--slo", "custom", "--ttft", "2", "--tpot-ms", "60", "--budgets", "2048", "--json"]
