@@ -97,20 +97,27 @@ class AFDModel:
             return 2 * m.heads * (2 * m.kv_lora_rank + m.qk_rope_dim)
         return m.attn_flops_per_pair / m.attention_layers
 
-    def attention_s(self, seqs: float) -> float:
-        """One MoE layer's attention (and router) on one chip for `seqs` sequences."""
+    def _attention(self, seqs: float) -> tuple[float, float]:
+        """FLOPs and bytes of one layer's attention for `seqs` sequences on one chip."""
         m, ctx = self.model, self.run.context
-        params = m.attn_params_per_layer + m.hidden * m.experts
-        flops = 2 * params * seqs + self.pair_flops() * seqs * ctx
+        flops = 2 * m.attn_params_per_layer * seqs + self.pair_flops() * seqs * ctx
         kv = m.kv_bytes_per_token / m.attention_layers * seqs * ctx
-        return self._time(flops, params * self.wbytes + kv)
+        return flops, m.attn_params_per_layer * self.wbytes + kv
+
+    def attention_s(self, seqs: float) -> float:
+        """One MoE layer's attention and router on one chip for `seqs` sequences."""
+        flops, num_bytes = self._attention(seqs)
+        router = self.model.hidden * self.model.experts
+        return self._time(flops + 2 * router * seqs, num_bytes + router * self.wbytes)
 
     def dense_s(self, seqs: float) -> float:
         """The dense layers (attention + MLP) and the output head for `seqs` sequences."""
         m = self.model
-        dense = m.dense_layers * (self.attention_s(seqs) + self._time(2 * m.dense_mlp_params * seqs, 0.0))
-        dense += m.dense_layers * m.dense_mlp_params * self.wbytes / self.bytes_per_s
-        return dense + self._time(2 * m.head_params * seqs, m.head_params * self.wbytes)
+        flops, num_bytes = self._attention(seqs)
+        layer = self._time(
+            flops + 2 * m.dense_mlp_params * seqs, num_bytes + m.dense_mlp_params * self.wbytes
+        )
+        return m.dense_layers * layer + self._time(2 * m.head_params * seqs, m.head_params * self.wbytes)
 
     def experts_s(self, tokens: float, chips: int, shared_tokens: float) -> float:
         """One MoE layer's experts on one of `chips` chips sharing the routed experts, when
