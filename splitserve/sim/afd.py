@@ -78,6 +78,8 @@ class AFDModel:
     ):
         if not model.is_moe:
             raise ValueError(f"{model.name} is not a mixture-of-experts model")
+        if model.is_hybrid:  # its MoE layers do not each follow an attention layer
+            raise ValueError(f"{model.name}: AFD of hybrid (Mamba) models is not modelled")
         self.model, self.gpu, self.eff, self.run = model, gpu, eff, run
         self.flops_per_s = gpu.peak_flops * eff.compute
         self.bytes_per_s = gpu.mem_bw * eff.bandwidth

@@ -92,6 +92,8 @@ def test_layouts_and_bad_input():
     assert splits[0] == Layout(80, 0) and all(256 % lay.ffn == 0 for lay in splits[1:])
     with pytest.raises(ValueError, match="not a mixture-of-experts"):
         AFDModel(load_model("Qwen2.5-7B"), CHIP)
+    with pytest.raises(ValueError, match="hybrid"):
+        AFDModel(load_model("Nemotron-3-Nano-30B-A3B"), CHIP)
 
 
 def sim(*args: str) -> subprocess.CompletedProcess:
