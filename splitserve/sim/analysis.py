@@ -109,7 +109,7 @@ def decode_pool(
     """Decode pool: the largest batch per instance at `context` tokens under the ITL target,
     capped by KV memory; its ITL and output tokens/s per GPU."""
     rl = Roofline(model, gpu, eff, tp=tp)
-    mem_cap = rl.kv_capacity_tokens(mem_util) // context
+    mem_cap = rl.max_sequences(context, mem_util)  # KV, and a hybrid's Mamba state slots
 
     def itl(batch: int) -> float:
         return float(rl.decode_times(batch, np.array([float(batch * context)]))[0]) - eff.overhead_s
@@ -167,21 +167,34 @@ def cut_points(
     }
 
 
-def mamba_break_even(
-    ssm_heads: int = 48,
-    ssm_head_dim: int = 64,
-    state: int = 128,
-    conv_dim: int = 3072,
-    conv_kernel_minus_1: int = 3,
-    kv_heads: int = 4,
-    head_dim: int = 128,
-) -> dict:
-    """A Mamba layer's fixed state (fp32 SSM state + bf16 conv state) against one attention
-    layer's per-token KV: beyond how many tokens is the state the smaller thing to ship."""
-    state_bytes = ssm_heads * ssm_head_dim * state * 4 + conv_kernel_minus_1 * conv_dim * 2
-    kv_per_token = 2 * kv_heads * head_dim * 2
+def mamba_break_even(model: ModelSpec, tp: int = 2, prompts: tuple[int, ...] = (1024, 8192, 65536)) -> dict:
+    """A hybrid model's Mamba layer state (fp32 SSM state + conv state, per GPU at `tp`, per
+    request) against one attention layer's per-token KV: beyond how many prompt tokens the
+    state is the smaller thing to ship; and what a whole request hands over at a few prompt
+    lengths (every attention layer's KV, every Mamba layer's state)."""
+    if model.mamba is None:
+        raise ValueError(f"{model.name} has no Mamba layers (a hybrid model, e.g. Nemotron-3-Nano-30B-A3B)")
+    if tp < 1:
+        raise ValueError("--hybrid-tp must be >= 1")
+    state = model.mamba_state_bytes_per_layer(tp)
+    kv_layer = model.kv_bytes_per_token_layer(tp)
+    handoff = [
+        {
+            "prompt_tokens": n,
+            "kv_bytes": model.attention_layers * n * kv_layer,
+            "state_bytes": model.mamba_layers * state,
+        }
+        for n in prompts
+    ]
     return {
-        "state_bytes": state_bytes,
-        "kv_bytes_per_token_layer": kv_per_token,
-        "break_even_tokens": state_bytes / kv_per_token,
+        "model": model.name,
+        "tp": tp,
+        "mamba_layers": model.mamba_layers,
+        "attention_layers": model.attention_layers,
+        "ssm_state_bytes": model.mamba.ssm_state_bytes(tp),
+        "conv_state_bytes": model.mamba.conv_state_bytes(model.dtype_bytes, tp),
+        "state_bytes": state,
+        "kv_bytes_per_token_layer": kv_layer,
+        "break_even_tokens": state / kv_layer,
+        "handoff_per_gpu": handoff,
     }

@@ -7,7 +7,7 @@ import argparse
 import os
 import sys
 
-from splitserve.sim import cmd_analysis, cmd_checks, cmd_cpu_tier, cmd_plan, cmd_simulation, cpu_tier
+from splitserve.sim import cmd_afd, cmd_analysis, cmd_checks, cmd_cpu_tier, cmd_plan, cmd_simulation, cpu_tier
 from splitserve.sim.calibrate import CalibrationError
 from splitserve.sim.specs import SpecError
 from splitserve.sim.workload import WorkloadError
@@ -17,7 +17,9 @@ def _common(
     p: argparse.ArgumentParser, model: str = "Qwen2.5-7B", gpu: str = "L40S", compute: float = 0.47
 ) -> None:
     p.add_argument("--model", default=model, help="built-in name or a HF config.json path/dir")
-    p.add_argument("--gpu", default=gpu, help="built-in name (L40S, A100-80G, H100-SXM, H200, B200) or JSON")
+    p.add_argument(
+        "--gpu", default=gpu, help="built-in name (L40S, A100-80G, H100-SXM, H200, B200, Ascend-910C) or JSON"
+    )
     p.add_argument("--eff-compute", type=float, default=compute, help="achieved fraction of peak FLOP/s")
     p.add_argument(
         "--eff-bandwidth", type=float, default=None, help="achieved fraction of peak bandwidth (preset's)"
@@ -246,6 +248,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p = sub.add_parser("cuts", help="what crosses each cut: embeddings, KV cache, MoE hidden states")
     _common(p)
     p.add_argument("--moe-model", default="DeepSeek-V3")
+    p.add_argument(
+        "--hybrid-model",
+        default="Nemotron-3-Nano-seed",
+        help="a hybrid (Mamba + attention) model for the state-vs-KV figure (default: the seed's example)",
+    )
+    p.add_argument("--hybrid-tp", type=int, default=2, help="GPUs the hybrid's layers are split over")
+
+    p = sub.add_parser(
+        "afd", help="attention-FFN disaggregation vs expert parallelism; the attention:FFN ratio"
+    )
+    _common(p, model="DeepSeek-V3", gpu="Ascend-910C")
+    cmd_afd.add_afd_arguments(p)
 
     p = sub.add_parser("plan", help="the cheapest layouts that meet the SLO at a request rate")
     _common(p)
@@ -341,7 +355,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     name = "cmd_" + args.sim_command.replace("-", "_")
-    modules = (cmd_analysis, cmd_simulation, cmd_checks, cmd_plan, cmd_cpu_tier)
+    modules = (cmd_analysis, cmd_simulation, cmd_checks, cmd_plan, cmd_cpu_tier, cmd_afd)
     handler = next(getattr(m, name) for m in modules if hasattr(m, name))
     try:
         return int(handler(args) or 0)

@@ -37,7 +37,13 @@ def cmd_kv(args: argparse.Namespace) -> int:
             f"{model.heads // model.kv_heads}x more)"
         ),
         f"{args.tokens:,}-token prompt: {per * args.tokens / 1e9:.2f} GB "
-        f"({per * args.tokens / 1e6:.0f} MB) of KV",
+        f"({per * args.tokens / 1e6:.0f} MB) of KV"
+        + (
+            f" + {model.state_bytes_per_request / 2**20:.1f} MiB of Mamba state ({model.mamba_layers} "
+            "layers, handed over whole)"
+            if model.state_bytes_per_request
+            else ""
+        ),
         f"prefill on {args.tp}x {gpu.name} at {args.eff_compute:.0%} of peak: {prefill_s * 1e3:.0f} ms "
         f"(2 FLOPs/parameter only: {seed_prefill_s * 1e3:.0f} ms); KV produced at {need:.1f} Gb/s",
         f"{'link':>12s} {'sent after prefill':>19s} {'streamed layer by layer':>24s}",
@@ -52,7 +58,8 @@ def cmd_kv(args: argparse.Namespace) -> int:
         "kv_bytes_per_token": per,
         "mha_kv_bytes_per_token": model.mha_kv_bytes_per_token,
         "tokens": args.tokens,
-        "request_bytes": per * args.tokens,
+        "request_bytes": model.cache_bytes(args.tokens),
+        "state_bytes": model.state_bytes_per_request,
         "prefill_s": prefill_s,
         "seed_model_prefill_s": seed_prefill_s,
         "required_gbps": need,
@@ -93,6 +100,15 @@ def cmd_roofline(args: argparse.Namespace) -> int:
         f"{model.name}: {model.layer_params / 1e9:.2f}B layer params + "
         f"{model.head_params / 1e9:.2f}B output head",
         f"{gpu.name} ridge point: {gpu.ridge:.0f} FLOPs per byte",
+    ]
+    if model.is_hybrid:
+        lines.append(
+            f"hybrid: {model.attention_layers} attention layers "
+            f"({model.kv_bytes_per_token / 1024:.0f} KiB of KV per token), {model.mamba_layers} Mamba "
+            f"layers ({model.state_bytes_per_request / 2**20:.1f} MiB of state per sequence, read and "
+            "written every decode step)"
+        )
+    lines += [
         "",
         f"{'workload':34s} {'FLOPs/byte':>10s} {'bound by':>9s} {'ideal time':>11s} {'expected':>10s}",
     ]
@@ -107,6 +123,7 @@ def cmd_roofline(args: argparse.Namespace) -> int:
         "layer_params": model.layer_params,
         "head_params": model.head_params,
         "ridge": gpu.ridge,
+        "state_bytes_per_request": model.state_bytes_per_request,
         "rows": out,
     }
     return emit(args, data, lines)
@@ -180,7 +197,7 @@ def cmd_cuts(args: argparse.Namespace) -> int:
     if not moe.is_moe:
         raise ValueError(f"--moe-model {moe.name} is not a mixture-of-experts model")
     c = analysis.cut_points(lm, moe)
-    ssm = analysis.mamba_break_even()
+    ssm = analysis.mamba_break_even(load_model(args.hybrid_model), args.hybrid_tp)
     mib = 2**20
     lines = [
         "Cut 1: encoder | prefill",
@@ -193,9 +210,15 @@ def cmd_cuts(args: argparse.Namespace) -> int:
         f"pass vs {c['moe_kv_bytes_per_token'] / 1024:.0f} KiB of KV: {c['af_over_kv']:.0f}x, every step",
         "  tokens per expert per step: "
         + ", ".join(f"{k}: {v:.0f}" for k, v in c["tokens_per_expert"].items()),
-        f"Hybrid SSM: state {ssm['state_bytes'] / mib:.2f} MiB vs "
-        f"{ssm['kv_bytes_per_token_layer'] / 1024:.0f} "
-        f"KiB/token: break-even {ssm['break_even_tokens']:,.0f} tokens",
+        f"Hybrid SSM ({ssm['model']}, per GPU at TP={ssm['tp']}, per layer, per request): state "
+        f"{ssm['state_bytes'] / mib:.2f} MiB, fixed, vs {ssm['kv_bytes_per_token_layer'] / 1024:.3g} KiB "
+        f"of attention KV per token: break-even {ssm['break_even_tokens']:,.0f} prompt tokens",
+        f"  a request hands over ({ssm['attention_layers']} attention layers' KV + "
+        f"{ssm['mamba_layers']} Mamba layers' state, per GPU): "
+        + ", ".join(
+            f"{h['prompt_tokens']:,} tokens -> {h['kv_bytes'] / mib:.1f} + {h['state_bytes'] / mib:.1f} MiB"
+            for h in ssm["handoff_per_gpu"]
+        ),
     ]
     return emit(args, {**c, "ssm": ssm}, lines)
 

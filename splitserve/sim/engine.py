@@ -33,12 +33,25 @@ class InstanceConfig:
     prompts_per_step: int | None = None  # prompts advanced per step; None: as many as fit (vLLM)
     kv_capacity_tokens: int | None = None  # None: unlimited; else reserve prompt+output at admission
     max_run_steps: int | None = None  # cap on decode steps computed in one go (1: step by step)
+    # a hybrid model's Mamba state slot, in tokens of KV: reserved beside each request's tokens
+    state_tokens_per_request: int = 0
 
     def __post_init__(self) -> None:
         if self.scheduler.max_num_batched_tokens < 1 or self.scheduler.max_num_seqs < 1:
             raise ValueError("the token budget and max_num_seqs must be >= 1")
         if self.prompts_per_step is not None and self.prompts_per_step < 1:
             raise ValueError("prompts_per_step must be >= 1")
+        if self.state_tokens_per_request < 0:
+            raise ValueError("state_tokens_per_request must be >= 0")
+
+    def reservation(self, prompt: int, output: int) -> int:
+        """KV memory, in tokens, one request holds from admission to its end: its tokens and,
+        for a hybrid model, its Mamba state slot."""
+        return int(prompt + output) + self.state_tokens_per_request
+
+    def fits_ever(self, prompt: int, output: int) -> bool:
+        cap = self.kv_capacity_tokens
+        return cap is None or self.reservation(prompt, output) <= cap
 
     @property
     def budget(self) -> int | None:
@@ -109,14 +122,17 @@ class Engine:
     # ---- planning -----------------------------------------------------------------------
     def _fits(self, rid: int) -> bool:
         cap = self.sched.kv_capacity_tokens
-        need = int(self._prompt[rid] + self._output[rid])
+        need = self._need(rid)
         if cap is None or self.reserved + need <= cap:
             return True
         self._blocked = True
         return False
 
+    def _need(self, rid: int) -> int:
+        return self.sched.reservation(int(self._prompt[rid]), int(self._output[rid]))
+
     def _reserve(self, rid: int) -> None:
-        self.reserved += int(self._prompt[rid] + self._output[rid])
+        self.reserved += self._need(rid)
         self.peak_reserved = max(self.peak_reserved, self.reserved)
 
     def kv_peak_fraction(self) -> float:
@@ -206,7 +222,7 @@ class Engine:
             self.run_ctx[i] += k
             if self.run_left[i] <= 0:
                 finished.append(rid)
-                self.reserved -= int(self._prompt[rid] + self._output[rid])
+                self.reserved -= self._need(rid)
             else:
                 keep.append(i)
         if finished:
@@ -229,7 +245,7 @@ class Engine:
         True if that was the only token (the request is done)."""
         left = int(self._output[rid]) - 1
         if left <= 0:
-            self.reserved -= int(self._prompt[rid] + self._output[rid])
+            self.reserved -= self._need(rid)
             return True
         self.run_ids.append(rid)
         self.run_left.append(left)
@@ -238,7 +254,7 @@ class Engine:
 
     def release_prefill(self, rid: int) -> None:
         """Prefill role: the KV left for decode; free its reservation."""
-        self.reserved -= int(self._prompt[rid] + self._output[rid])
+        self.reserved -= self._need(rid)
 
     def step_times(self) -> np.ndarray:
         return np.concatenate(self.step_chunks) if self.step_chunks else np.zeros(0)

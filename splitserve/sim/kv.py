@@ -11,6 +11,12 @@ def kv_bytes(model: ModelSpec, tokens: int) -> int:
     return tokens * model.kv_bytes_per_token
 
 
+def handoff_bytes(model: ModelSpec, tokens: int) -> int:
+    """What prefill hands decode for a `tokens`-token prompt: the attention layers' KV, and
+    a hybrid model's Mamba state as of the prompt's end, whole (fixed, whatever the length)."""
+    return model.cache_bytes(tokens)
+
+
 def transfer_s(num_bytes: float, link_gbps: float, overhead_s: float = 0.0) -> float:
     """Seconds to move `num_bytes` over a link of `link_gbps` gigabits per second."""
     return num_bytes * 8 / (link_gbps * 1e9) + overhead_s
@@ -43,6 +49,7 @@ class KVReport(NamedTuple):
     model: str
     kv_bytes_per_token: int
     mha_bytes_per_token: int
+    state_bytes: int  # a hybrid's Mamba state per request (0 without Mamba layers)
     tokens: int
     request_bytes: int
     link_gbps: float
@@ -52,11 +59,12 @@ class KVReport(NamedTuple):
 
 
 def kv_report(model: ModelSpec, tokens: int, link_gbps: float, prefill_s: float) -> KVReport:
-    size = kv_bytes(model, tokens)
+    size = handoff_bytes(model, tokens)
     return KVReport(
         model=model.name,
         kv_bytes_per_token=model.kv_bytes_per_token,
         mha_bytes_per_token=model.mha_kv_bytes_per_token,
+        state_bytes=model.state_bytes_per_request,
         tokens=tokens,
         request_bytes=size,
         link_gbps=link_gbps,

@@ -143,6 +143,7 @@ def closed_form() -> list[Figure]:
         ),
     ]
     cuts = analysis.cut_points(qwen, ds)
+    ssm = analysis.mamba_break_even(load_model("Nemotron-3-Nano-seed"), tp=2)
     rows += [
         (
             "attention|FFN cut, DeepSeek-V3",
@@ -153,14 +154,9 @@ def closed_form() -> list[Figure]:
             "sim cuts",
         ),
         ("... vs its KV cache", 24, cuts["af_over_kv"], "x", 0, "sim cuts"),
-        (
-            "Mamba state break-even",
-            777,
-            analysis.mamba_break_even()["break_even_tokens"],
-            "tokens",
-            0,
-            "sim cuts",
-        ),
+        ("Mamba state per layer, TP=2", 1.52, ssm["state_bytes"] / 2**20, "MiB", 0, "sim cuts"),
+        ("attention KV per token per layer", 2, ssm["kv_bytes_per_token_layer"] / 1024, "KiB", 0, "sim cuts"),
+        ("Mamba state break-even", 777, ssm["break_even_tokens"], "tokens", 0, "sim cuts"),
     ]
     return [Figure(n, s, o, u, t, _digits(s), c) for n, s, o, u, t, c in rows]
 

@@ -114,7 +114,12 @@ class Roofline:
         self.kv_bytes_per_s = gpu.mem_bw * kv_eff * tp
         attn = eff.compute if eff.attention is None else eff.attention
         self.attn_flops_per_s = gpu.peak_flops * attn * tp
-        self._flops_per_token = 2.0 * (model.active_layer_params + model.head_params)
+        # a hybrid's Mamba layers also run their recurrence per token (not a matmul; small)
+        self._flops_per_token = (
+            2.0 * (model.active_layer_params + model.head_params) + model.ssm_flops_per_token
+        )
+        # decode reads and writes every running sequence's Mamba state each step
+        self._state_bytes_per_seq = 2.0 * model.state_bytes_per_request
         self.small_chunk_flops = 2.0 * model.active_layer_params * eff.small_chunk_tokens
 
     @property
@@ -135,7 +140,7 @@ class Roofline:
         """Prefill `n` new tokens after `past` cached ones (logits for the last token only).
         Reads of the past KV are left out (as in the seed): prefill is compute-bound."""
         m = self.model
-        linear = 2.0 * m.active_layer_params * n + 2.0 * m.head_params
+        linear = (2.0 * m.active_layer_params + m.ssm_flops_per_token) * n + 2.0 * m.head_params
         keys = past + (n + 1) / 2  # average keys each new token attends to (causal)
         return Cost(linear, m.attn_flops_per_pair * n * keys, 0.0, self.weights_read(n), 0.0, n, 1, n)
 
@@ -149,18 +154,19 @@ class Roofline:
             0.0,
             m.attn_flops_per_pair * context_total,
             self.weights_read(batch),
-            m.kv_bytes_per_token * context_total,
+            m.kv_bytes_per_token * context_total + self._state_bytes_per_seq * batch,
             batch,
             batch,
         )
 
     def comm_s(self, tokens: float) -> float:
-        """Two all-reduces of the hidden state per layer under tensor parallelism."""
+        """All-reduces of the hidden state under tensor parallelism: two per layer (one per
+        hybrid layer)."""
         if self.tp == 1:
             return 0.0
         m = self.model
         volume = 2 * (self.tp - 1) / self.tp * tokens * m.hidden * m.dtype_bytes
-        return 2 * m.layers * (volume / self.gpu.link_bw + ALLREDUCE_LATENCY_S)
+        return m.allreduces_per_pass * (volume / self.gpu.link_bw + ALLREDUCE_LATENCY_S)
 
     def ideal_s(self, cost: Cost) -> float:
         """Pure roofline at peak, no efficiency factors, no overhead (the seed's 'ideal time')."""
@@ -200,11 +206,24 @@ class Roofline:
             0.0,
             m.attn_flops_per_pair * context_totals,
             self.weights_read(batch),
-            m.kv_bytes_per_token * context_totals,
+            m.kv_bytes_per_token * context_totals + self._state_bytes_per_seq * batch,
         )
         return t + (self.comm_s(batch) + self.eff.overhead_s + self.eff.per_seq_overhead_s * batch)
 
+    def cache_room_bytes(self, mem_util: float = 0.9) -> float:
+        """Memory left next to the weights on this instance's GPUs for KV and Mamba state."""
+        return max(0.0, self.tp * self.gpu.mem_bytes * mem_util - self.model.weight_bytes)
+
     def kv_capacity_tokens(self, mem_util: float = 0.9) -> int:
         """Tokens of KV cache that fit next to the weights on this instance's GPUs."""
-        room = self.tp * self.gpu.mem_bytes * mem_util - self.model.weight_bytes
-        return max(0, int(room // self.model.kv_bytes_per_token))
+        return int(self.cache_room_bytes(mem_util) // max(1, self.model.kv_bytes_per_token))
+
+    def state_slot_tokens(self) -> int:
+        """A hybrid request's Mamba state slot in tokens of KV (what it takes from the same
+        memory, rounded up): 0 for a model without Mamba layers."""
+        state = self.model.state_bytes_per_request
+        return -(-state // max(1, self.model.kv_bytes_per_token)) if state else 0
+
+    def max_sequences(self, context: int, mem_util: float = 0.9) -> int:
+        """Sequences of `context` tokens whose KV and Mamba state fit at once."""
+        return int(self.cache_room_bytes(mem_util) // max(1, self.model.cache_bytes(context)))

@@ -18,7 +18,7 @@ import numpy as np
 from splitserve.config import TransferConfig
 from splitserve.protocol.pd_decision import CostModel, DecisionInputs, decide
 from splitserve.sim.engine import Engine, InstanceConfig
-from splitserve.sim.kv import exposed_transfer_s, transfer_s
+from splitserve.sim.kv import exposed_transfer_s, handoff_bytes, transfer_s
 from splitserve.sim.profile import CpuCosts
 from splitserve.sim.roofline import Efficiency, Roofline
 from splitserve.sim.serving_path import through_serving_path
@@ -197,7 +197,8 @@ class _Sim:
     def _make(self, count: int, role: str, tp: int, sched: InstanceConfig) -> list[Engine]:
         rl = self.dep.roofline(tp)
         if self.dep.kv_limit and sched.kv_capacity_tokens is None and role != "prefill":
-            sched = replace(sched, kv_capacity_tokens=rl.kv_capacity_tokens(self.dep.mem_util))
+            cap, slot = rl.kv_capacity_tokens(self.dep.mem_util), rl.state_slot_tokens()
+            sched = replace(sched, kv_capacity_tokens=cap, state_tokens_per_request=slot)
         made = [
             Engine(len(self.engines) + i, role, rl, sched, self.wl.prompt, self.wl.output)
             for i in range(count)
@@ -283,7 +284,7 @@ class _Sim:
         elif dep.bidirectional:  # the answer's blocks come back from decode
             cached = int(wl.prefix[rid])
             pulled = max(0, cached - int(wl.prev_prompt[rid]))
-            pull_s = self._link_s(pulled * dep.model.kv_bytes_per_token)
+            pull_s = self._link_s(handoff_bytes(dep.model, pulled)) if pulled else 0.0
         else:  # one-way: prefill only holds the previous prompt
             cached = min(int(wl.prefix[rid]), int(wl.prev_prompt[rid]))
         self.cached[rid] = min(cached, prompt - 1)
@@ -317,7 +318,7 @@ class _Sim:
         link, model = self.dep.link, self.dep.model
         if link.fixed_s is not None:
             return link.fixed_s
-        size = int(self.wl.prompt[rid]) * model.kv_bytes_per_token
+        size = handoff_bytes(model, int(self.wl.prompt[rid]))  # KV, and a hybrid's state, whole
         if self.dep.transfer.mode == "pull":
             return self._link_s(size)
         rl = self.front[0].roofline
@@ -327,8 +328,7 @@ class _Sim:
 
     def handoff(self, rid: int, t: float) -> None:
         d = min(self.back, key=lambda e: (e.outstanding(), e.index))
-        cap = d.sched.kv_capacity_tokens
-        if cap is not None and self.wl.prompt[rid] + self.wl.output[rid] > cap:
+        if not d.sched.fits_ever(int(self.wl.prompt[rid]), int(self.wl.output[rid])):
             self.rejected[rid] = True
             return
         if self.dep.transfer.mode == "pull" and self.dep.link.fixed_s is None:
@@ -375,8 +375,7 @@ class _Sim:
 
     def _check_fits(self, rid: int) -> None:
         for e in self.engines:
-            cap = e.sched.kv_capacity_tokens
-            if cap is not None and self.wl.prompt[rid] + self.wl.output[rid] > cap:
+            if not e.sched.fits_ever(int(self.wl.prompt[rid]), int(self.wl.output[rid])):
                 self.rejected[rid] = True
 
     def _collect(self) -> SimResult:

@@ -11,6 +11,8 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from splitserve.sim.mamba import ATTENTION, MAMBA, MLP, MOE, MambaSpec, check_pattern, hybrid_from_hf_config
+
 
 class SpecError(ValueError):
     """An unknown or malformed GPU/model spec (the CLI turns it into a clear message)."""
@@ -41,6 +43,9 @@ GPUS: dict[str, GPUSpec] = {
         GPUSpec("H100-SXM", 989e12, 3.35e12, 80e9, 450e9, 50e9),
         GPUSpec("H200", 989e12, 4.8e12, 141e9, 450e9, 50e9),
         GPUSpec("B200", 2250e12, 7.7e12, 180e9, 900e9, 50e9),
+        # Huawei's two-die NPU as commonly reported (about 750 TFLOP/s BF16, 128 GB at
+        # 3.2 TB/s, HCCS between chips): approximate, the plugin's AFD benchmark ran on it
+        GPUSpec("Ascend-910C", 752e12, 3.2e12, 128e9, 196e9, 25e9),
     )
 }
 
@@ -69,6 +74,22 @@ class ModelSpec:
     qk_rope_dim: int = 0
     qk_nope_dim: int = 0
     v_head_dim: int = 0
+    # hybrid (Nemotron-H): one character per layer, M Mamba2, * attention, - MLP, E MoE
+    # ("" = every layer attention + MLP/MoE); each layer is one mixer
+    pattern: str = ""
+    mamba: MambaSpec | None = None
+    mlp_matrices: int = 3  # SwiGLU: gate, up, down; relu^2 (Nemotron-H): up, down
+
+    def __post_init__(self) -> None:
+        if self.pattern:
+            try:
+                check_pattern(self.pattern, self.layers)
+            except ValueError as exc:
+                raise SpecError(f"{self.name}: {exc}") from exc
+            if (MAMBA in self.pattern) != (self.mamba is not None):
+                raise SpecError(f"{self.name}: Mamba layers need a Mamba geometry, and only they")
+            if (MOE in self.pattern) != self.is_moe:
+                raise SpecError(f"{self.name}: MoE layers (E) need experts, and only they")
 
     @property
     def is_moe(self) -> bool:
@@ -79,8 +100,51 @@ class ModelSpec:
         return self.kv_lora_rank > 0
 
     @property
+    def is_hybrid(self) -> bool:
+        return bool(self.pattern)
+
+    # ---- layers of each kind --------------------------------------------------------------
+    @property
+    def attention_layers(self) -> int:
+        return self.pattern.count(ATTENTION) if self.pattern else self.layers
+
+    @property
+    def mamba_layers(self) -> int:
+        return self.pattern.count(MAMBA)
+
+    @property
     def moe_layers(self) -> int:
+        if self.pattern:
+            return self.pattern.count(MOE)
         return self.layers - self.dense_layers if self.is_moe else 0
+
+    @property
+    def mlp_layers(self) -> int:
+        """Layers with a dense MLP."""
+        return self.pattern.count(MLP) if self.pattern else self.layers - self.moe_layers
+
+    @property
+    def allreduces_per_pass(self) -> int:
+        """Under tensor parallelism each mixer and each MLP ends in one all-reduce: two per
+        attention + MLP layer, one per hybrid layer (each is a single mixer)."""
+        return self.layers if self.pattern else 2 * self.layers
+
+    # ---- Mamba state ----------------------------------------------------------------------
+    def mamba_state_bytes_per_layer(self, tp: int = 1) -> int:
+        return self.mamba.state_bytes(self.dtype_bytes, tp) if self.mamba else 0
+
+    @property
+    def state_bytes_per_request(self) -> int:
+        """Every Mamba layer's state for one request: fixed, whatever its length."""
+        return self.mamba_layers * self.mamba_state_bytes_per_layer()
+
+    @property
+    def ssm_flops_per_token(self) -> int:
+        return self.mamba_layers * self.mamba.scan_flops_per_token if self.mamba else 0
+
+    def cache_bytes(self, tokens: int) -> int:
+        """What one request of `tokens` tokens holds: attention KV per token plus Mamba state."""
+        return tokens * self.kv_bytes_per_token + self.state_bytes_per_request
 
     # ---- parameters -------------------------------------------------------------------
     @property
@@ -97,27 +161,33 @@ class ModelSpec:
 
     @property
     def dense_mlp_params(self) -> int:
-        return 3 * self.hidden * self.intermediate
+        return self.mlp_matrices * self.hidden * self.intermediate
 
     @property
     def expert_params(self) -> int:
-        return 3 * self.hidden * self.moe_intermediate
+        return self.mlp_matrices * self.hidden * self.moe_intermediate
+
+    @property
+    def _mixer_params(self) -> int:
+        """Attention and Mamba weights of the whole stack."""
+        mamba = self.mamba_layers * self.mamba.params(self.hidden) if self.mamba else 0
+        return self.attention_layers * self.attn_params_per_layer + mamba
 
     @property
     def layer_params(self) -> int:
         """All non-embedding weights of the decoder stack (every expert counted)."""
-        dense = (self.layers - self.moe_layers) * (self.attn_params_per_layer + self.dense_mlp_params)
         moe_mlp = (self.experts + self.shared_experts) * self.expert_params + self.hidden * self.experts
-        return dense + self.moe_layers * (self.attn_params_per_layer + moe_mlp)
+        return self._mixer_params + self.mlp_layers * self.dense_mlp_params + self.moe_layers * moe_mlp
 
     @property
     def active_layer_params(self) -> int:
         """Non-embedding weights one token multiplies through (routed top-k + shared experts)."""
         if not self.is_moe:
             return self.layer_params
-        dense = (self.layers - self.moe_layers) * (self.attn_params_per_layer + self.dense_mlp_params)
-        active = (self.experts_per_token + self.shared_experts) * self.expert_params
-        return dense + self.moe_layers * (self.attn_params_per_layer + active + self.hidden * self.experts)
+        active = (
+            self.experts_per_token + self.shared_experts
+        ) * self.expert_params + self.hidden * self.experts
+        return self._mixer_params + self.mlp_layers * self.dense_mlp_params + self.moe_layers * active
 
     @property
     def head_params(self) -> int:
@@ -137,20 +207,26 @@ class ModelSpec:
     @property
     def attn_flops_per_pair(self) -> int:
         """FLOPs for one (query token, key token) pair summed over layers: QK^T and AV."""
+        n = self.attention_layers
         if self.is_mla:
-            return 2 * self.layers * self.heads * (self.qk_nope_dim + self.qk_rope_dim + self.v_head_dim)
-        return 4 * self.layers * self.heads * self.head_dim
+            return 2 * n * self.heads * (self.qk_nope_dim + self.qk_rope_dim + self.v_head_dim)
+        return 4 * n * self.heads * self.head_dim
 
     @property
     def kv_bytes_per_token(self) -> int:
         if self.is_mla:  # one compressed latent + the shared rope key per layer
-            return self.layers * (self.kv_lora_rank + self.qk_rope_dim) * self.dtype_bytes
-        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+            return self.attention_layers * (self.kv_lora_rank + self.qk_rope_dim) * self.dtype_bytes
+        return self.attention_layers * self.kv_bytes_per_token_layer()
+
+    def kv_bytes_per_token_layer(self, tp: int = 1) -> int:
+        """One attention layer's K and V for one token on one of `tp` ranks (GQA: the KV heads
+        are split across ranks, replicated when there are fewer of them than ranks)."""
+        return 2 * max(1, self.kv_heads // tp) * self.head_dim * self.dtype_bytes
 
     @property
     def mha_kv_bytes_per_token(self) -> int:
         """What the cache would be if every query head had its own K and V."""
-        return 2 * self.layers * self.heads * self.head_dim * self.dtype_bytes
+        return 2 * self.attention_layers * self.heads * self.head_dim * self.dtype_bytes
 
 
 MODELS: dict[str, ModelSpec] = {
@@ -194,6 +270,36 @@ MODELS: dict[str, ModelSpec] = {
         ),
     )
 }
+
+# NVIDIA Nemotron-3-Nano-30B-A3B (nemotron_h): 23 Mamba2, 23 MoE (128 experts, top-6, one
+# shared expert twice as wide, relu^2) and 6 attention layers (2 KV heads).
+NEMOTRON_3_NANO = ModelSpec(
+    "Nemotron-3-Nano-30B-A3B",
+    52,
+    2688,
+    32,
+    2,
+    128,
+    1856,
+    131072,
+    experts=128,
+    experts_per_token=6,
+    shared_experts=2,
+    moe_intermediate=1856,
+    pattern="MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
+    mamba=MambaSpec(heads=64, head_dim=64, state=128, groups=8),
+    mlp_matrices=2,
+)
+# The seed's cut-points example ("Nemotron-3-Nano, per GPU at TP=2"): 48 SSM heads and 4 KV
+# heads per GPU, i.e. 96 and 8 in the model, and a convolution buffer over the x channels
+# only (3,072 per GPU, as if B and C had no groups). Everything else as the real model.
+NEMOTRON_SEED_EXAMPLE = replace(
+    NEMOTRON_3_NANO,
+    name="Nemotron-3-Nano-seed",
+    kv_heads=8,
+    mamba=MambaSpec(heads=96, head_dim=64, state=128, groups=0),
+)
+MODELS.update({m.name: m for m in (NEMOTRON_3_NANO, NEMOTRON_SEED_EXAMPLE)})
 
 
 def _lookup(table: dict, name: str, what: str):
@@ -249,10 +355,18 @@ _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
 
 def model_from_hf_config(config: dict, name: str = "model") -> ModelSpec:
     """Read the fields that matter for cost from a transformers config (Llama/Qwen/Mistral,
-    Qwen-MoE, Mixtral, DeepSeek-V2/V3 MLA; a multimodal config's `text_config`)."""
+    Qwen-MoE, Mixtral, DeepSeek-V2/V3 MLA, Nemotron-H hybrids; a multimodal config's
+    `text_config`)."""
     cfg = config.get("text_config") or config
+    dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or config.get("torch_dtype") or "bfloat16")
+    dtype_bytes = _DTYPE_BYTES.get(dtype, 2)
     try:
-        layers = int(cfg["num_hidden_layers"])
+        hybrid = hybrid_from_hf_config(cfg, dtype_bytes)
+    except ValueError as exc:
+        raise SpecError(str(exc)) from exc
+    pattern, mamba = hybrid if hybrid else ("", None)
+    try:
+        layers = int(cfg["num_hidden_layers"]) if "num_hidden_layers" in cfg or not pattern else len(pattern)
         hidden = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])
         vocab = int(cfg.get("vocab_size", config.get("vocab_size")))
@@ -263,26 +377,32 @@ def model_from_hf_config(config: dict, name: str = "model") -> ModelSpec:
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
     head_dim = int(cfg.get("head_dim") or hidden // heads)
     experts = int(cfg.get("num_experts") or cfg.get("n_routed_experts") or cfg.get("num_local_experts") or 0)
-    dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or config.get("torch_dtype") or "bfloat16")
-    spec = ModelSpec(
-        name=str(config.get("_name_or_path") or name),
-        layers=layers,
-        hidden=hidden,
-        heads=heads,
-        kv_heads=kv_heads,
-        head_dim=head_dim,
-        intermediate=int(cfg.get("intermediate_size") or 4 * hidden),
-        vocab=vocab,
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", config.get("tie_word_embeddings", False))),
-        dtype_bytes=_DTYPE_BYTES.get(dtype, 2),
-    )
+    if pattern and MOE not in pattern:
+        experts = 0  # a dense Nemotron-H config still carries MoE defaults
+    fields: dict = {
+        "name": str(config.get("_name_or_path") or name),
+        "layers": layers,
+        "hidden": hidden,
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "intermediate": int(cfg.get("intermediate_size") or 4 * hidden),
+        "vocab": vocab,
+        "tie_embeddings": bool(cfg.get("tie_word_embeddings", config.get("tie_word_embeddings", False))),
+        "dtype_bytes": dtype_bytes,
+        "pattern": pattern,
+        "mamba": mamba,
+        # relu^2 MLPs (Nemotron-H) have no gate matrix
+        "mlp_matrices": 2 if str(cfg.get("mlp_hidden_act", "")) == "relu2" else 3,
+    }
     if experts:
         shared = int(cfg.get("n_shared_experts") or 0)
         moe_ff = int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size"))
-        if not shared and cfg.get("shared_expert_intermediate_size"):  # Qwen2-MoE: one wide shared expert
+        if cfg.get("moe_shared_expert_intermediate_size"):  # Nemotron-H: shared experts of their own width
+            shared = round(max(shared, 1) * int(cfg["moe_shared_expert_intermediate_size"]) / moe_ff)
+        elif not shared and cfg.get("shared_expert_intermediate_size"):  # Qwen2-MoE: one wide shared expert
             shared = max(1, int(cfg["shared_expert_intermediate_size"]) // moe_ff)
-        spec = replace(
-            spec,
+        fields.update(
             experts=experts,
             experts_per_token=int(cfg.get("num_experts_per_tok") or 1),
             shared_experts=shared,
@@ -290,8 +410,7 @@ def model_from_hf_config(config: dict, name: str = "model") -> ModelSpec:
             dense_layers=int(cfg.get("first_k_dense_replace") or 0),
         )
     if cfg.get("kv_lora_rank"):
-        spec = replace(
-            spec,
+        fields.update(
             kv_lora_rank=int(cfg["kv_lora_rank"]),
             q_lora_rank=int(cfg.get("q_lora_rank") or 0),
             qk_rope_dim=int(cfg.get("qk_rope_head_dim") or 0),
@@ -300,4 +419,4 @@ def model_from_hf_config(config: dict, name: str = "model") -> ModelSpec:
         )
     if min(layers, hidden, heads, kv_heads, head_dim, vocab) <= 0:
         raise SpecError("config.json: sizes must be positive")
-    return spec
+    return ModelSpec(**fields)

@@ -125,5 +125,6 @@ def test_cut_points():
     assert f"{c['moe_kv_bytes_per_token'] / KiB:.0f}" == "69"
     assert f"{c['af_over_kv']:.0f}" == "24"
     assert c["tokens_per_expert"] == {"48x32": 48, "48x128": 192, "64x32": 64, "64x128": 256}
-    ssm = mamba_break_even()
-    assert f"{ssm['state_bytes'] / MiB:.2f}" == "1.52" and f"{ssm['break_even_tokens']:,.0f}" == "777"
+    ssm = mamba_break_even(load_model("Nemotron-3-Nano-seed"), tp=2)
+    assert f"{ssm['state_bytes'] / MiB:.2f}" == "1.52" and ssm["kv_bytes_per_token_layer"] == 2 * KiB
+    assert f"{ssm['break_even_tokens']:,.0f}" == "777"

@@ -1,0 +1,245 @@
+"""Attention-FFN disaggregation (AFD) of a MoE model's decode: A attention chips and F FFN
+chips against expert parallelism over N chips, on the roofline, per decode step.
+
+Expert parallelism (the baseline): every chip runs attention for its own B sequences (data
+parallel), holds experts / N routed experts (and the shared experts), and two all-to-alls per
+MoE layer move each token to the chips of its top-k experts and back.
+
+AFD: the A attention chips run attention (and the dense layers and the head) for B sequences
+each; the F FFN chips hold experts / F routed experts each and the shared experts; per MoE
+layer each attention chip sends every token's hidden state to the FFN chips of its top-k
+experts and receives their partial sums back. The experts of an FFN chip see the tokens of
+all A attention chips: more attention chips per FFN chip, more tokens per expert per step
+(decode experts are memory-bound: their weights are read once whatever the token count).
+
+Dual micro-batch overlap (DBO) splits the batch in two: one half's transfers and the other
+side's work run while the other half computes. Per MoE layer:
+
+- EP: max(2 (attn + experts)(B/2), 2 (dispatch + combine)(B/2)); without DBO their sum at B.
+- AFD: max(2 attn(B/2), 2 ffn(A B/2), 2 send, 2 receive, attn + send + ffn + receive (B/2)):
+  the last is the chain one half must close before its next layer; without DBO, that
+  chain at B.
+
+Routing is uniform (as the plugin's forced balancing), a token's k experts land on
+F (1 - (1 - 1/F)^k) distinct chips, activations cross in the model's dtype (bf16).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from splitserve.sim.roofline import Efficiency
+from splitserve.sim.specs import GPUSpec, ModelSpec
+
+TRANSFER_LATENCY_S = 20e-6  # fixed cost of one transfer between chips (launch, sync)
+
+
+@dataclass(frozen=True)
+class AFDRun:
+    """What is being run: each decode sequence's context, the batch per attention chip (None:
+    what KV memory allows on an expert-parallel chip of the baseline, the same for every
+    layout, as the plugin's benchmark keeps full weights on both roles), overlap, the link."""
+
+    context: int = 16384
+    batch: int | None = None
+    overlap: bool = True
+    link_bw: float | None = None  # bytes/s per chip each way (None: the chip's link_bw)
+    mem_util: float = 0.9
+    weight_bytes: int | None = None  # bytes per weight (1: FP8/INT8 weights; None: the model's dtype)
+
+    def __post_init__(self) -> None:
+        if self.context < 1 or (self.batch is not None and self.batch < 1):
+            raise ValueError("context and batch must be >= 1")
+        if self.link_bw is not None and self.link_bw <= 0:
+            raise ValueError("link bandwidth must be > 0")
+        if self.weight_bytes is not None and self.weight_bytes < 1:
+            raise ValueError("weight bytes must be >= 1")
+
+
+class Layout(NamedTuple):
+    attention: int  # chips running attention (all of them under expert parallelism)
+    ffn: int  # FFN chips; 0: expert parallelism over the attention chips
+
+    @property
+    def chips(self) -> int:
+        return self.attention + self.ffn
+
+    def label(self) -> str:
+        return f"EP{self.attention}" if self.ffn == 0 else f"{self.attention}A+{self.ffn}F"
+
+
+class AFDModel:
+    """Per-layer and per-step times of one layout (see the module's docstring)."""
+
+    def __init__(
+        self, model: ModelSpec, gpu: GPUSpec, eff: Efficiency = Efficiency(), run: AFDRun = AFDRun()
+    ):
+        if not model.is_moe:
+            raise ValueError(f"{model.name} is not a mixture-of-experts model")
+        if model.is_hybrid:  # its MoE layers do not each follow an attention layer
+            raise ValueError(f"{model.name}: AFD of hybrid (Mamba) models is not modelled")
+        self.model, self.gpu, self.eff, self.run = model, gpu, eff, run
+        self.flops_per_s = gpu.peak_flops * eff.compute
+        self.bytes_per_s = gpu.mem_bw * eff.bandwidth
+        self.link_bw = run.link_bw or gpu.link_bw
+        self.wbytes = run.weight_bytes or model.dtype_bytes
+
+    # ---- the pieces -------------------------------------------------------------------
+    def _time(self, flops: float, num_bytes: float) -> float:
+        return max(flops / self.flops_per_s, num_bytes / self.bytes_per_s)
+
+    def pair_flops(self) -> float:
+        """Decode attention FLOPs per (query, cached token) pair in one layer. MLA decodes in
+        its absorbed form (as FlashMLA and vLLM do): every head scores the whole latent plus
+        the rope key and sums the latent, 2 H (2 kv_lora_rank + rope) FLOPs."""
+        m = self.model
+        if m.is_mla:
+            return 2 * m.heads * (2 * m.kv_lora_rank + m.qk_rope_dim)
+        return m.attn_flops_per_pair / m.attention_layers
+
+    def _attention(self, seqs: float) -> tuple[float, float]:
+        """FLOPs and bytes of one layer's attention for `seqs` sequences on one chip."""
+        m, ctx = self.model, self.run.context
+        flops = 2 * m.attn_params_per_layer * seqs + self.pair_flops() * seqs * ctx
+        kv = m.kv_bytes_per_token / m.attention_layers * seqs * ctx
+        return flops, m.attn_params_per_layer * self.wbytes + kv
+
+    def attention_s(self, seqs: float) -> float:
+        """One MoE layer's attention and router on one chip for `seqs` sequences."""
+        flops, num_bytes = self._attention(seqs)
+        router = self.model.hidden * self.model.experts
+        return self._time(flops + 2 * router * seqs, num_bytes + router * self.wbytes)
+
+    def dense_s(self, seqs: float) -> float:
+        """The dense layers (attention + MLP) and the output head for `seqs` sequences."""
+        m = self.model
+        flops, num_bytes = self._attention(seqs)
+        layer = self._time(
+            flops + 2 * m.dense_mlp_params * seqs, num_bytes + m.dense_mlp_params * self.wbytes
+        )
+        return m.dense_layers * layer + self._time(2 * m.head_params * seqs, m.head_params * self.wbytes)
+
+    def experts_s(self, tokens: float, chips: int, shared_tokens: float) -> float:
+        """One MoE layer's experts on one of `chips` chips sharing the routed experts, when
+        `tokens` tokens are routed over all of them; `shared_tokens` pass its shared experts."""
+        m = self.model
+        held = math.ceil(m.experts / chips)
+        touched = held * (1.0 - (1.0 - m.experts_per_token / m.experts) ** tokens)
+        routed = tokens * m.experts_per_token / chips
+        shared = m.shared_experts * m.expert_params
+        flops = 2 * m.expert_params * routed + 2 * shared * shared_tokens
+        return self._time(flops, (touched * m.expert_params + shared) * self.wbytes)
+
+    def copies_per_token(self, chips: int) -> float:
+        """Distinct chips a token's top-k experts live on."""
+        return chips * (1.0 - (1.0 - 1.0 / chips) ** self.model.experts_per_token)
+
+    def transfer_s(self, tokens: float) -> float:
+        return tokens * self.model.hidden * self.model.dtype_bytes / self.link_bw + TRANSFER_LATENCY_S
+
+    # ---- one MoE layer ----------------------------------------------------------------
+    def layer_s(self, layout: Layout, batch: int) -> dict[str, float]:
+        """The time of one MoE layer per decode step and the parts that set it."""
+        micro = batch / 2 if self.run.overlap else float(batch)
+        a, f = layout
+        if f == 0:
+            compute = self.attention_s(micro) + self.experts_s(a * micro, a, micro)
+            comm = 2 * self.transfer_s(micro * self.copies_per_token(a))
+            if self.run.overlap:
+                parts = {"compute": 2 * compute, "all-to-all": 2 * comm}
+            else:
+                parts = {"compute + all-to-all": compute + comm}
+            return {**parts, "layer_s": max(parts.values()), "ffn_s": 0.0}
+        attn = self.attention_s(micro)
+        ffn = self.experts_s(a * micro, f, a * micro / f)
+        copies = micro * self.copies_per_token(f)
+        # each direction: the attention chip's copies out, or an FFN chip's copies in
+        link = self.transfer_s(max(copies, a * copies / f))
+        chain = attn + link + ffn + link
+        if self.run.overlap:
+            parts = {"attention": 2 * attn, "FFN": 2 * ffn, "link": 2 * link, "round trip": chain}
+        else:
+            parts = {"round trip": chain}
+        return {**parts, "layer_s": max(parts.values()), "ffn_s": (2 if self.run.overlap else 1) * ffn}
+
+    # ---- one decode step --------------------------------------------------------------
+    def ep_batch(self, chips: int) -> int:
+        """Sequences of `context` tokens whose KV fits on one expert-parallel chip of `chips`."""
+        m = self.model
+        experts = math.ceil(m.experts / chips) * m.expert_params * m.moe_layers
+        routed_all = m.experts * m.expert_params * m.moe_layers
+        resident = (m.total_params - routed_all + experts) * self.wbytes
+        room = self.gpu.mem_bytes * self.run.mem_util - resident
+        if room <= 0:
+            raise ValueError(f"{m.name}'s share of weights does not fit on one {self.gpu.name} at EP{chips}")
+        return int(room // (m.kv_bytes_per_token * self.run.context))
+
+    def ffn_fits(self, layout: Layout) -> bool:
+        m = self.model
+        held = math.ceil(m.experts / layout.ffn) + m.shared_experts
+        return held * m.expert_params * m.moe_layers * self.wbytes <= self.gpu.mem_bytes * self.run.mem_util
+
+    def step(self, layout: Layout, batch: int) -> dict:
+        """A decode step of `layout`, `batch` sequences per attention chip: its time, output
+        tokens per second per chip, tokens per expert and what bounds it."""
+        a, f = layout
+        if a < 1 or f < 0:
+            raise ValueError("a layout needs >= 1 attention chip and >= 0 FFN chips")
+        layer = self.layer_s(layout, batch)
+        moe = self.model.moe_layers
+        step_s = moe * layer["layer_s"] + self.dense_s(batch) + self.eff.overhead_s
+        bound = max((k for k in layer if k not in ("layer_s", "ffn_s")), key=lambda k: layer[k])
+        return {
+            "layout": layout.label(),
+            "attention_chips": a,
+            "ffn_chips": f,
+            "chips": layout.chips,
+            "batch_per_attention_chip": batch,
+            "step_s": step_s,
+            "tokens_per_s_per_chip": a * batch / step_s / layout.chips,
+            "tokens_per_expert": a * batch * self.model.experts_per_token / self.model.experts,
+            "ffn_busy": moe * layer["ffn_s"] / step_s if f else None,
+            "bound": bound,
+        }
+
+
+def compare(afd: AFDModel, baseline_chips: int, layouts: list[Layout]) -> dict:
+    """Each layout's step against expert parallelism over `baseline_chips`, all at the same
+    batch per attention chip (the run's, or what fits at the baseline)."""
+    batch = afd.run.batch or afd.ep_batch(baseline_chips)
+    if batch < 1:
+        raise ValueError(f"no sequence of {afd.run.context:,} tokens fits beside the weights")
+    base = afd.step(Layout(baseline_chips, 0), batch)
+    rows = []
+    for layout in layouts:
+        row = afd.step(layout, batch)
+        row["vs_baseline"] = row["tokens_per_s_per_chip"] / base["tokens_per_s_per_chip"] - 1
+        row["fits"] = not layout.ffn or afd.ffn_fits(layout)  # the FFN chips hold their experts
+        rows.append(row)
+    fitting = [r for r in rows if r["fits"]]
+    best = max(fitting, key=lambda r: r["tokens_per_s_per_chip"])["layout"] if fitting else None
+    return {"batch": batch, "baseline": base, "layouts": rows, "best": best}
+
+
+def ratio_layouts(chips: int, experts: int) -> list[Layout]:
+    """Expert parallelism over all `chips`, and every split into attention and FFN chips whose
+    FFN chips share the routed experts evenly."""
+    if chips < 2:
+        raise ValueError("--chips must be >= 2 (at least one attention and one FFN chip)")
+    return [Layout(chips, 0)] + [Layout(chips - f, f) for f in range(1, chips) if experts % f == 0]
+
+
+def parse_layouts(text: str) -> list[Layout]:
+    """`48:16,64:16` -> attention:FFN layouts (`64:0` is expert parallelism over 64 chips)."""
+    out = []
+    for part in text.split(","):
+        try:
+            a, f = (int(x) for x in part.split(":"))
+        except ValueError as exc:
+            raise ValueError(f"bad layout {part!r}: give ATTENTION:FFN chips, e.g. 48:16") from exc
+        if a < 1 or f < 0:
+            raise ValueError(f"bad layout {part!r}: >= 1 attention chip, >= 0 FFN chips")
+        out.append(Layout(a, f))
+    return out

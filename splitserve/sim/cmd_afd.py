@@ -1,0 +1,100 @@
+"""`splitserve sim afd`: attention-FFN disaggregation of a MoE model's decode against expert
+parallelism, and the attention:FFN ratio that gives the most output per chip."""
+
+from __future__ import annotations
+
+import argparse
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from splitserve.sim.afd import AFDModel, AFDRun, compare, parse_layouts, ratio_layouts
+from splitserve.sim.cmd_common import efficiency, emit, require_positive
+from splitserve.sim.specs import load_gpu, load_model
+
+
+def add_afd_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--chips", type=int, default=80, help="chips to split into attention and FFN")
+    p.add_argument(
+        "--layouts",
+        default=None,
+        metavar="A:F,...",
+        help="evaluate these attention:FFN layouts instead of every split of --chips (e.g. 48:16,64:16)",
+    )
+    p.add_argument(
+        "--baseline", type=int, default=None, help="expert-parallel chips to compare with (--chips)"
+    )
+    p.add_argument("--context", type=int, default=16384, help="tokens each decode sequence attends to")
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=None,
+        help="decode sequences per attention chip (default: what KV memory allows on a baseline chip)",
+    )
+    p.add_argument("--no-overlap", action="store_true", help="no dual micro-batch overlap")
+    p.add_argument("--link-gbps", type=float, default=None, help="attention<->FFN link per chip (the chip's)")
+    p.add_argument(
+        "--weight-bytes",
+        type=int,
+        default=1,
+        help="bytes per weight (1: FP8/INT8 as DeepSeek-V3 ships and the plugin's W8A8 runs)",
+    )
+
+
+def cmd_afd(args: argparse.Namespace) -> int:
+    model, gpu = load_model(args.model), load_gpu(args.gpu)
+    require_positive(chips=args.chips, context=args.context)
+    if args.link_gbps is not None:
+        require_positive(link_gbps=args.link_gbps)
+    run = AFDRun(
+        context=args.context,
+        batch=args.batch,
+        overlap=not args.no_overlap,
+        link_bw=None if args.link_gbps is None else args.link_gbps * 1e9 / 8,
+        weight_bytes=args.weight_bytes,
+    )
+    afd = AFDModel(model, gpu, efficiency(args), run)
+    layouts = parse_layouts(args.layouts) if args.layouts else ratio_layouts(args.chips, model.experts)
+    baseline = args.baseline or (args.chips if not args.layouts else max(lay.chips for lay in layouts))
+    require_positive(baseline=baseline)
+    result = compare(afd, baseline, layouts)
+    if args.json:
+        return emit(args, {"model": model.name, "gpu": gpu.name, "context": args.context, **result}, [])
+    base = result["baseline"]
+    table = Table(
+        title=f"{model.name} decode on {gpu.name}: {result['batch']} sequences of {args.context:,} tokens "
+        f"per attention chip, {'dual micro-batch overlap' if run.overlap else 'no overlap'}",
+        box=box.SIMPLE_HEAVY,
+    )
+    for col in (
+        "layout",
+        "chips",
+        "tok/s per chip",
+        f"vs {base['layout']}",
+        "ITL",
+        "tokens/expert",
+        "FFN busy",
+    ):
+        table.add_column(col, justify="left" if col == "layout" else "right")
+    table.add_column("bound by")
+    for r in result["layouts"]:
+        mark = " (best)" if r["layout"] == result["best"] else ""
+        busy = "-" if r["ffn_busy"] is None else f"{r['ffn_busy']:.0%}"
+        table.add_row(
+            r["layout"] + mark + ("" if r["fits"] else " (experts do not fit)"),
+            str(r["chips"]),
+            f"{r['tokens_per_s_per_chip']:,.0f}",
+            f"{r['vs_baseline']:+.1%}",
+            f"{r['step_s'] * 1e3:.1f} ms",
+            f"{r['tokens_per_expert']:,.0f}",
+            busy,
+            r["bound"],
+        )
+    console = Console(width=140)
+    console.print(table)
+    console.print(
+        f"baseline {base['layout']}: {base['tokens_per_s_per_chip']:,.0f} tok/s per chip, ITL "
+        f"{base['step_s'] * 1e3:.1f} ms; best: {result['best']}"
+    )
+    return 0
