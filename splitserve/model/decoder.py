@@ -19,8 +19,8 @@ from splitserve.model import ops
 from splitserve.model.attention import AttentionMetadata, paged_attention
 from splitserve.model.decoder_config import DecoderConfig
 from splitserve.model.linear import Linear
-from splitserve.model.loader import iter_checkpoint_weights
-from splitserve.model.moe import SparseMoeBlock, expert_weight_destination
+from splitserve.model.loader import iter_checkpoint_weights, iter_safetensors
+from splitserve.model.moe import SparseMoeBlock, expert_weight_destination, is_expert_weight
 
 # Called after layer i's KV is written: (layer_idx, kv_layer) -> None.
 LayerHook = Callable[[int, torch.Tensor], None]
@@ -256,12 +256,22 @@ class DecoderModel(nn.Module):
 
 
 def load_model(
-    model_dir: str, config: DecoderConfig, dtype: torch.dtype, device: torch.device
+    model_dir: str,
+    config: DecoderConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    with_experts: bool = True,  # False: a MoE model's experts run elsewhere (an FFN daemon)
 ) -> DecoderModel:
     with torch.device("meta"):
         model = DecoderModel(config)
+    weights = iter_checkpoint_weights(model_dir)
+    if not with_experts:
+        for layer in model.layers:
+            if isinstance(layer.mlp, SparseMoeBlock):
+                layer.mlp.experts = None
+        weights = iter_safetensors(model_dir, keep=lambda name: not is_expert_weight(name))
     model = model.to_empty(device=device).to(dtype)
     model.inv_freq = rope_inv_freq(config).to(device)
     model.rope_cos = model.rope_sin = torch.empty(0, device=device)
-    model.load_weights(iter_checkpoint_weights(model_dir))
+    model.load_weights(weights)
     return model.eval()

@@ -23,9 +23,18 @@ from torch import nn
 from splitserve.model import ops
 from splitserve.model.decoder_config import DecoderConfig, MoeConfig
 from splitserve.model.linear import Linear
+from splitserve.model.loader import iter_safetensors
 
 # one expert's projection in the per-expert layout save_pretrained writes
 EXPERT_WEIGHT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+# any expert weight, per-expert or fused (`...mlp.experts.gate_up_proj`), "model." or not
+ANY_EXPERT_WEIGHT = re.compile(r"(^|\.)layers\.\d+\.mlp\.experts\.")
+
+
+def is_expert_weight(name: str) -> bool:
+    """Whether a checkpoint tensor is an expert's (what an FFN daemon loads, and an
+    attention engine does not)."""
+    return ANY_EXPERT_WEIGHT.search(name) is not None
 
 
 def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,7 +115,7 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.top_k, self.norm_topk_prob = moe.top_k, moe.norm_topk_prob
         self.gate = Linear(config.hidden_size, moe.num_experts, bias=False)
-        self.experts = Experts(config, moe)
+        self.experts: Experts | None = Experts(config, moe)  # None: an attention engine's
         # set under attention-FFN disaggregation: the experts run in the FFN process
         self.remote_experts: ExpertsCompute | None = None
 
@@ -114,6 +123,7 @@ class SparseMoeBlock(nn.Module):
         weights, ids = route(self.gate(x), self.top_k, self.norm_topk_prob)
         if self.remote_experts is not None:
             return self.remote_experts(x, ids, weights)
+        assert self.experts is not None, "an attention engine's sparse layer has no remote experts"
         return self.experts(x, ids, weights)
 
 
@@ -129,3 +139,36 @@ def expert_weight_destination(modules: dict[str, nn.Module], name: str) -> tuple
         raise ValueError(f"unexpected weight {name!r}: layer has no experts")
     param_name = f"{experts_path}.{'down_proj' if projection == 'down_proj' else 'gate_up_proj'}"
     return param_name, experts.expert_weight_view(expert, projection)
+
+
+def load_experts(
+    model_dir: str, config: DecoderConfig, dtype: torch.dtype, device: torch.device
+) -> dict[int, Experts]:
+    """Only the experts, by layer (an FFN daemon's model): no other tensor is read.
+    ValueError for a model without experts, unknown names, wrong shapes, missing ones."""
+    moe = config.moe
+    if moe is None:
+        raise ValueError(f"{model_dir} is not a mixture-of-experts model ({config.arch})")
+    with torch.device("meta"):
+        layers = {i: Experts(config, moe) for i in range(config.num_layers) if moe.is_sparse_layer(i)}
+    layers = {i: experts.to_empty(device=device).to(dtype).eval() for i, experts in layers.items()}
+    modules: dict[str, nn.Module] = {f"layers.{i}.mlp.experts": e for i, e in layers.items()}
+    params = {f"{path}.{name}": p for path, e in modules.items() for name, p in e.named_parameters()}
+    loaded = dict.fromkeys(params, 0)
+    for name, tensor in iter_safetensors(model_dir, keep=is_expert_weight):
+        target = name.removeprefix("model.")
+        found = expert_weight_destination(modules, target)
+        if found is None and target not in params:
+            raise ValueError(f"unexpected expert weight {name!r}")
+        target, destination = found if found is not None else (target, params[target])
+        if destination.shape != tensor.shape:
+            raise ValueError(
+                f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(destination.shape)}"
+            )
+        with torch.no_grad():
+            destination.copy_(tensor)
+        loaded[target] += destination.numel()
+    missing = [n for n, p in params.items() if loaded[n] < p.numel()]
+    if missing:
+        raise ValueError(f"checkpoint lacks expert weights for {missing[:5]}")
+    return layers
