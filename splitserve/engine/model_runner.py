@@ -90,6 +90,8 @@ class ModelRunner:
             self.model = load_model(config.model.model, dc, self.dtype, self.device, config.afd is None)
             if config.afd is not None:
                 self.ffn = attach_ffn(self.model, config.afd, self.dtype, internal_token())
+        elif config.afd is not None:
+            raise ValueError("attention-FFN disaggregation serves mixture-of-experts text models only")
         else:
             self.model = load_qwen2_vl(config.model.model, self.vl_config, self.dtype, self.device)
             encoder_cache = EncoderCache(config.cache.encoder_cache_bytes)
