@@ -70,10 +70,22 @@ def main() -> None:
         ffn = llm.engine.runner.ffn
         assert ffn is not None
         llm.generate(prompts, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
-        sent, received, steps = ffn.bytes_sent, ffn.bytes_received, llm.engine.num_steps
+        before = (
+            ffn.bytes_sent,
+            ffn.bytes_received,
+            ffn.round_trip_s,
+            ffn.remote_compute_s,
+            llm.engine.num_steps,
+        )
         got, afd_s = decode_run(llm, prompts, args.tokens)
-        steps = llm.engine.num_steps - steps
-        sent, received = ffn.bytes_sent - sent, ffn.bytes_received - received
+        after = (
+            ffn.bytes_sent,
+            ffn.bytes_received,
+            ffn.round_trip_s,
+            ffn.remote_compute_s,
+            llm.engine.num_steps,
+        )
+        sent, received, round_trip_s, remote_s, steps = (b - a for a, b in zip(before, after, strict=True))
     finally:
         os.killpg(daemon.pid, signal.SIGINT)
         daemon.wait()
@@ -84,6 +96,12 @@ def main() -> None:
     print(f"  AFD (tcp)   {generated / afd_s:8.0f} tok/s  {afd_ms:6.2f} ms/step")
     print(
         f"  AFD bytes per step: sent {sent / steps:.0f}, received {received / steps:.0f} (prefills included)"
+    )
+    exposed_ms = (round_trip_s - remote_s) / steps * 1e3
+    print(
+        f"  AFD per step: round trips {round_trip_s / steps * 1e3:.2f} ms, of which the daemon's compute "
+        f"{remote_s / steps * 1e3:.2f} ms; exposed communication {exposed_ms:.2f} ms "
+        f"({exposed_ms / afd_ms:.0%} of the step)"
     )
     print(f"  same greedy tokens: {got == expected}")
 

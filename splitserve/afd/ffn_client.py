@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import json
 import threading
+import time
 
 import torch
 import zmq
@@ -41,7 +42,12 @@ class FfnClient:
         self.session = SenderSession()
         self.socket: zmq.Socket | None = None
         self.layout: FfnLayout | None = None
+        # what the layers cost, summed: bytes each way, the round trips (from sending a
+        # layer to holding its answer) and the daemon's compute within them; the
+        # difference is the communication the attention engine waits for
         self.bytes_sent = self.bytes_received = 0
+        self.layers = 0
+        self.round_trip_s = self.remote_compute_s = 0.0
 
     def connect(self) -> FfnLayout:
         """HELLO: the daemon's layout (AfdError when it does not answer in time or refuses)."""
@@ -117,10 +123,16 @@ class FfnClient:
             if self.socket is None:  # a request timed out: a new connection, a new session
                 self._hello()
             stamp = self.session.next_stamp() if self.mac.enabled else b""
+            started = time.perf_counter()
             answer, frames = self._request(MOE, request.to_header(), data, stamp)
-        if len(frames) != 1 or answer.get("num_tokens") != x.shape[0]:
-            raise AfdError(f"the FFN daemon's answer for layer {layer} does not match the request")
-        return tensor_from_frame(frames[0], x.dtype, tuple(x.shape)).to(x.device)
+            if len(frames) != 1 or answer.get("num_tokens") != x.shape[0]:
+                raise AfdError(f"the FFN daemon's answer for layer {layer} does not match the request")
+            combined = tensor_from_frame(frames[0], x.dtype, tuple(x.shape)).to(x.device)
+            self.layers += 1
+            self.round_trip_s += time.perf_counter() - started
+            compute_s = answer.get("compute_s")
+            self.remote_compute_s += float(compute_s) if isinstance(compute_s, (int, float)) else 0.0
+        return combined
 
     def close(self) -> None:
         with self.lock:

@@ -20,6 +20,7 @@ import json
 import logging
 import signal
 import threading
+import time
 
 import torch
 import zmq
@@ -114,12 +115,14 @@ class FfnServer:
                     answer["session"] = self.sessions.issue(identity).hex()
             elif kind == MOE:
                 request = MoeLayerRequest.from_header(header)
+                started = time.perf_counter()
                 combined = self.compute(request, data)
                 answer = {
                     "id": request.id,
                     "ok": True,
                     "layer": request.layer,
                     "num_tokens": request.num_tokens,
+                    "compute_s": time.perf_counter() - started,  # the rest of a round trip is exposed
                 }
                 out = [tensor_frame(combined)]
             else:
