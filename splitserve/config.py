@@ -75,6 +75,17 @@ class KVEventsConfig:
 
 
 @dataclass(frozen=True)
+class AfdConfig:
+    """Attention-FFN disaggregation: this engine's sparse MoE layers run their experts on
+    the FFN daemon at ffn_host:ffn_port (`splitserve engine --role ffn`); the engine loads
+    no expert weights."""
+
+    ffn_host: str
+    ffn_port: int
+    timeout_s: float = 30.0  # for an answer to one layer (and to HELLO at start-up)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -82,6 +93,7 @@ class EngineConfig:
     role: EngineRole = "both"
     transfer: TransferConfig = field(default_factory=TransferConfig)
     kv_events: KVEventsConfig | None = None  # None: publish no KV events
+    afd: AfdConfig | None = None  # None: the experts run here (collocated)
 
     def __post_init__(self) -> None:
         # shm maps decode's KV pool as a shared-memory file: it needs the pool in CPU memory

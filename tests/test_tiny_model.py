@@ -9,7 +9,7 @@ from splitserve.model.tiny import write_tiny_model
 from splitserve.model.tiny_text import MARKUP_TOKENS, SPECIAL_TOKENS, TinyModelSpec
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe"])
 def test_transformers_loads_tiny_model(tiny_model_factory, arch):
     directory = tiny_model_factory(arch=arch)
     model = AutoModelForCausalLM.from_pretrained(directory)
@@ -88,3 +88,16 @@ def test_cli_rejects_bad_shape(tmp_path):
         text=True,
     )
     assert proc.returncode != 0 and "must divide" in proc.stderr
+
+
+def test_cli_writes_a_qwen3_moe_and_rejects_too_many_experts_per_token(tmp_path):
+    tiny = [sys.executable, "-m", "splitserve.cli", "tiny-model"]
+    flags = ["--arch", "qwen3_moe", "--layers", "4", "--experts", "8", "--experts-per-token", "2"]
+    subprocess.run([*tiny, str(tmp_path / "m"), *flags], check=True, capture_output=True)
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3MoeForCausalLM"] and config["num_hidden_layers"] == 4
+    assert (config["num_experts"], config["num_experts_per_tok"], config["norm_topk_prob"]) == (8, 2, True)
+    bad = subprocess.run(
+        [*tiny, str(tmp_path / "bad"), *flags, "--experts-per-token", "9"], capture_output=True, text=True
+    )
+    assert bad.returncode != 0 and "experts-per-token must be between 1" in bad.stderr

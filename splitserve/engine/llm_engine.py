@@ -256,6 +256,8 @@ class LLMEngine:
             self.connector.shutdown()
         if self.ec_connector is not None:
             self.ec_connector.shutdown()
+        if self.runner.ffn is not None:
+            self.runner.ffn.close()
 
 
 def request_output(

@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 import torch
 
+from splitserve.afd.ffn_client import FfnClient, attach_ffn
 from splitserve.config import EngineConfig
 from splitserve.encoder_cache.connector import ECConnector
 from splitserve.engine.device import choose_dtype, default_device
@@ -21,6 +22,7 @@ from splitserve.model.loader import load_decoder_config
 from splitserve.model.native import load_cpu_ops
 from splitserve.model.qwen2_vl import Qwen2VLModel, is_qwen2_vl, load_qwen2_vl, load_qwen2_vl_config
 from splitserve.model.sampler import Sampler, SeededDraw
+from splitserve.runtime.access import internal_token
 
 
 def kv_cache_shape(config: DecoderConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -83,8 +85,13 @@ class ModelRunner:
         )
         self.model: DecoderModel | Qwen2VLModel
         self.multimodal: MultiModalRunner | None = None  # for a vision-language model
+        self.ffn: FfnClient | None = None  # attention-FFN disaggregation: the experts' daemon
         if self.vl_config is None:
-            self.model = load_model(config.model.model, dc, self.dtype, self.device)
+            self.model = load_model(config.model.model, dc, self.dtype, self.device, config.afd is None)
+            if config.afd is not None:
+                self.ffn = attach_ffn(self.model, config.afd, self.dtype, internal_token())
+        elif config.afd is not None:
+            raise ValueError("attention-FFN disaggregation serves mixture-of-experts text models only")
         else:
             self.model = load_qwen2_vl(config.model.model, self.vl_config, self.dtype, self.device)
             encoder_cache = EncoderCache(config.cache.encoder_cache_bytes)

@@ -1,4 +1,5 @@
-"""One decoder for Llama, Qwen2 (QKV bias) and Qwen3 (per-head q/k RMSNorm).
+"""One decoder for Llama, Qwen2 (QKV bias), Qwen3 (per-head q/k RMSNorm) and Qwen3-MoE
+(Qwen3 whose sparse layers' MLP is a mixture of experts, moe.py).
 
 Q, K, V projections are fused into one matmul, gate and up into another; a layer is
 nine ops (two fused add+RMSNorms, three matmuls plus o_proj, RoPE+cache write, attention,
@@ -18,7 +19,8 @@ from splitserve.model import ops
 from splitserve.model.attention import AttentionMetadata, paged_attention
 from splitserve.model.decoder_config import DecoderConfig
 from splitserve.model.linear import Linear
-from splitserve.model.loader import iter_checkpoint_weights
+from splitserve.model.loader import iter_checkpoint_weights, iter_safetensors
+from splitserve.model.moe import SparseMoeBlock, expert_weight_destination, is_expert_weight
 
 # Called after layer i's KV is written: (layer_idx, kv_layer) -> None.
 LayerHook = Callable[[int, torch.Tensor], None]
@@ -128,12 +130,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: DecoderConfig) -> None:
+    def __init__(self, config: DecoderConfig, layer_idx: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        moe = config.moe
+        self.mlp: MLP | SparseMoeBlock = (
+            SparseMoeBlock(config, moe) if moe is not None and moe.is_sparse_layer(layer_idx) else MLP(config)
+        )
 
 
 class DecoderModel(nn.Module):
@@ -144,7 +149,7 @@ class DecoderModel(nn.Module):
         # through torch's reference ops, as rope_inv_freq explains.
         weight = torch.empty(config.vocab_size, config.hidden_size)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
@@ -205,9 +210,11 @@ class DecoderModel(nn.Module):
                 module.prepack()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Fill from HF tensor names (streamed, shard by shard), fusing q/k/v and gate/up.
-        Raises ValueError for unknown names, wrong shapes and missing weights."""
+        """Fill from HF tensor names (streamed, shard by shard), fusing q/k/v and gate/up
+        (and each expert's into its layer's fused expert tensors). Raises ValueError for
+        unknown names, wrong shapes and missing weights."""
         params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
         c = self.config
         q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         fused = {
@@ -217,40 +224,54 @@ class DecoderModel(nn.Module):
             "gate_proj": ("gate_up_proj", 0, c.intermediate_size),
             "up_proj": ("gate_up_proj", c.intermediate_size, c.intermediate_size),
         }
-        rows_loaded = dict.fromkeys(params, 0)
+        elements_loaded = dict.fromkeys(params, 0)
         for name, tensor in weights:
             if "rotary_emb" in name:
                 continue
             target, start, size = name.removeprefix("model."), 0, None
-            for part, (fused_name, offset, length) in fused.items():
-                if f".{part}." in target:
-                    target, start, size = target.replace(part, fused_name), offset, length
-                    break
-            if target not in params:
-                raise ValueError(f"unexpected weight {name!r}")
-            destination = params[target] if size is None else params[target].narrow(0, start, size)
+            expert = expert_weight_destination(modules, target)
+            if expert is not None:
+                target, destination = expert
+            else:
+                for part, (fused_name, offset, length) in fused.items():
+                    if f".{part}." in target:
+                        target, start, size = target.replace(part, fused_name), offset, length
+                        break
+                if target not in params:
+                    raise ValueError(f"unexpected weight {name!r}")
+                destination = params[target] if size is None else params[target].narrow(0, start, size)
             if destination.shape != tensor.shape:
                 raise ValueError(
                     f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(destination.shape)}"
                 )
             with torch.no_grad():
                 destination.copy_(tensor)
-            rows_loaded[target] += destination.shape[0]
-        if c.tie_word_embeddings or rows_loaded["lm_head.weight"] == 0:
+            elements_loaded[target] += destination.numel()
+        if c.tie_word_embeddings or elements_loaded["lm_head.weight"] == 0:
             self.lm_head.weight = self.embed_tokens.weight
-            rows_loaded["lm_head.weight"] = c.vocab_size
-        missing = [n for n, p in params.items() if rows_loaded[n] < p.shape[0]]
+            elements_loaded["lm_head.weight"] = self.lm_head.weight.numel()
+        missing = [n for n, p in params.items() if elements_loaded[n] < p.numel()]
         if missing:
             raise ValueError(f"checkpoint lacks weights for {missing[:5]}")
 
 
 def load_model(
-    model_dir: str, config: DecoderConfig, dtype: torch.dtype, device: torch.device
+    model_dir: str,
+    config: DecoderConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    with_experts: bool = True,  # False: a MoE model's experts run elsewhere (an FFN daemon)
 ) -> DecoderModel:
     with torch.device("meta"):
         model = DecoderModel(config)
+    weights = iter_checkpoint_weights(model_dir)
+    if not with_experts:
+        for layer in model.layers:
+            if isinstance(layer.mlp, SparseMoeBlock):
+                layer.mlp.experts = None
+        weights = iter_safetensors(model_dir, keep=lambda name: not is_expert_weight(name))
     model = model.to_empty(device=device).to(dtype)
     model.inv_freq = rope_inv_freq(config).to(device)
     model.rope_cos = model.rope_sin = torch.empty(0, device=device)
-    model.load_weights(iter_checkpoint_weights(model_dir))
+    model.load_weights(weights)
     return model.eval()

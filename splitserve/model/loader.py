@@ -11,12 +11,13 @@ from pathlib import Path
 import torch
 
 from splitserve.gguf_file import is_gguf_file
-from splitserve.model.decoder_config import DecoderConfig
+from splitserve.model.decoder_config import DecoderConfig, moe_config_from_hf
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
     "MistralForCausalLM": "llama",
 }
 
@@ -76,10 +77,11 @@ def load_decoder_config(model_path: str | Path) -> DecoderConfig:
         rope_scaling=rope_scaling or None,
         max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
         attention_bias=attention_bias,
-        qk_norm=arch == "qwen3",
+        qk_norm=arch in ("qwen3", "qwen3_moe"),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         dtype=dtype,
         eos_token_ids=tuple(eos),
+        moe=moe_config_from_hf(raw) if arch == "qwen3_moe" else None,
     )
 
 

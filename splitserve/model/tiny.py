@@ -12,6 +12,7 @@ import argparse
 import os
 from pathlib import Path
 
+from splitserve.model.tiny_moe import TinyMoeSpec
 from splitserve.model.tiny_text import ARCHITECTURES, TinyModelSpec, write_tiny_text_model
 from splitserve.model.tiny_vl import TinyVisionSpec, write_tiny_qwen2_vl
 
@@ -43,6 +44,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab", type=int, default=defaults.vocab)
     parser.add_argument("--max-position", type=int, default=defaults.max_position)
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=defaults.dtype)
+    experts = parser.add_argument_group("qwen3_moe's experts")
+    experts.add_argument("--experts", type=int, default=defaults.moe.experts)
+    experts.add_argument("--experts-per-token", type=int, default=defaults.moe.experts_per_token)
+    experts.add_argument("--moe-intermediate", type=int, default=None, help="default: hidden")
     vision = parser.add_argument_group("qwen2_vl's vision tower")
     vision.add_argument("--vision-depth", type=int, default=None, help="blocks (default 2)")
     vision.add_argument("--vision-dim", type=int, default=None, help="embedding width (default 32)")
@@ -65,6 +70,9 @@ def run(args: argparse.Namespace) -> int:
         vocab=args.vocab,
         max_position=args.max_position,
         dtype=args.dtype,
+        moe=TinyMoeSpec(
+            experts=args.experts, experts_per_token=args.experts_per_token, intermediate=args.moe_intermediate
+        ),
     )
     vision = None
     vision_args = {"depth": args.vision_depth, "embed_dim": args.vision_dim, "heads": args.vision_heads}

@@ -9,11 +9,13 @@ from __future__ import annotations
 import json
 import os
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
 import numpy as np
+
+from splitserve.model.tiny_moe import TinyMoeSpec, moe_config_fields, sparse_layer_weights
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 # Added but not special, as in Qwen3: they survive skip_special_tokens, so the
@@ -23,6 +25,7 @@ ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
 }
 
 
@@ -39,6 +42,7 @@ class TinyModelSpec:
     vocab: int = 2048
     max_position: int = 4096
     dtype: str = "float32"
+    moe: TinyMoeSpec = field(default_factory=TinyMoeSpec)  # qwen3_moe's experts (other archs ignore it)
 
     @property
     def resolved_head_dim(self) -> int:
@@ -188,6 +192,8 @@ def _config(spec: TinyModelSpec, eos_id: int, pad_id: int) -> dict:
         config.update(use_sliding_window=False, sliding_window=None, max_window_layers=spec.layers)
     if spec.arch == "qwen3":
         config.update(attention_bias=False, use_sliding_window=False, sliding_window=None)
+    if spec.arch == "qwen3_moe":
+        config.update(moe_config_fields(spec.moe, spec.hidden))
     return config
 
 
@@ -217,10 +223,13 @@ def random_weights(spec: TinyModelSpec) -> dict[str, np.ndarray]:
                 weights[p + f"self_attn.{name}_proj.bias"] = (0.1 * rng.standard_normal(dim)).astype(
                     np.float32
                 )
-        if spec.arch == "qwen3":
+        if spec.arch in ("qwen3", "qwen3_moe"):
             weights[p + "self_attn.q_norm.weight"] = norm(head_dim)
             weights[p + "self_attn.k_norm.weight"] = norm(head_dim)
         weights[p + "post_attention_layernorm.weight"] = norm(hidden)
+        if spec.arch == "qwen3_moe" and spec.moe.is_sparse_layer(i):
+            weights.update(sparse_layer_weights(spec.moe, p, hidden, linear))
+            continue
         weights[p + "mlp.gate_proj.weight"] = linear(inter, hidden)
         weights[p + "mlp.up_proj.weight"] = linear(inter, hidden)
         weights[p + "mlp.down_proj.weight"] = linear(hidden, inter)
@@ -240,10 +249,12 @@ def check_spec(spec: TinyModelSpec) -> None:
         raise ValueError(f"unsupported dtype {spec.dtype!r}")
     if spec.vocab < 512:
         raise ValueError("vocab must be at least 512 (256 bytes + specials + merges)")
+    if spec.arch == "qwen3_moe":
+        spec.moe.check()
 
 
 def write_tiny_text_model(directory: str | os.PathLike[str], spec: TinyModelSpec = TinyModelSpec()) -> Path:
-    """A llama, qwen2 or qwen3 model directory with random weights."""
+    """A llama, qwen2, qwen3 or qwen3_moe model directory with random weights."""
     import torch
     from safetensors.torch import save_file
 

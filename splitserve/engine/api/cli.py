@@ -6,7 +6,14 @@ import argparse
 import logging
 import re
 
-from splitserve.config import CacheConfig, EngineConfig, KVEventsConfig, ModelConfig, SchedulerConfig
+from splitserve.config import (
+    AfdConfig,
+    CacheConfig,
+    EngineConfig,
+    KVEventsConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
 from splitserve.engine.api import encode_routes, kv_routes
 from splitserve.runtime import access
 from splitserve.runtime.drain import add_serving_arguments, serve_draining
@@ -62,7 +69,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8100)
-    parser.add_argument("--role", choices=["both", "prefill", "decode", "encoder"], default="both")
+    parser.add_argument(
+        "--role",
+        choices=["both", "prefill", "decode", "encoder", "attention", "ffn"],
+        default="both",
+        help="attention: a MoE model's experts run on the FFN daemon at --ffn-address; "
+        "ffn: that daemon (the experts only, on --port; no HTTP API, no scheduler, no KV)",
+    )
+    parser.add_argument("--ffn-address", default=None, help="--role attention: the FFN daemon's HOST:PORT")
+    parser.add_argument(
+        "--ffn-timeout", type=float, default=30.0, help="seconds for the FFN daemon's answer to one layer"
+    )
     parser.add_argument("--block-size", type=_positive_int, default=cache.block_size)
     parser.add_argument(
         "--kv-cache-memory",
@@ -173,13 +190,29 @@ def engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
             max_model_len=args.max_model_len,
             long_prefill_token_threshold=args.long_prefill_token_threshold,
         ),
-        role=args.role,
+        role="both" if args.role == "attention" else args.role,
         transfer=kv_routes.transfer_config(args, device),
         kv_events=kv_events_config(args),
+        afd=afd_config(args),
     )
 
 
+def afd_config(args: argparse.Namespace) -> AfdConfig | None:
+    """--role attention's FFN daemon (ValueError without a valid --ffn-address)."""
+    if args.role != "attention":
+        if args.ffn_address is not None:
+            raise ValueError("--ffn-address needs --role attention")
+        return None
+    host, _, port = (args.ffn_address or "").rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"--role attention needs --ffn-address HOST:PORT, not {args.ffn_address!r}")
+    if args.ffn_timeout <= 0:
+        raise ValueError(f"--ffn-timeout must be positive, not {args.ffn_timeout}")
+    return AfdConfig(ffn_host=host, ffn_port=int(port), timeout_s=args.ffn_timeout)
+
+
 def run(args: argparse.Namespace) -> int:
+    from splitserve.afd.ffn_client import AfdError
     from splitserve.engine.api.app import create_engine_app
     from splitserve.engine.async_engine import AsyncEngine
     from splitserve.model_files.resolve import resolve_model_or_exit
@@ -189,6 +222,10 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.role == "encoder":
         return encode_routes.run_encoder(args, resolve_model_or_exit(args.model).path)
+    if args.role == "ffn":
+        from splitserve.afd.ffn_server import run_ffn
+
+        return run_ffn(args, resolve_model_or_exit(args.model).path)
     try:
         policy = access.internal_policy(args)
         config = engine_config(args, resolve_model_or_exit(args.model).path)
@@ -199,7 +236,7 @@ def run(args: argparse.Namespace) -> int:
     connector = kv_routes.make_connector(config.role, config.transfer, kv_host, args.kv_port)
     try:
         engine = AsyncEngine(config, connector=connector, ec_connector=ec.connector)
-    except ValueError as exc:  # a configuration the model or the memory budget cannot take
+    except (ValueError, AfdError) as exc:  # what the model, the memory or the FFN daemon cannot take
         ec.close()
         raise SystemExit(f"splitserve engine: {exc}") from exc
     app = create_engine_app(engine, manage_engine=True, max_pixel_bytes=args.max_pixel_bytes)

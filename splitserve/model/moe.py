@@ -1,0 +1,174 @@
+"""The sparse mixture-of-experts MLP of Qwen3-MoE: a router picks each token's top-k
+experts, and the experts run grouped: the (token, expert) pairs are sorted by expert id so
+that every active expert is one matmul over all of its tokens (no loop over tokens).
+
+The split between the router (`SparseMoeBlock.gate`) and the experts (`ExpertsCompute`)
+is the seam of attention-FFN disaggregation: the router stays with attention, the experts
+may run in another process (splitserve/afd/).
+
+Numerics follow transformers (Qwen3MoeTopKRouter, Qwen3MoeExperts): softmax in float32,
+top-k, optional renormalization, weights cast back to the model dtype; each expert's
+output is scaled by its weight and summed into the token in expert-id order.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from splitserve.model import ops
+from splitserve.model.decoder_config import DecoderConfig, MoeConfig
+from splitserve.model.linear import Linear
+from splitserve.model.loader import iter_safetensors
+
+# one expert's projection in the per-expert layout save_pretrained writes
+EXPERT_WEIGHT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+# any expert weight, per-expert or fused (`...mlp.experts.gate_up_proj`), "model." or not
+ANY_EXPERT_WEIGHT = re.compile(r"(^|\.)layers\.\d+\.mlp\.experts\.")
+
+
+def is_expert_weight(name: str) -> bool:
+    """Whether a checkpoint tensor is an expert's (what an FFN daemon loads, and an
+    attention engine does not)."""
+    return ANY_EXPERT_WEIGHT.search(name) is not None
+
+
+def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """router logits [T, E] -> (weights [T, k] in the logits' dtype, expert ids [T, k])."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(router_logits.dtype), ids
+
+
+def grouped_experts(
+    x: torch.Tensor,  # [T, H]
+    expert_ids: torch.Tensor,  # [T, k]
+    expert_weights: torch.Tensor,  # [T, k]
+    gate_up_proj: torch.Tensor,  # [E, 2I, H]: gate rows, then up rows
+    down_proj: torch.Tensor,  # [E, H, I]
+) -> torch.Tensor:
+    """sum_j weight[t, j] * expert_{id[t, j]}(x[t]) for every token t: [T, H]."""
+    top_k = expert_ids.shape[1]
+    flat_ids = expert_ids.reshape(-1)
+    # stable: within an expert, pairs keep token order; per token, experts come in id order
+    order = torch.argsort(flat_ids, stable=True)
+    token_of_pair = order // top_k
+    counts = torch.bincount(flat_ids, minlength=gate_up_proj.shape[0]).tolist()
+    inputs = x[token_of_pair]
+    outputs = torch.empty_like(inputs)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        rows = slice(start, start + count)
+        hidden = ops.silu_and_mul(F.linear(inputs[rows], gate_up_proj[expert]))
+        outputs[rows] = F.linear(hidden, down_proj[expert])
+        start += count
+    outputs *= expert_weights.reshape(-1)[order].unsqueeze(-1)
+    combined = torch.zeros_like(x)
+    return combined.index_add_(0, token_of_pair, outputs)
+
+
+class ExpertsCompute(Protocol):
+    """What computes a sparse layer's experts: the local `Experts`, or a remote FFN."""
+
+    def __call__(
+        self, x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor
+    ) -> torch.Tensor: ...
+
+
+class Experts(nn.Module):
+    """One sparse layer's experts, fused as transformers 5 holds them in memory."""
+
+    def __init__(self, config: DecoderConfig, moe: MoeConfig) -> None:
+        super().__init__()
+        inter = moe.moe_intermediate_size
+        self.intermediate = inter
+        self.gate_up_proj = nn.Parameter(torch.empty(moe.num_experts, 2 * inter, config.hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(moe.num_experts, config.hidden_size, inter))
+
+    def forward(
+        self, x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor
+    ) -> torch.Tensor:
+        return grouped_experts(x, expert_ids, expert_weights, self.gate_up_proj, self.down_proj)
+
+    def expert_weight_view(self, expert: int, projection: str) -> torch.Tensor:
+        """Where one expert's `gate_proj`, `up_proj` or `down_proj` weight goes."""
+        if not 0 <= expert < self.gate_up_proj.shape[0]:
+            raise ValueError(f"expert {expert} out of range (the model has {self.gate_up_proj.shape[0]})")
+        if projection == "down_proj":
+            return self.down_proj[expert]
+        start = 0 if projection == "gate_proj" else self.intermediate
+        return self.gate_up_proj[expert].narrow(0, start, self.intermediate)
+
+
+class SparseMoeBlock(nn.Module):
+    """The router (`gate`, as transformers names it) and the experts it picks."""
+
+    def __init__(self, config: DecoderConfig, moe: MoeConfig) -> None:
+        super().__init__()
+        self.top_k, self.norm_topk_prob = moe.top_k, moe.norm_topk_prob
+        self.gate = Linear(config.hidden_size, moe.num_experts, bias=False)
+        self.experts: Experts | None = Experts(config, moe)  # None: an attention engine's
+        # set under attention-FFN disaggregation: the experts run in the FFN process
+        self.remote_experts: ExpertsCompute | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(self.gate(x), self.top_k, self.norm_topk_prob)
+        if self.remote_experts is not None:
+            return self.remote_experts(x, ids, weights)
+        assert self.experts is not None, "an attention engine's sparse layer has no remote experts"
+        return self.experts(x, ids, weights)
+
+
+def expert_weight_destination(modules: dict[str, nn.Module], name: str) -> tuple[str, torch.Tensor] | None:
+    """(parameter name, the view one per-expert checkpoint tensor fills), or None when
+    `name` (without the "model." prefix) is not a per-expert weight."""
+    match = EXPERT_WEIGHT.match(name)
+    if match is None:
+        return None
+    experts_path, expert, projection = match.group(1), int(match.group(2)), match.group(3)
+    experts = modules.get(experts_path)
+    if not isinstance(experts, Experts):
+        raise ValueError(f"unexpected weight {name!r}: layer has no experts")
+    param_name = f"{experts_path}.{'down_proj' if projection == 'down_proj' else 'gate_up_proj'}"
+    return param_name, experts.expert_weight_view(expert, projection)
+
+
+def load_experts(
+    model_dir: str, config: DecoderConfig, dtype: torch.dtype, device: torch.device
+) -> dict[int, Experts]:
+    """Only the experts, by layer (an FFN daemon's model): no other tensor is read.
+    ValueError for a model without experts, unknown names, wrong shapes, missing ones."""
+    moe = config.moe
+    if moe is None:
+        raise ValueError(f"{model_dir} is not a mixture-of-experts model ({config.arch})")
+    with torch.device("meta"):
+        layers = {i: Experts(config, moe) for i in range(config.num_layers) if moe.is_sparse_layer(i)}
+    layers = {i: experts.to_empty(device=device).to(dtype).eval() for i, experts in layers.items()}
+    modules: dict[str, nn.Module] = {f"layers.{i}.mlp.experts": e for i, e in layers.items()}
+    params = {f"{path}.{name}": p for path, e in modules.items() for name, p in e.named_parameters()}
+    loaded = dict.fromkeys(params, 0)
+    for name, tensor in iter_safetensors(model_dir, keep=is_expert_weight):
+        target = name.removeprefix("model.")
+        found = expert_weight_destination(modules, target)
+        if found is None and target not in params:
+            raise ValueError(f"unexpected expert weight {name!r}")
+        target, destination = found if found is not None else (target, params[target])
+        if destination.shape != tensor.shape:
+            raise ValueError(
+                f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(destination.shape)}"
+            )
+        with torch.no_grad():
+            destination.copy_(tensor)
+        loaded[target] += destination.numel()
+    missing = [n for n, p in params.items() if loaded[n] < p.numel()]
+    if missing:
+        raise ValueError(f"checkpoint lacks expert weights for {missing[:5]}")
+    return layers

@@ -1,0 +1,59 @@
+"""The mixture-of-experts part of a tiny Qwen3-MoE (`splitserve tiny-model --arch
+qwen3_moe`): its config.json fields and the random weights of a sparse layer, in the
+per-expert layout transformers' `save_pretrained` writes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class TinyMoeSpec:
+    experts: int = 8
+    experts_per_token: int = 2
+    intermediate: int | None = None  # each expert's; default: hidden
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    def is_sparse_layer(self, layer_idx: int) -> bool:
+        return layer_idx not in self.mlp_only_layers and (layer_idx + 1) % self.decoder_sparse_step == 0
+
+    def check(self) -> None:
+        if not 0 < self.experts_per_token <= self.experts:
+            raise ValueError("experts-per-token must be between 1 and the number of experts")
+        if self.decoder_sparse_step < 1 or (self.intermediate is not None and self.intermediate < 1):
+            raise ValueError("decoder_sparse_step and the expert intermediate size must be positive")
+
+
+def moe_config_fields(moe: TinyMoeSpec, hidden: int) -> dict:
+    return {
+        "num_experts": moe.experts,
+        "num_experts_per_tok": moe.experts_per_token,
+        "moe_intermediate_size": moe.intermediate or hidden,
+        "norm_topk_prob": moe.norm_topk_prob,
+        "decoder_sparse_step": moe.decoder_sparse_step,
+        "mlp_only_layers": list(moe.mlp_only_layers),
+        "output_router_logits": False,
+        "router_aux_loss_coef": 0.001,
+        "attention_bias": False,
+        "use_sliding_window": False,
+        "sliding_window": None,
+    }
+
+
+def sparse_layer_weights(
+    moe: TinyMoeSpec, prefix: str, hidden: int, linear: Callable[[int, int], np.ndarray]
+) -> dict[str, np.ndarray]:
+    """The router (`mlp.gate`) and every expert's gate/up/down projection of one layer.
+    The router's logits are spread (x2) so that top-k choices have clear gaps."""
+    inter = moe.intermediate or hidden
+    weights = {prefix + "mlp.gate.weight": linear(moe.experts, hidden) * 2.0}
+    for e in range(moe.experts):
+        weights[prefix + f"mlp.experts.{e}.gate_proj.weight"] = linear(inter, hidden)
+        weights[prefix + f"mlp.experts.{e}.up_proj.weight"] = linear(inter, hidden)
+        weights[prefix + f"mlp.experts.{e}.down_proj.weight"] = linear(hidden, inter)
+    return weights

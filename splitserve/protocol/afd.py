@@ -1,0 +1,89 @@
+"""The messages between an attention engine and its FFN daemon (attention-FFN
+disaggregation, splitserve/afd/): their JSON headers, checked on arrival.
+
+A message is `[kind, header, data frames..., stamp]`, sealed with the deployment's frame
+MAC (kv/transport/frame_mac.py, under its own label); replies are `[header, data...,
+the request's stamp]`.
+  HELLO   {id}                                 -> FfnLayout + {id, ok, session}
+  MOE     MoeLayerRequest; data: hidden [T, H], expert ids [T, k] int32, weights [T, k]
+          -> {id, ok, layer, num_tokens} + data: the combined expert output [T, H]
+An error answers {id, ok: false, error}; a message that fails authentication is answered
+untagged {ok: false, error: "unauthorized"}.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+HELLO = b"HELLO"
+MOE = b"MOE"
+WIRE_DTYPES = ("float32", "bfloat16", "float16")  # hidden states and router weights
+UNAUTHORIZED = "unauthorized"
+
+
+class AfdProtocolError(ValueError):
+    """A header that is not what the protocol says."""
+
+
+def _int(header: dict, name: str, least: int) -> int:
+    value = header.get(name)
+    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        raise AfdProtocolError(f"{name} must be an integer >= {least}, not {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class FfnLayout:
+    """What the FFN daemon holds: the attention side checks it against its own model."""
+
+    hidden_size: int
+    num_experts: int
+    top_k: int
+    sparse_layers: tuple[int, ...]
+    dtype: str
+
+    def to_header(self) -> dict:
+        return {**asdict(self), "sparse_layers": list(self.sparse_layers)}
+
+    @classmethod
+    def from_header(cls, header: dict) -> FfnLayout:
+        layers = header.get("sparse_layers")
+        if not isinstance(layers, list) or not all(isinstance(i, int) for i in layers):
+            raise AfdProtocolError(f"sparse_layers must be a list of layer indices, not {layers!r}")
+        dtype = header.get("dtype")
+        if dtype not in WIRE_DTYPES:
+            raise AfdProtocolError(f"dtype must be one of {WIRE_DTYPES}, not {dtype!r}")
+        return cls(
+            _int(header, "hidden_size", 1),
+            _int(header, "num_experts", 1),
+            _int(header, "top_k", 1),
+            tuple(layers),
+            str(dtype),
+        )
+
+
+@dataclass(frozen=True)
+class MoeLayerRequest:
+    """One sparse layer of one forward pass: its tokens' hidden states and routing."""
+
+    id: int
+    layer: int
+    num_tokens: int
+    top_k: int
+    dtype: str
+
+    def to_header(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_header(cls, header: dict) -> MoeLayerRequest:
+        dtype = header.get("dtype")
+        if dtype not in WIRE_DTYPES:
+            raise AfdProtocolError(f"dtype must be one of {WIRE_DTYPES}, not {dtype!r}")
+        return cls(
+            _int(header, "id", 0),
+            _int(header, "layer", 0),
+            _int(header, "num_tokens", 0),
+            _int(header, "top_k", 1),
+            str(dtype),
+        )
