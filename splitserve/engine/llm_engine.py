@@ -50,7 +50,8 @@ class LLMEngine:
         self.block_manager = BlockManager(
             runner.num_blocks,
             runner.block_size,
-            config.cache.enable_prefix_caching,
+            # a hybrid model's hit would need a Mamba state as of its end: none is kept
+            config.cache.enable_prefix_caching and runner.state_pool is None,
             record_events=config.kv_events is not None,
             medium="GPU" if self.device.type == "cuda" else "CPU",
             retention_ttl_s=config.cache.retention_ttl_s,
@@ -60,7 +61,7 @@ class LLMEngine:
             # a (re)started engine holds nothing: indexers drop what an earlier instance held
             self.kv_event_publisher.publish([AllBlocksCleared()])
         self.scheduler = Scheduler(
-            config.scheduler, self.block_manager, self.model_info.max_model_len, connector
+            config.scheduler, self.block_manager, self.model_info.max_model_len, connector, runner.state_pool
         )
         if connector is not None:
             connector.register_kv_cache(self.kv_cache, runner.block_size)
