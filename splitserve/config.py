@@ -33,6 +33,9 @@ class CacheConfig:
     retention_ttl_s: float | None = None
     # visual-token embeddings kept by image hash (vision-language models)
     encoder_cache_bytes: int = 512 * 1024 * 1024
+    # hybrid (Mamba) models: state snapshots at block boundaries, for prefix hits (0: none,
+    # and no prefix caching for them)
+    state_snapshot_bytes: int = 64 * 1024 * 1024
 
 
 @dataclass(frozen=True)

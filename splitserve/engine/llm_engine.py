@@ -50,9 +50,12 @@ class LLMEngine:
         self.block_manager = BlockManager(
             runner.num_blocks,
             runner.block_size,
-            # a hybrid model's hit would need a Mamba state as of its end: none is kept
-            config.cache.enable_prefix_caching and runner.state_pool is None,
-            record_events=config.kv_events is not None,
+            # a hybrid model's hit needs a Mamba state snapshot as of its end (state_pool.py)
+            config.cache.enable_prefix_caching
+            and (runner.state_pool is None or runner.state_pool.snapshots is not None),
+            # a hybrid's KV block is a hit only with a snapshot the events do not describe:
+            # none are published for it, rather than residency that is not there
+            record_events=config.kv_events is not None and runner.state_pool is None,
             medium="GPU" if self.device.type == "cuda" else "CPU",
             retention_ttl_s=config.cache.retention_ttl_s,
         )

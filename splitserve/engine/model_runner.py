@@ -103,7 +103,13 @@ class ModelRunner:
             hybrid = self.hybrid_config
             self.model = load_nemotron_h(config.model.model, hybrid, self.dtype, self.device)
             self.state_pool = MambaStatePool(
-                config.scheduler.max_num_seqs, hybrid.num_mamba_layers, hybrid.mamba, self.dtype, self.device
+                config.scheduler.max_num_seqs,
+                hybrid.num_mamba_layers,
+                hybrid.mamba,
+                self.dtype,
+                self.device,
+                block_size,
+                config.cache.state_snapshot_bytes if config.cache.enable_prefix_caching else 0,
             )
         elif self.vl_config is None:
             self.model = load_model(config.model.model, dc, self.dtype, self.device)
@@ -213,6 +219,7 @@ class ModelRunner:
             assert isinstance(self.model, NemotronHModel)
             mamba = self.state_pool.step_metadata(ordered, self.device)
             logits = self.model(input_ids_t, positions_t, self.kv_cache, meta, sample_rows_t, mamba=mamba)
+            self.state_pool.save_step_snapshots()
         else:
             logits = self.model(
                 input_ids_t,

@@ -145,6 +145,8 @@ class Scheduler:
         computed_blocks: list[int] = []
         if not request.block_ids:  # fresh or preempted (a failed remote load keeps its blocks)
             computed_blocks = bm.get_computed_blocks(request)
+            if pool is not None:  # a hybrid: only up to the latest Mamba state snapshot
+                computed_blocks = pool.resumable_hit(request, computed_blocks)
         num_hit = len(computed_blocks) * bm.block_size
         num_external, load_async = 0, False
         if self.connector is not None and not request.connector_consulted:
@@ -177,6 +179,8 @@ class Scheduler:
         request.num_computed_tokens = num_computed
         if pool is not None:
             pool.allocate(request.request_id)
+            if computed_blocks:
+                pool.restore(request, len(computed_blocks))
         return ScheduledRequest(request, num_computed, num_new)
 
     def _note_hit(self, request: Request, num_hit: int, num_external: int) -> None:

@@ -7,8 +7,9 @@ recomputes from its first token, so its state is rebuilt from zero). The pool ow
 state tensors and its accounting; `check_integrity` compares that accounting with the
 requests that hold slots, as BlockManager.check_integrity does for blocks.
 
-A hybrid model's prefix-cache hit would need the state as of the hit's end, which no slot
-keeps: the engine disables prefix caching for hybrid models (see docs/models.md).
+Prefix caching: a step copies each request's state at every block boundary it computes
+into the snapshot store (state_snapshots.py); a prefix hit is cut back to the latest
+boundary with a snapshot, which admission copies into the request's new slot.
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from splitserve.engine.state_snapshots import SnapshotKey, StateSnapshots
 from splitserve.model.mamba2 import MambaMetadata, MambaPrefill, MambaShape
 
 if TYPE_CHECKING:
+    from splitserve.engine.request import Request
     from splitserve.engine.scheduler import ScheduledRequest
 
 
@@ -32,6 +35,8 @@ class MambaStatePool:
         shape: MambaShape,
         conv_dtype: torch.dtype,  # the model dtype (the convolution's inputs)
         device: torch.device,
+        block_size: int,
+        snapshot_bytes: int = 0,  # the prefix snapshots' budget; 0: no prefix caching
     ) -> None:
         if num_slots < 1:
             raise ValueError("the state pool needs at least one slot")
@@ -52,6 +57,20 @@ class MambaStatePool:
         )
         self.free_slots: list[int] = list(range(num_slots - 1, -1, -1))  # popped from the end: 0 first
         self.slots: dict[str, int] = {}  # request ID -> its slot
+        self.block_size = block_size
+        num_snapshots = snapshot_bytes // self.slot_bytes
+        self.snapshots = (
+            StateSnapshots(
+                num_snapshots, self.conv_states.shape[1:], self.ssm_states.shape[1:], conv_dtype, device
+            )
+            if num_snapshots > 0
+            else None
+        )
+        # the boundaries the running step captures: (key, capture row) for those inside a
+        # prefill chunk, (key, -1 - slot) for those at a row's end (read from the slot)
+        self.step_captures: list[tuple[SnapshotKey, int]] = []
+        self.capture_conv: torch.Tensor | None = None
+        self.capture_ssm: torch.Tensor | None = None
 
     @property
     def num_free_slots(self) -> int:
@@ -84,27 +103,64 @@ class MambaStatePool:
         if slot is not None:
             self.free_slots.append(slot)
 
+    def snapshot_key(self, request: Request, num_blocks: int) -> SnapshotKey:
+        """The key of the request's state after its first `num_blocks` blocks."""
+        boundary = num_blocks * self.block_size
+        return SnapshotKey(request.block_hashes[num_blocks - 1], min(request.num_prompt_tokens, boundary))
+
+    def resumable_hit(self, request: Request, hit_blocks: list[int]) -> list[int]:
+        """The longest leading part of a KV prefix hit whose end has a state snapshot."""
+        if self.snapshots is None:
+            return []
+        for num_blocks in range(len(hit_blocks), 0, -1):
+            if self.snapshot_key(request, num_blocks) in self.snapshots:
+                return hit_blocks[:num_blocks]
+        return []
+
+    def restore(self, request: Request, num_blocks: int) -> None:
+        """Start the request's slot from the snapshot after its first `num_blocks` blocks."""
+        assert self.snapshots is not None
+        slot = self.slots[request.request_id]
+        self.snapshots.restore(
+            self.snapshot_key(request, num_blocks), self.conv_states[slot], self.ssm_states[slot]
+        )
+
     def step_metadata(self, ordered: list[ScheduledRequest], device: torch.device) -> MambaMetadata:
         """The Mamba layers' view of a step whose rows are `ordered` (decode-like first).
         A request starting at position 0 starts from a zero state."""
         decode_slots: list[int] = []
         prefills: list[MambaPrefill] = []
         floors: list[torch.Tensor] = []
+        self.step_captures = []
+        num_inner = 0
         offset = 0
         for item in ordered:
             slot = self.slots[item.request.request_id]
             if item.position_start == 0:
                 self.conv_states[slot].zero_()
                 self.ssm_states[slot].zero_()
+            inner: list[tuple[int, int]] = []
+            if self.snapshots is not None:
+                bs, end = self.block_size, item.position_start + item.num_tokens
+                for boundary in range(-(-(item.position_start + 1) // bs) * bs, end + 1, bs):
+                    key = self.snapshot_key(item.request, boundary // bs)
+                    if boundary == end:
+                        self.step_captures.append((key, -1 - slot))
+                    else:
+                        inner.append((boundary - item.position_start, num_inner))
+                        self.step_captures.append((key, num_inner))
+                        num_inner += 1
             if item.num_tokens == 1:
                 decode_slots.append(slot)
             else:
-                prefills.append(MambaPrefill(offset, item.num_tokens, slot))
+                prefills.append(MambaPrefill(offset, item.num_tokens, slot, tuple(inner)))
             positions = torch.arange(item.position_start, item.position_start + item.num_tokens)
             is_prompt = positions < item.request.num_prompt_tokens
             floors.append(is_prompt.float() * self.time_step_min)
             offset += item.num_tokens
         dt_floor = torch.cat(floors) if floors else torch.zeros(0)
+        self.capture_conv = self.conv_states.new_empty(num_inner, *self.conv_states.shape[1:])
+        self.capture_ssm = self.ssm_states.new_empty(num_inner, *self.ssm_states.shape[1:])
         return MambaMetadata(
             num_decode_tokens=len(decode_slots),
             decode_slots=torch.tensor(decode_slots, dtype=torch.long, device=device),
@@ -112,7 +168,22 @@ class MambaStatePool:
             dt_floor=dt_floor.to(device),
             conv_states=self.conv_states,
             ssm_states=self.ssm_states,
+            capture_conv=self.capture_conv,
+            capture_ssm=self.capture_ssm,
         )
+
+    def save_step_snapshots(self) -> None:
+        """After the step ran: keep the states at the boundaries it computed."""
+        if self.snapshots is None:
+            return
+        assert self.capture_conv is not None and self.capture_ssm is not None
+        for key, source in self.step_captures:
+            if source >= 0:
+                self.snapshots.save(key, self.capture_conv[source], self.capture_ssm[source])
+            else:
+                slot = -1 - source
+                self.snapshots.save(key, self.conv_states[slot], self.ssm_states[slot])
+        self.step_captures = []
 
     def check_integrity(self, holder_ids: Iterable[str]) -> None:
         """Raise AssertionError if the slot accounting differs from `holder_ids`, the
@@ -126,3 +197,5 @@ class MambaStatePool:
         assert len(set(self.free_slots)) == len(self.free_slots), "a state slot is free twice"
         assert set(used).isdisjoint(self.free_slots), "a held state slot is also free"
         assert len(used) + len(self.free_slots) == self.num_slots, "state slots were lost"
+        if self.snapshots is not None:
+            self.snapshots.check_integrity()

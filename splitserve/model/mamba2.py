@@ -6,7 +6,8 @@ state [heads, head_dim, state_size] (float32). The engine keeps both in slots of
 pool (splitserve/engine/state_pool.py); a step's decode-like rows (one token each) run the
 single-step recurrence batched over their slots, each prefill chunk the chunked scan (SSD)
 from its slot's state, which it leaves as of the chunk's last token (so chunked prefill
-carries it across chunks).
+carries it across chunks). A prefill chunk can also leave copies of the state at given
+offsets inside it (the block boundaries it crosses: prefix-cache snapshots).
 
 Numerics follow transformers' PyTorch path (`modeling_nemotron_h.py`): projections in the
 model dtype, convolution in the weight dtype, scan and recurrence in float32. One quirk is
@@ -53,6 +54,9 @@ class MambaPrefill(NamedTuple):
     token_start: int  # offset in the flattened step
     num_tokens: int
     slot: int  # the request's state slot
+    # (offset in the chunk, capture row): the state before the chunk's token at that offset
+    # (0 < offset < num_tokens) is copied to the metadata's capture rows (prefix snapshots)
+    captures: tuple[tuple[int, int], ...] = ()
 
 
 class MambaMetadata(NamedTuple):
@@ -65,6 +69,8 @@ class MambaMetadata(NamedTuple):
     dt_floor: torch.Tensor  # float32 [tokens]: time_step_min for prompt tokens, else 0
     conv_states: torch.Tensor  # [slots, mamba_layers, conv_dim, conv_kernel - 1]
     ssm_states: torch.Tensor  # float32 [slots, mamba_layers, heads, head_dim, state_size]
+    capture_conv: torch.Tensor | None = None  # [captures, mamba_layers, conv_dim, conv_kernel - 1]
+    capture_ssm: torch.Tensor | None = None  # float32 [captures, mamba_layers, heads, head_dim, state]
 
 
 def segment_sum(x: torch.Tensor) -> torch.Tensor:
@@ -218,17 +224,28 @@ class Mamba2Mixer(nn.Module):
             conv_layer[chunk.slot] = window[:, -(s.conv_kernel - 1) :]
             conv = F.conv1d(window[None].to(weight.dtype), weight, self.conv1d.bias, groups=s.conv_dim)
             x, B, C = self.split_conv_output(F.silu(conv[0].t()).to(hidden.dtype))
-            y[rows], final_state = chunk_scan(
-                x.view(chunk.num_tokens, s.num_heads, s.head_dim),
-                dt[rows],
-                A,
-                B,
-                C,
-                self.D,
-                ssm_layer[chunk.slot],
-                s.chunk_size,
-            )
-            ssm_layer[chunk.slot] = final_state
+            x = x.view(chunk.num_tokens, s.num_heads, s.head_dim)
+            chunk_dt = dt[rows]
+            state, start = ssm_layer[chunk.slot], 0
+            # scanned piece by piece up to each capture point (the state there is kept)
+            for end, capture in [*chunk.captures, (chunk.num_tokens, -1)]:
+                lo = chunk.token_start + start
+                y[lo : lo + end - start], state = chunk_scan(
+                    x[start:end],
+                    chunk_dt[start:end],
+                    A,
+                    B[start:end],
+                    C[start:end],
+                    self.D,
+                    state,
+                    s.chunk_size,
+                )
+                if capture >= 0:
+                    assert meta.capture_conv is not None and meta.capture_ssm is not None
+                    meta.capture_ssm[capture, self.layer_index] = state
+                    meta.capture_conv[capture, self.layer_index] = window[:, end : end + s.conv_kernel - 1]
+                start = end
+            ssm_layer[chunk.slot] = state
         out = self.norm(y.view(num_tokens, s.intermediate), gate)
         return self.out_proj(out.to(hidden.dtype))
 

@@ -24,7 +24,7 @@ MODES = {
     "chunked-16": {"num_blocks": 64, "max_num_batched_tokens": 16},
     "chunked-7": {"num_blocks": 64, "max_num_batched_tokens": 7},
     "chunked-33": {"num_blocks": 64, "max_num_batched_tokens": 33},
-    "preemption": {"num_blocks": 10, "max_num_batched_tokens": 64},
+    "preemption": {"num_blocks": 8, "max_num_batched_tokens": 64},
 }
 
 
@@ -47,11 +47,13 @@ def test_greedy_equals_transformers(hybrid_case, mode):
     pool = llm.engine.runner.state_pool
     assert pool is not None and pool.num_free_slots == pool.num_slots  # every slot given back
     assert stats.num_blocks_free == stats.num_blocks_total
-    # prefix caching is off for hybrid models: a second round recomputes, same tokens
+    # Second round: every prompt's full blocks are cached with a state snapshot at each
+    # boundary; the hit resumes from the one before the last prompt token
     again = llm.generate(prompts, GREEDY)
     assert [r.token_ids for r in again] == expected
-    assert all(r.num_cached_tokens == 0 for r in again)
-    assert llm.engine.stats().prefix_cache_hit_tokens == 0
+    if mode != "preemption":
+        assert [r.num_cached_tokens for r in again] == [((len(p) - 1) // 16) * 16 for p in prompts]
+    llm.engine.check_integrity()
 
 
 def test_mixed_steps_abort_and_slot_limit(hybrid_case):
@@ -121,3 +123,26 @@ def test_hybrid_model_refuses_a_kv_connector(hybrid_case):
     connector = InProcessConnector(InProcessKVStore(), "prefill-0")
     with pytest.raises(ValueError, match="Mamba state is not transferred"):
         LLM(model_dir, num_blocks=8, role="prefill", connector=connector)
+
+
+def test_prefix_hits_resume_from_the_latest_snapshot(hybrid_case):
+    """A second turn hits up to the last block boundary of the first turn's prompt (the
+    boundaries its answer crossed were computed as generated tokens, a different state for
+    transformers); with room for fewer snapshots the hit only shortens, tokens stay right."""
+    model_dir, prompts, _ = hybrid_case
+    turn1 = prompts[2][:40]
+    llm = LLM(model_dir, num_blocks=64)
+    answer1 = llm.generate([turn1], GREEDY)[0]
+    turn2 = turn1 + answer1.token_ids + [7, 8, 9, 10, 11]
+    answer2 = llm.generate([turn2], GREEDY)[0]
+    assert [answer1.token_ids, answer2.token_ids] == oracle_greedy(model_dir, [turn1, turn2], MAX_TOKENS)
+    assert answer2.num_cached_tokens == 32  # KV blocks of 48 tokens are cached, snapshots to 32
+    llm.engine.check_integrity()
+
+    slot_bytes = llm.engine.runner.state_pool.slot_bytes
+    for snapshots, hit in ((2, 32), (1, 0)):  # the answer's boundary (48) evicts the oldest
+        small = LLM(model_dir, num_blocks=64, state_snapshot_bytes=snapshots * slot_bytes)
+        small.generate([turn1], GREEDY)
+        again = small.generate([turn1], GREEDY)[0]
+        assert again.token_ids == answer1.token_ids and again.num_cached_tokens == hit
+        small.engine.check_integrity()

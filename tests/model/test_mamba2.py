@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from splitserve.engine.state_pool import MambaStatePool
+from splitserve.engine.state_snapshots import SnapshotKey, StateSnapshots
 from splitserve.model.mamba2 import MambaShape, chunk_scan, recurrence_step
 from splitserve.model.nemotron_h import load_nemotron_h_config
 
@@ -56,7 +57,8 @@ def test_recurrence_equals_the_scan_token_by_token():
 
 
 def test_state_pool_accounting():
-    pool = MambaStatePool(3, 2, SHAPE, torch.float32, torch.device("cpu"))
+    pool = MambaStatePool(3, 2, SHAPE, torch.float32, torch.device("cpu"), block_size=16)
+    assert pool.snapshots is None  # no snapshot budget: no prefix hits
     assert pool.slot_bytes == 2 * (SHAPE.conv_dim * 3 + HEADS * HEAD_DIM * STATE) * 4
     a, b = pool.allocate("a"), pool.allocate("b")
     assert a != b and pool.allocate("a") == a and pool.num_free_slots == 1
@@ -72,6 +74,20 @@ def test_state_pool_accounting():
     pool.free_slots.append(a)  # a corrupted free list is caught
     with pytest.raises(AssertionError):
         pool.check_integrity(["a", "c"])
+
+
+def test_snapshots_evict_least_recently_used():
+    snapshots = StateSnapshots(2, (1, 3), (2,), torch.float32, torch.device("cpu"))
+    keys = [SnapshotKey(bytes([i]) * 16, 16 * i) for i in range(3)]
+    for i, key in enumerate(keys[:2]):
+        snapshots.save(key, torch.full((1, 3), float(i)), torch.full((2,), float(i)))
+    conv, ssm = torch.empty(1, 3), torch.empty(2)
+    snapshots.restore(keys[0], conv, ssm)  # keys[0] is now the most recently used
+    snapshots.save(keys[2], torch.full((1, 3), 2.0), torch.full((2,), 2.0))
+    assert keys[0] in snapshots and keys[1] not in snapshots and keys[2] in snapshots
+    snapshots.restore(keys[0], conv, ssm)
+    assert conv.eq(0).all() and ssm.eq(0).all() and snapshots.num_evicted == 1
+    snapshots.check_integrity()
 
 
 def test_transformers_loads_the_tiny_model(tiny_model_factory):
