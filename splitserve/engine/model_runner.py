@@ -20,9 +20,10 @@ from splitserve.model.decoder import DecoderModel, load_model
 from splitserve.model.decoder_config import DecoderConfig
 from splitserve.model.loader import load_decoder_config
 from splitserve.model.native import load_cpu_ops
-from splitserve.model.nemotron_h import NemotronHModel, is_nemotron_h, load_nemotron_h, load_nemotron_h_config
+from splitserve.model.nemotron_h import NemotronHModel, load_nemotron_h, load_nemotron_h_config
 from splitserve.model.qwen2_vl import Qwen2VLModel, is_qwen2_vl, load_qwen2_vl, load_qwen2_vl_config
 from splitserve.model.sampler import Sampler, SeededDraw
+from splitserve.model_files.architectures import is_hybrid_model
 
 
 def kv_cache_shape(config: DecoderConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -56,7 +57,7 @@ class ModelRunner:
         self.vl_config = load_qwen2_vl_config(config.model.model) if is_qwen2_vl(config.model.model) else None
         # a hybrid (attention + Mamba2) model: its attention layers are the ones paged
         self.hybrid_config = (
-            load_nemotron_h_config(config.model.model) if is_nemotron_h(config.model.model) else None
+            load_nemotron_h_config(config.model.model) if is_hybrid_model(config.model.model) else None
         )
         if self.hybrid_config is not None and (connector is not None or kv_cache_allocator is not None):
             raise ValueError(

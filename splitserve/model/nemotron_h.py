@@ -28,7 +28,6 @@ from splitserve.model.linear import Linear
 from splitserve.model.loader import iter_safetensors
 from splitserve.model.mamba2 import Mamba2Mixer, MambaMetadata, MambaShape
 
-NEMOTRON_H_ARCHITECTURES = ("NemotronHForCausalLM",)
 PATTERN_LAYERS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
 BLOCK_TYPE_LAYERS = {"linear_attention": "mamba", "full_attention": "attention", "mlp": "mlp", "moe": "moe"}
 
@@ -46,15 +45,6 @@ class NemotronHConfig:
     @property
     def num_mamba_layers(self) -> int:
         return self.layer_types.count("mamba")
-
-
-def is_nemotron_h(model_path: str | Path) -> bool:
-    """A Hugging Face directory whose config.json names a Nemotron-H (GGUF files never do)."""
-    config = Path(model_path) / "config.json"
-    if not config.is_file():
-        return False
-    raw = json.loads(config.read_text())
-    return any(a in NEMOTRON_H_ARCHITECTURES for a in raw.get("architectures") or [])
 
 
 def _token_ids(value: object) -> list[int]:

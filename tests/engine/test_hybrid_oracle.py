@@ -4,6 +4,9 @@ transformers' `generate` through the engine API in every scheduling mode, and th
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import httpx
 import pytest
 
@@ -146,3 +149,11 @@ def test_prefix_hits_resume_from_the_latest_snapshot(hybrid_case):
         again = small.generate([turn1], GREEDY)[0]
         assert again.token_ids == answer1.token_ids and again.num_cached_tokens == hit
         small.engine.check_integrity()
+
+
+def test_up_refuses_a_hybrid_model(hybrid_case):
+    model_dir, _, _ = hybrid_case
+    command = [sys.executable, "-m", "splitserve.cli", "up", model_dir, "--port", str(free_port())]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "hybrid (Mamba) models cannot be served disaggregated" in done.stderr
