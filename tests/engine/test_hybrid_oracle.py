@@ -101,6 +101,7 @@ def test_serve_openai_completions_equal_transformers(hybrid_case):
     model_dir, prompts, expected = hybrid_case
     port = free_port()
     args = ["serve", model_dir, "--port", str(port), "--num-blocks", "64", "--max-num-batched-tokens", "16"]
+    args += ["--state-snapshot-memory", "1MiB"]
     with running_server(args, port) as base:
         body = {
             "prompt": prompts[:4],
@@ -113,6 +114,10 @@ def test_serve_openai_completions_equal_transformers(hybrid_case):
         assert response.status_code == 200, response.text
         choices = sorted(response.json()["choices"], key=lambda c: c["index"])
         assert [c["token_ids"] for c in choices] == expected[:4]
+        # the 70-token prompt again: a prefix hit from the snapshot at 64, same tokens
+        again = httpx.post(base + "/v1/completions", json={**body, "prompt": prompts[2]}, timeout=60).json()
+        assert again["choices"][0]["token_ids"] == expected[2]
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
         # a bad request to a hybrid model is still a clean 4xx
         bad = httpx.post(base + "/v1/completions", json={"prompt": [10**9], "max_tokens": 2}, timeout=30)
         assert bad.status_code == 400
