@@ -53,12 +53,12 @@ class LLMEngine:
             # a hybrid model's hit needs a Mamba state snapshot as of its end (state_pool.py)
             config.cache.enable_prefix_caching
             and (runner.state_pool is None or runner.state_pool.snapshots is not None),
-            # a hybrid's KV block is a hit only with a snapshot the events do not describe:
-            # none are published for it, rather than residency that is not there
-            record_events=config.kv_events is not None and runner.state_pool is None,
+            record_events=config.kv_events is not None,
             medium="GPU" if self.device.type == "cuda" else "CPU",
             retention_ttl_s=config.cache.retention_ttl_s,
         )
+        if runner.state_pool is not None:
+            runner.state_pool.announce_hits_in(self.block_manager)
         self.kv_event_publisher = KVEventPublisher(config.kv_events) if config.kv_events else None
         if self.kv_event_publisher is not None:
             # a (re)started engine holds nothing: indexers drop what an earlier instance held

@@ -19,10 +19,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from splitserve.engine.state_snapshots import SnapshotKey, StateSnapshots
+from splitserve.engine.state_snapshots import SnapshotKey, StateSnapshots, all_prompt_key
 from splitserve.model.mamba2 import MambaMetadata, MambaPrefill, MambaShape
+from splitserve.protocol.block_hash import BlockHash
 
 if TYPE_CHECKING:
+    from splitserve.engine.block_manager import BlockManager
     from splitserve.engine.request import Request
     from splitserve.engine.scheduler import ScheduledRequest
 
@@ -106,7 +108,28 @@ class MambaStatePool:
     def snapshot_key(self, request: Request, num_blocks: int) -> SnapshotKey:
         """The key of the request's state after its first `num_blocks` blocks."""
         boundary = num_blocks * self.block_size
-        return SnapshotKey(request.block_hashes[num_blocks - 1], min(request.num_prompt_tokens, boundary))
+        return SnapshotKey(
+            request.block_hashes[num_blocks - 1], boundary, min(request.num_prompt_tokens, boundary)
+        )
+
+    def announce_hits_in(self, block_manager: BlockManager) -> None:
+        """Make the block manager's KV events announce a block only while a new request's
+        hit can end after it: its KV cached and the snapshot at its end held (no residency
+        that is not there, for the router's index); an evicted snapshot withdraws it."""
+        if self.snapshots is None:
+            return
+        block_manager.announce = self.holds_prompt_snapshot
+
+        def withdraw(key: SnapshotKey) -> None:
+            if key.prompt_tokens == key.boundary:
+                block_manager.withdraw(key.block_hash)
+
+        self.snapshots.on_evict = withdraw
+
+    def holds_prompt_snapshot(self, block_hash: BlockHash, block_index: int) -> bool:
+        """Whether a new request's hit could end after this block (its snapshot is held)."""
+        boundary = (block_index + 1) * self.block_size
+        return self.snapshots is not None and all_prompt_key(block_hash, boundary) in self.snapshots
 
     def resumable_hit(self, request: Request, hit_blocks: list[int]) -> list[int]:
         """The longest leading part of a KV prefix hit whose end has a state snapshot."""

@@ -16,6 +16,7 @@ partial state; evicting a snapshot can only shorten a hit.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -25,7 +26,14 @@ from splitserve.protocol.block_hash import BlockHash
 
 class SnapshotKey(NamedTuple):
     block_hash: BlockHash  # the block that ends at the boundary
-    prompt_tokens: int  # tokens before the boundary that were prompt tokens when computed
+    boundary: int  # the tokens before it
+    prompt_tokens: int  # how many of them were prompt tokens when computed
+
+
+def all_prompt_key(block_hash: BlockHash, boundary: int) -> SnapshotKey:
+    """The key a new request's prefix hit ending at `boundary` looks for (a hit never
+    covers the last prompt token, so every token before it is a prompt token)."""
+    return SnapshotKey(block_hash, boundary, boundary)
 
 
 class StateSnapshots:
@@ -44,6 +52,7 @@ class StateSnapshots:
         self.free_rows: list[int] = list(range(num_rows - 1, -1, -1))
         self.num_saved = 0
         self.num_evicted = 0
+        self.on_evict: Callable[[SnapshotKey], None] | None = None  # told of every eviction
 
     def __contains__(self, key: SnapshotKey) -> bool:
         return key in self.rows
@@ -57,8 +66,10 @@ class StateSnapshots:
         if self.free_rows:
             row = self.free_rows.pop()
         else:
-            _, row = self.rows.popitem(last=False)
+            evicted, row = self.rows.popitem(last=False)
             self.num_evicted += 1
+            if self.on_evict is not None:
+                self.on_evict(evicted)
         self.conv[row].copy_(conv)
         self.ssm[row].copy_(ssm)
         self.rows[key] = row
