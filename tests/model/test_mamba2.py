@@ -78,7 +78,7 @@ def test_state_pool_accounting():
 
 def test_snapshots_evict_least_recently_used():
     snapshots = StateSnapshots(2, (1, 3), (2,), torch.float32, torch.device("cpu"))
-    keys = [SnapshotKey(bytes([i]) * 16, 16 * i) for i in range(3)]
+    keys = [SnapshotKey(bytes([i]) * 16, 16 * i, 16 * i) for i in range(3)]
     for i, key in enumerate(keys[:2]):
         snapshots.save(key, torch.full((1, 3), float(i)), torch.full((2,), float(i)))
     conv, ssm = torch.empty(1, 3), torch.empty(2)
