@@ -5,13 +5,12 @@ Nemotron-H that `splitserve tiny-model --arch nemotron_h` writes."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from splitserve.cli import main
 from splitserve.engine.state_pool import MambaStatePool
 from splitserve.engine.state_snapshots import SnapshotKey, StateSnapshots
 from splitserve.model.mamba2 import MambaShape, chunk_scan, recurrence_step
@@ -104,16 +103,16 @@ def test_transformers_loads_the_tiny_model(tiny_model_factory):
 
 
 def test_cli_pattern_and_bad_patterns(tmp_path):
-    def tiny(*args: str) -> subprocess.CompletedProcess:
-        command = [sys.executable, "-m", "splitserve.cli", "tiny-model", *args]
-        return subprocess.run(command, capture_output=True, text=True, timeout=120)
-
-    done = tiny(str(tmp_path / "m"), "--arch", "nemotron_h", "--pattern", "MM*-", "--vocab", "512")
-    assert done.returncode == 0, done.stderr
+    assert (
+        main(
+            ["tiny-model", str(tmp_path / "m"), "--arch", "nemotron_h", "--pattern", "MM*-", "--vocab", "512"]
+        )
+        == 0
+    )
     raw = json.loads((tmp_path / "m" / "config.json").read_text())
     assert raw["hybrid_override_pattern"] == "MM*-" and raw["architectures"] == ["NemotronHForCausalLM"]
-    for pattern in ("MM-",):
-        bad = tiny(str(tmp_path / "bad"), "--arch", "nemotron_h", "--pattern", pattern)
-        assert bad.returncode != 0 and "pattern" in bad.stderr
-    wrong_arch = tiny(str(tmp_path / "bad"), "--arch", "qwen3", "--pattern", "M*")
-    assert wrong_arch.returncode != 0 and "--pattern needs --arch nemotron_h" in wrong_arch.stderr
+    for pattern in ("MM-", "MX*"):
+        with pytest.raises(SystemExit, match="pattern"):
+            main(["tiny-model", str(tmp_path / "bad"), "--arch", "nemotron_h", "--pattern", pattern])
+    with pytest.raises(SystemExit, match="--pattern needs --arch nemotron_h"):
+        main(["tiny-model", str(tmp_path / "bad"), "--arch", "qwen3", "--pattern", "M*"])
