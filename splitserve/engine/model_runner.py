@@ -103,8 +103,14 @@ class ModelRunner:
         if self.hybrid_config is not None:
             hybrid = self.hybrid_config
             self.model = load_nemotron_h(config.model.model, hybrid, self.dtype, self.device)
+            slot_bytes = MambaStatePool.bytes_per_slot(hybrid.num_mamba_layers, hybrid.mamba, self.dtype)
+            num_slots = min(config.scheduler.max_num_seqs, config.cache.state_cache_bytes // slot_bytes)
+            if num_slots < 1:
+                raise ValueError(
+                    f"the state cache budget holds no request's Mamba state ({slot_bytes} bytes)"
+                )
             self.state_pool = MambaStatePool(
-                config.scheduler.max_num_seqs,
+                num_slots,
                 hybrid.num_mamba_layers,
                 hybrid.mamba,
                 self.dtype,

@@ -74,6 +74,12 @@ class MambaStatePool:
         self.capture_conv: torch.Tensor | None = None
         self.capture_ssm: torch.Tensor | None = None
 
+    @staticmethod
+    def bytes_per_slot(num_layers: int, shape: MambaShape, conv_dtype: torch.dtype) -> int:
+        """State bytes of one request (every Mamba layer), as `slot_bytes` of a pool."""
+        conv = num_layers * shape.conv_dim * (shape.conv_kernel - 1) * conv_dtype.itemsize
+        return conv + num_layers * shape.num_heads * shape.head_dim * shape.state_size * 4
+
     @property
     def num_free_slots(self) -> int:
         return len(self.free_slots)

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import httpx
 import pytest
+import torch
 
 from splitserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from splitserve.engine.llm import LLM
 from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.state_pool import MambaStatePool
+from splitserve.model.nemotron_h import load_nemotron_h_config
 from splitserve.protocol.sampling_params import SamplingParams
 from tests.conftest import free_port, running_server
 from tests.engine.helpers import make_prompts, oracle_greedy
@@ -58,21 +61,24 @@ def test_greedy_equals_transformers(hybrid_case, mode):
 
 def test_mixed_steps_abort_and_slot_limit(hybrid_case):
     """Prompts arrive while others decode (steps mix prefill chunks and decode rows), only
-    two requests hold state slots at a time, one request is aborted mid-decode: the others'
-    tokens are the oracle's and the slot accounting holds after every step."""
+    two requests hold state slots at a time (the state budget's, not --max-num-seqs'),
+    one request is aborted mid-decode: the others' tokens are the oracle's and the slot
+    accounting holds after every step."""
     model_dir, prompts, expected = hybrid_case
+    hybrid = load_nemotron_h_config(model_dir)
+    slot_bytes = MambaStatePool.bytes_per_slot(hybrid.num_mamba_layers, hybrid.mamba, torch.float32)
     engine = LLMEngine(
         EngineConfig(
             ModelConfig(model_dir),
-            CacheConfig(num_blocks=64),
-            SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=24),
+            CacheConfig(num_blocks=64, state_cache_bytes=2 * slot_bytes + 1),
+            SchedulerConfig(max_num_batched_tokens=24),
         )
     )
     pool = engine.runner.state_pool
-    assert pool is not None and pool.num_slots == 2
+    assert pool is not None and pool.num_slots == 2 and pool.slot_bytes == slot_bytes
     tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
     pending = list(range(len(prompts)))
-    mixed_steps, aborted = 0, False
+    mixed_steps, held_back, aborted = 0, 0, False
     while pending or engine.has_unfinished_requests():
         if pending:
             i = pending.pop(0)
@@ -84,9 +90,10 @@ def test_mixed_steps_abort_and_slot_limit(hybrid_case):
         for out in engine.step():
             tokens[out.request_id] += out.new_token_ids
         mixed_steps += int(0 < decoding < len(running))
-        assert len(pool.slots) <= 2
+        assert len(pool.slots) <= 2 and len(engine.scheduler.running) <= 2
+        held_back += int(len(engine.scheduler.running) == 2 and bool(engine.scheduler.waiting))
         engine.check_integrity()
-    assert mixed_steps > 0 and aborted
+    assert mixed_steps > 0 and held_back > 0 and aborted  # held back: waiting for a slot
     assert pool.num_free_slots == 2
     assert tokens["r2"] == expected[2][:3]
     assert [tokens[f"r{i}"] for i in range(len(prompts)) if i != 2] == [

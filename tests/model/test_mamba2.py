@@ -59,6 +59,7 @@ def test_state_pool_accounting():
     pool = MambaStatePool(3, 2, SHAPE, torch.float32, torch.device("cpu"), block_size=16)
     assert pool.snapshots is None  # no snapshot budget: no prefix hits
     assert pool.slot_bytes == 2 * (SHAPE.conv_dim * 3 + HEADS * HEAD_DIM * STATE) * 4
+    assert pool.slot_bytes == MambaStatePool.bytes_per_slot(2, SHAPE, torch.float32)
     a, b = pool.allocate("a"), pool.allocate("b")
     assert a != b and pool.allocate("a") == a and pool.num_free_slots == 1
     pool.check_integrity(["a", "b"])
