@@ -33,6 +33,11 @@ class CacheConfig:
     retention_ttl_s: float | None = None
     # visual-token embeddings kept by image hash (vision-language models)
     encoder_cache_bytes: int = 512 * 1024 * 1024
+    # hybrid (Mamba) models: the running requests' state slots (at most max_num_seqs of
+    # them), and the state snapshots at block boundaries prefix hits resume from (0: none,
+    # and no prefix caching for them)
+    state_cache_bytes: int = 512 * 1024 * 1024
+    state_snapshot_bytes: int = 64 * 1024 * 1024
 
 
 @dataclass(frozen=True)

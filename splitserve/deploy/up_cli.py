@@ -26,6 +26,7 @@ from splitserve.deploy.plan import deployment_secrets, part_names, plan_from_arg
 from splitserve.deploy.supervisor import Part
 from splitserve.deploy.up_plan import NoteGiven, add_plan_arguments, plan_flag_error, plan_layout
 from splitserve.frontend.media_cli import add_media_arguments
+from splitserve.model_files.architectures import is_hybrid_model
 from splitserve.ray_serve.cli import add_ray_arguments
 from splitserve.runtime.access import API_KEY_ENV
 from splitserve.runtime.drain import add_serving_arguments
@@ -224,6 +225,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"splitserve up: {exc}", file=sys.stderr)
         return 2
     resolved = resolved or resolve_model_or_exit(args.model)
+    if is_hybrid_model(resolved.path):
+        print(
+            "splitserve up: hybrid (Mamba) models cannot be served disaggregated yet: the Mamba "
+            "state is not transferred between engines; use `splitserve serve`",
+            file=sys.stderr,
+        )
+        return 2
     plan = plan_from_args(args, resolved.path, args.served_model_name or resolved.name)
     remove_stale_ec_directories()
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None

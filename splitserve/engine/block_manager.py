@@ -45,6 +45,11 @@ class BlockManager:
         self.retention_ttl_s = retention_ttl_s
         self.clock = clock
         self.retained: OrderedDict[int, float] = OrderedDict()
+        # Which cached blocks the events announce (None: every one). A hybrid model's block
+        # is a hit only with a Mamba state snapshot at its end (engine/state_pool.py): only
+        # those are announced, and withdrawn when either goes.
+        self.announce: Callable[[BlockHash, int], bool] | None = None  # (hash, block index)
+        self.announced: set[BlockHash] = set()
 
     @property
     def num_free_blocks(self) -> int:
@@ -120,9 +125,19 @@ class BlockManager:
         if block_hash is not None:
             if self.cached.get(block_hash) == block_id:
                 del self.cached[block_hash]
-                if self.events is not None:
+                if self.announce is not None:
+                    self.withdraw(block_hash)
+                elif self.events is not None:
                     self.events.append(BlockRemoved([block_hash], self.medium))
             self.block_hashes[block_id] = None
+
+    def withdraw(self, block_hash: BlockHash) -> None:
+        """The block is no longer announced as a hit (its KV, or for a hybrid model the
+        state snapshot at its end, is gone): a BlockRemoved event, if it was announced."""
+        if block_hash in self.announced:
+            self.announced.discard(block_hash)
+            if self.events is not None:
+                self.events.append(BlockRemoved([block_hash], self.medium))
 
     def cache_full_blocks(self, request: Request) -> None:
         """Offer the request's newly full, computed blocks to the prefix cache."""
@@ -139,6 +154,9 @@ class BlockManager:
                 stored.append(index)
         if end > start:
             self.num_hashed_blocks[request.request_id] = end
+        if self.events is not None and self.announce is not None:
+            stored = [i for i in stored if self.announce(request.block_hashes[i], i)]
+            self.announced.update(request.block_hashes[i] for i in stored)
         if self.events is not None and stored:
             self._record_stored(request, stored)
 
@@ -204,3 +222,4 @@ class BlockManager:
         for block_id, block_hash in enumerate(self.block_hashes):
             if block_hash is not None:
                 assert self.cached.get(block_hash) == block_id, f"block {block_id} hashed but not cached"
+        assert self.announced <= self.cached.keys(), "an announced block is not cached"

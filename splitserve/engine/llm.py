@@ -21,6 +21,8 @@ _CACHE_KEYS = (
     "num_blocks",
     "enable_prefix_caching",
     "encoder_cache_bytes",
+    "state_cache_bytes",
+    "state_snapshot_bytes",
 )
 _SCHEDULER_KEYS = ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "long_prefill_token_threshold")
 

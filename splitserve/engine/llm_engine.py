@@ -50,17 +50,21 @@ class LLMEngine:
         self.block_manager = BlockManager(
             runner.num_blocks,
             runner.block_size,
-            config.cache.enable_prefix_caching,
+            # a hybrid model's hit needs a Mamba state snapshot as of its end (state_pool.py)
+            config.cache.enable_prefix_caching
+            and (runner.state_pool is None or runner.state_pool.snapshots is not None),
             record_events=config.kv_events is not None,
             medium="GPU" if self.device.type == "cuda" else "CPU",
             retention_ttl_s=config.cache.retention_ttl_s,
         )
+        if runner.state_pool is not None:
+            runner.state_pool.announce_hits_in(self.block_manager)
         self.kv_event_publisher = KVEventPublisher(config.kv_events) if config.kv_events else None
         if self.kv_event_publisher is not None:
             # a (re)started engine holds nothing: indexers drop what an earlier instance held
             self.kv_event_publisher.publish([AllBlocksCleared()])
         self.scheduler = Scheduler(
-            config.scheduler, self.block_manager, self.model_info.max_model_len, connector
+            config.scheduler, self.block_manager, self.model_info.max_model_len, connector, runner.state_pool
         )
         if connector is not None:
             connector.register_kv_cache(self.kv_cache, runner.block_size)

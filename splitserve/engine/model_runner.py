@@ -14,14 +14,17 @@ from splitserve.engine.device import choose_dtype, default_device
 from splitserve.engine.multimodal import EncoderCache, MultiModalRunner
 from splitserve.engine.outputs import ModelRunnerOutput, SampledToken
 from splitserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from splitserve.engine.state_pool import MambaStatePool
 from splitserve.kv.connector.base import KVCacheAllocator, KVConnector, RequestSlots, StepKVInfo
 from splitserve.model.attention import AttentionMetadata, PrefillChunk
 from splitserve.model.decoder import DecoderModel, load_model
 from splitserve.model.decoder_config import DecoderConfig
 from splitserve.model.loader import load_decoder_config
 from splitserve.model.native import load_cpu_ops
+from splitserve.model.nemotron_h import NemotronHModel, load_nemotron_h, load_nemotron_h_config
 from splitserve.model.qwen2_vl import Qwen2VLModel, is_qwen2_vl, load_qwen2_vl, load_qwen2_vl_config
 from splitserve.model.sampler import Sampler, SeededDraw
+from splitserve.model_files.architectures import is_hybrid_model
 from splitserve.runtime.access import internal_token
 
 
@@ -54,8 +57,21 @@ class ModelRunner:
     ) -> None:
         # a vision-language model: its language model is the decoder the engine pages
         self.vl_config = load_qwen2_vl_config(config.model.model) if is_qwen2_vl(config.model.model) else None
+        # a hybrid (attention + Mamba2) model: its attention layers are the ones paged
+        self.hybrid_config = (
+            load_nemotron_h_config(config.model.model) if is_hybrid_model(config.model.model) else None
+        )
+        if self.hybrid_config is not None and (connector is not None or kv_cache_allocator is not None):
+            raise ValueError(
+                "hybrid (Mamba) models cannot run with a KV connector yet: their Mamba state is not "
+                "transferred (serve them without --prefill/--decode roles)"
+            )
         self.decoder_config = (
-            self.vl_config.text if self.vl_config else load_decoder_config(config.model.model)
+            self.vl_config.text
+            if self.vl_config
+            else self.hybrid_config.text
+            if self.hybrid_config
+            else load_decoder_config(config.model.model)
         )
         dc = self.decoder_config
         self.device = torch.device(config.model.device) if config.model.device else default_device()
@@ -83,15 +99,34 @@ class ModelRunner:
             dtype=str(self.dtype).removeprefix("torch."),
             device=str(self.device),
         )
-        self.model: DecoderModel | Qwen2VLModel
+        self.model: DecoderModel | Qwen2VLModel | NemotronHModel
         self.multimodal: MultiModalRunner | None = None  # for a vision-language model
         self.ffn: FfnClient | None = None  # attention-FFN disaggregation: the experts' daemon
-        if self.vl_config is None:
+        self.state_pool: MambaStatePool | None = None  # for a hybrid model: one slot per running request
+        if config.afd is not None and (self.vl_config is not None or self.hybrid_config is not None):
+            raise ValueError("attention-FFN disaggregation serves mixture-of-experts text models only")
+        if self.hybrid_config is not None:
+            hybrid = self.hybrid_config
+            self.model = load_nemotron_h(config.model.model, hybrid, self.dtype, self.device)
+            slot_bytes = MambaStatePool.bytes_per_slot(hybrid.num_mamba_layers, hybrid.mamba, self.dtype)
+            num_slots = min(config.scheduler.max_num_seqs, config.cache.state_cache_bytes // slot_bytes)
+            if num_slots < 1:
+                raise ValueError(
+                    f"the state cache budget holds no request's Mamba state ({slot_bytes} bytes)"
+                )
+            self.state_pool = MambaStatePool(
+                num_slots,
+                hybrid.num_mamba_layers,
+                hybrid.mamba,
+                self.dtype,
+                self.device,
+                block_size,
+                config.cache.state_snapshot_bytes if config.cache.enable_prefix_caching else 0,
+            )
+        elif self.vl_config is None:
             self.model = load_model(config.model.model, dc, self.dtype, self.device, config.afd is None)
             if config.afd is not None:
                 self.ffn = attach_ffn(self.model, config.afd, self.dtype, internal_token())
-        elif config.afd is not None:
-            raise ValueError("attention-FFN disaggregation serves mixture-of-experts text models only")
         else:
             self.model = load_qwen2_vl(config.model.model, self.vl_config, self.dtype, self.device)
             encoder_cache = EncoderCache(config.cache.encoder_cache_bytes)
@@ -193,16 +228,23 @@ class ModelRunner:
         inputs_embeds = None
         if self.multimodal is not None:  # M-RoPE positions [3, T]; image embeddings merged in
             positions_t, inputs_embeds = self.multimodal.step_inputs(ordered, input_ids_t, positions_t)
-        logits = self.model(
-            input_ids_t,
-            positions_t,
-            self.kv_cache,
-            meta,
-            torch.tensor(sample_rows, dtype=torch.long, device=self.device),
-            before_layer,
-            after_layer,
-            inputs_embeds=inputs_embeds,
-        )
+        sample_rows_t = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+        if self.state_pool is not None:
+            assert isinstance(self.model, NemotronHModel)
+            mamba = self.state_pool.step_metadata(ordered, self.device)
+            logits = self.model(input_ids_t, positions_t, self.kv_cache, meta, sample_rows_t, mamba=mamba)
+            self.state_pool.save_step_snapshots()
+        else:
+            logits = self.model(
+                input_ids_t,
+                positions_t,
+                self.kv_cache,
+                meta,
+                sample_rows_t,
+                before_layer,
+                after_layer,
+                inputs_embeds=inputs_embeds,
+            )
         if self.connector is not None:
             self.connector.wait_for_save()
         if not sampling:

@@ -22,6 +22,7 @@ from splitserve.config import SchedulerConfig
 from splitserve.engine.block_manager import BlockManager, cdiv
 from splitserve.engine.outputs import ModelRunnerOutput
 from splitserve.engine.request import Request, RequestStatus
+from splitserve.engine.state_pool import MambaStatePool
 from splitserve.kv.connector.base import KVConnector
 
 logger = logging.getLogger(__name__)
@@ -47,8 +48,10 @@ class Scheduler:
         block_manager: BlockManager,
         max_model_len: int,
         connector: KVConnector | None = None,
+        state_pool: MambaStatePool | None = None,  # a hybrid model's per-request Mamba state
     ) -> None:
         self.config = config
+        self.state_pool = state_pool
         self.block_manager = block_manager
         self.max_model_len = max_model_len
         self.connector = connector
@@ -136,9 +139,14 @@ class Scheduler:
 
     def _admit(self, request: Request, budget: int) -> ScheduledRequest | None:
         bm = self.block_manager
+        pool = self.state_pool
+        if pool is not None and not pool.has_slot(request.request_id) and pool.num_free_slots == 0:
+            return None
         computed_blocks: list[int] = []
         if not request.block_ids:  # fresh or preempted (a failed remote load keeps its blocks)
             computed_blocks = bm.get_computed_blocks(request)
+            if pool is not None:  # a hybrid: only up to the latest Mamba state snapshot
+                computed_blocks = pool.resumable_hit(request, computed_blocks)
         num_hit = len(computed_blocks) * bm.block_size
         num_external, load_async = 0, False
         if self.connector is not None and not request.connector_consulted:
@@ -155,6 +163,8 @@ class Scheduler:
             request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
             assert self.connector is not None
             self.connector.update_state_after_alloc(request, list(request.block_ids), num_external)
+            if pool is not None:
+                pool.allocate(request.request_id)
             return ScheduledRequest(request, num_hit, 0)
         num_new = min(request.num_tokens - num_computed, budget)
         if cdiv(num_computed + num_new, bm.block_size) > bm.num_blocks:
@@ -167,6 +177,10 @@ class Scheduler:
             self.connector.update_state_after_alloc(request, list(request.block_ids), num_external)
         self._note_hit(request, num_hit, num_external)
         request.num_computed_tokens = num_computed
+        if pool is not None:
+            pool.allocate(request.request_id)
+            if computed_blocks:
+                pool.restore(request, len(computed_blocks))
         return ScheduledRequest(request, num_computed, num_new)
 
     def _note_hit(self, request: Request, num_hit: int, num_external: int) -> None:
@@ -181,6 +195,8 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.block_manager.free_blocks(request)
+        if self.state_pool is not None:
+            self.state_pool.free(request.request_id)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
@@ -223,6 +239,8 @@ class Scheduler:
         request.finish_reason = reason
         request.metrics["finished_time"] = time.monotonic()
         self.requests.pop(request.request_id, None)
+        if self.state_pool is not None:
+            self.state_pool.free(request.request_id)
         delay = False
         if self.connector is not None:
             try:
@@ -278,6 +296,10 @@ class Scheduler:
             self.waiting.remove(request)
 
     def check_integrity(self) -> None:
-        """Raise AssertionError if the block accounting differs from the blocks held."""
+        """Raise AssertionError if the block (and state slot) accounting differs from the
+        blocks (and slots) held."""
         holders = [r for r in self.requests.values() if r.block_ids] + list(self.delayed_free.values())
         self.block_manager.check_integrity(holders)
+        if self.state_pool is not None:
+            admitted = [*self.running, *self.waiting_for_remote.values()]
+            self.state_pool.check_integrity(r.request_id for r in admitted)

@@ -90,6 +90,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-blocks", type=_positive_int, default=None, help="overrides --kv-cache-memory")
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument(
+        "--state-cache-memory",
+        type=parse_memory_size,
+        default=cache.state_cache_bytes,
+        help="hybrid (Mamba) models: budget of the running requests' states (default 512MiB; "
+        "at most --max-num-seqs of them)",
+    )
+    parser.add_argument(
+        "--state-snapshot-memory",
+        type=parse_memory_size,
+        default=cache.state_snapshot_bytes,
+        help="hybrid (Mamba) models: budget of the state snapshots prefix hits resume from "
+        "(default 64MiB; --no-prefix-caching turns them off)",
+    )
+    parser.add_argument(
         "--max-num-batched-tokens", type=_positive_int, default=scheduler.max_num_batched_tokens
     )
     parser.add_argument("--max-num-seqs", type=_positive_int, default=scheduler.max_num_seqs)
@@ -182,6 +196,8 @@ def engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
             num_blocks=args.num_blocks,
             enable_prefix_caching=not args.no_prefix_caching,
             encoder_cache_bytes=args.encoder_cache_memory,
+            state_cache_bytes=args.state_cache_memory,
+            state_snapshot_bytes=args.state_snapshot_memory,
             retention_ttl_s=retention_ttl(args),
         ),
         scheduler=SchedulerConfig(
