@@ -115,7 +115,7 @@ SHARED = prompt(6, 40)  # 2 full blocks + 8 tokens: decode gets a partial prefix
 FOLLOW_UPS = {"hit-a": SHARED + prompt(7, 21), "hit-b": SHARED[:32] + prompt(8, 16)}
 
 
-@pytest.mark.parametrize("kind", ["shm", "tcp"])
+@pytest.mark.parametrize("kind", ["shm", "tcp", "nixl"])
 @pytest.mark.parametrize("mode", ["push", "pull"])
 def test_disaggregated_greedy_equals_collocated(tiny_model, collocated, kind, mode):
     transfer = TransferConfig(transport=kind, mode=mode, timeout_s=10, reservation_ttl_s=30)

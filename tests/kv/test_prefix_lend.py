@@ -71,7 +71,7 @@ async def bidirectional(prefill, decode, request_id: str, prompt: list[int], par
     return out, final, prefill_out
 
 
-@pytest.mark.parametrize("kind", ["shm", "tcp"])
+@pytest.mark.parametrize("kind", ["shm", "tcp", "nixl"])
 def test_prefill_pulls_the_answer_decode_generated_and_computes_only_the_new_turn(tiny_model, kind):
     transfer = TransferConfig(transport=kind, mode="push", timeout_s=10, reservation_ttl_s=30)
     collocated, _ = make_engine(tiny_model, "both")
