@@ -14,6 +14,7 @@ from splitserve.kv.transport.factory import make_transport
 from splitserve.kv.transport.types import PeerInfo, TransferError
 from tests.kv.transport_peer import (
     SHAPE,
+    TRANSPORTS,
     dying_sender,
     filled_pool,
     kv_hashes,
@@ -33,7 +34,7 @@ def _start_receiver(kind: str, timeout_s: float = 10, ttl_s: float = 30):
     return proc, PeerInfo(*to_parent.get(timeout=60)), to_parent, from_parent
 
 
-@pytest.mark.parametrize("kind", ["shm", "tcp", "nixl"])
+@pytest.mark.parametrize("kind", TRANSPORTS)
 def test_push_layer_by_layer_lands_in_the_receivers_pool(kind):
     proc, peer, results, release = _start_receiver(kind)
     sender = make_transport("send", TransferConfig(transport=kind, timeout_s=10))
@@ -54,7 +55,7 @@ def test_push_layer_by_layer_lands_in_the_receivers_pool(kind):
         sender.close()
 
 
-@pytest.mark.parametrize("kind", ["shm", "tcp", "nixl"])
+@pytest.mark.parametrize("kind", TRANSPORTS)
 def test_sender_dying_mid_transfer_times_out(kind):
     proc, peer, results, release = _start_receiver(kind, timeout_s=1.0)
     dying = CTX.Process(target=dying_sender, args=(kind, tuple(peer), SRC, DST, 1))
@@ -70,7 +71,7 @@ def test_sender_dying_mid_transfer_times_out(kind):
         proc.join(30)
 
 
-@pytest.mark.parametrize("kind", ["shm", "tcp", "nixl"])
+@pytest.mark.parametrize("kind", TRANSPORTS)
 def test_pull_reads_the_sources_blocks_and_releases_them(kind):
     to_parent, from_parent = CTX.Queue(), CTX.Queue()
     proc = CTX.Process(target=pull_source, args=(kind, to_parent, from_parent))
