@@ -4,9 +4,13 @@ transfer was granted, with the deployment's token or not at all; without NIXL in
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -15,9 +19,9 @@ from splitserve.config import TransferConfig
 from splitserve.kv.transport.arrivals import TransferResult
 from splitserve.kv.transport.factory import make_transport
 from splitserve.kv.transport.nixl import NixlTransport
-from splitserve.kv.transport.types import PushJob
+from splitserve.kv.transport.types import PeerInfo, PushJob
 from tests.conftest import free_port
-from tests.kv.transport_peer import NEEDS_NIXL, SHAPE, filled_pool, kv_hashes, pattern
+from tests.kv.transport_peer import NEEDS_NIXL, SHAPE, filled_pool, kv_hashes, pattern, receiver
 
 SRC, DST = [0, 3, 6], [5, 2, 7]
 OUTSIDE = [1, 4]  # blocks of the receiver's pool that no transfer was granted
@@ -106,6 +110,36 @@ def test_a_peer_writes_only_inside_its_grant_and_only_with_the_token(monkeypatch
     finally:
         for transport in (forged, prefill, decode):
             transport.close()
+
+
+@NEEDS_NIXL
+def test_a_write_to_a_killed_receiver_fails_at_once():
+    """Decode killed mid-transfer: the next layer's WRITE fails at once (NIXL sees the
+    peer's agent disconnected), never waits for the KV timeout; prefill reports it."""
+    context = multiprocessing.get_context("spawn")
+    to_parent, from_parent = context.Queue(), context.Queue()
+    decode = context.Process(target=receiver, args=("nixl", 30, 60, DST, to_parent, from_parent))
+    decode.start()
+    prefill = make_transport("prefill-0", TransferConfig(transport="nixl", timeout_s=30))
+    try:
+        peer = PeerInfo(*to_parent.get(timeout=60))
+        filled_pool(prefill)
+        prefill.start()
+        prefill.push_layer(peer, "t1", 0, SRC, DST)
+        assert prefill.flush(10) and prefill.take_send_error("t1") is None
+        os.kill(decode.pid, signal.SIGKILL)
+        decode.join(30)
+        started = time.monotonic()
+        for layer in range(1, SHAPE[0]):
+            prefill.push_layer(peer, "t1", layer, SRC, DST)
+        assert prefill.flush(10)
+        error = prefill.take_send_error("t1")
+        assert error and "failed" in error, error
+        assert time.monotonic() - started < 5
+    finally:
+        prefill.close()
+        if decode.is_alive():
+            decode.kill()
 
 
 BLOCK_NIXL = (

@@ -217,6 +217,16 @@ class NixlTransport(KVTransport):
                 raise TransferError(f"KV peer {peer.engine_id} answered HELLO without a session") from exc
         socket.peer_state = NixlPeer(name, remote.blocks, remote.num_blocks, notifications)
 
+    def _forget_agent(self, name: str) -> None:
+        """Drop a peer's agent (it disconnected); a lane that reaches it again loads it anew."""
+        with self._agents_lock:
+            remote = self._remote_agents.pop(name, None)
+        agent = self._agent
+        if remote is not None and agent is not None:
+            with contextlib.suppress(Exception):
+                agent.release_dlist_handle(remote.blocks)
+                agent.remove_remote_agent(name)
+
     def _peer(self, socket: LaneSocket) -> NixlPeer:
         state = socket.peer_state
         if not isinstance(state, NixlPeer):
@@ -282,9 +292,14 @@ class NixlTransport(KVTransport):
         agent = self._agent
         if agent is None:
             raise TransferError("the KV transport is closed")
-        handle = agent.make_prepped_xfer(operation, self._local_blocks, local, peer.blocks, remote, note)
         try:
+            handle = agent.make_prepped_xfer(operation, self._local_blocks, local, peer.blocks, remote, note)
             state = agent.transfer(handle)
+        except Exception as exc:  # nixlBind errors: the peer's agent disconnected (died), ...
+            if "DISCONNECT" in str(exc):
+                self._forget_agent(peer.agent_name)  # a dead peer's agent is not kept
+            raise TransferError(f"a NIXL {operation} to {peer.agent_name} failed: {exc}") from exc
+        try:
             deadline = time.monotonic() + min(STALLED_PEER_S, self.config.timeout_s)
             while state == "PROC":
                 if time.monotonic() > deadline:
