@@ -54,6 +54,7 @@ NOTIFY_POLL_IDLE_S = 0.02
 # A sender polls its WRITE or READ this often until NIXL reports it done.
 TRANSFER_POLL_S = 0.0001
 MAX_CACHED_GRANTS = 256  # per lane: transfers whose grant the sender holds
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 class NixlPeer:
@@ -125,6 +126,10 @@ class NixlTransport(KVTransport):
             raise TransferError("the KV pool is not allocated yet")
         if not self.pool.is_contiguous():
             raise TransferError("the nixl KV transport needs a contiguous KV pool")
+        if self.host in LOOPBACK_HOSTS:
+            # UCX's own endpoints are not under the deployment's MAC: an engine whose KV
+            # socket is loopback-only keeps UCX on loopback too (an operator's value wins)
+            os.environ.setdefault("UCX_NET_DEVICES", "lo")
         nixl = self._nixl
         config = nixl.nixl_agent_config(
             enable_prog_thread=True,
