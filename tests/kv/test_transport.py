@@ -14,7 +14,6 @@ from splitserve.kv.transport.factory import make_transport
 from splitserve.kv.transport.types import PeerInfo, TransferError
 from tests.kv.transport_peer import (
     SHAPE,
-    TRANSPORTS,
     dying_sender,
     filled_pool,
     kv_hashes,
@@ -55,7 +54,8 @@ def test_push_layer_by_layer_lands_in_the_receivers_pool(kind):
         sender.close()
 
 
-@pytest.mark.parametrize("kind", TRANSPORTS)
+# nixl: a killed prefill mid-transfer in tests/router/test_pd_proxy.py, a killed decode in test_nixl.py
+@pytest.mark.parametrize("kind", ["shm", "tcp"])
 def test_sender_dying_mid_transfer_times_out(kind):
     proc, peer, results, release = _start_receiver(kind, timeout_s=1.0)
     dying = CTX.Process(target=dying_sender, args=(kind, tuple(peer), SRC, DST, 1))
