@@ -33,7 +33,7 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -103,10 +103,12 @@ class NixlTransport(KVTransport):
             self._nixl = load_nixl()
         except ImportError as exc:
             raise TransferError(str(exc)) from exc
+        if not os.environ.get("NIXL_LOG_LEVEL"):  # NIXL logs every agent's start to stdout
+            logging.getLogger("nixl").setLevel(logging.WARNING)
         self.agent_name = f"{self.engine_id}-{os.getpid()}-{secrets.token_hex(4)}"
-        self._agent = None
-        self._registration = None
-        self._local_blocks = None
+        self._agent: Any = None  # nixl_agent, once the pool is registered
+        self._registration: Any = None  # the pool's nixlRegDList
+        self._local_blocks: Any = None  # nixl_prepped_dlist_handle of our blocks
         self._remote_agents: dict[str, RemoteAgent] = {}
         self._agents_lock = threading.Lock()
         self.notifications_dropped = 0
@@ -292,7 +294,9 @@ class NixlTransport(KVTransport):
             self._transfer("WRITE", local, peer, remote, notification)
         return layer_bytes
 
-    def _transfer(self, operation: str, local: np.ndarray, peer: NixlPeer, remote: np.ndarray, note: bytes):
+    def _transfer(
+        self, operation: str, local: np.ndarray, peer: NixlPeer, remote: np.ndarray, note: bytes
+    ) -> None:
         """Post one WRITE or READ and wait until it is done, within the lane's stall bound."""
         agent = self._agent
         if agent is None:
