@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import httpx
-from bench_model import DEFAULT_MODEL_DIR, compute_dtype, ensure_bench_model
+from bench_model import DEFAULT_MODEL_DIR, compute_dtype, ensure_bench_model, ensure_long_bench_model
 
 from splitserve.kv.transport.nixl_package import nixl_present
 from splitserve.router.pd_engine_client import PDEngineClient
@@ -67,10 +67,9 @@ def start_engine(
     model: Path, role: str, cores: set[int], transport: str = "shm", *extra: str, max_len: int = 4096
 ) -> Engine:
     port = free_port()
-    memory = "512MiB" if max_len <= 4096 else "1536MiB"
     command = [
         sys.executable, "-m", "splitserve.cli", "engine", str(model), "--role", role, "--port", str(port),
-        "--kv-transport", transport, "--kv-cache-memory", memory, "--max-model-len", str(max_len),
+        "--kv-transport", transport, "--kv-cache-memory", "512MiB", "--max-model-len", str(max_len),
         "--log-level", "warning", "--dtype", compute_dtype(), *extra,
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": str(len(cores))}
@@ -328,7 +327,11 @@ def main() -> int:
     model = ensure_bench_model(args.model)
     load = os.getloadavg()
     print(f"machine: {os.cpu_count()} cores, load average {load[0]:.1f} at start (shared)")
-    fractions = {} if args.skip_handoff else part_handoff(model, args.prompt_tokens, args.repeats)
+    longest, handoff_model = max(args.prompt_tokens) + 64, model
+    if args.model == DEFAULT_MODEL_DIR and longest > 4096:
+        # the bench model holds 4096 positions: longer prompts get its shape with more
+        handoff_model = ensure_long_bench_model(8192 * -(-longest // 8192))
+    fractions = {} if args.skip_handoff else part_handoff(handoff_model, args.prompt_tokens, args.repeats)
     stats = (
         {}
         if args.skip_interference
