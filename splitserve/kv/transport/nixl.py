@@ -33,7 +33,7 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
@@ -57,22 +57,26 @@ MAX_CACHED_GRANTS = 256  # per lane: transfers whose grant the sender holds
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
-class NixlPeer:
-    """A lane's view of its peer's NIXL agent: the peer's blocks as prepared descriptors,
-    the session that stamps our notifications to it, and the grants it answered."""
+class RemoteAgent:
+    """A peer's agent as loaded here, shared by the lanes to it: its blocks as prepared
+    descriptors, until it disconnects (then the handle is released and never used again)."""
 
-    def __init__(self, agent_name: str, blocks: object, num_blocks: int, notifications: SenderSession):
-        self.agent_name = agent_name
+    def __init__(self, name: str, blocks: object, num_blocks: int):
+        self.name = name
         self.blocks = blocks  # nixl_prepped_dlist_handle: one descriptor per (layer, k/v, block)
         self.num_blocks = num_blocks
+        self.disconnected = False
+
+
+class NixlPeer:
+    """A lane's view of its peer: the peer's agent, the session that stamps our
+    notifications to it, and the grants it answered."""
+
+    def __init__(self, remote: RemoteAgent, notifications: SenderSession):
+        self.remote = remote
         self.notifications = notifications
         # transfer -> {block: hash of the KV it must hold, or None when not bound to tokens}
         self.grants: OrderedDict[str, dict[int, str | None]] = OrderedDict()
-
-
-class RemoteAgent(NamedTuple):
-    blocks: object  # nixl_prepped_dlist_handle
-    num_blocks: int
 
 
 def block_descriptors(address: int, shape: tuple[int, ...], element_size: int, device: int) -> np.ndarray:
@@ -134,7 +138,9 @@ class NixlTransport(KVTransport):
             os.environ.setdefault("UCX_NET_DEVICES", "lo")
         nixl = self._nixl
         config = nixl.nixl_agent_config(
-            enable_prog_thread=True,
+            # NIXL's progress thread spins (no delay): on an engine pinned to its cores it
+            # took prefill's CPU (an 8k prompt's TTFT 4x); our polls progress UCX instead
+            enable_prog_thread=False,
             enable_listen_thread=False,  # metadata goes over our authenticated channel only
             backends=["UCX"],
             sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,  # lanes + notifications
@@ -175,10 +181,10 @@ class NixlTransport(KVTransport):
         agent, self._agent = self._agent, None
         if agent is None:
             return
-        with self._agents_lock:
+        with self._agents_lock, contextlib.suppress(Exception):  # best effort: may be exiting
             remotes, self._remote_agents = self._remote_agents, {}
-        with contextlib.suppress(Exception):  # best effort: the process may be exiting
             for name, remote in remotes.items():
+                remote.disconnected = True
                 agent.release_dlist_handle(remote.blocks)
                 agent.remove_remote_agent(name)
             agent.release_dlist_handle(self._local_blocks)
@@ -208,7 +214,7 @@ class NixlTransport(KVTransport):
                     raise TransferError(f"KV peer {peer.engine_id} sent the metadata of another agent")
                 assert self.pool is not None
                 descriptors = block_descriptors(address, shape, self.pool.element_size(), device)
-                remote = RemoteAgent(self._agent.prep_xfer_dlist(name, descriptors, memory), shape[2])
+                remote = RemoteAgent(name, self._agent.prep_xfer_dlist(name, descriptors, memory), shape[2])
                 self._remote_agents[name] = remote
         notifications = SenderSession()
         hello = {"engine_id": self.engine_id, "session_for": "nixl notifications"}
@@ -222,17 +228,20 @@ class NixlTransport(KVTransport):
                 notifications.start(bytes.fromhex(str(answer["session"])))
             except (KeyError, ValueError) as exc:
                 raise TransferError(f"KV peer {peer.engine_id} answered HELLO without a session") from exc
-        socket.peer_state = NixlPeer(name, remote.blocks, remote.num_blocks, notifications)
+        socket.peer_state = NixlPeer(remote, notifications)
 
-    def _forget_agent(self, name: str) -> None:
-        """Drop a peer's agent (it disconnected); a lane that reaches it again loads it anew."""
+    def _forget_agent(self, remote: RemoteAgent) -> None:
+        """Drop a peer's agent that disconnected (died): no lane posts to it again."""
         with self._agents_lock:
-            remote = self._remote_agents.pop(name, None)
-        agent = self._agent
-        if remote is not None and agent is not None:
-            with contextlib.suppress(Exception):
-                agent.release_dlist_handle(remote.blocks)
-                agent.remove_remote_agent(name)
+            if remote.disconnected:
+                return
+            remote.disconnected = True
+            self._remote_agents.pop(remote.name, None)
+            agent = self._agent
+            if agent is not None:
+                with contextlib.suppress(Exception):
+                    agent.release_dlist_handle(remote.blocks)
+                    agent.remove_remote_agent(remote.name)
 
     def _peer(self, socket: LaneSocket) -> NixlPeer:
         state = socket.peer_state
@@ -289,7 +298,7 @@ class NixlTransport(KVTransport):
         }
         notification = self._seal(peer.notifications, header)
         local = block_index(self.pool.shape[2], job.layer, job.src_block_ids)
-        remote = block_index(peer.num_blocks, job.layer, job.dst_block_ids)
+        remote = block_index(peer.remote.num_blocks, job.layer, job.dst_block_ids)
         with socket.writing():  # our source blocks are not freed while NIXL reads them
             self._transfer("WRITE", local, peer, remote, notification)
         return layer_bytes
@@ -298,30 +307,38 @@ class NixlTransport(KVTransport):
         self, operation: str, local: np.ndarray, peer: NixlPeer, remote: np.ndarray, note: bytes
     ) -> None:
         """Post one WRITE or READ and wait until it is done, within the lane's stall bound."""
-        agent = self._agent
-        if agent is None:
-            raise TransferError("the KV transport is closed")
+        target, handle = peer.remote, None
         try:
-            handle = agent.make_prepped_xfer(operation, self._local_blocks, local, peer.blocks, remote, note)
-            state = agent.transfer(handle)
-        except Exception as exc:  # nixlBind errors: the peer's agent disconnected (died), ...
-            if "DISCONNECT" in str(exc):
-                self._forget_agent(peer.agent_name)  # a dead peer's agent is not kept
-            raise TransferError(f"a NIXL {operation} to {peer.agent_name} failed: {exc}") from exc
-        try:
+            with self._agents_lock:  # the handles are not released while a transfer is posted
+                agent = self._agent
+                if agent is None:
+                    raise TransferError("the KV transport is closed")
+                if target.disconnected:
+                    raise TransferError(f"a NIXL {operation} to {target.name} failed: it disconnected")
+                handle = agent.make_prepped_xfer(
+                    operation, self._local_blocks, local, target.blocks, remote, note
+                )
+                state = agent.transfer(handle)
             deadline = time.monotonic() + min(STALLED_PEER_S, self.config.timeout_s)
             while state == "PROC":
                 if time.monotonic() > deadline:
-                    raise TransferError(f"a NIXL {operation} to {peer.agent_name} made no progress")
+                    raise TransferError(f"a NIXL {operation} to {target.name} made no progress")
                 time.sleep(TRANSFER_POLL_S)
                 state = agent.check_xfer_state(handle)
             if state != "DONE":
-                raise TransferError(f"a NIXL {operation} to {peer.agent_name} failed")
+                raise TransferError(f"a NIXL {operation} to {target.name} failed")
+        except TransferError:
+            raise
+        except Exception as exc:  # nixlBind errors: the peer's agent disconnected (died), ...
+            if "DISCONNECT" in str(exc):
+                self._forget_agent(target)  # a dead peer's agent is not kept
+            raise TransferError(f"a NIXL {operation} to {target.name} failed: {exc}") from exc
         finally:
-            try:
-                agent.release_xfer_handle(handle)
-            except Exception:  # still in flight and not cancellable: NIXL keeps it
-                logger.warning("KV nixl: a %s to %s could not be released", operation, peer.agent_name)
+            if handle is not None:
+                try:
+                    agent.release_xfer_handle(handle)
+                except Exception:  # still in flight and not cancellable: NIXL keeps it
+                    logger.warning("KV nixl: a %s to %s could not be released", operation, target.name)
 
     def _do_pull(self, socket: LaneSocket, job: PullJob) -> None:
         assert self.pool is not None
@@ -334,7 +351,7 @@ class NixlTransport(KVTransport):
         layer_bytes = 2 * len(job.dst_block_ids) * self.pool[0, 0, 0].numel() * self.pool.element_size()
         for layer in range(self.pool.shape[0]):
             local = block_index(self.pool.shape[2], layer, job.dst_block_ids)
-            remote = block_index(peer.num_blocks, layer, job.src_block_ids)
+            remote = block_index(peer.remote.num_blocks, layer, job.src_block_ids)
             with socket.writing():  # never into blocks a failed pull gave back for recompute
                 self._transfer("READ", local, peer, remote, b"")
             last = layer == self.pool.shape[0] - 1
