@@ -1,8 +1,9 @@
 """KV handoff and the interference P/D removes, on the bench model (../shared/PEERS.md).
 
 Part 1, handoff: a prefill and a decode engine (`splitserve engine --role prefill|decode`,
-pinned to one core each), driven through the proxy's own P/D client. For shm and tcp,
-push layer by layer vs pull after prefill (vLLM NIXL's behaviour), same engines, same run.
+pinned to one core each), driven through the proxy's own P/D client. For shm, tcp and
+nixl (when installed: `splitserve[nixl]`), push layer by layer vs pull after prefill (vLLM
+NIXL's behaviour), at each prompt length (default 1k, 3k, 8k tokens), same engines, same run.
 Per request the decode worker reports (kv_transfer_params.handoff):
   exposed transfer = last KV arrival on decode - prefill's last layer computed (push) or
                      prefill finished (pull: includes the proxy hop and the pull request)
@@ -20,7 +21,7 @@ process runs, which on a busy machine swamps what is measured here. Reported per
 worst inter-token gap and p99 ITL of the streams, and the long prompts' TTFT. Ratios
 (P/D vs the collocated peer, same run) are printed last.
 
-    .venv/bin/python benchmarks/bench_kv_handoff.py [--prompt-tokens 3000] [--repeats 3]
+    .venv/bin/python benchmarks/bench_kv_handoff.py [--prompt-tokens 1000 3000 8000] [--repeats 3]
         [--skip-interference] [--model DIR]
 """
 
@@ -40,8 +41,9 @@ from pathlib import Path
 from typing import NamedTuple
 
 import httpx
-from bench_model import DEFAULT_MODEL_DIR, compute_dtype, ensure_bench_model
+from bench_model import DEFAULT_MODEL_DIR, compute_dtype, ensure_bench_model, ensure_long_bench_model
 
+from splitserve.kv.transport.nixl_package import nixl_present
 from splitserve.router.pd_engine_client import PDEngineClient
 from splitserve.router.pd_policy import PDPolicy
 from splitserve.router.workers import WorkerPool
@@ -61,11 +63,13 @@ class Engine(NamedTuple):
     process: subprocess.Popen
 
 
-def start_engine(model: Path, role: str, cores: set[int], transport: str = "shm", *extra: str) -> Engine:
+def start_engine(
+    model: Path, role: str, cores: set[int], transport: str = "shm", *extra: str, max_len: int = 4096
+) -> Engine:
     port = free_port()
     command = [
         sys.executable, "-m", "splitserve.cli", "engine", str(model), "--role", role, "--port", str(port),
-        "--kv-transport", transport, "--kv-cache-memory", "512MiB", "--max-model-len", "4096",
+        "--kv-transport", transport, "--kv-cache-memory", "512MiB", "--max-model-len", str(max_len),
         "--log-level", "warning", "--dtype", compute_dtype(), *extra,
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": str(len(cores))}
@@ -135,7 +139,10 @@ async def one_handoff(client: PDEngineClient, request_id: str, tokens: list[int]
     )
 
 
-async def handoff_runs(prefill: str, decode: str, prompt_tokens: int, repeats: int, seed: int) -> dict:
+async def handoff_runs(
+    prefill: str, decode: str, lengths: list[int], repeats: int, seed: int
+) -> dict[tuple[int, str], list[Handoff]]:
+    """(prompt tokens, mode) -> the runs; fresh prompts every time (no prefix hits)."""
     results = {}
     for mode in ("push", "pull"):
         client = PDEngineClient(
@@ -143,49 +150,61 @@ async def handoff_runs(prefill: str, decode: str, prompt_tokens: int, repeats: i
         )
         try:
             await one_handoff(client, f"warm-{mode}-{seed}", prompt(seed, 256))
-            runs = []
-            for r in range(repeats):
-                tokens = prompt(seed * 1000 + r + (500 if mode == "pull" else 0), prompt_tokens)
-                runs.append(await one_handoff(client, f"{mode}-{seed}-{r}", tokens))
-            results[mode] = runs
+            for length in lengths:
+                runs = []
+                for r in range(repeats):
+                    tokens = prompt(seed * 100_000 + length * 10 + r + (5 if mode == "pull" else 0), length)
+                    runs.append(await one_handoff(client, f"{mode}-{seed}-{length}-{r}", tokens))
+                results[(length, mode)] = runs
         finally:
             await client.close()
     return results
 
 
-def part_handoff(model: Path, prompt_tokens: int, repeats: int) -> dict[str, float]:
+def handoff_transports() -> tuple[str, ...]:
+    """shm and tcp, and nixl beside them where NIXL is installed (`splitserve[nixl]`)."""
+    if nixl_present():
+        return ("shm", "tcp", "nixl")
+    print("(nixl: not installed, left out; pip install 'splitserve[nixl]')")
+    return ("shm", "tcp")
+
+
+def part_handoff(model: Path, lengths: list[int], repeats: int) -> dict[str, float]:
     layers = 8
     print(
-        f"\n== Handoff: {prompt_tokens}-token prompts, {repeats} per cell; "
+        f"\n== Handoff: {'/'.join(map(str, lengths))}-token prompts, {repeats} per cell; "
         "prefill on core 0, decode on core 1 =="
     )
     header = (
-        f"{'transport':<9} {'mode':<5} {'KV MB':>6} {'TTFT ms':>8} {'full xfer ms':>12} {'exposed ms':>10} "
-        f"{'of full':>8} {'notify ms':>9} {'expo.+step ms':>13}"
+        f"{'transport':<9} {'tokens':>6} {'mode':<5} {'KV MB':>6} {'TTFT ms':>8} {'full xfer ms':>12} "
+        f"{'exposed ms':>10} {'of full':>8} {'notify ms':>9} {'expo.+step ms':>13}"
     )
     print(header)
     fractions: dict[str, float] = {}
-    for seed, transport in enumerate(("shm", "tcp"), start=1):
+    max_len = max(4096, max(lengths) + 64)
+    for seed, transport in enumerate(handoff_transports(), start=1):
         engines = [
-            start_engine(model, "prefill", {0}, transport),
-            start_engine(model, "decode", {1}, transport),
+            start_engine(model, "prefill", {0}, transport, max_len=max_len),
+            start_engine(model, "decode", {1}, transport, max_len=max_len),
         ]
         try:
             wait_healthy(engines)
-            results = asyncio.run(handoff_runs(engines[0].url, engines[1].url, prompt_tokens, repeats, seed))
+            results = asyncio.run(handoff_runs(engines[0].url, engines[1].url, lengths, repeats, seed))
         finally:
             stop(engines)
-        full_ms = median_ms([h.wait_s for h in results["pull"]])
-        for mode, runs in results.items():
-            exposed = median_ms([h.exposed_transfer_s for h in runs])
-            fractions[f"{transport}/{mode}"] = exposed / full_ms
-            ttft = median_ms([h.ttft_s for h in runs])
-            print(
-                f"{transport:<9} {mode:<5} {runs[0].num_bytes / 1e6:>6.1f} {ttft:>8.1f} "
-                f"{full_ms:>12.2f} {exposed:>10.2f} {exposed / full_ms:>7.0%} "
-                f"{median_ms([h.notification_s for h in runs]):>9.2f} "
-                f"{median_ms([h.exposed_handoff_s for h in runs]):>13.1f}"
-            )
+        for length in lengths:
+            full_ms = median_ms([h.wait_s for h in results[(length, "pull")]])
+            for mode in ("push", "pull"):
+                runs = results[(length, mode)]
+                exposed = median_ms([h.exposed_transfer_s for h in runs])
+                fractions[f"{transport}/{mode}/{length}"] = exposed / full_ms
+                ttft = median_ms([h.ttft_s for h in runs])
+                print(
+                    f"{transport:<9} {length:>6} {mode:<5} {runs[0].num_bytes / 1e6:>6.1f} {ttft:>8.1f} "
+                    f"{full_ms:>12.2f} {exposed:>10.2f} {exposed / full_ms:>7.0%} "
+                    f"{median_ms([h.notification_s for h in runs]):>9.2f} "
+                    f"{median_ms([h.exposed_handoff_s for h in runs]):>13.1f}"
+                )
     print(f"(one layer's share of the transfer: 1/{layers} = {1 / layers:.0%})")
     return fractions
 
@@ -293,7 +312,7 @@ def part_interference(
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR)
-    parser.add_argument("--prompt-tokens", type=int, default=3000)
+    parser.add_argument("--prompt-tokens", type=int, nargs="+", default=[1000, 3000, 8000])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-handoff", action="store_true")
     parser.add_argument("--skip-interference", action="store_true")
@@ -308,19 +327,23 @@ def main() -> int:
     model = ensure_bench_model(args.model)
     load = os.getloadavg()
     print(f"machine: {os.cpu_count()} cores, load average {load[0]:.1f} at start (shared)")
-    fractions = {} if args.skip_handoff else part_handoff(model, args.prompt_tokens, args.repeats)
+    longest, handoff_model = max(args.prompt_tokens) + 64, model
+    if args.model == DEFAULT_MODEL_DIR and longest > 4096:
+        # the bench model holds 4096 positions: longer prompts get its shape with more
+        handoff_model = ensure_long_bench_model(8192 * -(-longest // 8192))
+    fractions = {} if args.skip_handoff else part_handoff(handoff_model, args.prompt_tokens, args.repeats)
     stats = (
         {}
         if args.skip_interference
         else part_interference(model, args.streams, args.long_prompts, args.long_tokens, args.stream_tokens)
     )
     print()
-    for transport in ("shm", "tcp"):
-        if f"{transport}/push" in fractions:
-            push, pull = fractions[f"{transport}/push"], fractions[f"{transport}/pull"]
+    for transport, length in itertools.product(("shm", "tcp", "nixl"), args.prompt_tokens):
+        if f"{transport}/push/{length}" in fractions:
+            push, pull = fractions[f"{transport}/push/{length}"], fractions[f"{transport}/pull/{length}"]
             print(
-                f"exposed transfer, {transport}: push layer-wise {push:.0%} of the full transfer, "
-                f"pull after prefill {pull:.0%}: push/pull = {push / pull:.2f}x"
+                f"exposed transfer, {transport} at {length} tokens: push layer-wise {push:.0%} of the full "
+                f"transfer, pull after prefill {pull:.0%}: push/pull = {push / pull:.2f}x"
             )
     if stats:
         co, pd = stats["collocated"], stats["P/D (shm push)"]

@@ -43,6 +43,14 @@ def ensure_bench_model(directory: Path = DEFAULT_MODEL_DIR) -> Path:
     return directory
 
 
+def ensure_long_bench_model(max_position: int) -> Path:
+    """The bench model's shape with a longer context (`max_position` tokens), its own directory."""
+    directory = DEFAULT_MODEL_DIR.with_name(f"{DEFAULT_MODEL_DIR.name}-{max_position}")
+    if not (directory / "model.safetensors").is_file():
+        _build(directory, [*BENCH_MODEL_FLAGS, "--max-position", str(max_position)])
+    return directory
+
+
 def ensure_smollm2_shape(directory: Path = SMOLLM2_SHAPE_DIR) -> Path:
     config = directory / "config.json"
     if not (directory / "model.safetensors").is_file():

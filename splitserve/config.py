@@ -53,8 +53,9 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class TransferConfig:
-    # auto: shm with peers on the same node, tcp with the others (kv/transport/auto.py)
-    transport: Literal["shm", "tcp", "auto"] = "shm"
+    # auto: shm with peers on the same node, tcp with the others (kv/transport/auto.py);
+    # nixl: one-sided NIXL WRITEs/READs (kv/transport/nixl.py, `splitserve[nixl]`)
+    transport: Literal["shm", "tcp", "nixl", "auto"] = "shm"
     mode: Literal["push", "pull"] = "push"
     timeout_s: float = 30.0
     failure_policy: Literal["recompute", "fail"] = "recompute"

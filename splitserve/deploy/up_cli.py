@@ -26,6 +26,7 @@ from splitserve.deploy.plan import deployment_secrets, part_names, plan_from_arg
 from splitserve.deploy.supervisor import Part
 from splitserve.deploy.up_plan import NoteGiven, add_plan_arguments, plan_flag_error, plan_layout
 from splitserve.frontend.media_cli import add_media_arguments
+from splitserve.kv.transport.nixl_package import NIXL_MISSING, nixl_present
 from splitserve.model_files.architectures import is_hybrid_model
 from splitserve.ray_serve.cli import add_ray_arguments
 from splitserve.runtime.access import API_KEY_ENV
@@ -56,7 +57,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="encoder workers (vision-language models: images encoded once, shared by shm)",
     )
     parser.add_argument(
-        "--transport", choices=["shm", "tcp"], default=None, help="KV transport (default: the engines')"
+        "--transport",
+        "--kv-transport",
+        dest="transport",
+        choices=["shm", "tcp", "nixl"],
+        default=None,
+        help="KV transport (default: the engines'); nixl needs pip install 'splitserve[nixl]'",
     )
     parser.add_argument("--mode", choices=["push", "pull"], default="push")
     parser.add_argument(
@@ -216,6 +222,9 @@ def run(args: argparse.Namespace) -> int:
         from splitserve.ray_serve.cli import run_up
 
         return run_up(args)
+    if args.transport == "nixl" and not nixl_present():
+        print(f"splitserve up: --transport nixl: {NIXL_MISSING}", file=sys.stderr)
+        return 2
     if args.decode < 1 or args.prefill < 0 or args.render < 1:
         print("splitserve up: need --decode >= 1, --render >= 1 and --prefill >= 0", file=sys.stderr)
         return 2

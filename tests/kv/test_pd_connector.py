@@ -16,6 +16,7 @@ from splitserve.kv.connector.pd_connector import PDConnector
 from splitserve.protocol.kv_transfer import KVTransferParams
 from splitserve.protocol.sampling_params import SamplingParams
 from tests.generate_requests import generate_request
+from tests.kv.transport_peer import TRANSPORTS
 
 VOCAB = 2048
 BLOCK = 16
@@ -115,7 +116,7 @@ SHARED = prompt(6, 40)  # 2 full blocks + 8 tokens: decode gets a partial prefix
 FOLLOW_UPS = {"hit-a": SHARED + prompt(7, 21), "hit-b": SHARED[:32] + prompt(8, 16)}
 
 
-@pytest.mark.parametrize("kind", ["shm", "tcp"])
+@pytest.mark.parametrize("kind", TRANSPORTS)
 @pytest.mark.parametrize("mode", ["push", "pull"])
 def test_disaggregated_greedy_equals_collocated(tiny_model, collocated, kind, mode):
     transfer = TransferConfig(transport=kind, mode=mode, timeout_s=10, reservation_ttl_s=30)

@@ -16,6 +16,7 @@ from splitserve.protocol.kv_transfer import KVTransferParams
 from splitserve.protocol.sampling_params import SamplingParams
 from tests.generate_requests import generate_request
 from tests.kv.test_pd_connector import collect, make_engine
+from tests.kv.transport_peer import TRANSPORTS
 
 BLOCK = 16
 VOCAB = 2048
@@ -71,7 +72,7 @@ async def bidirectional(prefill, decode, request_id: str, prompt: list[int], par
     return out, final, prefill_out
 
 
-@pytest.mark.parametrize("kind", ["shm", "tcp"])
+@pytest.mark.parametrize("kind", TRANSPORTS)
 def test_prefill_pulls_the_answer_decode_generated_and_computes_only_the_new_turn(tiny_model, kind):
     transfer = TransferConfig(transport=kind, mode="push", timeout_s=10, reservation_ttl_s=30)
     collocated, _ = make_engine(tiny_model, "both")

@@ -33,7 +33,7 @@ def _start_receiver(kind: str, timeout_s: float = 10, ttl_s: float = 30):
     return proc, PeerInfo(*to_parent.get(timeout=60)), to_parent, from_parent
 
 
-@pytest.mark.parametrize("kind", ["shm", "tcp"])
+@pytest.mark.parametrize("kind", ["shm", "tcp"])  # nixl: tests/kv/test_nixl.py, test_pd_connector.py
 def test_push_layer_by_layer_lands_in_the_receivers_pool(kind):
     proc, peer, results, release = _start_receiver(kind)
     sender = make_transport("send", TransferConfig(transport=kind, timeout_s=10))
@@ -54,6 +54,7 @@ def test_push_layer_by_layer_lands_in_the_receivers_pool(kind):
         sender.close()
 
 
+# nixl: a killed prefill mid-transfer in tests/router/test_pd_proxy.py, a killed decode in test_nixl.py
 @pytest.mark.parametrize("kind", ["shm", "tcp"])
 def test_sender_dying_mid_transfer_times_out(kind):
     proc, peer, results, release = _start_receiver(kind, timeout_s=1.0)
@@ -70,7 +71,7 @@ def test_sender_dying_mid_transfer_times_out(kind):
         proc.join(30)
 
 
-@pytest.mark.parametrize("kind", ["shm", "tcp"])
+@pytest.mark.parametrize("kind", ["shm", "tcp"])  # nixl: test_prefix_lend.py, test_pd_nixl.py
 def test_pull_reads_the_sources_blocks_and_releases_them(kind):
     to_parent, from_parent = CTX.Queue(), CTX.Queue()
     proc = CTX.Process(target=pull_source, args=(kind, to_parent, from_parent))

@@ -6,10 +6,18 @@ import os
 import threading
 import time
 
+import pytest
 import torch
 
 from splitserve.config import TransferConfig
 from splitserve.kv.transport.factory import make_transport
+from splitserve.kv.transport.nixl_package import nixl_present
+
+# the test extra installs NIXL (splitserve[nixl]); without it the nixl cases are skipped
+NEEDS_NIXL = pytest.mark.skipif(
+    not nixl_present(), reason="NIXL is not installed: pip install 'splitserve[nixl]'"
+)
+TRANSPORTS = ["shm", "tcp", pytest.param("nixl", marks=NEEDS_NIXL)]
 
 SHAPE = (3, 2, 8, 4, 2, 5)  # layers, k/v, blocks, block size, kv heads, head dim
 

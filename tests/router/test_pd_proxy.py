@@ -23,6 +23,7 @@ from splitserve.router.pd_engine_client import PDEngineClient
 from splitserve.router.pd_policy import PDPolicy
 from splitserve.router.workers import Worker, WorkerPool
 from tests.conftest import free_port, running_server, running_servers, wait_until
+from tests.kv.transport_peer import NEEDS_NIXL
 
 WORDS = "the of and to in is that for it as was with be by on not this are or from at prefill decode".split()
 SYSTEM = "You are a helpful assistant. " + " ".join(random.Random(0).choice(WORDS) for _ in range(60))
@@ -332,9 +333,10 @@ def check_kv_bad_input(prefill: str, decode: str) -> None:
     assert "kv_transfer_error" in response.json()["kv_transfer_params"]
 
 
-def test_killing_prefill_mid_transfer_loses_no_request(tiny_model, collocated):
+@pytest.mark.parametrize("kind", ["tcp", pytest.param("nixl", marks=NEEDS_NIXL)])
+def test_killing_prefill_mid_transfer_loses_no_request(tiny_model, collocated, kind):
     render_port, prefill_port, decode_port, proxy_port = (free_port() for _ in range(4))
-    engine = ["engine", tiny_model, "--num-blocks", "1024", "--kv-transport", "tcp", "--kv-timeout", "5"]
+    engine = ["engine", tiny_model, "--num-blocks", "1024", "--kv-transport", kind, "--kv-timeout", "5"]
     prefill_args = [
         *engine,
         "--role",

@@ -43,6 +43,7 @@ from fastapi.responses import JSONResponse, Response
 from splitserve.config import EngineRole, TransferConfig
 from splitserve.engine.api.disconnect import CLIENT_GONE_STATUS, first_of
 from splitserve.kv.connector.handoff_metrics import ForwardRegistry
+from splitserve.kv.transport.nixl_package import NIXL_MISSING, load_nixl
 from splitserve.protocol.errors import APIError
 from splitserve.protocol.kv_transfer import (
     KV_TRANSFER_PARAMS,
@@ -62,10 +63,11 @@ def add_kv_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("KV transfer (--role prefill|decode)")
     group.add_argument(
         "--kv-transport",
-        choices=["shm", "tcp", "auto"],
+        choices=["shm", "tcp", "nixl", "auto"],
         default=None,
         help="default: shm when the KV cache is in CPU memory, tcp on a GPU; auto: per peer, "
-        "shm with one on the same node (--kv-node-id), tcp with the others",
+        "shm with one on the same node (--kv-node-id), tcp with the others; nixl: one-sided "
+        "NIXL (UCX) WRITEs and READs (pip install 'splitserve[nixl]')",
     )
     group.add_argument(
         "--kv-node-id",
@@ -118,6 +120,12 @@ def _peer_address(text: str) -> tuple[str, int]:
 
 
 def transfer_config(args: argparse.Namespace, device: str) -> TransferConfig:
+    """The engine's KV transfer settings (ValueError: `--kv-transport nixl` without NIXL)."""
+    if args.kv_transport == "nixl" and args.role in ("prefill", "decode"):
+        try:
+            load_nixl()
+        except ImportError as exc:
+            raise ValueError(f"--kv-transport nixl: {NIXL_MISSING}") from exc
     return TransferConfig(
         transport=args.kv_transport or ("shm" if device.startswith("cpu") else "tcp"),
         mode=args.kv_mode,

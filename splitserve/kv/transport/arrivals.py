@@ -94,6 +94,17 @@ class ArrivalTracker:
             expected = [expectation.block_hashes.get(block) for block in block_ids]
             return list(block_hashes) == expected
 
+    def grant(self, transfer_id: str) -> tuple[list[int], list[str]] | None:
+        """The blocks an expected transfer may write, sorted, and the hash each must hold
+        (empty when the transfer is not bound to tokens); None when it is not expected."""
+        with self._lock:
+            expectation = self._expectations.get(transfer_id)
+            if expectation is None:
+                return None
+            blocks = sorted(expectation.block_ids)
+            hashes = [expectation.block_hashes[b] for b in blocks] if expectation.block_hashes else []
+            return blocks, hashes
+
     def cancel(self, transfer_id: str) -> None:
         with self._lock:
             self._expectations.pop(transfer_id, None)

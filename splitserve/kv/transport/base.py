@@ -12,6 +12,8 @@ data plane:
   straight into the peer's pool (a one-sided write, like RDMA) and then sends a small
   notification frame.
 - `tcp`: the layer's blocks travel as one ZeroMQ data frame; the receiver writes them.
+- `nixl`: the pool is registered with a NIXL agent (UCX underneath); the sender writes a
+  layer's blocks with one-sided NIXL WRITEs and the notification rides the WRITE (nixl.py).
 
 The receiver counts arrivals per transfer (layers x blocks) and calls `on_done` exactly
 once: on the last arrival (at once, from the receiving thread, not at the engine's next
@@ -44,6 +46,7 @@ from splitserve.kv.transport.types import (
     PushJob,
     TransferError,
     dtype_name,
+    layout_from_hello,
 )
 from splitserve.runtime.access import internal_token
 
@@ -55,14 +58,6 @@ _POLL_MS = 20
 # How long close() waits for the receiver and lane threads: each polls in 20 ms slices
 # and gives up its socket call at once when closing, so only a copy in progress delays it.
 _JOIN_TIMEOUT_S = 5.0
-
-
-def _optional_int(value: object) -> int | None:
-    if value is None:
-        return None
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"not an integer: {value!r}")
-    return value
 
 
 class KVTransport(ABC):
@@ -353,13 +348,7 @@ class KVTransport(ABC):
                 f"KV peer {peer.engine_id} at {peer.host}:{peer.port} did not answer"
             ) from exc
         try:
-            layout = PoolLayout(
-                tuple(int(size) for size in reply["shape"]),
-                str(reply["dtype"]),
-                _optional_int(reply.get("shm_pid")),
-                _optional_int(reply.get("shm_fd")),
-                None if reply.get("node_id") is None else str(reply["node_id"]),
-            )
+            layout = layout_from_hello(reply)
         except (KeyError, TypeError, ValueError) as exc:
             raise TransferError(f"KV peer {peer.engine_id} answered a malformed HELLO") from exc
         mine = self.layout()
@@ -372,7 +361,16 @@ class KVTransport(ABC):
         self.control.start_session(socket, reply, peer.engine_id)
         socket.peer_pool = self._on_handshake(peer, layout)
         socket.peer_layout = layout
+        self._on_hello_reply(socket, peer, reply)
         return layout
+
+    def hello_fields(self) -> dict:
+        """What this engine answers a HELLO with (over the authenticated control channel)."""
+        return self.layout()._asdict()
+
+    def _on_hello_reply(self, socket: LaneSocket, peer: PeerInfo, reply: dict) -> None:
+        """Connection set-up's last step, with the peer's whole HELLO answer (nixl: its agent)."""
+        return None
 
     def peer_gone(self, socket: LaneSocket) -> bool:
         """Whether the lane's peer has certainly exited (shm: its mapped pool's owner).
@@ -419,7 +417,7 @@ class KVTransport(ABC):
         assert self._router is not None
         kind, header = message.kind, message.header
         if kind == b"HELLO":
-            answer = self.control.hello_answer(message, self.layout()._asdict())
+            answer = self.control.hello_answer(message, self.hello_fields())
             self.control.reply(self._router, message, answer)
         elif kind == b"PUSH":
             blocks = [int(block) for block in header["dst"]]
@@ -437,6 +435,10 @@ class KVTransport(ABC):
             blocks, hashes = [int(block) for block in header["src"]], list(header.get("hashes", []))
             held = self.is_held(header["transfer_id"], blocks, hashes) if self.is_held is not None else True
             self.control.reply(self._router, message, {"held": held})
+        elif kind == b"GRANT":
+            grant = self.arrivals.grant(header["transfer_id"])
+            blocks, hashes = grant if grant is not None else (None, [])
+            self.control.reply(self._router, message, {"blocks": blocks, "hashes": hashes})
         elif kind == b"PULL":
             self._on_pull_request(header)
         elif kind == b"RELEASE":

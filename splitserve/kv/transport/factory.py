@@ -20,8 +20,12 @@ def make_transport(
         from splitserve.kv.transport.tcp import TcpTransport
 
         return TcpTransport(engine_id, config, host, port, max_queued_jobs)
+    if config.transport == "nixl":
+        from splitserve.kv.transport.nixl import NixlTransport
+
+        return NixlTransport(engine_id, config, host, port, max_queued_jobs)
     if config.transport == "auto":
         from splitserve.kv.transport.auto import AutoTransport
 
         return AutoTransport(engine_id, config, host, port, max_queued_jobs)
-    raise TransferError(f"unknown KV transport {config.transport!r} (shm, tcp or auto)")
+    raise TransferError(f"unknown KV transport {config.transport!r} (shm, tcp, nixl or auto)")

@@ -101,6 +101,7 @@ class LaneSocket:
         self.timeout_s = timeout_s
         self.peer_pool: torch.Tensor | None = None  # the peer's pool mapped here (shm)
         self.peer_layout: PoolLayout | None = None  # what the peer answered at connection set-up
+        self.peer_state: object | None = None  # a transport's own per-peer state (nixl: its agent)
         self.session = SenderSession()  # issued by the peer at HELLO; stamps every message
         self.last_stamp = b""  # of the last request sent: its reply must be bound to it
 

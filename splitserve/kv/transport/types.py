@@ -34,6 +34,25 @@ class PoolLayout(NamedTuple):
         return self.shape[0]
 
 
+def _optional_int(value: object) -> int | None:
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"not an integer: {value!r}")
+    return value
+
+
+def layout_from_hello(reply: dict) -> PoolLayout:
+    """The pool layout in a peer's HELLO answer (KeyError, TypeError, ValueError if malformed)."""
+    return PoolLayout(
+        tuple(int(size) for size in reply["shape"]),
+        str(reply["dtype"]),
+        _optional_int(reply.get("shm_pid")),
+        _optional_int(reply.get("shm_fd")),
+        None if reply.get("node_id") is None else str(reply["node_id"]),
+    )
+
+
 class TransferError(RuntimeError):
     """A transfer could not be set up or did not complete in time."""
 
