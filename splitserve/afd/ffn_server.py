@@ -100,6 +100,11 @@ class FfnServer:
             while not self.stopping.is_set():
                 self.serve_once(POLL_MS)
         finally:
+            logger.info(
+                "FFN daemon stopping: %d grouped expert computations, %d requests batched with another's",
+                self.layers_computed,
+                self.requests_batched,
+            )
             self.socket.close()
             self.context.term()
 
