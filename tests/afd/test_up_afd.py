@@ -28,7 +28,7 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 GREEDY = {"max_tokens": 12, "temperature": 0, "ignore_eos": True, "stream": True, "return_token_ids": True}
 SHORT = "the attention side"  # under --min-prefill-tokens: prefilled on the attention engine
 LONG = " ".join(f"word{i} and the experts of layer {i}" for i in range(12))  # through the prefill engine
-LONG_STREAM = {**GREEDY, "prompt": SHORT, "max_tokens": 200}
+LONG_STREAM = {**GREEDY, "prompt": SHORT, "max_tokens": 400}
 ENGINE_FLAGS = ["--num-blocks", "256", "--max-model-len", "2048"]
 # long prompts through the prefill engine, short ones prefilled on the attention engine
 PD_FLAGS = ["--pd-decision", "threshold", "--min-prefill-tokens", "16", "--routing", "round-robin"]
@@ -115,7 +115,7 @@ def test_a_killed_ffn_daemon_is_restarted_and_the_streams_go_on(stacks: Stacks):
     streams = [Stream(stacks.two_to_one, LONG_STREAM) for _ in range(2)]
     for stream in streams:
         stream.start()
-    assert wait_until(lambda: all(len(s.token_ids) >= 5 for s in streams), 60)
+    assert wait_until(lambda: all(s.token_ids for s in streams), 60)
     assert all(s.is_alive() for s in streams)  # mid-stream
     os.kill(daemon_pid, signal.SIGKILL)
     for stream in streams:
