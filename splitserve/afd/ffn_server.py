@@ -3,8 +3,12 @@
 It holds only a MoE model's experts (no attention, no scheduler, no KV cache) and answers
 one message per sparse layer of every forward pass of its attention engine: the layer's
 post-attention hidden states and the router's top-k ids and weights in, the combined
-expert output out (protocol/afd.py). One ZeroMQ ROUTER socket, one thread: messages are
-computed in arrival order.
+expert output out (protocol/afd.py). One ZeroMQ ROUTER socket, one thread. Several
+attention engines may share the daemon (`up --afd 2:1`): what has arrived when it turns
+to the socket is taken together, and the requests for the same layer are computed as one
+batch (their tokens concatenated: one grouped expert computation instead of one per
+engine), each answered with its own rows. Nothing waits for a batch to fill unless
+`batch_window_s` says so.
 
 Authentication reuses the KV transport's pieces (kv/transport/frame_mac.py): every
 message is sealed with a MAC derived from the deployment's internal token under the AFD
@@ -21,6 +25,8 @@ import logging
 import signal
 import threading
 import time
+from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 import zmq
@@ -35,6 +41,19 @@ logger = logging.getLogger(__name__)
 
 POLL_MS = 100
 MAX_MESSAGE_BYTES = 1 << 30
+MAX_BATCH_MESSAGES = 64
+
+
+@dataclass(frozen=True)
+class LayerWork:
+    """One admitted MOE request, its tensors decoded and checked."""
+
+    identity: bytes
+    stamp: bytes
+    request: MoeLayerRequest
+    x: torch.Tensor
+    ids: torch.Tensor
+    weights: torch.Tensor
 
 
 class FfnServer:
@@ -46,8 +65,11 @@ class FfnServer:
         host: str = "127.0.0.1",
         port: int = 0,
         token: str | None = None,
+        batch_window_s: float = 0.0,  # how long to wait for more messages after the first
+        max_batch_messages: int = MAX_BATCH_MESSAGES,
     ) -> None:
         assert config.moe is not None
+        self.batch_window_s, self.max_batch_messages = batch_window_s, max_batch_messages
         self.experts, self.dtype = experts, dtype
         self.layout = FfnLayout(
             config.hidden_size,
@@ -68,43 +90,66 @@ class FfnServer:
         else:
             self.port = self.socket.bind_to_random_port(f"tcp://{host}")
         self.stopping = threading.Event()
-        self.layers_computed = 0
+        self.layers_computed = 0  # grouped expert computations
+        self.requests_batched = 0  # requests computed in a batch with another engine's
         self.refused = 0
 
     def serve_forever(self) -> None:
         """Answer messages until stop() (or SIGINT/SIGTERM in the CLI)."""
         try:
             while not self.stopping.is_set():
-                if self.socket.poll(POLL_MS):
-                    identity, *frames = self.socket.recv_multipart()
-                    self.handle(identity, frames)
+                self.serve_once(POLL_MS)
         finally:
+            logger.info(
+                "FFN daemon stopping: %d grouped expert computations, %d requests batched with another's",
+                self.layers_computed,
+                self.requests_batched,
+            )
             self.socket.close()
             self.context.term()
+
+    def serve_once(self, timeout_ms: int) -> int:
+        """Take what has arrived (waiting up to `timeout_ms` for a first message, then up
+        to `batch_window_s` for more) and answer it all; how many messages."""
+        if not self.socket.poll(timeout_ms):
+            return 0
+        arrived = [self.socket.recv_multipart()]
+        deadline = time.monotonic() + self.batch_window_s
+        while len(arrived) < self.max_batch_messages and self.socket.poll(
+            max(0, int((deadline - time.monotonic()) * 1000))
+        ):
+            arrived.append(self.socket.recv_multipart())
+        work = [item for identity, *frames in arrived if (item := self.admit(identity, frames)) is not None]
+        by_layer: dict[int, list[LayerWork]] = defaultdict(list)
+        for item in work:
+            by_layer[item.request.layer].append(item)
+        for layer, items in by_layer.items():
+            self.compute_layer(layer, items)
+        return len(arrived)
 
     def stop(self) -> None:
         self.stopping.set()
 
-    def handle(self, identity: bytes, frames: list[bytes]) -> None:
+    def admit(self, identity: bytes, frames: list[bytes]) -> LayerWork | None:
+        """A checked MOE request to compute; anything else (HELLO, a refusal, an error)
+        is answered here."""
         body = self.mac.open(frames)
         if body is None or (self.mac.enabled and len(body) < 3):
             self.refused += 1
             logger.warning("refused an FFN message that failed authentication")
             self.socket.send_multipart([identity, json.dumps({"ok": False, "error": UNAUTHORIZED}).encode()])
-            return
+            return None
         stamp = b""
         if self.mac.enabled:
             stamp, body = body[-1], body[:-1]
         if len(body) < 2:
             logger.warning("dropped an FFN message without a header")
-            return
+            return None
         kind, header_frame, data = body[0], body[1], body[2:]
         if self.mac.enabled and kind != HELLO and not self.sessions.admit(stamp):
             self.refused += 1
             logger.warning("dropped a replayed FFN message (or of a session this daemon did not issue)")
-            return
-        answer: dict
-        out: list[bytes] = []
+            return None
         try:
             header = json.loads(header_frame)
             if not isinstance(header, dict):
@@ -113,34 +158,29 @@ class FfnServer:
                 answer = {"id": header.get("id"), "ok": True, **self.layout.to_header()}
                 if self.mac.enabled:
                     answer["session"] = self.sessions.issue(identity).hex()
-            elif kind == MOE:
+                self.reply(identity, stamp, answer, [])
+                return None
+            if kind == MOE:
                 request = MoeLayerRequest.from_header(header)
-                started = time.perf_counter()
-                combined = self.compute(request, data)
-                answer = {
-                    "id": request.id,
-                    "ok": True,
-                    "layer": request.layer,
-                    "num_tokens": request.num_tokens,
-                    "compute_s": time.perf_counter() - started,  # the rest of a round trip is exposed
-                }
-                out = [tensor_frame(combined)]
-            else:
-                raise AfdProtocolError(f"unknown message kind {kind[:16]!r}")
+                return LayerWork(identity, stamp, request, *self.layer_tensors(request, data))
+            raise AfdProtocolError(f"unknown message kind {kind[:16]!r}")
         except (ValueError, KeyError, RuntimeError) as exc:
-            answer, out = (
-                {"id": _request_id(header_frame), "ok": False, "error": f"{type(exc).__name__}: {exc}"},
-                [],
-            )
-        reply = [json.dumps(answer).encode(), *out]
-        if self.mac.enabled:
-            reply.append(stamp)  # binds the reply to the request it answers
-        self.socket.send_multipart([identity, *self.mac.seal(reply)])
+            error = {"id": _request_id(header_frame), "ok": False, "error": f"{type(exc).__name__}: {exc}"}
+            self.reply(identity, stamp, error, [])
+            return None
 
-    @torch.inference_mode()
-    def compute(self, request: MoeLayerRequest, data: list[bytes]) -> torch.Tensor:
-        experts = self.experts.get(request.layer)
-        if experts is None:
+    def reply(self, identity: bytes, stamp: bytes, answer: dict, data: list[bytes]) -> None:
+        frames = [json.dumps(answer).encode(), *data]
+        if self.mac.enabled:
+            frames.append(stamp)  # binds the reply to the request it answers
+        self.socket.send_multipart([identity, *self.mac.seal(frames)])
+
+    def layer_tensors(
+        self, request: MoeLayerRequest, data: list[bytes]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The request's hidden states, expert ids and weights (AfdProtocolError, or
+        ValueError for a frame of the wrong size, when they are not what it says)."""
+        if request.layer not in self.experts:
             raise AfdProtocolError(f"layer {request.layer} is not a sparse layer of this model")
         if DTYPES[request.dtype] != self.dtype or request.top_k != self.layout.top_k or len(data) != 3:
             raise AfdProtocolError(
@@ -152,8 +192,35 @@ class FfnServer:
         weights = tensor_from_frame(data[2], self.dtype, (tokens, top_k))
         if tokens and (int(ids.min()) < 0 or int(ids.max()) >= self.layout.num_experts):
             raise AfdProtocolError(f"expert ids must be in 0..{self.layout.num_experts - 1}")
+        return x, ids, weights
+
+    @torch.inference_mode()
+    def compute_layer(self, layer: int, items: list[LayerWork]) -> None:
+        """One grouped expert computation for every request of `layer`, each answered
+        with its rows; `compute_s` is the batch's (what each of them waited for)."""
+        started = time.perf_counter()
+        if len(items) == 1:
+            outputs = [self.experts[layer](items[0].x, items[0].ids, items[0].weights)]
+        else:
+            combined = self.experts[layer](
+                torch.cat([i.x for i in items]),
+                torch.cat([i.ids for i in items]),
+                torch.cat([i.weights for i in items]),
+            )
+            outputs = list(combined.split([i.request.num_tokens for i in items]))
+            self.requests_batched += len(items)
         self.layers_computed += 1
-        return experts(x, ids, weights)
+        compute_s = time.perf_counter() - started  # the rest of a round trip is exposed
+        for item, output in zip(items, outputs, strict=True):
+            request = item.request
+            answer = {
+                "id": request.id,
+                "ok": True,
+                "layer": layer,
+                "num_tokens": request.num_tokens,
+                "compute_s": compute_s,
+            }
+            self.reply(item.identity, item.stamp, answer, [tensor_frame(output)])
 
 
 def _request_id(header_frame: bytes) -> object:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-ROLES = ("render", "prefill", "decode", "encoder", "proxy")
+ROLES = ("render", "prefill", "decode", "encoder", "ffn", "proxy")
 # Read by torch (intra-op threads) and the BLAS libraries: one thread per CPU a part owns,
 # so a pinned engine does not run more threads than its cores.
 THREADS_ENV = "OMP_NUM_THREADS"

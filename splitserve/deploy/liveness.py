@@ -52,6 +52,8 @@ class LivenessWatch:
 
     def _check(self, client: httpx.Client, part: Part) -> None:
         pid = part.process.pid
+        if not part.url.startswith("http"):
+            return  # an FFN daemon has no /health: the supervisor restarts it once it exits
         if part.process.poll() is not None:
             self._last_answer.pop(pid, None)
             return

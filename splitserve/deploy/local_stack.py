@@ -8,6 +8,7 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -15,8 +16,9 @@ import time
 import httpx
 
 from splitserve.deploy.liveness import LivenessWatch
-from splitserve.deploy.plan import DeploymentPlan, TierPlan, kv_event_flags, tier_env
+from splitserve.deploy.plan import FFN_ROLE, DeploymentPlan, TierPlan, kv_event_flags, tier_env
 from splitserve.deploy.supervisor import Part, Supervisor, kill_part, start_part
+from splitserve.deploy.up_afd import ffn_addresses
 from splitserve.runtime.access import API_KEY_ENV, INTERNAL_TOKEN_ENV, api_keys
 from splitserve.runtime.ports import pick_free_port
 from splitserve.runtime.process_lifetime import owned_directory, remove_dead_owners
@@ -43,7 +45,9 @@ def remove_stale_ec_directories() -> None:
 
 
 def wait_healthy(parts: list[Part], timeout_s: float) -> str | None:
-    """None when every part answers /health; else why not."""
+    """None when every part answers /health (an FFN daemon, which has no HTTP: accepts a
+    connection on its port; the decode engines it serves are healthy only once it has
+    answered their HELLO); else why not."""
     deadline = time.monotonic() + timeout_s
     pending = list(parts)
     with httpx.Client(timeout=2.0) as client:
@@ -51,6 +55,10 @@ def wait_healthy(parts: list[Part], timeout_s: float) -> str | None:
             for part in list(pending):
                 if part.process.poll() is not None:
                     return f"{part.name} exited with code {part.process.returncode} while starting"
+                if part.url.startswith("tcp://"):
+                    if port_accepts(part.url):
+                        pending.remove(part)
+                    continue
                 headers = {"Authorization": f"Bearer {part.credential}"} if part.credential else {}
                 with contextlib.suppress(httpx.HTTPError):
                     if client.get(f"{part.url}/health", headers=headers).status_code == 200:
@@ -60,6 +68,16 @@ def wait_healthy(parts: list[Part], timeout_s: float) -> str | None:
             if pending:
                 time.sleep(POLL_S)
     return None
+
+
+def port_accepts(url: str) -> bool:
+    """Whether something listens at `tcp://HOST:PORT`."""
+    host, _, port = url.removeprefix("tcp://").rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=1.0):
+            return True
+    except OSError:
+        return False
 
 
 def stop_parts(parts: list[Part], timeout_s: float, at_once: list[int]) -> None:
@@ -134,6 +152,11 @@ class LocalStack:
             port = self.free_port()
             argv = ["--host", host, "--port", str(port)]
             self.start_part(next(names), render, argv, f"http://{host}:{port}", token)
+        ffn_ports = [self.free_port() for _ in range(self.plan.count(FFN_ROLE))]
+        for port in ffn_ports:  # no HTTP: the url says where its ZeroMQ socket listens
+            argv = ["--host", host, "--port", str(port)]
+            self.start_part(next(names), self.plan.tier(FFN_ROLE), argv, f"tcp://{host}:{port}", token)
+        ffn_flags = [["--ffn-address", a] for a in ffn_addresses(host, ffn_ports, self.plan.count("decode"))]
         ec_flags: list[str] = []
         if self.plan.count("encoder"):  # one encoder cache for the stack's engines, on this host's tmpfs
             ec_dir = ec_directory()
@@ -154,6 +177,8 @@ class LocalStack:
                 if tier.moves_kv:
                     argv += ["--kv-port", str(ports[index]), "--kv-peers", *kv_peers]
                     argv += kv_event_flags(host, self.free_port(), self.free_port())
+                if tier.role == "decode" and ffn_flags:
+                    argv += ffn_flags[index]
                 self.start_part(next(names), tier, argv, f"http://{host}:{port}", token)
         error = wait_healthy(self.parts, timeout_s)
         if error is not None or self.stop_requested:

@@ -22,13 +22,14 @@ from splitserve.runtime.access import API_KEY_ENV, INTERNAL_TOKEN_ENV
 
 SERVER_TIERS = ("render", "prefill", "decode", "encoder")  # what both launchers start
 KV_ROLES = ("prefill", "decode")  # the engines that move KV (and publish KV events)
+FFN_ROLE = "ffn"  # `up --afd A:F`: the FFN daemons the decode (attention) engines call per MoE layer
 
 
 @dataclass(frozen=True)
 class TierPlan:
     """One tier: the command line its replicas share, and the secrets they get."""
 
-    role: str  # render, prefill, decode, encoder or proxy
+    role: str  # render, prefill, decode, encoder, ffn or proxy
     argv: tuple[str, ...]  # `splitserve` arguments, with no host, port or peer on it
     secret_names: tuple[str, ...]  # environment variables its processes get from the deployment
 
@@ -61,9 +62,11 @@ class DeploymentPlan:
 
 
 def up_replicas(args: argparse.Namespace) -> tuple[tuple[str, int], ...]:
-    """Each tier's replica count from `up`'s flags, in start order (the proxy last)."""
+    """Each tier's replica count from `up`'s flags, in start order (the proxy last; the
+    FFN daemons of `--afd` before the engines)."""
+    ffn = ((FFN_ROLE, args.afd[1]),) if getattr(args, "afd", None) else ()
     return (
-        ("render", args.render), ("prefill", args.prefill), ("decode", args.decode),
+        ("render", args.render), *ffn, ("prefill", args.prefill), ("decode", args.decode),
         ("encoder", args.encoder), ("proxy", 1),
     )  # fmt: skip
 
@@ -189,7 +192,17 @@ def plan_from_args(
         engine=engine_flags(args),
     )
     proxy = TierPlan("proxy", ("proxy", *proxy_flags(args)), (INTERNAL_TOKEN_ENV, API_KEY_ENV))
+    if getattr(args, "afd", None):
+        tiers = (*tiers, ffn_tier(model, args.log_level, engine_flags(args)))
     return DeploymentPlan(tiers=(*tiers, proxy), replicas=up_replicas(args))
+
+
+def ffn_tier(model: str | None, log_level: str, engine: tuple[str, ...]) -> TierPlan:
+    """`up --afd`'s FFN daemons: the engine's flags (the dtype must be the attention
+    engines'), the host and port the launcher's."""
+    given_model = (model,) if model else ()
+    argv = ("engine", *given_model, "--role", FFN_ROLE, "--log-level", log_level, *engine)
+    return TierPlan(FFN_ROLE, argv, (INTERNAL_TOKEN_ENV,))
 
 
 def deployment_secrets(api_key: str | None) -> dict[str, str]:

@@ -24,6 +24,7 @@ from splitserve.deploy.cpu_affinity import parse_cpu_affinity
 from splitserve.deploy.local_stack import LocalStack, remove_stale_ec_directories
 from splitserve.deploy.plan import deployment_secrets, part_names, plan_from_args, up_replicas
 from splitserve.deploy.supervisor import Part
+from splitserve.deploy.up_afd import add_afd_arguments, afd_flag_error, afd_model_error
 from splitserve.deploy.up_plan import NoteGiven, add_plan_arguments, plan_flag_error, plan_layout
 from splitserve.frontend.media_cli import add_media_arguments
 from splitserve.kv.transport.nixl_package import NIXL_MISSING, nixl_present
@@ -188,6 +189,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"]
     )
+    add_afd_arguments(parser)  # --afd A:F: the decode side as attention engines and FFN daemons
     add_plan_arguments(parser)  # --plan --rate R: the layout the simulator picks for this host
     add_ray_arguments(parser)  # --ray [ADDRESS]: the same stack as a Ray Serve application
 
@@ -196,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
     """Plan, start, supervise: until a stop is asked for or a part cannot start."""
     from splitserve.model_files.resolve import resolve_model_or_exit
 
-    error = plan_flag_error(args)
+    error = plan_flag_error(args) or afd_flag_error(args)
     if error is not None:
         print(f"splitserve up: {error}", file=sys.stderr)
         return 2
@@ -241,6 +243,10 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    error = afd_model_error(resolved.path) if args.afd else None
+    if error is not None:
+        print(f"splitserve up: {error}", file=sys.stderr)
+        return 2
     plan = plan_from_args(args, resolved.path, args.served_model_name or resolved.name)
     remove_stale_ec_directories()
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
@@ -265,7 +271,11 @@ def run(args: argparse.Namespace) -> int:
 def print_endpoints(args: argparse.Namespace, parts: list[Part]) -> None:
     transport = args.transport or "default"
     encoders = f" + {args.encoder} encoder" if args.encoder else ""
-    print(f"splitserve up: {args.prefill} prefill + {args.decode} decode{encoders}, {transport}/{args.mode}")
+    ffn = f" (attention) + {args.afd[1]} ffn" if args.afd else ""
+    print(
+        f"splitserve up: {args.prefill} prefill + {args.decode} decode{ffn}{encoders}, "
+        f"{transport}/{args.mode}"
+    )
     for part in parts:
         cpus = f"  CPUs {','.join(map(str, sorted(part.cpus)))}" if part.cpus else ""
         print(f"  {part.name:<10} {part.url}  (pid {part.process.pid}){cpus}")

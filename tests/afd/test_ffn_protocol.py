@@ -90,3 +90,40 @@ def test_a_replayed_message_is_dropped(served):
             replayer.close()
     finally:
         client.close()
+
+
+def test_requests_of_two_engines_for_one_layer_are_computed_as_one_batch(tiny_model_factory):
+    """Two attention engines' requests for the same layer, there together: one grouped
+    expert computation, each answered with its own rows (bf16: bit for bit)."""
+    model_dir = tiny_model_factory(arch="qwen3_moe", layers=4, dtype="bfloat16")
+    config = load_decoder_config(model_dir)
+    experts = load_experts(model_dir, config, torch.bfloat16, torch.device("cpu"))
+    server = FfnServer(experts, config, torch.bfloat16, token=TOKEN)
+    clients = [FfnClient("127.0.0.1", server.port, TOKEN, timeout_s=10) for _ in range(2)]
+    try:
+        hellos = [threading.Thread(target=c.connect) for c in clients]
+        for thread in hellos:
+            thread.start()
+        assert wait_until(lambda: server.serve_once(100) >= 0 and all(c.layout for c in clients))
+        server.batch_window_s, server.max_batch_messages = 10.0, 2  # the test waits for both
+        inputs = [layer_inputs(tokens, seed) for tokens, seed in ((3, 7), (5, 8))]
+        answers: dict[int, torch.Tensor] = {}
+
+        def compute(index: int) -> None:
+            answers[index] = clients[index].compute(1, *inputs[index])
+
+        computing = [threading.Thread(target=compute, args=(i,)) for i in range(2)]
+        for thread in computing:
+            thread.start()
+        computed_before = server.layers_computed
+        assert server.serve_once(10_000) == 2
+        for thread in computing:
+            thread.join(timeout=10)
+        assert server.layers_computed == computed_before + 1 and server.requests_batched == 2
+        for index, (x, ids, weights) in enumerate(inputs):
+            assert torch.equal(answers[index], experts[1](x, ids, weights))
+    finally:
+        for client in clients:
+            client.close()
+        server.socket.close()
+        server.context.term()

@@ -9,6 +9,7 @@ import pytest
 
 from splitserve.deploy import up_cli
 from splitserve.deploy.plan import DeploymentPlan, deployment_secrets, plan_from_args, tier_env
+from splitserve.deploy.up_afd import afd_flag_error
 from splitserve.ray_serve.config import config_from_args, with_transport
 from splitserve.ray_serve.tier import server_command
 from splitserve.runtime.access import API_KEY_ENV, INTERNAL_TOKEN_ENV
@@ -90,6 +91,17 @@ def test_part_names_follow_the_replica_counts_in_start_order():
     assert plan().part_names() == ["render", "prefill-0", "decode-0", "proxy"]
     names = plan("--render", "2", "--prefill", "0", "--decode", "2", "--encoder", "1").part_names()
     assert names == ["render-0", "render-1", "decode-0", "decode-1", "encoder-0", "proxy"]
+
+
+def test_up_afd_adds_ffn_daemons_before_the_engines_with_the_engines_dtype():
+    args = up_args("--afd", "2:1", "--dtype", "bfloat16")
+    assert afd_flag_error(args) is None and args.decode == 2
+    tiers = plan_from_args(args, "/models/m", "m")
+    assert tiers.part_names() == ["render", "ffn-0", "prefill-0", "decode-0", "decode-1", "proxy"]
+    ffn = tiers.tier("ffn").argv
+    assert ffn[:4] == ("engine", "/models/m", "--role", "ffn") and flag_value(ffn, "--dtype") == "bfloat16"
+    assert tiers.tier("ffn").secret_names == (INTERNAL_TOKEN_ENV,)
+    assert "ffn" not in [t.role for t in plan().tiers]
 
 
 @pytest.mark.parametrize(

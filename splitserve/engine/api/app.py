@@ -65,6 +65,10 @@ def create_engine_app(
     engine.add_step_listener(metrics.on_step)
     if engine.engine.multimodal is not None:  # a vision-language model: image counters
         metrics.registry.register(MultiModalCollector(engine.engine.multimodal.stats))
+    if engine.engine.runner.ffn is not None:  # attention-FFN disaggregation: the traffic per step
+        from splitserve.afd.metrics import AfdStepMetrics
+
+        engine.add_step_listener(AfdStepMetrics(engine.engine.runner.ffn, metrics.registry).on_step)
     client = LocalEngineClient(engine, metrics, max_model_len=max_model_len, max_pixel_bytes=max_pixel_bytes)
     body_limit = MAX_BODY_BYTES + max_pixel_bytes * 4 // 3  # images: base64 pixels in `features`
 

@@ -76,7 +76,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="attention: a MoE model's experts run on the FFN daemon at --ffn-address; "
         "ffn: that daemon (the experts only, on --port; no HTTP API, no scheduler, no KV)",
     )
-    parser.add_argument("--ffn-address", default=None, help="--role attention: the FFN daemon's HOST:PORT")
+    parser.add_argument(
+        "--ffn-address", default=None, help="--role attention (or decode): the FFN daemon's HOST:PORT"
+    )
     parser.add_argument(
         "--ffn-timeout", type=float, default=30.0, help="seconds for the FFN daemon's answer to one layer"
     )
@@ -214,10 +216,13 @@ def engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
 
 
 def afd_config(args: argparse.Namespace) -> AfdConfig | None:
-    """--role attention's FFN daemon (ValueError without a valid --ffn-address)."""
-    if args.role != "attention":
+    """The FFN daemon of --role attention, or of a decode engine given --ffn-address (the
+    attention side behind P/D: `up --afd`); ValueError without a valid --ffn-address."""
+    if args.role == "decode" and args.ffn_address is None:
+        return None
+    if args.role not in ("attention", "decode"):
         if args.ffn_address is not None:
-            raise ValueError("--ffn-address needs --role attention")
+            raise ValueError("--ffn-address needs --role attention or decode")
         return None
     host, _, port = (args.ffn_address or "").rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:

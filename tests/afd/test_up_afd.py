@@ -1,0 +1,144 @@
+"""`splitserve up MODEL --afd A:F`: the decode side as A attention engines sharing F FFN
+daemons answers `serve`'s greedy tokens, with P/D in front (`--prefill 1`: long prompts
+are prefilled there and handed to an attention engine, short ones prefilled on it) and
+without (`--prefill 0`); two attention engines use one daemon at once; the attention
+engines' /metrics carry the traffic per step; a daemon SIGKILLed mid-stream is started
+again by `up` and the streams go on, equal to the undisturbed run. The stacks start side
+by side (their start-ups are most of the time)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+from splitserve.cli import main
+from splitserve.runtime.access import INTERNAL_TOKEN_ENV
+from tests.conftest import free_port, running_servers, wait_until
+from tests.router.test_migration import Stream
+from tests.router.test_pd_proxy import metric, up_log
+
+TOKEN = "up-afd-test-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+GREEDY = {"max_tokens": 12, "temperature": 0, "ignore_eos": True, "stream": True, "return_token_ids": True}
+SHORT = "the attention side"  # under --min-prefill-tokens: prefilled on the attention engine
+LONG = " ".join(f"word{i} and the experts of layer {i}" for i in range(12))  # through the prefill engine
+LONG_STREAM = {**GREEDY, "prompt": SHORT, "max_tokens": 400}
+ENGINE_FLAGS = ["--num-blocks", "256", "--max-model-len", "2048"]
+# long prompts through the prefill engine, short ones prefilled on the attention engine
+PD_FLAGS = ["--pd-decision", "threshold", "--min-prefill-tokens", "16", "--routing", "round-robin"]
+
+
+@dataclass
+class Stacks:
+    serve: str
+    one_to_one: str  # up --afd 1:1 --prefill 0
+    two_to_one: str  # up --afd 2:1 --prefill 1
+    two_to_one_port: int
+
+
+@pytest.fixture(scope="module")
+def moe(tiny_model_factory) -> str:
+    return tiny_model_factory(arch="qwen3_moe", layers=4, dtype="bfloat16")
+
+
+@pytest.fixture(scope="module")
+def stacks(moe) -> Iterator[Stacks]:
+    serve, one, two = free_port(), free_port(), free_port()
+    servers = [
+        (["serve", moe, "--port", str(serve), *ENGINE_FLAGS], serve),
+        (["up", moe, "--port", str(one), "--afd", "1:1", "--prefill", "0", *ENGINE_FLAGS], one),
+        (["up", moe, "--port", str(two), "--afd", "2:1", "--prefill", "1", *ENGINE_FLAGS, *PD_FLAGS], two),
+    ]
+    with running_servers(servers, timeout=240, env={INTERNAL_TOKEN_ENV: TOKEN}) as (s, a, b):
+        assert wait_until(lambda: all("OpenAI API:" in up_log(p) for p in (one, two)), 60)
+        yield Stacks(s, a, b, two)
+
+
+def streamed(base: str, bodies: list[dict]) -> list[Stream]:
+    """The completions of `bodies`, all at once."""
+    streams = [Stream(base, body) for body in bodies]
+    for stream in streams:
+        stream.start()
+    for stream in streams:
+        stream.join()
+        assert stream.error is None and stream.finish_reason == "length", stream.error
+    return streams
+
+
+def token_ids(base: str, prompts: list[str]) -> list[list[int]]:
+    return [s.token_ids for s in streamed(base, [{**GREEDY, "prompt": p} for p in prompts])]
+
+
+def parts(port: int) -> dict[str, tuple[str, int]]:
+    """`up`'s parts as it printed them: name -> (url, pid)."""
+    found = re.findall(r"^\s+(\S+)\s+(\S+://\S+)\s+\(pid (\d+)\)", up_log(port), re.M)
+    return {name: (url, int(pid)) for name, url, pid in found}
+
+
+def test_up_afd_equals_serve_with_and_without_pd(stacks: Stacks):
+    prompts = [SHORT, LONG]
+    expected = token_ids(stacks.serve, prompts)
+    assert token_ids(stacks.one_to_one, prompts) == expected
+    # both attention engines at once (round robin), both on the one daemon; the long
+    # prompts through the prefill engine, the short ones prefilled on the attention side
+    assert token_ids(stacks.two_to_one, prompts * 2) == expected * 2
+    names = parts(stacks.two_to_one_port)
+    assert {"ffn-0", "prefill-0", "decode-0", "decode-1"} <= set(names)
+    for name in ("decode-0", "decode-1"):
+        text = httpx.get(f"{names[name][0]}/metrics", headers=AUTH, timeout=10).text
+        assert metric(text, "splitserve_afd_step_bytes_sent_count") > 0
+        assert metric(text, "splitserve_afd_step_bytes_sent_sum") > metric(
+            text, "splitserve_afd_step_bytes_received_sum"
+        )  # the routing goes out beside the hidden states
+        assert metric(text, "splitserve_afd_step_exposed_communication_seconds_count") > 0
+        routed = sum(
+            metric(text, "splitserve_afd_step_expert_tokens_sum", f'{{expert="{e}"}}') for e in range(8)
+        )
+        assert routed > 0
+    prefill = httpx.get(f"{names['prefill-0'][0]}/metrics", headers=AUTH, timeout=10).text
+    assert "splitserve_afd_step_bytes_sent" not in prefill  # the prefill engine holds its experts
+    assert metric(prefill, "splitserve_prompt_tokens_total") > 0  # the long prompts went through P/D
+
+
+def test_a_killed_ffn_daemon_is_restarted_and_the_streams_go_on(stacks: Stacks):
+    """Both attention engines are mid-stream on the one daemon when it is SIGKILLed: each
+    sends its layer again to the daemon `up` starts in its place; nothing ends in error."""
+    (expected,) = [s.token_ids for s in streamed(stacks.serve, [LONG_STREAM])]
+    port = stacks.two_to_one_port
+    daemon_pid = parts(port)["ffn-0"][1]
+    streams = [Stream(stacks.two_to_one, LONG_STREAM) for _ in range(2)]
+    for stream in streams:
+        stream.start()
+    assert wait_until(lambda: all(s.token_ids for s in streams), 60)
+    assert all(s.is_alive() for s in streams)  # mid-stream
+    os.kill(daemon_pid, signal.SIGKILL)
+    for stream in streams:
+        stream.join()
+        assert stream.error is None and stream.finish_reason == "length", stream.error
+        assert stream.token_ids == expected
+    assert "ffn-0 started again" in up_log(port)
+    resent = 0.0
+    for name in ("decode-0", "decode-1"):
+        text = httpx.get(f"{parts(port)[name][0]}/metrics", headers=AUTH, timeout=10).text
+        resent += metric(text, "splitserve_afd_layers_resent_total")
+    assert resent >= 1
+
+
+def test_up_afd_refuses_a_model_without_moe_layers_and_bad_ratios(tiny_model, capsys):
+    """Refused before any part starts, with the reason (exit status 2)."""
+    assert main(["up", tiny_model, "--afd", "1:1"]) == 2
+    assert "--afd needs a mixture-of-experts model" in capsys.readouterr().err
+    for ratio in ("2", "0:1", "a:b"):
+        with pytest.raises(SystemExit) as exited:
+            main(["up", tiny_model, "--afd", ratio])
+        assert exited.value.code == 2 and "--afd" in capsys.readouterr().err
+    assert main(["up", tiny_model, "--afd", "2:1", "--decode", "3"]) == 2
+    assert "not --decode 3" in capsys.readouterr().err
+    assert main(["up", tiny_model, "--afd", "2:1", "--ray"]) == 2
+    assert "not with --ray" in capsys.readouterr().err
