@@ -112,7 +112,12 @@ def engine_url():
             }
             self._send(200, json.dumps(out).encode())
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    class Server(ThreadingHTTPServer):
+        # the probes open up to 16 connections at once: http.server's listen backlog of 5
+        # overflowed on a loaded machine and reset one (uvicorn's is 2048)
+        request_queue_size = 128
+
+    server = Server(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{server.server_port}"
     server.shutdown()
