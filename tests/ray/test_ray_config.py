@@ -56,6 +56,15 @@ def test_a_yaml_config_reads_and_checks(tmp_path):
         ("replicas: 3", "unknown key(s) replicas"),
         ("- a list", "must be a mapping"),
         ("tiers: {render: {}, decode: {}}\nmode: both", "mode: push or pull"),
+        ("tiers: {render: {}, decode: {}}\nplanner: {}", "planner: the decode tier needs autoscaling bounds"),
+        (
+            "tiers: {render: {}, decode: {max_replicas: 2}, prefill: {replicas: 0, max_replicas: 1}}\n"
+            "planner: {}",
+            "planner: prefill needs min_replicas >= 1",
+        ),
+        ("tiers: {render: {}, decode: {max_replicas: 2}}\nplanner: {slo: 1}", "planner: unknown key(s) slo"),
+        ("tiers: {render: {}, decode: {max_replicas: 2}}\nplanner: [1]", "planner: expected a mapping"),
+        ("tiers: {render: {}, decode: {max_replicas: 2}}\nplanner: {target: 2}", "planner.target must be"),
     ],
 )
 def test_config_errors_name_what_to_change(tmp_path, text, message):
@@ -75,6 +84,18 @@ def test_up_ray_stops_on_a_bad_config_before_connecting(tmp_path):
         (["--decode", "0"], "decode: needs at least 1 replica"),
         (["--ray-tier", "decode:max_replicas=1,min_replicas=2"], "min_replicas"),
         (["--ray", "http://head:8265"], "expected auto, HOST:PORT or ray://HOST[:PORT]"),
+        (["--ray-planner"], "planner: the decode tier needs autoscaling bounds"),
+        (
+            [
+                "--ray-planner",
+                "--ray-tier",
+                "decode:max_replicas=2",
+                "--profile",
+                str(tmp_path / "none.json"),
+            ],
+            "no such file",
+        ),
+        (["--lengths", "256/64"], "--lengths: only with --plan"),
     ):
         done = subprocess.run(
             [sys.executable, "-m", "splitserve.cli", "up", "--ray", "127.0.0.1:1", *args],
@@ -83,6 +104,27 @@ def test_up_ray_stops_on_a_bad_config_before_connecting(tmp_path):
             timeout=60,
         )
         assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_a_yaml_planner_reads_its_slos_and_interval(tmp_path):
+    text = "tiers: {render: {}, decode: {max_replicas: 2}}\n"
+    text += "planner: {interval_s: 5, slo_ttft: 2, slo_gap: 0.2, target: 0.95}"
+    config = load_yaml(write(tmp_path, text))
+    check(config)
+    planner = config.planner
+    assert planner is not None and (planner.interval_s, planner.target, planner.profile) == (5.0, 0.95, None)
+    assert [(slo.ttft, slo.tpot, slo.gap) for slo in planner.slos] == [(2.0, None, 0.2)]
+    assert load_yaml(write(tmp_path, "tiers: {render: {}, decode: {}}")).planner is None
+
+
+def test_the_ray_planner_needs_ray():
+    done = subprocess.run(
+        [sys.executable, "-m", "splitserve.cli", "up", "--ray-planner"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and "--ray-planner plans a Ray deployment: only with --ray" in done.stderr
 
 
 @pytest.mark.parametrize(
