@@ -18,6 +18,7 @@ from splitserve.kv.connector.base import KVCacheAllocator, KVConnector, RequestS
 from splitserve.model.attention import AttentionMetadata, PrefillChunk
 from splitserve.model.decoder import DecoderModel, load_model
 from splitserve.model.decoder_config import DecoderConfig
+from splitserve.model.gguf_loader import quantization_plan
 from splitserve.model.loader import load_decoder_config
 from splitserve.model.native import load_cpu_ops
 from splitserve.model.qwen2_vl import Qwen2VLModel, is_qwen2_vl, load_qwen2_vl, load_qwen2_vl_config
@@ -59,7 +60,13 @@ class ModelRunner:
         )
         dc = self.decoder_config
         self.device = torch.device(config.model.device) if config.model.device else default_device()
-        self.dtype = choose_dtype(config.model.dtype, dc.dtype, self.device)
+        # a GGUF file's Q8_0/Q4_x projections kept in their blocks: their activations (the
+        # residual stream, attention, KV) stay float32 unless a dtype is named, as
+        # llama.cpp's do (bf16 activations on top of int8 rounding lost the demo model's
+        # answer to a plain question: docs/engine-kernels.md)
+        quantized = quantization_plan(config.model.model, config.model.quantization, config.model.dtype)
+        requested_dtype = config.model.dtype or ("float32" if quantized else None)
+        self.dtype = choose_dtype(requested_dtype, dc.dtype, self.device)
         if self.device.type == "cpu":
             # built and loaded here, before any part says it is healthy: never on a request
             load_cpu_ops()
@@ -87,7 +94,9 @@ class ModelRunner:
         self.multimodal: MultiModalRunner | None = None  # for a vision-language model
         self.ffn: FfnClient | None = None  # attention-FFN disaggregation: the experts' daemon
         if self.vl_config is None:
-            self.model = load_model(config.model.model, dc, self.dtype, self.device, config.afd is None)
+            self.model = load_model(
+                config.model.model, dc, self.dtype, self.device, config.afd is None, quantized
+            )
             if config.afd is not None:
                 self.ffn = attach_ffn(self.model, config.afd, self.dtype, internal_token())
         elif config.afd is not None:

@@ -12,6 +12,7 @@ activation rounding.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -111,3 +112,15 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, qtype={self.qtype.name}"
+
+
+def replace_with_quant_linears(model: nn.Module, quantized: Mapping[str, GGMLQuantizationType]) -> None:
+    """Swap each named Linear of `model` (`layers.0.self_attn.qkv_proj`, `lm_head`) for a
+    QuantLinear of the same shape holding that type's blocks."""
+    for name, qtype in quantized.items():
+        old = model.get_submodule(name)
+        if not isinstance(old, nn.Linear):
+            raise ValueError(f"{name!r} is not a Linear layer")
+        parent_name, _, attr = name.rpartition(".")
+        replacement = QuantLinear(old.in_features, old.out_features, qtype, bias=old.bias is not None)
+        setattr(model.get_submodule(parent_name), attr, replacement)
