@@ -62,8 +62,8 @@ class ModelRunner:
         self.device = torch.device(config.model.device) if config.model.device else default_device()
         # a GGUF file's Q8_0/Q4_x projections kept in their blocks: their activations (the
         # residual stream, attention, KV) stay float32 unless a dtype is named, as
-        # llama.cpp's do (bf16 activations on top of int8 rounding lost the demo model's
-        # answer to a plain question: docs/engine-kernels.md)
+        # llama.cpp's do (bf16 on top of the int8 rounding: a larger logit error on the
+        # demo model, docs/engine-kernels.md)
         quantized = quantization_plan(config.model.model, config.model.quantization, config.model.dtype)
         requested_dtype = config.model.dtype or ("float32" if quantized else None)
         self.dtype = choose_dtype(requested_dtype, dc.dtype, self.device)

@@ -21,7 +21,9 @@ from splitserve.model.quant_linear import QuantLinear
 from splitserve.protocol.sampling_params import SamplingParams
 from tests.model.gguf_files import GGUF_SPEC, write_tiny_gguf
 
-QUESTIONS = ("What is the capital of France?", "Who wrote Romeo and Juliet?", "List three prime numbers.")
+# not "What is the capital of France?": there the float32 model's first token leads its
+# runner-up by 0.09 (The / L'), which any rounding flips (docs/engine-kernels.md)
+QUESTIONS = ("Which river flows through Paris?", "Who wrote Romeo and Juliet?", "List three prime numbers.")
 
 
 def logits_over(llm: LLM, token_ids: list[int]) -> torch.Tensor:
@@ -84,7 +86,7 @@ def test_demo_model_served_in_q4_1_answers_and_agrees_with_float32(demo_model, d
         for q in QUESTIONS
     ]
     answer = quantized.generate(prompts[:1], SamplingParams(max_tokens=16, temperature=0.0))[0]
-    assert "Paris" in files.tokenizer.decode(answer.token_ids)
+    assert "Paris" in files.tokenizer.decode(answer.token_ids)  # as tests/service/test_demo_model.py asks
     # the same sequences (the reference's greedy continuations) through both models
     continuations = reference.generate(
         prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
