@@ -163,6 +163,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtype", choices=["float32", "bfloat16", "float16"], default=None,
         help="engines' compute dtype (default: the one config.json names)",
     )  # fmt: skip
+    parser.add_argument(
+        "--quantization", choices=["auto", "gguf", "none"], default=None,
+        help="engines: gguf keeps a GGUF file's Q8_0/Q4_0/Q4_1 projections quantized "
+        "(default auto: gguf for a GGUF file unless --dtype is named)",
+    )  # fmt: skip
     parser.add_argument("--kv-timeout", type=float, default=None)
     parser.add_argument("--kv-reservation-ttl", type=float, default=None)
     parser.add_argument(

@@ -14,7 +14,7 @@ from splitserve.protocol.kv_transfer import KVTransferParams
 from splitserve.protocol.multimodal import ImageInput
 from splitserve.protocol.sampling_params import SamplingParams
 
-_MODEL_KEYS = ("dtype", "device", "seed", "serial_step_tokens")
+_MODEL_KEYS = ("dtype", "quantization", "device", "seed", "serial_step_tokens")
 _CACHE_KEYS = (
     "block_size",
     "kv_cache_memory_bytes",

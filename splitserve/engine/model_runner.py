@@ -19,6 +19,7 @@ from splitserve.kv.connector.base import KVCacheAllocator, KVConnector, RequestS
 from splitserve.model.attention import AttentionMetadata, PrefillChunk
 from splitserve.model.decoder import DecoderModel, load_model
 from splitserve.model.decoder_config import DecoderConfig
+from splitserve.model.gguf_loader import quantization_plan
 from splitserve.model.loader import load_decoder_config
 from splitserve.model.native import load_cpu_ops
 from splitserve.model.nemotron_h import NemotronHModel, load_nemotron_h, load_nemotron_h_config
@@ -75,7 +76,13 @@ class ModelRunner:
         )
         dc = self.decoder_config
         self.device = torch.device(config.model.device) if config.model.device else default_device()
-        self.dtype = choose_dtype(config.model.dtype, dc.dtype, self.device)
+        # a GGUF file's Q8_0/Q4_x projections kept in their blocks: their activations (the
+        # residual stream, attention, KV) stay float32 unless a dtype is named, as
+        # llama.cpp's do (bf16 on top of the int8 rounding: a larger logit error on the
+        # demo model, docs/engine-kernels.md)
+        quantized = quantization_plan(config.model.model, config.model.quantization, config.model.dtype)
+        requested_dtype = config.model.dtype or ("float32" if quantized else None)
+        self.dtype = choose_dtype(requested_dtype, dc.dtype, self.device)
         if self.device.type == "cpu":
             # built and loaded here, before any part says it is healthy: never on a request
             load_cpu_ops()
@@ -124,7 +131,9 @@ class ModelRunner:
                 config.cache.state_snapshot_bytes if config.cache.enable_prefix_caching else 0,
             )
         elif self.vl_config is None:
-            self.model = load_model(config.model.model, dc, self.dtype, self.device, config.afd is None)
+            self.model = load_model(
+                config.model.model, dc, self.dtype, self.device, config.afd is None, quantized
+            )
             if config.afd is not None:
                 self.ffn = attach_ffn(self.model, config.afd, self.dtype, internal_token())
         else:

@@ -10,9 +10,10 @@ to the model dtype) so that greedy outputs match its `generate` exactly in float
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
+from gguf import GGMLQuantizationType
 from torch import nn
 
 from splitserve.model import ops
@@ -21,6 +22,7 @@ from splitserve.model.decoder_config import DecoderConfig
 from splitserve.model.linear import Linear
 from splitserve.model.loader import iter_checkpoint_weights, iter_safetensors
 from splitserve.model.moe import SparseMoeBlock, expert_weight_destination, is_expert_weight
+from splitserve.model.quant_linear import QuantizedTensor, QuantLinear, replace_with_quant_linears
 
 # Called after layer i's KV is written: (layer_idx, kv_layer) -> None.
 LayerHook = Callable[[int, torch.Tensor], None]
@@ -209,10 +211,11 @@ class DecoderModel(nn.Module):
             if isinstance(module, Linear):
                 module.prepack()
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]]) -> None:
         """Fill from HF tensor names (streamed, shard by shard), fusing q/k/v and gate/up
-        (and each expert's into its layer's fused expert tensors). Raises ValueError for
-        unknown names, wrong shapes and missing weights."""
+        (and each expert's into its layer's fused expert tensors; a QuantizedTensor into
+        its QuantLinear's rows). Raises ValueError for unknown names, wrong shapes and
+        missing weights."""
         params = dict(self.named_parameters())
         modules = dict(self.named_modules())
         c = self.config
@@ -237,6 +240,12 @@ class DecoderModel(nn.Module):
                     if f".{part}." in target:
                         target, start, size = target.replace(part, fused_name), offset, length
                         break
+                if isinstance(tensor, QuantizedTensor):
+                    module = modules.get(target.removesuffix(".weight"))
+                    if not isinstance(module, QuantLinear) or start + tensor.shape[0] > module.out_features:
+                        raise ValueError(f"unexpected quantized weight {name!r}")
+                    module.load_rows(start, tensor)
+                    continue
                 if target not in params:
                     raise ValueError(f"unexpected weight {name!r}")
                 destination = params[target] if size is None else params[target].narrow(0, start, size)
@@ -247,10 +256,15 @@ class DecoderModel(nn.Module):
             with torch.no_grad():
                 destination.copy_(tensor)
             elements_loaded[target] += destination.numel()
-        if c.tie_word_embeddings or elements_loaded["lm_head.weight"] == 0:
+        if isinstance(self.lm_head, Linear) and (
+            c.tie_word_embeddings or elements_loaded["lm_head.weight"] == 0
+        ):
             self.lm_head.weight = self.embed_tokens.weight
             elements_loaded["lm_head.weight"] = self.lm_head.weight.numel()
         missing = [n for n, p in params.items() if elements_loaded[n] < p.numel()]
+        missing += [
+            n for n, m in modules.items() if isinstance(m, QuantLinear) and m.rows_loaded < m.out_features
+        ]
         if missing:
             raise ValueError(f"checkpoint lacks weights for {missing[:5]}")
 
@@ -261,10 +275,12 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     with_experts: bool = True,  # False: a MoE model's experts run elsewhere (an FFN daemon)
+    quantized: Mapping[str, GGMLQuantizationType] | None = None,  # Linears kept in a GGUF block format
 ) -> DecoderModel:
     with torch.device("meta"):
         model = DecoderModel(config)
-    weights = iter_checkpoint_weights(model_dir)
+        replace_with_quant_linears(model, quantized or {})
+    weights = iter_checkpoint_weights(model_dir, tuple(quantized or ()))
     if not with_experts:
         for layer in model.layers:
             if isinstance(layer.mlp, SparseMoeBlock):

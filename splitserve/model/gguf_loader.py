@@ -2,7 +2,9 @@
 
 The metadata becomes a `DecoderConfig`; the tensors are dequantized with the `gguf`
 package into float32 and renamed to Hugging Face names, so `DecoderModel.load_weights`
-fills (and casts to the compute dtype) exactly as it does from safetensors.
+fills (and casts to the compute dtype) exactly as it does from safetensors. With
+`--quantization gguf` (the default for a GGUF file when no --dtype is named) the
+projections stored as Q8_0/Q4_0/Q4_1 stay in their blocks instead (quant_linear.py).
 llama.cpp's converter permutes the rows of llama's Q and K projections for its own RoPE
 layout (pairs interleaved instead of halves): that permutation is undone here.
 """
@@ -10,7 +12,7 @@ layout (pairs interleaved instead of halves): that permutation is undone here.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -18,8 +20,9 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
-from splitserve.gguf_file import GGUFError, metadata_value, open_gguf
+from splitserve.gguf_file import GGUFError, is_gguf_file, metadata_value, open_gguf
 from splitserve.model.decoder_config import BF16_WHERE_NATIVE, DecoderConfig
+from splitserve.model.quant_linear import QUANTIZED_TYPES, QuantizedTensor
 
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 SUPPORTED_QUANT_TYPES = frozenset(
@@ -153,13 +156,86 @@ def unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def iter_gguf_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the file, dequantized to float32, under its Hugging Face name."""
+# the decoder's fused matmuls: a part's name -> the module it is rows of
+_FUSED_PROJECTIONS = {
+    "q_proj": "qkv_proj",
+    "k_proj": "qkv_proj",
+    "v_proj": "qkv_proj",
+    "gate_proj": "gate_up_proj",
+    "up_proj": "gate_up_proj",
+}
+_PROJECTIONS = (*_FUSED_PROJECTIONS, "o_proj", "down_proj")
+
+
+def linear_module_name(hf_name: str) -> str | None:
+    """The decoder's Linear a weight fills (`layers.3.self_attn.qkv_proj` for q_proj's,
+    `lm_head` for the output's), None for what is no projection weight."""
+    if hf_name == "lm_head.weight":
+        return "lm_head"
+    module, _, kind = hf_name.removeprefix("model.").rpartition(".")
+    parent, _, part = module.rpartition(".")
+    if kind != "weight" or part not in _PROJECTIONS:
+        return None
+    return f"{parent}.{_FUSED_PROJECTIONS.get(part, part)}"
+
+
+def quantized_linears(path: str | Path) -> dict[str, GGMLQuantizationType]:
+    """The decoder's Linears whose every part the file stores as Q8_0, Q4_0 or Q4_1
+    (module name -> type): they stay quantized. A tied lm_head takes token_embd's type;
+    the embedding table itself, and tensors of other types, are dequantized."""
+    reader = open_gguf(path)
+    parts: dict[str, set[GGMLQuantizationType]] = {}
+    for tensor in reader.tensors:
+        name = "lm_head.weight" if tensor.name == "output.weight" else hf_tensor_name(tensor.name)
+        module = linear_module_name(name)
+        if module is not None:
+            parts.setdefault(module, set()).add(tensor.tensor_type)
+    if "lm_head" not in parts:  # tied: the head multiplies by the embedding table
+        embedding = next(t for t in reader.tensors if t.name == "token_embd.weight")
+        parts["lm_head"] = {embedding.tensor_type}
+    return {
+        module: types.pop() for module, types in parts.items() if len(types) == 1 and types <= QUANTIZED_TYPES
+    }
+
+
+def quantization_plan(
+    model_path: str, quantization: str, dtype: str | None
+) -> dict[str, GGMLQuantizationType]:
+    """Which Linears stay quantized: `gguf` asks for it (a GGUF file only), `auto` gives
+    it to a GGUF file when no dtype is named, `none` never (ValueError for the rest)."""
+    if quantization == "none":
+        return {}
+    if quantization not in ("gguf", "auto"):
+        raise ValueError(f"unsupported quantization {quantization!r}; choose from auto, gguf, none")
+    if not is_gguf_file(model_path):
+        if quantization == "gguf":
+            raise ValueError(f"quantization 'gguf' needs a GGUF file, not {model_path!r}")
+        return {}
+    if quantization == "auto" and dtype is not None:
+        return {}  # --dtype alone keeps the dequantized weights
+    return quantized_linears(model_path)
+
+
+def iter_gguf_weights(
+    path: str | Path, quantized: Collection[str] = ()
+) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+    """Every tensor of the file under its Hugging Face name: dequantized to float32, or,
+    for the Linears named in `quantized` (quantized_linears), as a QuantizedTensor."""
     reader = open_gguf(path)
     config = gguf_decoder_config(reader, path)
     for tensor in reader.tensors:
         name = hf_tensor_name(tensor.name)
         shape = tuple(int(d) for d in reversed(tensor.shape))
+        if tensor.name == "token_embd.weight" and config.tie_word_embeddings and "lm_head" in quantized:
+            yield "lm_head.weight", quantized_tensor(tensor.data, tensor.tensor_type, shape)
+        if linear_module_name(name) in quantized:
+            blocks = tensor.data
+            if config.arch == "llama" and ".q_proj." in name:
+                blocks = unpermute_rope_rows(blocks, config.num_heads)
+            elif config.arch == "llama" and ".k_proj." in name:
+                blocks = unpermute_rope_rows(blocks, config.num_kv_heads)
+            yield name, quantized_tensor(blocks, tensor.tensor_type, shape)
+            continue
         try:
             values = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
         except ValueError as exc:
@@ -170,3 +246,12 @@ def iter_gguf_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
             values = unpermute_rope_rows(values, config.num_kv_heads)
         # a copy: F32 tensors are read-only views of the memory-mapped file
         yield name, torch.from_numpy(np.array(values, dtype=np.float32, order="C"))
+
+
+def quantized_tensor(
+    blocks: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]
+) -> QuantizedTensor:
+    # a copy: the blocks are a read-only view of the memory-mapped file
+    return QuantizedTensor(
+        qtype, torch.from_numpy(np.array(blocks, dtype=np.uint8, order="C")), (shape[0], shape[1])
+    )

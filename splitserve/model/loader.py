@@ -5,13 +5,17 @@ GGUF file (`splitserve.model.gguf_loader`)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from splitserve.gguf_file import is_gguf_file
 from splitserve.model.decoder_config import DecoderConfig, moe_config_from_hf
+
+if TYPE_CHECKING:
+    from splitserve.model.quant_linear import QuantizedTensor
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -85,12 +89,15 @@ def load_decoder_config(model_path: str | Path) -> DecoderConfig:
     )
 
 
-def iter_checkpoint_weights(model_path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every (Hugging Face name, tensor) of a model directory or a GGUF file."""
+def iter_checkpoint_weights(
+    model_path: str | Path, quantized: Collection[str] = ()
+) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+    """Every (Hugging Face name, tensor) of a model directory or a GGUF file; a GGUF
+    file's Linears named in `quantized` come as their blocks (gguf_loader.quantization_plan)."""
     if is_gguf_file(model_path):
         from splitserve.model.gguf_loader import iter_gguf_weights
 
-        return iter_gguf_weights(model_path)
+        return iter_gguf_weights(model_path, quantized)
     return iter_safetensors(model_path)
 
 

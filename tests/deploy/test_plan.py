@@ -65,7 +65,8 @@ def test_each_tier_gets_its_command_and_the_flags_meant_for_it():
         ((), "proxy", ["--pd-decision"], ["--no-kv-bidirectional", "--quota-by", "--routing"]),
         (("--quota-by", "address", "api-key"), "proxy", ["--quota-by"], []),
         (("--dtype", "bfloat16"), "prefill", ["--dtype"], []),
-        ((), "prefill", ["--kv-mode"], ["--kv-transport", "--dtype"]),
+        ((), "prefill", ["--kv-mode"], ["--kv-transport", "--dtype", "--quantization"]),
+        (("--quantization", "none"), "decode", ["--quantization"], []),
     ],
 )  # fmt: skip
 def test_a_flag_reaches_its_tier_only_when_given(flags, tier, present, absent):

@@ -177,7 +177,7 @@ def test_smollm2_token_ids_equal_transformers_and_split_digits(demo_model):
 def test_a_gguf_file_is_served_in_bf16_where_the_cpu_multiplies_bf16_natively(gguf_dir):
     path = write_tiny_gguf(gguf_dir / "dtype-llama-Q4_1.gguf", GGUF_SPEC["llama"], "Q4_1")
     native = cpu_has_native_half_matmul(torch.bfloat16)
-    default = LLM(str(path), num_blocks=16)
+    default = LLM(str(path), num_blocks=16, quantization="none")  # dequantized
     assert default.engine.dtype == (torch.bfloat16 if native else torch.float32)
     assert default.engine.model_info.dtype == ("bfloat16" if native else "float32")
     assert LLM(str(path), num_blocks=16, dtype="float32").engine.dtype == torch.float32

@@ -123,6 +123,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="default: the model's max_position_embeddings",
     )
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
+    parser.add_argument(
+        "--quantization",
+        choices=["auto", "gguf", "none"],
+        default="auto",
+        help="gguf: a GGUF file's Q8_0/Q4_0/Q4_1 projections stay quantized (int8 kernels); "
+        "none: dequantized to --dtype; auto (default): gguf for a GGUF file unless --dtype is named",
+    )
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -188,6 +195,7 @@ def engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
         model=ModelConfig(
             model=model_dir,
             dtype=None if args.dtype == "auto" else args.dtype,
+            quantization=args.quantization,
             device=device,
             seed=args.seed,
             serial_step_tokens=args.serial_step_tokens,

@@ -1,0 +1,126 @@
+"""A linear layer whose weight stays in a GGUF block format (Q8_0, Q4_0, Q4_1).
+
+The weight is the file's own bytes, one row of blocks per output feature (each block: an
+fp16 scale, Q4_1 also an fp16 minimum, then 32 int8 or 32 packed 4-bit values), so a
+decode step reads 8.5 (Q8_0), 4.5 (Q4_0) or 5 (Q4_1) bits per weight instead of 16 or 32.
+On the CPU, csrc/quant_matmul.cpp multiplies it as llama.cpp does: the activations are
+quantized to int8 per block of 32 and each block's dot product is exact integer
+arithmetic, scaled by the two blocks' scales. Elsewhere (CUDA, no compiled kernels) the
+weight is dequantized once, on first use, and F.linear runs: the same weight, without the
+activation rounding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+from torch import nn
+
+from splitserve.model.native import load_cpu_ops, use_cpu_ops
+
+BLOCK_SIZE = 32  # weights per block, for every type here
+BLOCK_BYTES = {
+    GGMLQuantizationType.Q8_0: 34,
+    GGMLQuantizationType.Q4_0: 18,
+    GGMLQuantizationType.Q4_1: 20,
+}
+QUANTIZED_TYPES = frozenset(BLOCK_BYTES)
+BEST_ISA = -1  # quant_linear's `isa`: the best path compiled in (2 VNNI, 1 AVX2, 0 scalar)
+
+
+def row_bytes(qtype: GGMLQuantizationType, in_features: int) -> int:
+    return in_features // BLOCK_SIZE * BLOCK_BYTES[qtype]
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """A 2-D weight as a GGUF file stores it: `blocks` is uint8 [rows, row_bytes]."""
+
+    qtype: GGMLQuantizationType
+    blocks: torch.Tensor
+    shape: tuple[int, int]  # (out_features, in_features)
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [rows, in_features], exact (fp16 scales times small integers)."""
+        return dequantize_blocks(self.blocks, self.qtype, self.shape[1])
+
+
+def dequantize_blocks(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_features: int) -> torch.Tensor:
+    values = dequantize(blocks.numpy(), qtype).reshape(blocks.shape[0], in_features)
+    return torch.from_numpy(np.array(values, dtype=np.float32, order="C"))
+
+
+def quant_linear(
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    qtype: GGMLQuantizationType,
+    bias: torch.Tensor | None = None,
+    isa: int = BEST_ISA,
+) -> torch.Tensor:
+    """x [..., K] (float32 or bf16) times the quantized weight's transpose, in x's dtype,
+    through the compiled kernel (`isa` forces a lower path: the tests run each one)."""
+    if not load_cpu_ops():
+        raise RuntimeError("the compiled CPU kernels are unavailable")
+    flat = x.reshape(-1, x.shape[-1]).contiguous()
+    out = torch.empty(flat.shape[0], blocks.shape[0], dtype=x.dtype)
+    torch.ops.splitserve_cpu.quant_linear(out, flat, blocks, int(qtype), bias, isa)
+    return out.view(*x.shape[:-1], blocks.shape[0])
+
+
+class QuantLinear(nn.Module):
+    """Linear(in_features, out_features) over a QuantizedTensor weight; its rows are
+    filled part by part (the decoder fuses q/k/v and gate/up into one matmul)."""
+
+    def __init__(
+        self, in_features: int, out_features: int, qtype: GGMLQuantizationType, bias: bool = False
+    ) -> None:
+        super().__init__()
+        if in_features % BLOCK_SIZE:
+            raise ValueError(f"a {qtype.name} weight needs in_features a multiple of {BLOCK_SIZE}")
+        self.in_features, self.out_features, self.qtype = in_features, out_features, qtype
+        self.register_buffer(
+            "blocks", torch.empty(out_features, row_bytes(qtype, in_features), dtype=torch.uint8)
+        )
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.rows_loaded = 0
+        self.dequantized: torch.Tensor | None = None  # the fallback's weight, made on first use
+
+    def load_rows(self, start: int, weight: QuantizedTensor) -> None:
+        if weight.qtype != self.qtype or weight.shape[1] != self.in_features:
+            raise ValueError(
+                f"a {weight.qtype.name} weight of shape {weight.shape} does not fit rows of "
+                f"{self.qtype.name} [{self.out_features}, {self.in_features}]"
+            )
+        self.blocks[start : start + weight.shape[0]].copy_(weight.blocks)
+        self.rows_loaded += weight.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype in (torch.float32, torch.bfloat16) and use_cpu_ops(x):
+            bias = None if self.bias is None else self.bias.detach().float().contiguous()
+            return quant_linear(x, self.blocks, self.qtype, bias)
+        if self.dequantized is None or self.dequantized.dtype != x.dtype:
+            weight = dequantize_blocks(self.blocks.cpu(), self.qtype, self.in_features)
+            self.dequantized = weight.to(device=x.device, dtype=x.dtype)
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, self.dequantized, bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, qtype={self.qtype.name}"
+
+
+def replace_with_quant_linears(model: nn.Module, quantized: Mapping[str, GGMLQuantizationType]) -> None:
+    """Swap each named Linear of `model` (`layers.0.self_attn.qkv_proj`, `lm_head`) for a
+    QuantLinear of the same shape holding that type's blocks."""
+    for name, qtype in quantized.items():
+        old = model.get_submodule(name)
+        if not isinstance(old, nn.Linear):
+            raise ValueError(f"{name!r} is not a Linear layer")
+        parent_name, _, attr = name.rpartition(".")
+        replacement = QuantLinear(old.in_features, old.out_features, qtype, bias=old.bias is not None)
+        setattr(model.get_submodule(parent_name), attr, replacement)
