@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import ctypes
 import json
 import logging
 import os
@@ -111,6 +112,7 @@ class NixlTransport(KVTransport):
             logging.getLogger("nixl").setLevel(logging.WARNING)
         self.agent_name = f"{self.engine_id}-{os.getpid()}-{secrets.token_hex(4)}"
         self._agent: Any = None  # nixl_agent, once the pool is registered
+        self._transfer_failed = False  # a WRITE or READ failed: UCX may hold a request still
         self._registration: Any = None  # the pool's nixlRegDList
         self._local_blocks: Any = None  # nixl_prepped_dlist_handle of our blocks
         self._remote_agents: dict[str, RemoteAgent] = {}
@@ -189,6 +191,8 @@ class NixlTransport(KVTransport):
                 agent.remove_remote_agent(name)
             agent.release_dlist_handle(self._local_blocks)
             agent.deregister_memory(self._registration)
+        if self._transfer_failed:
+            keep_for_the_process(agent)
 
     # ---- connection set-up -------------------------------------------------------------------
     def _on_hello_reply(self, socket: LaneSocket, peer: PeerInfo, reply: dict) -> None:
@@ -328,8 +332,10 @@ class NixlTransport(KVTransport):
             if state != "DONE":
                 raise TransferError(f"a NIXL {operation} to {target.name} failed")
         except TransferError:
+            self._transfer_failed = True
             raise
         except Exception as exc:  # nixlBind errors: the peer's agent disconnected (died), ...
+            self._transfer_failed = True
             if "DISCONNECT" in str(exc):
                 self._forget_agent(target)  # a dead peer's agent is not kept
             raise TransferError(f"a NIXL {operation} to {target.name} failed: {exc}") from exc
@@ -427,3 +433,11 @@ class NixlTransport(KVTransport):
                         logger.exception("KV nixl: a bad notification")
             if not notifications:
                 time.sleep(NOTIFY_POLL_BUSY_S if self.arrivals.pending() else NOTIFY_POLL_IDLE_S)
+
+
+def keep_for_the_process(agent: Any) -> None:
+    """Never destroy `agent`. A transfer to a peer that died can leave a request queued in
+    UCX, and destroying the agent's worker then fails UCX's assertion
+    `ucs_arbiter_group_is_empty` and aborts the whole process (an engine at shutdown, or a
+    garbage collection any time later). Its memory is the process's until it exits."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(agent))
