@@ -13,7 +13,8 @@ from splitserve.encoder_cache.connector import ECConnector
 from splitserve.engine.device import choose_dtype, default_device
 from splitserve.engine.multimodal import EncoderCache, MultiModalRunner
 from splitserve.engine.outputs import ModelRunnerOutput, SampledToken
-from splitserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from splitserve.engine.request import ScheduledRequest
+from splitserve.engine.scheduler import SchedulerOutput
 from splitserve.engine.state_pool import MambaStatePool
 from splitserve.kv.connector.base import KVCacheAllocator, KVConnector, RequestSlots, StepKVInfo
 from splitserve.model.attention import AttentionMetadata, PrefillChunk

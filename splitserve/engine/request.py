@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from splitserve.protocol.block_hash import BlockHash, compute_block_hashes, kv_block_hashes
 from splitserve.protocol.generate_request import GenerateRequest
@@ -121,3 +121,12 @@ class Request:
             f"Request({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
             f"computed={self.num_computed_tokens}, blocks={len(self.block_ids)})"
         )
+
+
+class ScheduledRequest(NamedTuple):
+    """A request's part of one step (the scheduler's output, the runner's and the state
+    pool's input)."""
+
+    request: Request
+    position_start: int  # tokens already computed before this step
+    num_tokens: int  # tokens computed this step

@@ -21,17 +21,11 @@ from typing import NamedTuple
 from splitserve.config import SchedulerConfig
 from splitserve.engine.block_manager import BlockManager, cdiv
 from splitserve.engine.outputs import ModelRunnerOutput
-from splitserve.engine.request import Request, RequestStatus
+from splitserve.engine.request import Request, RequestStatus, ScheduledRequest
 from splitserve.engine.state_pool import MambaStatePool
 from splitserve.kv.connector.base import KVConnector
 
 logger = logging.getLogger(__name__)
-
-
-class ScheduledRequest(NamedTuple):
-    request: Request
-    position_start: int  # tokens already computed before this step
-    num_tokens: int  # tokens computed this step
 
 
 class SchedulerOutput(NamedTuple):

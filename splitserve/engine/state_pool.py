@@ -25,8 +25,7 @@ from splitserve.protocol.block_hash import BlockHash
 
 if TYPE_CHECKING:
     from splitserve.engine.block_manager import BlockManager
-    from splitserve.engine.request import Request
-    from splitserve.engine.scheduler import ScheduledRequest
+    from splitserve.engine.request import Request, ScheduledRequest
 
 
 class MambaStatePool:

@@ -17,6 +17,7 @@ from splitserve.model.tiny_text import (
     build_tokenizer,
     chat_template,
     check_spec,
+    write_generation_config,
     write_tokenizer,
 )
 
@@ -136,13 +137,7 @@ def write_tiny_nemotron_h(
     pad_id = tokenizer.token_to_id("<|endoftext|>")
     write_tokenizer(out, tokenizer, SPECIAL_TOKENS + MARKUP_TOKENS, chat_template(), spec.max_position)
     (out / "config.json").write_text(json.dumps(_config(spec, pattern, eos_id, pad_id), indent=2))
-    generation_config = {
-        "bos_token_id": pad_id,
-        "eos_token_id": [eos_id, pad_id],
-        "pad_token_id": pad_id,
-        "do_sample": False,
-    }
-    (out / "generation_config.json").write_text(json.dumps(generation_config, indent=2))
+    write_generation_config(out, eos_id, pad_id)
     dtype = getattr(torch, spec.dtype)
     tensors = {
         name: torch.from_numpy(w).to(dtype).contiguous() for name, w in random_weights(spec, pattern).items()

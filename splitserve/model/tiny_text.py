@@ -268,6 +268,16 @@ def write_tiny_text_model(directory: str | os.PathLike[str], spec: TinyModelSpec
     pad_id = tokenizer.token_to_id("<|endoftext|>")
     write_tokenizer(out, tokenizer, SPECIAL_TOKENS + MARKUP_TOKENS, chat_template(), spec.max_position)
     (out / "config.json").write_text(json.dumps(_config(spec, eos_id, pad_id), indent=2))
+    write_generation_config(out, eos_id, pad_id)
+
+    dtype = getattr(torch, spec.dtype)
+    tensors = {name: torch.from_numpy(w).to(dtype).contiguous() for name, w in random_weights(spec).items()}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def write_generation_config(out: Path, eos_id: int, pad_id: int) -> None:
+    """generation_config.json of a tiny model: greedy, stopping at <|im_end|> or padding."""
     generation_config = {
         "bos_token_id": pad_id,
         "eos_token_id": [eos_id, pad_id],
@@ -275,8 +285,3 @@ def write_tiny_text_model(directory: str | os.PathLike[str], spec: TinyModelSpec
         "do_sample": False,
     }
     (out / "generation_config.json").write_text(json.dumps(generation_config, indent=2))
-
-    dtype = getattr(torch, spec.dtype)
-    tensors = {name: torch.from_numpy(w).to(dtype).contiguous() for name, w in random_weights(spec).items()}
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return out
