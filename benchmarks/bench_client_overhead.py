@@ -37,7 +37,8 @@ from splitserve.bench.client import ClientConfig  # noqa: E402
 from splitserve.bench.load import LoadSpec  # noqa: E402
 from splitserve.bench.metrics import SLO  # noqa: E402
 from splitserve.bench.runner import BenchPlan, run_benchmark  # noqa: E402
-from splitserve.bench.workload import LengthRange, PromptFactory, SyntheticSpec, Tokenizer, Workload  # noqa: E402
+from splitserve.bench.workload import PromptFactory, SessionFactory, SyntheticSpec, Tokenizer  # noqa: E402
+from splitserve.goodput import Lengths  # noqa: E402
 from splitserve.model.tiny import write_tiny_model  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
 
@@ -81,12 +82,10 @@ def fast_server(events_per_write: int) -> Iterator[str]:
 
 def splitserve_client(url: str, tokenizer_dir: str, args: argparse.Namespace) -> Measurement:
     prompts = PromptFactory(Tokenizer(tokenizer_dir), seed=0)
-    spec = SyntheticSpec(
-        LengthRange(args.input_len, args.input_len), LengthRange(args.output_len, args.output_len)
-    )
+    spec = SyntheticSpec(Lengths.fixed(args.input_len), Lengths.fixed(args.output_len))
     load = LoadSpec(rate=float("inf"), concurrency=args.concurrency, num_requests=args.requests, warmup=0)
     plan = BenchPlan(ClientConfig(url, "fake-model"), (load,), (SLO.parse("ttft=2s"),))
-    workload = Workload(prompts, spec, seed=0)
+    workload = SessionFactory(prompts, spec, seed=0)
     cpu = time.process_time()
     result = run_benchmark(plan, workload, settings={})
     cpu = time.process_time() - cpu
