@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -61,9 +62,9 @@ def planner_decisions() -> list[dict]:
     return serve.get_deployment_handle("ProxyIngress", app_name=APP).planner_decisions.remote().result()
 
 
-def send_at(base: str, body: dict, rate: float, seconds: float) -> None:
-    """Requests at `rate` a second for `seconds`, each answered (OK) before this returns."""
-    count = round(rate * seconds)
+def send_at(base: str, body: dict, rate: float, seconds: float | None = None, until: threading.Event | None = None) -> None:
+    """Requests at `rate` a second for `seconds` (or until `until` is set), each answered (OK)
+    before this returns."""
     statuses: list[int] = []
 
     def one() -> None:
@@ -71,16 +72,17 @@ def send_at(base: str, body: dict, rate: float, seconds: float) -> None:
             httpx.post(f"{base}/v1/completions", json=body, headers=AUTH, timeout=120).status_code
         )
 
-    threads = []
+    threads: list[threading.Thread] = []
     start = time.monotonic()
-    for i in range(count):
-        while time.monotonic() < start + i / rate:  # an open loop: arrivals do not wait for answers
+    count = round(rate * seconds) if seconds is not None else None
+    while (count is None or len(threads) < count) and not (until is not None and until.is_set()):
+        while time.monotonic() < start + len(threads) / rate:  # an open loop: arrivals do not wait for answers
             time.sleep(0.01)
         threads.append(threading.Thread(target=one))
         threads[-1].start()
     for thread in threads:
         thread.join(120)
-    assert statuses == [200] * count, statuses
+    assert statuses == [200] * len(threads), statuses
 
 
 def check_the_planner_follows_a_stepped_rate(base: str) -> None:
@@ -99,12 +101,20 @@ def check_the_planner_follows_a_stepped_rate(base: str) -> None:
     wait_for(lambda: len(decode_targets()) >= 1, what="a first decision")
     assert decode_targets()[-1] == 1 and decode_workers() == 1
     seen = len(decode_targets())
-    send_at(base, body, 5.0, 2 * PLANNER_INTERVAL_S)
-    wait_for(lambda: 2 in decode_targets()[seen:], 3 * PLANNER_INTERVAL_S, "the planner to ask for 2 decode")
-    up = planner_decisions()[decode_targets().index(2, seen)]
-    # (meeting the SLOs or not: a 3 s window of 5/s arrivals may count more than two replicas serve)
-    assert up["rate"] > 2 and up["picked"]["decode"] == 2 and up["prompt_tokens"] > 0, up
-    wait_for(lambda: decode_workers() == 2, what="Serve to start the second decode replica")
+    # The high rate lasts until Serve runs the second replica: were it to stop first, the
+    # planner would rightly ask for one again before a slow machine had started it.
+    high_rate_ends = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        high_rate = pool.submit(send_at, base, body, 5.0, until=high_rate_ends)
+        try:
+            wait_for(lambda: 2 in decode_targets()[seen:], 3 * PLANNER_INTERVAL_S, "the planner to ask for 2 decode")
+            up = planner_decisions()[decode_targets().index(2, seen)]
+            # (meeting the SLOs or not: a 3 s window of 5/s arrivals may count more than two replicas serve)
+            assert up["rate"] > 2 and up["picked"]["decode"] == 2 and up["prompt_tokens"] > 0, up
+            wait_for(lambda: decode_workers() == 2, what="Serve to start the second decode replica")
+        finally:
+            high_rate_ends.set()
+        high_rate.result(180)  # every request of the high rate answered OK
     seen = len(decode_targets())
     send_at(base, body, 0.5, 3 * PLANNER_INTERVAL_S)
     wait_for(lambda: 1 in decode_targets()[seen:], 2 * PLANNER_INTERVAL_S, "the planner to ask for 1 decode")
