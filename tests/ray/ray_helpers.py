@@ -62,7 +62,9 @@ def planner_decisions() -> list[dict]:
     return serve.get_deployment_handle("ProxyIngress", app_name=APP).planner_decisions.remote().result()
 
 
-def send_at(base: str, body: dict, rate: float, seconds: float | None = None, until: threading.Event | None = None) -> None:
+def send_at(
+    base: str, body: dict, rate: float, seconds: float | None = None, until: threading.Event | None = None
+) -> None:
     """Requests at `rate` a second for `seconds` (or until `until` is set), each answered (OK)
     before this returns."""
     statuses: list[int] = []
@@ -76,7 +78,9 @@ def send_at(base: str, body: dict, rate: float, seconds: float | None = None, un
     start = time.monotonic()
     count = round(rate * seconds) if seconds is not None else None
     while (count is None or len(threads) < count) and not (until is not None and until.is_set()):
-        while time.monotonic() < start + len(threads) / rate:  # an open loop: arrivals do not wait for answers
+        while (
+            time.monotonic() < start + len(threads) / rate
+        ):  # an open loop: arrivals do not wait for answers
             time.sleep(0.01)
         threads.append(threading.Thread(target=one))
         threads[-1].start()
@@ -107,7 +111,11 @@ def check_the_planner_follows_a_stepped_rate(base: str) -> None:
     with ThreadPoolExecutor(1) as pool:
         high_rate = pool.submit(send_at, base, body, 5.0, until=high_rate_ends)
         try:
-            wait_for(lambda: 2 in decode_targets()[seen:], 3 * PLANNER_INTERVAL_S, "the planner to ask for 2 decode")
+            wait_for(
+                lambda: 2 in decode_targets()[seen:],
+                3 * PLANNER_INTERVAL_S,
+                "the planner to ask for 2 decode",
+            )
             up = planner_decisions()[decode_targets().index(2, seen)]
             # (meeting the SLOs or not: a 3 s window of 5/s arrivals may count more than two replicas serve)
             assert up["rate"] > 2 and up["picked"]["decode"] == 2 and up["prompt_tokens"] > 0, up
