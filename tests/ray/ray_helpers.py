@@ -78,9 +78,8 @@ def send_at(
     start = time.monotonic()
     count = round(rate * seconds) if seconds is not None else None
     while (count is None or len(threads) < count) and not (until is not None and until.is_set()):
-        while (
-            time.monotonic() < start + len(threads) / rate
-        ):  # an open loop: arrivals do not wait for answers
+        # an open loop: arrivals do not wait for answers
+        while time.monotonic() < start + len(threads) / rate:
             time.sleep(0.01)
         threads.append(threading.Thread(target=one))
         threads[-1].start()
