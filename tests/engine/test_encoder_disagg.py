@@ -141,14 +141,15 @@ def test_encoder_prefill_decode(vl_model, vl_cases, tmp_path):
 
     from splitserve.config import CacheConfig, EngineConfig, ModelConfig, TransferConfig
     from splitserve.engine.async_engine import AsyncEngine
-    from splitserve.kv.connector.pd_connector import PDConnector
+    from splitserve.kv.connector.pd_base import PDConnector
+    from splitserve.kv.connector.pd_connector import make_pd_connector
 
     cases, expected = vl_cases
     EncoderWorker(vl_model, SharedMemoryECConnector(tmp_path), dtype="float32").encode(jobs_of(cases))
 
     def start(role: str) -> tuple[AsyncEngine, PDConnector]:
         config = EngineConfig(ModelConfig(vl_model), CacheConfig(num_blocks=128), role=role)
-        connector = PDConnector(role, TransferConfig())
+        connector = make_pd_connector(role, TransferConfig())
         engine = AsyncEngine(config, connector=connector, ec_connector=SharedMemoryECConnector(tmp_path))
         return engine.start(), connector
 

@@ -12,7 +12,7 @@ import pytest
 
 from splitserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, TransferConfig
 from splitserve.engine.async_engine import AsyncEngine
-from splitserve.kv.connector.pd_connector import PDConnector
+from splitserve.kv.connector.pd_connector import make_pd_connector
 from splitserve.protocol.kv_transfer import KVTransferParams
 from splitserve.protocol.sampling_params import SamplingParams
 from tests.generate_requests import generate_request
@@ -36,7 +36,7 @@ def make_engine(model: str, role: str, transfer: TransferConfig | None = None, b
         role=role,
         transfer=transfer or TransferConfig(),
     )
-    connector = PDConnector(role, config.transfer) if role != "both" else None
+    connector = make_pd_connector(role, config.transfer) if role != "both" else None
     return AsyncEngine(config, connector=connector).start(), connector
 
 

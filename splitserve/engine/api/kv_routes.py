@@ -53,7 +53,8 @@ from splitserve.protocol.kv_transfer import (
 from splitserve.runtime.http_edge import read_json_body
 
 if TYPE_CHECKING:
-    from splitserve.kv.connector.pd_connector import PDConnector
+    from splitserve.kv.connector.decode_side import DecodeConnector
+    from splitserve.kv.connector.pd_base import PDConnector
 
 MAX_RESERVE_WAIT_S = 120.0
 
@@ -154,16 +155,19 @@ def check_kv_peer(connector: PDConnector, params: KVTransferParams | None) -> No
         )
 
 
-def admit_generate(connector: PDConnector, params: KVTransferParams | None) -> None:
+def admit_generate(
+    connector: PDConnector, decode: DecodeConnector | None, params: KVTransferParams | None
+) -> None:
     """What a generate request's kv_transfer_params must pass before the engine takes it."""
     check_kv_peer(connector, params)
-    check_reservation_quota(connector, params)
+    if decode is not None:
+        check_reservation_quota(decode, params)
 
 
-def check_reservation_quota(connector: PDConnector, params: KVTransferParams | None) -> None:
+def check_reservation_quota(connector: DecodeConnector, params: KVTransferParams | None) -> None:
     """Refuse (429, `Retry-After`) a request that would wait for remote KV while decode
     already holds its limit of reservations, so no caller can pin the whole cache."""
-    if connector.role != "decode" or params is None or not params.do_remote_prefill:
+    if params is None or not params.do_remote_prefill:
         return
     config, table = connector.config, connector.reservations
     pool = connector.transport.pool
@@ -186,12 +190,12 @@ def make_connector(
     """The P/D connector for a prefill or decode engine; None for a collocated one."""
     if role == "both":
         return None
-    from splitserve.kv.connector.pd_connector import PDConnector  # torch: only engines pay for it
+    from splitserve.kv.connector.pd_connector import make_pd_connector  # torch: only engines pay for it
 
-    return PDConnector(role, transfer, host=host, port=kv_port)
+    return make_pd_connector(role, transfer, host=host, port=kv_port)
 
 
-async def _wait_reserved(connector: PDConnector, request_id: str, timeout_s: float):
+async def _wait_reserved(connector: DecodeConnector, request_id: str, timeout_s: float):
     """The request's reservation, awaited on the event loop (the engine thread adds it)."""
     found = connector.reservations.get(request_id)
     if found is not None:
@@ -216,11 +220,16 @@ def install_kv_routes(app: FastAPI, connector: PDConnector) -> None:
     metrics = getattr(app.state, "metrics", None)
     if metrics is not None:
         metrics.registry.register(ForwardRegistry(connector.metrics.registry))
+    from splitserve.kv.connector.decode_side import DecodeConnector
+    from splitserve.kv.connector.prefill_side import PrefillConnector
+
+    decode = connector if isinstance(connector, DecodeConnector) else None
+    prefill = connector if isinstance(connector, PrefillConnector) else None
     app.state.kv_connector = connector
     engine = getattr(app.state, "engine", None)
     if engine is not None:
         connector.set_abort(engine.abort)  # failure_policy "fail" ends the request
-    app.state.admit_generate = lambda params: admit_generate(connector, params)
+    app.state.admit_generate = lambda params: admit_generate(connector, decode, params)
 
     async def request_id_of(raw: Request) -> tuple[str, dict]:
         body = await read_json_body(raw, 64 * 1024)
@@ -233,7 +242,7 @@ def install_kv_routes(app: FastAPI, connector: PDConnector) -> None:
 
     @app.post("/inference/v1/kv/reserve")
     async def reserve(raw: Request) -> Response:
-        if connector.role != "decode":
+        if decode is None:
             raise APIError(
                 400, f"this engine's role is {connector.role}; reservations live on decode workers"
             )
@@ -249,7 +258,7 @@ def install_kv_routes(app: FastAPI, connector: PDConnector) -> None:
             )
         # A caller that leaves stops the wait (the proxy's request ended: refused with a
         # 429, its client gone), instead of holding this request, and a drain, to the timeout.
-        gone, reservation = await first_of(_wait_reserved(connector, request_id, float(timeout)), raw.receive)
+        gone, reservation = await first_of(_wait_reserved(decode, request_id, float(timeout)), raw.receive)
         if gone:
             return Response(status_code=CLIENT_GONE_STATUS)
         if reservation is None:
@@ -278,11 +287,12 @@ def install_kv_routes(app: FastAPI, connector: PDConnector) -> None:
     @app.post("/inference/v1/kv/release_hold")
     async def release_hold(raw: Request) -> JSONResponse:
         request_id, _ = await request_id_of(raw)
-        return JSONResponse({"request_id": request_id, "released": connector.release_hold(request_id)})
+        released = prefill is not None and prefill.release_hold(request_id)
+        return JSONResponse({"request_id": request_id, "released": released})
 
     @app.post("/inference/v1/kv/push_target")
     async def push_target(raw: Request) -> JSONResponse:
-        if connector.role != "prefill":
+        if prefill is None:
             raise APIError(400, f"this engine's role is {connector.role}; push targets go to prefill workers")
         request_id, body = await request_id_of(raw)
         params = parse_kv_transfer_params(body)
@@ -291,11 +301,11 @@ def install_kv_routes(app: FastAPI, connector: PDConnector) -> None:
                 {
                     "request_id": request_id,
                     "status": "cancelled",
-                    "cancelled": connector.pusher.cancel(request_id),
+                    "cancelled": prefill.pusher.cancel(request_id),
                 }
             )
         check_kv_peer(connector, params)
-        answer = await asyncio.to_thread(connector.pusher.set_target, request_id, params)
+        answer = await asyncio.to_thread(prefill.pusher.set_target, request_id, params)
         report: dict = {"request_id": request_id, "status": answer.status}
         if answer.outcome is not None:
             sent = KVTransferParams(

@@ -1,3 +1,3 @@
 """The KV connector: the engine's KV seam (base.py), the P/D connector over the transports
-(pd_connector.py: reservations, prefix lending, layer push, handoff reports) and the
+(pd_connector.py: a prefill side and a decode side over shared load state) and the
 in-process one the tests use."""
