@@ -137,7 +137,7 @@ class FfnClient:
 
     def _hello_answer(self, timeout_s: float) -> dict:
         assert self.socket is not None
-        stamp = hello_stamp()
+        stamp = hello_stamp() if self.mac.enabled else b""
         header = {"id": next(self.ids)}
         self._send_frames([HELLO, json.dumps(header).encode()], stamp)
         deadline = time.monotonic() + timeout_s
@@ -330,6 +330,12 @@ class FfnClient:
         """After a failed step: nothing of it is sent again, and the next layer says HELLO."""
         self.in_flight.clear()
         self._close_socket()
+
+    def abandon(self) -> None:
+        """The layers in flight are no longer wanted (their step failed elsewhere): their
+        answers, if they come, are dropped, and a reconnect does not send them again."""
+        with self.lock:
+            self.in_flight.clear()
 
     def compute(
         self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor
