@@ -11,7 +11,7 @@ core at once (docs/afd.md). The AFD runs alternate (1, 2, 1, 2, ...) and each fi
 the median of `--repeats`, so a busy spell of the shared machine hits both.
 
 Run: .venv/bin/python benchmarks/bench_afd.py [--model DIR] [--dtype bfloat16] [--hidden 64]
-     [--streams 8 --tokens 64 --repeats 3]
+     [--streams 8 --tokens 64 --repeats 3] [--threads N]
 (no --model: a tiny Qwen3-MoE, 4 layers, 8 experts, top-2, written to a temporary folder)
 """
 
@@ -27,6 +27,8 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+
+import torch
 
 from splitserve.afd.ffn_client import AfdTotals
 from splitserve.config import AfdConfig
@@ -90,7 +92,15 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch threads of each process, the daemon's too (0: torch's default)",
+    )
     args = parser.parse_args()
+    if args.threads:  # before any engine: the runner takes torch's thread count as its own
+        torch.set_num_threads(args.threads)
     spec = TinyModelSpec(arch="qwen3_moe", layers=4, hidden=args.hidden, dtype=args.dtype)
     model = args.model or str(write_tiny_model(tempfile.mkdtemp(), spec))
     prompts = [[10 + i, 20 + i, 30 + i] for i in range(args.streams)]
@@ -103,6 +113,8 @@ def main() -> None:
 
     port = pick_free_port("127.0.0.1")
     env = {k: v for k, v in os.environ.items() if k != INTERNAL_TOKEN_ENV}  # an open loopback pair
+    if args.threads:
+        env["OMP_NUM_THREADS"] = str(args.threads)
     command = [sys.executable, "-m", "splitserve.cli", "engine", model, "--role", "ffn", "--port", str(port)]
     daemon = subprocess.Popen(
         [*command, "--dtype", args.dtype],
@@ -124,7 +136,11 @@ def main() -> None:
         os.killpg(daemon.pid, signal.SIGINT)
         daemon.wait()
     generated = args.streams * args.tokens
-    print(f"{model}: {args.streams} streams x {args.tokens} tokens, {args.dtype}, median of {args.repeats}")
+    threads = f"{args.threads} torch threads each" if args.threads else "torch's default threads"
+    print(
+        f"{model}: hidden {args.hidden}, {args.streams} streams x {args.tokens} tokens, {args.dtype}, "
+        f"{threads}, median of {args.repeats}"
+    )
     collocated_ms = collocated_s / args.tokens * 1e3
     print(f"  collocated           {generated / collocated_s:8.0f} tok/s  ITL {collocated_ms:6.2f} ms")
     for microbatches, afd_runs in runs.items():
