@@ -21,8 +21,11 @@ import httpx
 import pytest
 
 from splitserve.cli import main
+from splitserve.deploy.plan import plan_from_args
+from splitserve.deploy.up_afd import afd_flag_error
 from splitserve.runtime.access import INTERNAL_TOKEN_ENV
 from tests.conftest import free_port, running_servers, wait_until
+from tests.deploy.test_plan import flag_value, up_args
 from tests.router.test_migration import Stream
 from tests.router.test_pd_proxy import metric, up_log
 
@@ -177,3 +180,16 @@ def test_up_afd_refuses_a_model_without_moe_layers_and_bad_ratios(tiny_model, ca
     assert "not --decode 3" in capsys.readouterr().err
     assert main(["up", tiny_model, "--afd", "2:1", "--ray"]) == 2
     assert "not with --ray" in capsys.readouterr().err
+    assert main(["up", tiny_model, "--afd-microbatches", "1"]) == 2
+    assert "--afd-microbatches needs --afd" in capsys.readouterr().err
+
+
+def test_up_gives_the_attention_engines_the_micro_batch_setting():
+    args = up_args("--afd", "1:1", "--afd-microbatches", "1")
+    assert afd_flag_error(args) is None
+    decode = plan_from_args(args, "/models/m", "m").tier("decode").argv
+    assert flag_value(decode, "--afd-microbatches") == "1"
+    assert (
+        "--afd-microbatches"
+        not in plan_from_args(up_args("--afd", "1:1"), "/models/m", "m").tier("decode").argv
+    )
