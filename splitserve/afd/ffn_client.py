@@ -125,9 +125,12 @@ class FfnClient:
         self.monitor = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.socket.connect(self.address)
         answer = self._hello_answer(timeout_s)
-        if self.mac.enabled:
-            self.session.start(bytes.fromhex(str(answer["session"])))
-        layout = FfnLayout.from_header(answer)
+        try:
+            if self.mac.enabled:
+                self.session.start(bytes.fromhex(str(answer["session"])))
+            layout = FfnLayout.from_header(answer)
+        except (KeyError, ValueError) as exc:
+            raise AfdError(f"the FFN daemon at {self.address} answered HELLO with {exc!r}") from exc
         if self.layout is not None and layout != self.layout:
             raise AfdError(f"the FFN daemon at {self.address} came back holding {layout}, not {self.layout}")
         self.layout = layout
@@ -315,7 +318,10 @@ class FfnClient:
         del self.in_flight[request.id]
         if len(frames) != 1 or answer.get("num_tokens") != request.num_tokens:
             raise AfdError(f"the FFN daemon's answer for layer {request.layer} does not match the request")
-        combined = tensor_from_frame(frames[0], pending.dtype, pending.shape).to(pending.device)
+        try:
+            combined = tensor_from_frame(frames[0], pending.dtype, pending.shape).to(pending.device)
+        except ValueError as exc:
+            raise AfdError(f"the FFN daemon's answer for layer {request.layer}: {exc}") from exc
         compute_s = answer.get("compute_s")
         compute = float(compute_s) if isinstance(compute_s, (int, float)) else 0.0
         self.layers += 1
