@@ -92,6 +92,13 @@ class AfdConfig:
     ffn_host: str
     ffn_port: int
     timeout_s: float = 30.0  # for an answer to one layer (and to HELLO at start-up)
+    # a decode step of >= 2 sequences as two micro-batches, one's MoE traffic hidden
+    # behind the other's attention (afd/microbatch.py); 1: the whole step at once
+    microbatches: int = 2
+
+    def __post_init__(self) -> None:
+        if self.microbatches not in (1, 2):
+            raise ValueError(f"AFD micro-batches must be 1 or 2, not {self.microbatches}")
 
 
 @dataclass(frozen=True)

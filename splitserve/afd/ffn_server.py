@@ -35,7 +35,16 @@ from splitserve.afd.wire import DTYPES, afd_mac, dtype_name, tensor_frame, tenso
 from splitserve.kv.transport.frame_mac import ReplayGuard
 from splitserve.model.decoder_config import DecoderConfig
 from splitserve.model.moe import Experts
-from splitserve.protocol.afd import HELLO, MOE, UNAUTHORIZED, AfdProtocolError, FfnLayout, MoeLayerRequest
+from splitserve.protocol.afd import (
+    HELLO,
+    MOE,
+    PING,
+    PONG,
+    UNAUTHORIZED,
+    AfdProtocolError,
+    FfnLayout,
+    MoeLayerRequest,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +142,9 @@ class FfnServer:
     def admit(self, identity: bytes, frames: list[bytes]) -> LayerWork | None:
         """A checked MOE request to compute; anything else (HELLO, a refusal, an error)
         is answered here."""
+        if frames == [PING]:  # from this loop, so a stopped or wedged daemon does not answer
+            self.socket.send_multipart([identity, PONG])
+            return None
         body = self.mac.open(frames)
         if body is None or (self.mac.enabled and len(body) < 3):
             self.refused += 1

@@ -1,7 +1,9 @@
 """The attention engine's AFD metrics on its /metrics, one observation per engine step
-that called the FFN daemon: the bytes it sent and received, the communication it waited
-for (the layers' round trips less the daemon's compute in them: what no overlap hid), and
-the tokens routed to each expert (summed over the sparse layers)."""
+that called the FFN daemon: the bytes it sent and received, the time the step was held up
+by the daemon (sending and waiting: what no micro-batch overlap hid) and the communication
+in it (that time less the daemon's compute), and the tokens routed to each expert (summed
+over the sparse layers); and counters of the layers sent again and of the answers that
+missed their deadline (a stuck daemon)."""
 
 from __future__ import annotations
 
@@ -36,7 +38,13 @@ class AfdStepMetrics:
         )
         self.exposed = Histogram(
             f"{PREFIX}_step_exposed_communication_seconds",
-            "Per step: the MoE layers' round trips to the FFN daemon less its compute in them.",
+            "Per step: the time held up by the FFN daemon less its compute of the step's layers.",
+            buckets=SECOND_BUCKETS,
+            registry=r,
+        )
+        self.blocked = Histogram(
+            f"{PREFIX}_step_blocked_seconds",
+            "Per step: the time spent sending MoE layers to the FFN daemon and waiting for them.",
             buckets=SECOND_BUCKETS,
             registry=r,
         )
@@ -56,6 +64,11 @@ class AfdStepMetrics:
         self.resent = Counter(
             f"{PREFIX}_layers_resent", "Layers sent again to an FFN daemon that came back.", registry=r
         )
+        self.deadlines_missed = Counter(
+            f"{PREFIX}_deadlines_missed",
+            "Layer answers the FFN daemon did not give by their deadline (stopped, wedged, slow).",
+            registry=r,
+        )
 
     def on_step(self, _step_time_s: float, _num_tokens: int) -> None:
         now, last = self.client.totals(), self.last
@@ -64,12 +77,17 @@ class AfdStepMetrics:
             return  # a step that called no sparse layer
         self.bytes_sent.observe(now.bytes_sent - last.bytes_sent)
         self.bytes_received.observe(now.bytes_received - last.bytes_received)
-        round_trip = now.round_trip_s - last.round_trip_s
+        blocked = now.blocked_s - last.blocked_s
         compute = now.remote_compute_s - last.remote_compute_s
-        self.exposed.observe(max(0.0, round_trip - compute))
+        # with two micro-batches the daemon's compute may hide behind attention too: then
+        # this is the least the communication can have been
+        self.exposed.observe(max(0.0, blocked - compute))
+        self.blocked.observe(blocked)
         self.remote_compute.observe(compute)
         before = last.expert_tokens or (0,) * len(now.expert_tokens)
         for expert, (tokens, earlier) in enumerate(zip(now.expert_tokens, before, strict=True)):
             self.expert_tokens.labels(expert=str(expert)).observe(tokens - earlier)
         if now.reconnects > last.reconnects:
             self.resent.inc(now.reconnects - last.reconnects)
+        if now.deadlines_missed > last.deadlines_missed:
+            self.deadlines_missed.inc(now.deadlines_missed - last.deadlines_missed)

@@ -111,6 +111,7 @@ def engine_flags(args: argparse.Namespace) -> tuple[str, ...]:
         ("--quantization", args.quantization),
         ("--kv-timeout", args.kv_timeout),
         ("--kv-reservation-ttl", args.kv_reservation_ttl),
+        ("--afd-microbatches", getattr(args, "afd_microbatches", None)),  # read with --ffn-address only
     ):
         if value is not None:
             flags += [flag, str(value)]

@@ -31,13 +31,21 @@ def add_afd_arguments(parser: argparse.ArgumentParser) -> None:
         help="attention-FFN disaggregation (MoE models): A attention engines as the decode "
         "tier, F FFN daemons holding the experts, e.g. 2:1",
     )
+    parser.add_argument(
+        "--afd-microbatches",
+        type=int,
+        choices=[1, 2],
+        default=None,
+        help="with --afd: the attention engines' decode steps of >= 2 sequences as 2 "
+        "overlapped micro-batches (their default) or 1 (docs/afd.md: which pays where)",
+    )
 
 
 def afd_flag_error(args: argparse.Namespace) -> str | None:
     """Why `--afd` cannot go with these flags (None: it can, or is not given). Sets
     `args.decode` to A."""
     if args.afd is None:
-        return None
+        return "--afd-microbatches needs --afd" if args.afd_microbatches is not None else None
     attention, _ = args.afd
     if args.ray is not None:
         return "--afd starts local FFN daemons; not with --ray"

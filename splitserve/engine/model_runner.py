@@ -8,6 +8,7 @@ from typing import NamedTuple
 import torch
 
 from splitserve.afd.ffn_client import FfnClient, attach_ffn
+from splitserve.afd.microbatch import overlapped_forward, splits
 from splitserve.config import EngineConfig
 from splitserve.encoder_cache.connector import ECConnector
 from splitserve.engine.device import choose_dtype, default_device
@@ -110,6 +111,7 @@ class ModelRunner:
         self.model: DecoderModel | Qwen2VLModel | NemotronHModel
         self.multimodal: MultiModalRunner | None = None  # for a vision-language model
         self.ffn: FfnClient | None = None  # attention-FFN disaggregation: the experts' daemon
+        self.afd_microbatches = config.afd.microbatches if config.afd is not None else 1
         self.state_pool: MambaStatePool | None = None  # for a hybrid model: one slot per running request
         if config.afd is not None and (self.vl_config is not None or self.hybrid_config is not None):
             raise ValueError("attention-FFN disaggregation serves mixture-of-experts text models only")
@@ -244,6 +246,19 @@ class ModelRunner:
             mamba = self.state_pool.step_metadata(ordered, self.device)
             logits = self.model(input_ids_t, positions_t, self.kv_cache, meta, sample_rows_t, mamba=mamba)
             self.state_pool.save_step_snapshots()
+        elif self.ffn is not None and splits(meta, self.afd_microbatches):
+            assert isinstance(self.model, DecoderModel)
+            logits = overlapped_forward(
+                self.model,
+                self.ffn,
+                input_ids_t,
+                positions_t,
+                self.kv_cache,
+                meta,
+                sample_rows_t,
+                before_layer,
+                after_layer,
+            )
         else:
             logits = self.model(
                 input_ids_t,

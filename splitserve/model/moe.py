@@ -119,8 +119,13 @@ class SparseMoeBlock(nn.Module):
         # set under attention-FFN disaggregation: the experts run in the FFN process
         self.remote_experts: ExpertsCompute | None = None
 
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The router's (weights [T, k], expert ids [T, k]) for these tokens: what a remote
+        FFN needs beside them (afd/microbatch.py sends them without waiting)."""
+        return route(self.gate(x), self.top_k, self.norm_topk_prob)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(self.gate(x), self.top_k, self.norm_topk_prob)
+        weights, ids = self.route(x)
         if self.remote_experts is not None:
             return self.remote_experts(x, ids, weights)
         assert self.experts is not None, "an attention engine's sparse layer has no remote experts"

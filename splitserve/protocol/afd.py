@@ -7,6 +7,8 @@ the request's stamp]`.
   HELLO   {id}                                 -> FfnLayout + {id, ok, session}
   MOE     MoeLayerRequest; data: hidden [T, H], expert ids [T, k] int32, weights [T, k]
           -> {id, ok, layer, num_tokens} + data: the combined expert output [T, H]
+  PING    (one frame, unsealed)                -> PONG (one frame): the daemon's main loop is
+          turning (`up`'s liveness check); it says nothing else and needs no token
 An error answers {id, ok: false, error}; a message that fails authentication is answered
 untagged {ok: false, error: "unauthorized"}.
 """
@@ -17,6 +19,8 @@ from dataclasses import asdict, dataclass
 
 HELLO = b"HELLO"
 MOE = b"MOE"
+PING = b"PING"
+PONG = b"PONG"
 WIRE_DTYPES = ("float32", "bfloat16", "float16")  # hidden states and router weights
 UNAUTHORIZED = "unauthorized"
 

@@ -73,19 +73,29 @@ def collocated(bf16_moe) -> tuple[list[list[int]], list[list[int]]]:
     return prompts, [r.token_ids for r in LLM(bf16_moe, **ENGINE).generate(prompts, GREEDY)]
 
 
-def attention_llm(model_dir: str, port: int) -> LLM:
+def attention_llm(model_dir: str, port: int, microbatches: int = 2) -> LLM:
     config = engine_config_from_kwargs(model_dir, **ENGINE)
-    return LLM(config=dataclasses.replace(config, afd=AfdConfig("127.0.0.1", port, timeout_s=60.0)))
+    afd = AfdConfig("127.0.0.1", port, timeout_s=60.0, microbatches=microbatches)
+    return LLM(config=dataclasses.replace(config, afd=afd))
 
 
 def test_attention_engine_equals_the_collocated_one(bf16_moe, daemon, collocated, monkeypatch):
+    """Batched (all prompts at once, chunked prefill beside decodes), with the decode
+    steps as one batch and as two overlapped micro-batches: the collocated tokens."""
     monkeypatch.setenv(INTERNAL_TOKEN_ENV, TOKEN)
     prompts, expected = collocated
-    llm = attention_llm(bf16_moe, daemon)
-    runner = llm.engine.runner
-    assert all(getattr(layer.mlp, "experts", None) is None for layer in runner.model.layers)  # none held here
-    assert [r.token_ids for r in llm.generate(prompts, GREEDY)] == expected
-    assert runner.ffn is not None and runner.ffn.bytes_sent > 0 and runner.ffn.bytes_received > 0
+    layers_sent = {}
+    for microbatches in (1, 2):
+        llm = attention_llm(bf16_moe, daemon, microbatches)
+        runner = llm.engine.runner
+        assert all(getattr(layer.mlp, "experts", None) is None for layer in runner.model.layers)  # none here
+        assert [r.token_ids for r in llm.generate(prompts, GREEDY)] == expected
+        assert runner.ffn is not None and runner.ffn.bytes_sent > 0 and runner.ffn.bytes_received > 0
+        assert not runner.ffn.in_flight
+        layers_sent[microbatches] = runner.ffn.totals().layers
+        llm.engine.shutdown()
+    # the same steps; each decode step of several sequences sends every layer twice, a half each
+    assert layers_sent[2] > layers_sent[1]
 
 
 def test_a_wrong_or_missing_token_is_refused_and_the_daemon_keeps_serving(

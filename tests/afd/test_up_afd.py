@@ -3,14 +3,17 @@ daemons answers `serve`'s greedy tokens, with P/D in front (`--prefill 1`: long 
 are prefilled there and handed to an attention engine, short ones prefilled on it) and
 without (`--prefill 0`); two attention engines use one daemon at once; the attention
 engines' /metrics carry the traffic per step; a daemon SIGKILLed mid-stream is started
-again by `up` and the streams go on, equal to the undisturbed run. The stacks start side
-by side (their start-ups are most of the time)."""
+again by `up` and the streams go on, equal to the undisturbed run; so does the stream of
+a daemon SIGSTOPped mid-stream (alive, silent), well inside the old 30 s layer timeout.
+The stacks start side by side (their start-ups are most of the time)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -18,8 +21,11 @@ import httpx
 import pytest
 
 from splitserve.cli import main
+from splitserve.deploy.plan import plan_from_args
+from splitserve.deploy.up_afd import afd_flag_error
 from splitserve.runtime.access import INTERNAL_TOKEN_ENV
 from tests.conftest import free_port, running_servers, wait_until
+from tests.deploy.test_plan import flag_value, up_args
 from tests.router.test_migration import Stream
 from tests.router.test_pd_proxy import metric, up_log
 
@@ -38,6 +44,7 @@ PD_FLAGS = ["--pd-decision", "threshold", "--min-prefill-tokens", "16", "--routi
 class Stacks:
     serve: str
     one_to_one: str  # up --afd 1:1 --prefill 0
+    one_to_one_port: int
     two_to_one: str  # up --afd 2:1 --prefill 1
     two_to_one_port: int
 
@@ -57,7 +64,7 @@ def stacks(moe) -> Iterator[Stacks]:
     ]
     with running_servers(servers, timeout=240, env={INTERNAL_TOKEN_ENV: TOKEN}) as (s, a, b):
         assert wait_until(lambda: all("OpenAI API:" in up_log(p) for p in (one, two)), 60)
-        yield Stacks(s, a, b, two)
+        yield Stacks(s, a, one, b, two)
 
 
 def streamed(base: str, bodies: list[dict]) -> list[Stream]:
@@ -130,6 +137,37 @@ def test_a_killed_ffn_daemon_is_restarted_and_the_streams_go_on(stacks: Stacks):
     assert resent >= 1
 
 
+def test_a_stopped_ffn_daemon_is_found_and_replaced_and_the_stream_goes_on(stacks: Stacks):
+    """SIGSTOP (the daemon alive, its port open, nothing answered): the attention engine's
+    layer misses its deadline and is sent again on a new connection, `up`'s liveness PING
+    finds the daemon silent and has it started again, and the stream finishes equal to
+    `serve`'s, long before the old 30 s a layer used to wait."""
+    (expected,) = [s.token_ids for s in streamed(stacks.serve, [LONG_STREAM])]
+    port = stacks.one_to_one_port
+    daemon_pid = parts(port)["ffn-0"][1]
+    decode = parts(port)["decode-0"][0]
+    stream = Stream(stacks.one_to_one, LONG_STREAM)
+    stream.start()
+    assert wait_until(lambda: stream.token_ids, 60)
+    assert stream.is_alive()  # mid-stream
+    stopped_at = time.monotonic()
+    os.kill(daemon_pid, signal.SIGSTOP)
+    try:
+        assert wait_until(lambda: "ffn-0 started again" in up_log(port), timeout_s=25)
+        stream.join(timeout=60)
+        recovered_s = time.monotonic() - stopped_at
+        assert stream.error is None and stream.finish_reason == "length", stream.error
+        assert stream.token_ids == expected
+        assert recovered_s < 25, recovered_s
+        assert "has not answered PING" in up_log(port)
+        text = httpx.get(f"{decode}/metrics", headers=AUTH, timeout=10).text
+        assert metric(text, "splitserve_afd_deadlines_missed_total") >= 1
+        assert metric(text, "splitserve_afd_layers_resent_total") >= 1
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # up SIGKILLed it: gone already
+            os.kill(daemon_pid, signal.SIGCONT)
+
+
 def test_up_afd_refuses_a_model_without_moe_layers_and_bad_ratios(tiny_model, capsys):
     """Refused before any part starts, with the reason (exit status 2)."""
     assert main(["up", tiny_model, "--afd", "1:1"]) == 2
@@ -142,3 +180,16 @@ def test_up_afd_refuses_a_model_without_moe_layers_and_bad_ratios(tiny_model, ca
     assert "not --decode 3" in capsys.readouterr().err
     assert main(["up", tiny_model, "--afd", "2:1", "--ray"]) == 2
     assert "not with --ray" in capsys.readouterr().err
+    assert main(["up", tiny_model, "--afd-microbatches", "1"]) == 2
+    assert "--afd-microbatches needs --afd" in capsys.readouterr().err
+
+
+def test_up_gives_the_attention_engines_the_micro_batch_setting():
+    args = up_args("--afd", "1:1", "--afd-microbatches", "1")
+    assert afd_flag_error(args) is None
+    decode = plan_from_args(args, "/models/m", "m").tier("decode").argv
+    assert flag_value(decode, "--afd-microbatches") == "1"
+    assert (
+        "--afd-microbatches"
+        not in plan_from_args(up_args("--afd", "1:1"), "/models/m", "m").tier("decode").argv
+    )

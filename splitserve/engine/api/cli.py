@@ -82,6 +82,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--ffn-timeout", type=float, default=30.0, help="seconds for the FFN daemon's answer to one layer"
     )
+    parser.add_argument(
+        "--afd-microbatches",
+        type=int,
+        choices=[1, 2],
+        default=2,
+        help="with --ffn-address: a decode step of >= 2 sequences as 2 micro-batches, one's "
+        "FFN traffic hidden behind the other's attention (1: the whole step at once)",
+    )
     parser.add_argument("--block-size", type=_positive_int, default=cache.block_size)
     parser.add_argument(
         "--kv-cache-memory",
@@ -237,7 +245,7 @@ def afd_config(args: argparse.Namespace) -> AfdConfig | None:
         raise ValueError(f"--role attention needs --ffn-address HOST:PORT, not {args.ffn_address!r}")
     if args.ffn_timeout <= 0:
         raise ValueError(f"--ffn-timeout must be positive, not {args.ffn_timeout}")
-    return AfdConfig(ffn_host=host, ffn_port=int(port), timeout_s=args.ffn_timeout)
+    return AfdConfig(host, int(port), args.ffn_timeout, args.afd_microbatches)
 
 
 def run(args: argparse.Namespace) -> int:
