@@ -94,7 +94,7 @@ class AfdConfig:
     timeout_s: float = 30.0  # for an answer to one layer (and to HELLO at start-up)
     # a decode step of >= 2 sequences as two micro-batches, one's MoE traffic hidden
     # behind the other's attention (afd/microbatch.py); 1: the whole step at once
-    microbatches: int = 2
+    microbatches: int = 1
 
     def __post_init__(self) -> None:
         if self.microbatches not in (1, 2):

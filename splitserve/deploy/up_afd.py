@@ -37,7 +37,7 @@ def add_afd_arguments(parser: argparse.ArgumentParser) -> None:
         choices=[1, 2],
         default=None,
         help="with --afd: the attention engines' decode steps of >= 2 sequences as 2 "
-        "overlapped micro-batches (their default) or 1 (docs/afd.md: which pays where)",
+        "overlapped micro-batches or 1 (their default; docs/afd.md: which pays where)",
     )
 
 

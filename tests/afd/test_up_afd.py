@@ -45,7 +45,7 @@ class Stacks:
     serve: str
     one_to_one: str  # up --afd 1:1 --prefill 0
     one_to_one_port: int
-    two_to_one: str  # up --afd 2:1 --prefill 1
+    two_to_one: str  # up --afd 2:1 --prefill 1 --afd-microbatches 2
     two_to_one_port: int
 
 
@@ -60,7 +60,23 @@ def stacks(moe) -> Iterator[Stacks]:
     servers = [
         (["serve", moe, "--port", str(serve), *ENGINE_FLAGS], serve),
         (["up", moe, "--port", str(one), "--afd", "1:1", "--prefill", "0", *ENGINE_FLAGS], one),
-        (["up", moe, "--port", str(two), "--afd", "2:1", "--prefill", "1", *ENGINE_FLAGS, *PD_FLAGS], two),
+        (
+            [
+                "up",
+                moe,
+                "--port",
+                str(two),
+                "--afd",
+                "2:1",
+                "--prefill",
+                "1",
+                "--afd-microbatches",
+                "2",
+                *ENGINE_FLAGS,
+                *PD_FLAGS,
+            ],
+            two,
+        ),
     ]
     with running_servers(servers, timeout=240, env={INTERNAL_TOKEN_ENV: TOKEN}) as (s, a, b):
         assert wait_until(lambda: all("OpenAI API:" in up_log(p) for p in (one, two)), 60)

@@ -86,9 +86,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--afd-microbatches",
         type=int,
         choices=[1, 2],
-        default=2,
-        help="with --ffn-address: a decode step of >= 2 sequences as 2 micro-batches, one's "
-        "FFN traffic hidden behind the other's attention (1: the whole step at once)",
+        default=1,
+        help="with --ffn-address: 2 runs a decode step of >= 2 sequences as 2 micro-batches, "
+        "one's FFN traffic hidden behind the other's attention; 1 (the default: faster on "
+        "shared CPU cores, docs/afd.md) the whole step at once",
     )
     parser.add_argument("--block-size", type=_positive_int, default=cache.block_size)
     parser.add_argument(
