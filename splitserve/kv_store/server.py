@@ -27,6 +27,7 @@ from splitserve.kv_store.wire import (
     HELLO,
     MAC_LABEL,
     PUT,
+    BlockKey,
     parse_blocks,
     parse_key,
     parse_meta,
@@ -131,7 +132,14 @@ class KVStoreServer:
         keys = [parse_key(block) for block in blocks]
         if kind == GET:
             found = self.store.get_leading(keys)  # stops at a miss: only a leading run is of use
-            blocks_found = [{"meta": entry.meta, "tier": tier} for entry, tier in found]
+            blocks_found = [
+                {
+                    **BlockKey(entry.block_hash, entry.parent_hash, entry.token_ids).to_wire(),
+                    "meta": entry.meta,
+                    "tier": tier,
+                }
+                for entry, tier in found
+            ]
             return {"blocks": blocks_found}, [entry.payload for entry, _ in found]
         if kind == HAS:
             count, tiers = 0, []

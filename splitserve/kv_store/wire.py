@@ -101,6 +101,16 @@ def parse_meta(block: dict) -> dict:
     return meta
 
 
+class FoundBlock(NamedTuple):
+    """A block a GET found: what the store says it holds (for the caller to verify), its
+    payload and the tier it came from."""
+
+    key: BlockKey
+    meta: dict
+    payload: bytes
+    tier: str
+
+
 class StoreClient:
     """Put, get and has against one store; thread-safe (one request at a time). Every
     failure raises StoreError: a store that is down, slow or refuses us costs a miss."""
@@ -132,13 +142,19 @@ class StoreClient:
         answer, _ = self.request(PUT, header, [payload for _, _, payload in blocks])
         return int(answer.get("stored", 0))
 
-    def get(self, keys: list[BlockKey]) -> list[tuple[dict, bytes, str]]:
-        """(meta, payload, tier) of the leading blocks the store holds for these keys."""
+    def get(self, keys: list[BlockKey]) -> list[FoundBlock]:
+        """The leading blocks the store holds for these keys."""
         answer, frames = self.request(GET, {"blocks": [key.to_wire() for key in keys]})
         found = answer.get("blocks", [])
         if not isinstance(found, list) or len(found) != len(frames) or len(found) > len(keys):
             raise StoreError("the KV store's GET answer does not match its data")
-        return [(dict(b["meta"]), frames[i], str(b["tier"])) for i, b in enumerate(found)]
+        try:
+            return [
+                FoundBlock(parse_key(block), parse_meta(block), frames[i], str(block.get("tier")))
+                for i, block in enumerate(found)
+            ]
+        except ValueError as exc:
+            raise StoreError(f"the KV store's GET answer is malformed: {exc}") from exc
 
     def has(self, keys: list[BlockKey]) -> int:
         """How many of the leading keys the store holds (for these tokens)."""

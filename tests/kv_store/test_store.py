@@ -63,9 +63,10 @@ def test_put_get_round_trip(served):
     assert put(client, keys) == 3
     assert client.has(keys) == 3
     got = client.get(keys)
-    assert [p for _, p, _ in got] == [payload(k) for k in keys]
-    assert [m["n"] for m, _, _ in got] == [0, 1, 2]
-    assert {tier for _, _, tier in got} == {"ram"}
+    assert [b.payload for b in got] == [payload(k) for k in keys]
+    assert [b.key for b in got] == keys  # what the store holds, for the engine to check again
+    assert [b.meta["n"] for b in got] == [0, 1, 2]
+    assert {b.tier for b in got} == {"ram"}
     # a prompt that shares two blocks and then differs finds the two leading ones only
     other = chain([*range(100, 108), 7, 7, 7, 7])
     assert client.has(other) == 2
@@ -84,7 +85,7 @@ def test_lru_order_and_ram_to_disk_demotion(served):
     put(client, keys[4:6])  # pushes out block 2, then block 0
     assert [store.tier_of(k.block_hash) for k in keys] == ["disk", "disk", "disk", "ram", "ram", "ram"]
     # a disk hit comes back whole and moves up to RAM (pushing the least recent RAM block down)
-    (meta, data, tier), *_ = client.get(keys[1:2])
+    (_, meta, data, tier), *_ = client.get(keys[1:2])
     assert (data, tier, meta["n"]) == (payload(keys[1]), "disk", 1)
     assert store.tier_of(keys[1].block_hash) == "ram"
     assert store.tier_of(keys[3].block_hash) == "disk"
@@ -115,7 +116,7 @@ def test_corrupt_or_truncated_disk_entry_is_a_miss(served, damage):
     assert client.get(keys) == []  # the leading block is gone: nothing after it is of use
     assert not path.exists()
     assert store.snapshot().corrupt == 1
-    assert client.get(keys[1:2])[0][1] == payload(keys[1])  # the rest still serves
+    assert client.get(keys[1:2])[0].payload == payload(keys[1])  # the rest still serves
 
 
 def test_disk_tier_survives_a_restart(tmp_path):
@@ -140,7 +141,7 @@ def test_wrong_token_ids_or_parent_for_a_hash_is_a_miss(served):
     assert client.has([wrong_tokens]) == 0 and client.get([wrong_tokens]) == []
     assert client.get([wrong_parent]) == []
     assert store.snapshot().mismatches == 2
-    assert client.get([key])[0][1] == payload(key)
+    assert client.get([key])[0].payload == payload(key)
 
 
 def test_unauthenticated_client_is_refused(served):
