@@ -42,6 +42,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="disk tier budget in GiB (with --kv-store-disk)",
     )
     parser.add_argument(
+        "--kv-events-endpoint",
+        default=None,
+        help="publish which tier holds which block (KV events, medium CPU or DISK) here, e.g. tcp://*:5560",
+    )
+    parser.add_argument(
+        "--kv-events-replay-endpoint",
+        default=None,
+        help="ZMQ ROUTER endpoint answering replay requests (default: the events endpoint's port + 1)",
+    )
+    parser.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
     add_serving_arguments(parser)
@@ -54,8 +64,11 @@ def run(args: argparse.Namespace) -> int:
     from fastapi.responses import Response
     from prometheus_client import CollectorRegistry, generate_latest
 
+    from splitserve.config import KVEventsConfig
     from splitserve.kv_store.server import KVStoreServer, StoreCollector
     from splitserve.kv_store.tiers import TieredStore
+    from splitserve.protocol.kv_events import replay_endpoint_for
+    from splitserve.runtime.kv_events import KVEventPublisher
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -64,8 +77,17 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("splitserve kvstore: --kv-store-disk and --kv-store-disk-gb go together")
     try:
         policy = access.internal_policy(args)
-        store = TieredStore(args.kv_store_ram_gb, args.kv_store_disk, args.kv_store_disk_gb or 0)
-        server = KVStoreServer(store, host=args.host, port=args.kv_port, token=access.internal_token())
+        events = args.kv_events_endpoint
+        store = TieredStore(
+            args.kv_store_ram_gb, args.kv_store_disk, args.kv_store_disk_gb or 0, record_events=bool(events)
+        )
+        publisher = None
+        if events:
+            replay = args.kv_events_replay_endpoint or replay_endpoint_for(events)
+            publisher = KVEventPublisher(KVEventsConfig(endpoint=events, replay_endpoint=replay))
+        server = KVStoreServer(
+            store, host=args.host, port=args.kv_port, token=access.internal_token(), publisher=publisher
+        )
     except (OSError, ValueError, zmq.ZMQError) as exc:
         raise SystemExit(f"splitserve kvstore: {exc}") from exc
     registry = CollectorRegistry()

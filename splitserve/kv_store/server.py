@@ -19,7 +19,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from splitserve.kv.transport.frame_mac import FrameMac, ReplayGuard
-from splitserve.kv_store.tiers import TIERS, StoreEntry, TieredStore
+from splitserve.kv_store.entry import StoreEntry
+from splitserve.kv_store.tiers import TIERS, TieredStore
 from splitserve.kv_store.wire import (
     DEFAULT_MAX_MESSAGE_BYTES,
     GET,
@@ -32,6 +33,8 @@ from splitserve.kv_store.wire import (
     parse_key,
     parse_meta,
 )
+from splitserve.protocol.kv_events import AllBlocksCleared
+from splitserve.runtime.kv_events import KVEventPublisher
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +50,12 @@ class KVStoreServer:
         port: int = 0,
         token: str | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        publisher: KVEventPublisher | None = None,  # the tiers' KV events (store: record_events)
     ) -> None:
         self.store = store
+        self.publisher = publisher
+        if publisher is not None:  # a (re)started store's subscribers forget what it held
+            publisher.publish([AllBlocksCleared()])
         self.mac = FrameMac(token, MAC_LABEL)
         self.sessions = ReplayGuard()
         self.max_message_bytes = max_message_bytes
@@ -72,6 +79,8 @@ class KVStoreServer:
         self.thread.join(timeout=5)
         self.socket.close()
         self.context.term()
+        if self.publisher is not None:
+            self.publisher.shutdown()
 
     def serve(self) -> None:
         while not self.stopping.is_set():
@@ -83,6 +92,8 @@ class KVStoreServer:
             except Exception:  # one bad message must not end the store
                 logger.exception("KV store: a request failed")
                 self.bad_requests += 1
+            if self.publisher is not None:
+                self.publisher.publish(self.store.take_events())
 
     def handle(self, identity: bytes, frames: list[bytes]) -> None:
         body = self.mac.open(frames)

@@ -3,104 +3,29 @@ byte budget. A block lives in exactly one tier: a RAM entry pushed out by newer 
 demoted to disk (or dropped without a disk tier, or when it is larger than the disk's
 budget), and a disk hit is promoted back to RAM (its file removed).
 
-An entry is a block's KV (opaque bytes and the engine's description of them, `meta`) keyed
-by its chained block hash, with the parent hash and the block's token IDs beside it. The
-hash already covers the whole prefix and the cache_salt; the parent and tokens are checked
-again on every lookup, so a hash put with other tokens (a buggy or hostile writer) is a
-miss, never KV for the wrong prefix.
+An entry (entry.py) is keyed by its chained block hash, which already covers the whole
+prefix and the cache_salt; the parent hash and tokens beside it are checked again on every
+lookup, so a hash put with other tokens (a buggy or hostile writer) is a miss, never KV
+for the wrong prefix. A disk entry that fails its checksum is a miss too (disk_tier.py).
 
-A disk entry is one file, `<hash hex>.kv`: magic, header length, JSON header, payload,
-then a blake2b digest of everything before it. A file that is truncated, altered or names
-another hash fails the check and is a miss (the file is removed), never wrong KV.
+With `record_events`, every move is a KV event (BlockStored / BlockRemoved, vLLM's shape)
+whose `medium` names the tier: "CPU" for RAM, "DISK" for disk.
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import json
-import logging
-import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-logger = logging.getLogger(__name__)
+from splitserve.kv_store.disk_tier import DiskTier
+from splitserve.kv_store.entry import StoreEntry, prefix_digest
+from splitserve.protocol.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 
-MAGIC = b"SSKVBLK1"
-DIGEST_BYTES = 32
-HEADER_LEN_BYTES = 4
-SUFFIX = ".kv"
 TIERS = ("ram", "disk")
-# What an entry costs beyond its payload in the RAM budget: its token IDs and bookkeeping.
-ENTRY_OVERHEAD_BYTES = 256
-
-
-def prefix_digest(parent_hash: bytes | None, token_ids: tuple[int, ...]) -> bytes:
-    """What a lookup must match besides the hash: the parent hash and the block's tokens."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(b"\0" if parent_hash is None else b"\1" + parent_hash)
-    h.update(json.dumps(list(token_ids)).encode())
-    return h.digest()
-
-
-@dataclass(frozen=True)
-class StoreEntry:
-    block_hash: bytes
-    parent_hash: bytes | None
-    token_ids: tuple[int, ...]
-    meta: dict  # the engine's description of the payload (dtype, shape); opaque here
-    payload: bytes
-
-    @property
-    def check(self) -> bytes:
-        return prefix_digest(self.parent_hash, self.token_ids)
-
-    @property
-    def cost(self) -> int:
-        """Bytes it takes of a tier's budget."""
-        return len(self.payload) + 8 * len(self.token_ids) + ENTRY_OVERHEAD_BYTES
-
-
-def encode_entry(entry: StoreEntry) -> bytes:
-    header = json.dumps(
-        {
-            "hash": entry.block_hash.hex(),
-            "parent": entry.parent_hash.hex() if entry.parent_hash is not None else None,
-            "tokens": list(entry.token_ids),
-            "meta": entry.meta,
-            "payload_bytes": len(entry.payload),
-        }
-    ).encode()
-    body = MAGIC + len(header).to_bytes(HEADER_LEN_BYTES, "big") + header + entry.payload
-    return body + hashlib.blake2b(body, digest_size=DIGEST_BYTES).digest()
-
-
-def decode_entry(data: bytes, block_hash: bytes) -> StoreEntry | None:
-    """The entry a disk file holds, or None when it is truncated, corrupt or of another hash."""
-    start = len(MAGIC) + HEADER_LEN_BYTES
-    if len(data) < start + DIGEST_BYTES or not data.startswith(MAGIC):
-        return None
-    body, digest = data[:-DIGEST_BYTES], data[-DIGEST_BYTES:]
-    if hashlib.blake2b(body, digest_size=DIGEST_BYTES).digest() != digest:
-        return None
-    header_len = int.from_bytes(body[len(MAGIC) : start], "big")
-    try:
-        header = json.loads(body[start : start + header_len])
-        parent = header["parent"]
-        entry = StoreEntry(
-            block_hash=bytes.fromhex(header["hash"]),
-            parent_hash=bytes.fromhex(parent) if parent is not None else None,
-            token_ids=tuple(int(t) for t in header["tokens"]),
-            meta=dict(header["meta"]),
-            payload=body[start + header_len :],
-        )
-    except (ValueError, KeyError, TypeError):
-        return None
-    if entry.block_hash != block_hash or len(entry.payload) != header["payload_bytes"]:
-        return None
-    return entry
+# The `medium` of the KV events that announce which tier holds a block (vLLM's names).
+MEDIUM = {"ram": "CPU", "disk": "DISK"}
 
 
 @dataclass
@@ -155,106 +80,17 @@ class RamTier:
             self.used_bytes -= entry.cost
 
 
-class DiskTier:
-    """Entries as files in `directory`, at most `budget_bytes` of them; the index (which
-    files, their sizes and checks, least recent first) is in memory, rebuilt at start from
-    the files there (oldest modification first), so a restarted store keeps its disk tier."""
-
-    def __init__(self, directory: str | Path, budget_bytes: int) -> None:
-        self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self.budget_bytes = budget_bytes
-        self.index: OrderedDict[bytes, tuple[int, bytes]] = OrderedDict()  # hash -> (size, check)
-        self.used_bytes = 0
-        self.evictions = 0
-        self.corrupt = 0
-        self._rebuild_index()
-
-    def path(self, block_hash: bytes) -> Path:
-        return self.directory / f"{block_hash.hex()}{SUFFIX}"
-
-    def _rebuild_index(self) -> None:
-        for leftover in self.directory.glob("*.tmp"):
-            leftover.unlink(missing_ok=True)  # a write cut short by a crash
-        found: list[tuple[float, bytes, int, bytes]] = []
-        for path in self.directory.glob(f"*{SUFFIX}"):
-            try:
-                block_hash = bytes.fromhex(path.name.removesuffix(SUFFIX))
-                entry = decode_entry(path.read_bytes(), block_hash)
-                stat = path.stat()
-            except (ValueError, OSError):
-                entry = None
-            if entry is None:
-                path.unlink(missing_ok=True)
-                continue
-            found.append((stat.st_mtime, block_hash, stat.st_size, entry.check))
-        for _, block_hash, size, check in sorted(found):
-            self.index[block_hash] = (size, check)
-            self.used_bytes += size
-        self._shrink(0)
-
-    def check(self, block_hash: bytes) -> bytes | None:
-        """The stored entry's prefix check, without reading it (None: not held)."""
-        held = self.index.get(block_hash)
-        return held[1] if held is not None else None
-
-    def read(self, block_hash: bytes) -> StoreEntry | None:
-        """The entry; None when not held, or when its file failed the check (then removed
-        and counted in `corrupt`)."""
-        if block_hash not in self.index:
-            return None
-        try:
-            entry = decode_entry(self.path(block_hash).read_bytes(), block_hash)
-        except OSError:
-            entry = None
-        if entry is None:
-            logger.warning("KV store: disk entry %s is corrupt or truncated: dropped", block_hash.hex())
-            self.remove(block_hash)
-            self.corrupt += 1
-            return None
-        self.index.move_to_end(block_hash)
-        return entry
-
-    def write(self, entry: StoreEntry) -> bool:
-        """Keep `entry` (pushing out the least recent ones); False when it cannot fit at all
-        or the write failed."""
-        data = encode_entry(entry)
-        if len(data) > self.budget_bytes:
-            return False
-        self.remove(entry.block_hash)
-        self._shrink(len(data))
-        path = self.path(entry.block_hash)
-        tmp = path.with_name(path.name + ".tmp")
-        try:
-            tmp.write_bytes(data)
-            os.replace(tmp, path)  # a reader sees the whole file or none
-        except OSError as exc:
-            logger.warning("KV store: writing %s failed: %s", path, exc)
-            tmp.unlink(missing_ok=True)
-            return False
-        self.index[entry.block_hash] = (len(data), entry.check)
-        self.used_bytes += len(data)
-        return True
-
-    def remove(self, block_hash: bytes) -> None:
-        held = self.index.pop(block_hash, None)
-        if held is not None:
-            self.used_bytes -= held[0]
-            with contextlib.suppress(OSError):
-                self.path(block_hash).unlink(missing_ok=True)
-
-    def _shrink(self, incoming: int) -> None:
-        while self.index and self.used_bytes + incoming > self.budget_bytes:
-            oldest = next(iter(self.index))
-            self.remove(oldest)
-            self.evictions += 1
-
-
 class TieredStore:
     """RAM over an optional disk tier; thread-safe (one lock: the server's thread writes,
     the metrics scrape reads)."""
 
-    def __init__(self, ram_bytes: int, disk_dir: str | Path | None = None, disk_bytes: int = 0) -> None:
+    def __init__(
+        self,
+        ram_bytes: int,
+        disk_dir: str | Path | None = None,
+        disk_bytes: int = 0,
+        record_events: bool = False,
+    ) -> None:
         if ram_bytes <= 0:
             raise ValueError(f"the RAM tier needs a positive budget, not {ram_bytes} bytes")
         if disk_dir is not None and disk_bytes <= 0:
@@ -263,6 +99,10 @@ class TieredStore:
         self.disk = DiskTier(disk_dir, disk_bytes) if disk_dir is not None else None
         self.stats = StoreStats()
         self.lock = threading.Lock()
+        # which tier holds what, as KV events (BlockStored / BlockRemoved with a medium)
+        self.events: list[KVCacheEvent] | None = [] if record_events else None
+        if self.disk is not None and record_events:
+            self.disk.on_removed = []
 
     def put(self, entry: StoreEntry) -> bool:
         """Keep `entry` in RAM (demoting what it pushes out); False when it is larger than
@@ -279,10 +119,49 @@ class TieredStore:
             return True
 
     def _add_to_ram(self, entry: StoreEntry) -> None:
-        for pushed in self.ram.add(entry):
+        fresh = entry.block_hash not in self.ram.entries
+        pushed_out = self.ram.add(entry)
+        self._stored(entry, "ram", fresh)
+        for pushed in pushed_out:
             self.stats.tiers["ram"].evictions += 1
-            if self.disk is not None and not self.disk.write(pushed):
+            self._removed(pushed.block_hash, "ram")
+            if self.disk is not None and self.disk.write(pushed):
+                self._stored(pushed, "disk", True)
+            elif self.disk is not None:
                 self.stats.too_large += 1
+
+    def _stored(self, entry: StoreEntry, tier: str, fresh: bool) -> None:
+        self._flush_disk_removals()
+        if self.events is not None and fresh:
+            self.events.append(
+                BlockStored(
+                    block_hashes=[entry.block_hash],
+                    parent_block_hash=entry.parent_hash,
+                    token_ids=list(entry.token_ids),
+                    block_size=len(entry.token_ids),
+                    medium=MEDIUM[tier],
+                )
+            )
+
+    def _removed(self, block_hash: bytes, tier: str) -> None:
+        self._flush_disk_removals()
+        if self.events is not None:
+            self.events.append(BlockRemoved([block_hash], MEDIUM[tier]))
+
+    def _flush_disk_removals(self) -> None:
+        """The disk tier's removals, as events, in order with the rest."""
+        if self.disk is not None and self.disk.on_removed and self.events is not None:
+            self.events.append(BlockRemoved(list(self.disk.on_removed), MEDIUM["disk"]))
+            self.disk.on_removed.clear()
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The tier changes since the last call (empty without record_events)."""
+        with self.lock:
+            self._flush_disk_removals()
+            if not self.events:
+                return []
+            events, self.events = self.events, []
+            return events
 
     def get(
         self, block_hash: bytes, parent_hash: bytes | None, token_ids: tuple[int, ...]

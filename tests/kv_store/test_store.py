@@ -10,11 +10,15 @@ import sys
 import httpx
 import pytest
 
+from splitserve.config import KVEventsConfig
+from splitserve.kv_store.entry import ENTRY_OVERHEAD_BYTES, StoreEntry
 from splitserve.kv_store.server import KVStoreServer
-from splitserve.kv_store.tiers import ENTRY_OVERHEAD_BYTES, StoreEntry, TieredStore
+from splitserve.kv_store.tiers import TieredStore
 from splitserve.kv_store.wire import BlockKey, StoreClient, StoreError
 from splitserve.protocol.block_hash import compute_block_hashes
-from tests.conftest import free_port, running_server
+from splitserve.protocol.kv_events import AllBlocksCleared, BlockStored
+from splitserve.runtime.kv_events import KVEventPublisher, KVEventSubscriber
+from tests.conftest import free_port, running_server, wait_until
 
 BLOCK = 4
 TOKEN = "store-test-token"
@@ -241,3 +245,52 @@ def test_kvstore_cli_refuses_bad_flags(tmp_path):
         )
         assert finished.returncode != 0
         assert "kv-store" in finished.stderr
+
+
+def test_kv_events_name_the_tier_that_holds_a_block(tmp_path):
+    """With events, the store says which tier holds what (vLLM's `medium`): CPU for RAM,
+    DISK for disk; a demotion is a removal from one and a store into the other."""
+    events, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    store = TieredStore(2 * entry_cost(), tmp_path / "disk", 10 * (PAYLOAD + 400), record_events=True)
+    publisher = KVEventPublisher(KVEventsConfig(endpoint=events, replay_endpoint=replay))
+    server = KVStoreServer(store, port=free_port(), token=TOKEN, publisher=publisher)
+    client = StoreClient("127.0.0.1", server.port, TOKEN, timeout_s=5)
+    subscriber = KVEventSubscriber(events, replay)
+    keys = chain(list(range(12)))  # 3 blocks, RAM holds 2
+    index = {key.block_hash: i for i, key in enumerate(keys)}
+    try:
+        put(client, keys)
+        client.get(keys[:1])  # block 0 comes back up from disk, block 1 goes down
+        seen: list = []
+
+        def moves() -> list:
+            seen.extend(e for _, batch in subscriber.poll(100) for e in batch.events)
+            return [
+                (
+                    type(e).__name__,
+                    e.medium,
+                    [index[h] for h in e.block_hashes],
+                )
+                for e in seen
+                if not isinstance(e, AllBlocksCleared)
+            ]
+
+        expected = [
+            ("BlockStored", "CPU", [0]),
+            ("BlockStored", "CPU", [1]),
+            ("BlockStored", "CPU", [2]),
+            ("BlockRemoved", "CPU", [0]),
+            ("BlockStored", "DISK", [0]),
+            ("BlockRemoved", "DISK", [0]),
+            ("BlockStored", "CPU", [0]),
+            ("BlockRemoved", "CPU", [1]),
+            ("BlockStored", "DISK", [1]),
+        ]
+        assert wait_until(lambda: moves() == expected), moves()
+        stored = [e for e in seen if isinstance(e, BlockStored)]
+        assert stored[0].token_ids == list(keys[0].token_ids) and stored[0].parent_block_hash is None
+        assert stored[1].parent_block_hash == keys[0].block_hash and stored[1].block_size == BLOCK
+    finally:
+        subscriber.close()
+        client.close()
+        server.close()
