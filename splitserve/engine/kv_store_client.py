@@ -57,6 +57,7 @@ class KVStoreClientStats:
     lookups: int = 0
     lookup_errors: int = 0
     hit_blocks: int = 0  # blocks HAS found (and that were then loaded or failed)
+    loads: int = 0  # requests whose blocks loaded
     loaded_blocks: int = 0
     loaded_bytes: int = 0
     failed_loads: int = 0
@@ -334,6 +335,7 @@ class KVStoreConnector(KVConnector):
         ]
         stacked = torch.stack(blocks, dim=2)  # [layers, 2, n, block_size, heads, head_dim]
         self.kv_cache[:, :, job.block_ids] = stacked.to(self.kv_cache.device)
+        self.stats.loads += 1
         self.stats.loaded_blocks += len(found)
         self.stats.loaded_bytes += sum(len(block.payload) for block in found)
         self.stats.load_seconds += time.monotonic() - job.queued_at

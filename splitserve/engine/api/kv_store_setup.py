@@ -90,6 +90,7 @@ class KVStoreClientCollector(Collector):
                 s.lookup_errors,
             ),
             ("hit_blocks", "Blocks the KV store held for a prompt, past the local prefix hit.", s.hit_blocks),
+            ("loads", "Prompts whose leading blocks loaded from the KV store.", s.loads),
             ("loaded_blocks", "Blocks loaded from the KV store into the pool.", s.loaded_blocks),
             ("loaded_bytes", "KV bytes loaded from the KV store.", s.loaded_bytes),
             ("failed_loads", "Loads that failed or were refused (the prompt recomputes).", s.failed_loads),
