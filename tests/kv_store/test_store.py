@@ -294,3 +294,17 @@ def test_kv_events_name_the_tier_that_holds_a_block(tmp_path):
         subscriber.close()
         client.close()
         server.close()
+
+
+def test_the_store_needs_neither_torch_nor_the_engine():
+    """`splitserve kvstore` runs on a CPU-only host: its package imports no torch, engine
+    or model (a block's KV is opaque bytes to it)."""
+    code = (
+        "import sys, pkgutil, importlib, splitserve.kv_store as pkg\n"
+        "for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + '.'):\n"
+        "    importlib.import_module(m.name)\n"
+        "bad = sorted(m for m in sys.modules if m == 'torch' or m.split('.')[:2] in "
+        "(['splitserve', 'engine'], ['splitserve', 'model']))\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
