@@ -12,8 +12,11 @@ from splitserve.engine.kv_store_client import KVStoreConnector
 from splitserve.engine.llm import LLM
 from splitserve.kv_store.server import KVStoreServer
 from splitserve.kv_store.tiers import TieredStore
+from splitserve.kv_store.wire import BlockKey, StoreClient
+from splitserve.protocol.block_hash import compute_block_hashes
+from splitserve.protocol.generate_request import GenerateRequest
 from splitserve.protocol.sampling_params import SamplingParams
-from tests.conftest import free_port
+from tests.conftest import free_port, wait_until
 
 TOKEN = "engine-store-token"
 BLOCK = 16
@@ -120,3 +123,50 @@ def test_a_full_offload_queue_drops_and_counts(tiny_model, store_server):
         llm.engine.shutdown()
     assert s.offloaded_blocks in (1, 2) and s.offloaded_blocks + s.dropped_full == s.offered_blocks
     assert all(r.finish_reason == "length" and len(r.token_ids) == 6 for r in results)
+
+
+def test_a_stored_block_of_another_layout_is_refused(tiny_model, without_store, store_server):
+    """Blocks under A's hashes, parents and tokens but of another shape (another model's,
+    or a hostile writer's) never land in the pool: the load is refused, A recomputes and
+    answers as without the store."""
+    connector = KVStoreConnector("127.0.0.1", store_server.port, TOKEN)
+    llm = LLM(tiny_model, num_blocks=NUM_BLOCKS, block_size=BLOCK, connector=connector)
+    writer = StoreClient("127.0.0.1", store_server.port, TOKEN, timeout_s=5)
+    try:
+        hashes = compute_block_hashes(SESSION_A, BLOCK)
+        keys = [
+            BlockKey(h, hashes[i - 1] if i else None, tuple(SESSION_A[i * BLOCK : (i + 1) * BLOCK]))
+            for i, h in enumerate(hashes)
+        ]
+        meta = {**connector.meta, "shape": [1, 2, BLOCK, 1, 8]}
+        assert writer.put([(key, meta, bytes(2 * BLOCK * 8 * 4)) for key in keys]) == len(keys)
+        result = llm.generate([SESSION_A], GREEDY)[0]
+    finally:
+        writer.close()
+        llm.engine.shutdown()
+    assert result.token_ids == without_store[0].token_ids and result.num_cached_tokens == 0
+    assert connector.stats.failed_loads == 1 and connector.stats.loaded_blocks == 0
+
+
+def test_a_request_aborted_while_loading_keeps_its_blocks_until_the_load_ends(tiny_model, store_server):
+    connector = KVStoreConnector("127.0.0.1", store_server.port, TOKEN)
+    llm = LLM(tiny_model, num_blocks=NUM_BLOCKS, block_size=BLOCK, connector=connector)
+    engine = llm.engine
+    try:
+        for p in [SESSION_A, *OTHERS]:  # A's blocks go to the store
+            llm.generate([p], GREEDY)
+        assert connector.flush()
+        with connector.load_client.lock:  # the load cannot finish yet
+            engine.add_request(GenerateRequest("again", tuple(SESSION_A), GREEDY))
+            engine.step()  # admitted: its blocks allocated, its load queued
+            held = engine.block_manager.num_free_blocks
+            assert held < NUM_BLOCKS and engine.abort_request("again") == ["again"]
+            engine.step()
+            assert engine.block_manager.num_free_blocks == held  # a load may still write into them
+        assert wait_until(
+            lambda: engine.step() is not None and engine.block_manager.num_free_blocks == NUM_BLOCKS
+        )
+        engine.check_integrity()
+        assert llm.generate([SESSION_A], GREEDY)[0].num_cached_tokens == 80  # the store still serves
+    finally:
+        engine.shutdown()

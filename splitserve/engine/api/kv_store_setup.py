@@ -117,7 +117,7 @@ class KVStoreClientCollector(Collector):
             "Blocks loaded, by the store tier that held them.",
             labels=["tier"],
         )
-        for tier, count in sorted(s.tiers.items()):
+        for tier, count in sorted(dict(s.tiers).items()):  # a copy: the loader thread adds tiers
             by_tier.add_metric([tier], count)
         yield by_tier
         yield GaugeMetricFamily(
