@@ -170,3 +170,35 @@ def test_a_request_aborted_while_loading_keeps_its_blocks_until_the_load_ends(ti
         assert llm.generate([SESSION_A], GREEDY)[0].num_cached_tokens == 80  # the store still serves
     finally:
         engine.shutdown()
+
+
+def test_a_store_restarted_mid_run_costs_only_its_hits(tiny_model, without_store):
+    port = free_port()
+    server = KVStoreServer(TieredStore(64 << 20), port=port, token=TOKEN)
+    connector = KVStoreConnector("127.0.0.1", port, TOKEN)
+    llm = LLM(tiny_model, num_blocks=NUM_BLOCKS, block_size=BLOCK, connector=connector)
+    try:
+        for p in [SESSION_A, *OTHERS]:  # A is evicted here, into the store
+            llm.generate([p], GREEDY)
+        assert connector.flush()
+        server.close()  # and all it held is gone
+        server = KVStoreServer(TieredStore(64 << 20), port=port, token=TOKEN)
+        after = run_session(llm, connector)  # A misses once, then is offloaded and hits again
+    finally:
+        llm.engine.shutdown()
+        server.close()
+    assert [r.token_ids for r in after] == [r.token_ids for r in without_store]
+    assert after[0].num_cached_tokens == 0 and after[-1].num_cached_tokens == 80
+    assert connector.stats.failed_loads == 0
+
+
+def test_an_engine_with_another_token_gets_no_hits(tiny_model, without_store, store_server):
+    connector = KVStoreConnector("127.0.0.1", store_server.port, "another-deployment")
+    llm = LLM(tiny_model, num_blocks=NUM_BLOCKS, block_size=BLOCK, connector=connector)
+    try:
+        results = run_session(llm, connector)
+    finally:
+        llm.engine.shutdown()
+    assert [r.token_ids for r in results] == [r.token_ids for r in without_store]
+    assert results[-1].num_cached_tokens == 0 and connector.stats.lookup_errors >= 1
+    assert store_server.store.snapshot().puts == 0 and store_server.refused >= 1
