@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "render": ("splitserve.frontend.cli", "serve the CPU render/derender tier"),
     "serve": ("splitserve.serve.cli", "serve the collocated OpenAI-compatible API"),
     "proxy": ("splitserve.router.cli", "serve the P/D proxy in front of the tiers"),
+    "kvstore": ("splitserve.kv_store.cli", "serve the KV store tier (blocks by chained hash, RAM and disk)"),
     "up": ("splitserve.deploy.up_cli", "start the whole disaggregated stack locally (or --ray: on Ray)"),
     "down": ("splitserve.ray_serve.down_cli", "remove a Ray deployment `up --ray` made"),
     "sim": ("splitserve.sim.cli", "simulate and plan deployments (roofline, goodput)"),

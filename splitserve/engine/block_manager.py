@@ -9,11 +9,24 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol
 
 from splitserve.engine.request import Request
 from splitserve.protocol.block_hash import BlockHash, cdiv
 from splitserve.protocol.kv_events import BlockRemoved, BlockStored, KVCacheEvent
+
+
+class BlockObserver(Protocol):
+    """Told when a block enters the prefix cache and when it leaves it (the KV store's
+    offloader, engine/kv_store_client.py: an evicted block's KV is still in the pool when
+    `block_evicted` is called, and is overwritten after it returns)."""
+
+    def block_cached(
+        self, block_id: int, block_hash: BlockHash, parent_hash: BlockHash | None, token_ids: Sequence[int]
+    ) -> None: ...
+
+    def block_evicted(self, block_id: int, block_hash: BlockHash) -> None: ...
 
 
 class BlockManager:
@@ -50,6 +63,7 @@ class BlockManager:
         # those are announced, and withdrawn when either goes.
         self.announce: Callable[[BlockHash, int], bool] | None = None  # (hash, block index)
         self.announced: set[BlockHash] = set()
+        self.observer: BlockObserver | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -125,6 +139,8 @@ class BlockManager:
         if block_hash is not None:
             if self.cached.get(block_hash) == block_id:
                 del self.cached[block_hash]
+                if self.observer is not None:
+                    self.observer.block_evicted(block_id, block_hash)
                 if self.announce is not None:
                     self.withdraw(block_hash)
                 elif self.events is not None:
@@ -152,6 +168,10 @@ class BlockManager:
                 self.block_hashes[block_id] = block_hash
                 self.cached[block_hash] = block_id
                 stored.append(index)
+                if self.observer is not None:
+                    parent = request.block_hashes[index - 1] if index > 0 else None
+                    tokens = request.all_token_ids[index * self.block_size : (index + 1) * self.block_size]
+                    self.observer.block_cached(block_id, block_hash, parent, tokens)
         if end > start:
             self.num_hashed_blocks[request.request_id] = end
         if self.events is not None and self.announce is not None:

@@ -16,6 +16,7 @@ import time
 from splitserve.config import EngineConfig
 from splitserve.encoder_cache.connector import ECConnector
 from splitserve.engine.block_manager import BlockManager, cdiv
+from splitserve.engine.kv_store_client import KVStoreConnector
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.multimodal import MultiModalInputs
 from splitserve.engine.outputs import EngineStats, RequestOutput
@@ -59,6 +60,8 @@ class LLMEngine:
         )
         if runner.state_pool is not None:
             runner.state_pool.announce_hits_in(self.block_manager)
+        if isinstance(connector, KVStoreConnector):
+            self.block_manager.observer = connector  # it offloads the blocks the prefix cache evicts
         self.kv_event_publisher = KVEventPublisher(config.kv_events) if config.kv_events else None
         if self.kv_event_publisher is not None:
             # a (re)started engine holds nothing: indexers drop what an earlier instance held

@@ -27,6 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from splitserve.engine.api.encode_routes import ECSetup
+    from splitserve.engine.api.kv_store_setup import make_kv_store_connector
     from splitserve.engine.api.local_client import LocalEngineClient
     from splitserve.engine.async_engine import AsyncEngine
     from splitserve.frontend.chat_template import TemplateError
@@ -45,8 +46,10 @@ def run(args: argparse.Namespace) -> int:
     model_dir = model.path
     try:
         ec = ECSetup(args, encoder_role=False)  # images: an encoder cache shared with others
-        engine = AsyncEngine(engine_cli.engine_config(args, model_dir), ec_connector=ec.connector)
-    except ValueError as exc:
+        config = engine_cli.engine_config(args, model_dir)
+        store = make_kv_store_connector(args, config, access.load_internal_token(args))  # --kv-store
+        engine = AsyncEngine(config, connector=store, ec_connector=ec.connector)
+    except (OSError, ValueError) as exc:
         print(f"splitserve serve: {exc}", file=sys.stderr)
         return 2
     max_model_len = engine.model_info.max_model_len  # the engine's bound is the one that holds

@@ -14,7 +14,7 @@ from splitserve.config import (
     ModelConfig,
     SchedulerConfig,
 )
-from splitserve.engine.api import encode_routes, kv_routes
+from splitserve.engine.api import encode_routes, kv_routes, kv_store_setup
 from splitserve.runtime import access
 from splitserve.runtime.drain import add_serving_arguments, serve_draining
 
@@ -155,6 +155,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     kv_routes.add_kv_arguments(parser)  # P/D roles: transport, mode, timeouts
     encode_routes.add_ec_arguments(parser, parse_memory_size)  # images: encoder cache, limits
     access.add_internal_arguments(parser)
+    kv_store_setup.add_kv_store_arguments(parser)  # --kv-store: offload to and load from the store tier
     parser.add_argument(
         "--kv-retention-ttl",
         type=float,
@@ -271,20 +272,27 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         raise SystemExit(f"splitserve engine: {exc}") from exc
     kv_host = args.kv_host or args.host
-    connector = kv_routes.make_connector(config.role, config.transfer, kv_host, args.kv_port)
+    pd_connector = kv_routes.make_connector(config.role, config.transfer, kv_host, args.kv_port)
+    try:  # a collocated engine's connector slot may hold the KV store's instead
+        store_connector = kv_store_setup.make_kv_store_connector(args, config, access.internal_token())
+    except ValueError as exc:
+        ec.close()
+        raise SystemExit(f"splitserve engine: {exc}") from exc
+    connector = pd_connector or store_connector
     try:
         engine = AsyncEngine(config, connector=connector, ec_connector=ec.connector)
     except (ValueError, AfdError) as exc:  # what the model, the memory or the FFN daemon cannot take
         ec.close()
         raise SystemExit(f"splitserve engine: {exc}") from exc
     app = create_engine_app(engine, manage_engine=True, max_pixel_bytes=args.max_pixel_bytes)
-    if connector is not None:
-        kv_routes.install_kv_routes(app, connector)
+    if pd_connector is not None:
+        kv_routes.install_kv_routes(app, pd_connector)
+    kv_store_setup.install_kv_store_metrics(app, store_connector)
     if config.kv_events is not None:
         from splitserve.engine.api.kv_events_route import install_kv_events_route
 
         install_kv_events_route(app, config.kv_events, config.cache.block_size)
-    if connector is not None and not policy.keys:
+    if pd_connector is not None and not policy.keys:
         logging.getLogger(__name__).warning(
             "no internal token (%s or --internal-token-file): every local user can write "
             "into this engine's KV cache; `splitserve up` always sets one",

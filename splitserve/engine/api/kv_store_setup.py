@@ -1,0 +1,136 @@
+"""`--kv-store HOST:PORT` on `splitserve engine` and `serve`: the connector to the KV store
+tier (engine/kv_store_client.py) and its counters on the engine's /metrics."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from splitserve.config import EngineConfig
+    from splitserve.engine.kv_store_client import KVStoreConnector
+
+PREFIX = "splitserve_kv_store_client"
+
+
+def add_kv_store_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--kv-store",
+        default=None,
+        metavar="HOST:PORT",
+        help="a `splitserve kvstore`'s block port: evicted prefix-cache blocks are offloaded "
+        "there and a prompt's missing leading blocks loaded from it (--role both)",
+    )
+    parser.add_argument(
+        "--kv-store-offload-queue",
+        type=int,
+        default=1024,
+        help="blocks waiting to be offloaded at most; past it an evicted block is dropped (counted)",
+    )
+    parser.add_argument(
+        "--kv-store-timeout",
+        type=float,
+        default=0.5,
+        help="seconds a lookup waits for the store (it is then left alone for a cool-down)",
+    )
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"--kv-store needs HOST:PORT, not {text!r}")
+    return host.strip("[]"), int(port)
+
+
+def make_kv_store_connector(
+    args: argparse.Namespace, config: EngineConfig, token: str | None
+) -> KVStoreConnector | None:
+    """The connector `--kv-store` asks for (None without it); ValueError for flags it
+    cannot run with."""
+    if not args.kv_store:
+        return None
+    host, port = parse_address(args.kv_store)
+    if config.role != "both":
+        raise ValueError(
+            "--kv-store runs on a --role both engine for now (a prefill or decode engine's "
+            "connector is the P/D one)"
+        )
+    if not config.cache.enable_prefix_caching:
+        raise ValueError("--kv-store needs the prefix cache (it offloads what the cache evicts)")
+    if args.kv_store_offload_queue < 1:
+        raise ValueError(f"--kv-store-offload-queue must be positive, not {args.kv_store_offload_queue}")
+    if not args.kv_store_timeout > 0:
+        raise ValueError(f"--kv-store-timeout must be positive, not {args.kv_store_timeout}")
+    from splitserve.engine.kv_store_client import KVStoreConnector  # torch: only engines pay for it
+
+    return KVStoreConnector(
+        host, port, token, timeout_s=args.kv_store_timeout, queue_blocks=args.kv_store_offload_queue
+    )
+
+
+class KVStoreClientCollector(Collector):
+    """The connector's counters, read when scraped."""
+
+    def __init__(self, connector: KVStoreConnector) -> None:
+        self.connector = connector
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.connector.stats
+        counters = [
+            ("lookups", "Prompts looked up in the KV store.", s.lookups),
+            (
+                "lookup_errors",
+                "Lookups the KV store did not answer (then left alone a while).",
+                s.lookup_errors,
+            ),
+            ("hit_blocks", "Blocks the KV store held for a prompt, past the local prefix hit.", s.hit_blocks),
+            ("loads", "Prompts whose leading blocks loaded from the KV store.", s.loads),
+            ("loaded_blocks", "Blocks loaded from the KV store into the pool.", s.loaded_blocks),
+            ("loaded_bytes", "KV bytes loaded from the KV store.", s.loaded_bytes),
+            ("failed_loads", "Loads that failed or were refused (the prompt recomputes).", s.failed_loads),
+            (
+                "load_seconds",
+                "Seconds from a load's admission to its blocks in the pool, summed.",
+                s.load_seconds,
+            ),
+            ("offered_blocks", "Blocks the prefix cache evicted.", s.offered_blocks),
+            ("offloaded_blocks", "Evicted blocks the KV store took.", s.offloaded_blocks),
+            ("offloaded_bytes", "KV bytes offloaded to the KV store.", s.offloaded_bytes),
+            ("offload_dropped_full", "Evicted blocks dropped: the offload queue was full.", s.dropped_full),
+            (
+                "offload_dropped_down",
+                "Evicted blocks dropped: the KV store was not answering.",
+                s.dropped_down,
+            ),
+            ("offload_failed", "Offloaded blocks the KV store did not take.", s.offload_failed),
+        ]
+        for name, doc, value in counters:
+            yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=value)
+        by_tier = CounterMetricFamily(
+            f"{PREFIX}_loaded_blocks_by_tier",
+            "Blocks loaded, by the store tier that held them.",
+            labels=["tier"],
+        )
+        for tier, count in sorted(dict(s.tiers).items()):  # a copy: the loader thread adds tiers
+            by_tier.add_metric([tier], count)
+        yield by_tier
+        yield GaugeMetricFamily(
+            f"{PREFIX}_offload_queue_depth",
+            "Evicted blocks waiting to be offloaded.",
+            self.connector.offload_queue_depth,
+        )
+
+
+def install_kv_store_metrics(app: FastAPI, connector: object) -> None:
+    """The connector's counters on the app's /metrics, when it is the KV store's."""
+    from splitserve.engine.kv_store_client import KVStoreConnector
+
+    metrics = getattr(app.state, "metrics", None)
+    if isinstance(connector, KVStoreConnector) and metrics is not None:
+        metrics.registry.register(KVStoreClientCollector(connector))
