@@ -7,7 +7,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "splitserve"
 # The tiers that run on CPU-only hosts: no torch, and nothing of the engine or the model.
-CPU_TIERS = ("protocol", "runtime", "frontend", "router", "service", "deploy", "ray_serve", "sim", "bench")
+CPU_TIERS = (
+    "protocol",
+    "runtime",
+    "frontend",
+    "router",
+    "service",
+    "deploy",
+    "ray_serve",
+    "sim",
+    "bench",
+    "kv_store",
+)
 
 
 def _everything_but(*names: str) -> tuple[str, ...]:
