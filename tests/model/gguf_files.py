@@ -5,6 +5,7 @@ in F32 and every matrix in the quantization type under test."""
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -114,9 +115,17 @@ def _tokenizer_metadata(spec: TinyModelSpec) -> tuple[list[str], list[int], list
     )
 
 
-def write_tiny_gguf(path: Path, spec: TinyModelSpec, qtype: str, architecture: str | None = None) -> Path:
+def write_tiny_gguf(
+    path: Path,
+    spec: TinyModelSpec,
+    qtype: str,
+    architecture: str | None = None,
+    types: Mapping[str, str] | None = None,
+) -> Path:
     """A GGUF of `spec`'s random weights; matrices in `qtype`, norms and biases in F32.
-    `architecture` overrides the name the file states (general.architecture)."""
+    `architecture` overrides the name the file states (general.architecture); `types`
+    gives some matrices another type, by llama.cpp's name for them (`attn_v`, `ffn_down`,
+    `output`, `token_embd`), as a Q4_K_M file stores attn_v and ffn_down in Q6_K."""
     quant = GGMLQuantizationType[qtype]
     rng = np.random.default_rng(spec.seed + 1)
     writer = GGUFWriter(str(path), architecture or spec.arch)
@@ -144,17 +153,20 @@ def write_tiny_gguf(path: Path, spec: TinyModelSpec, qtype: str, architecture: s
     writer.add_add_bos_token(False)
     writer.add_chat_template(chat_template())
     for hf_name, weight in tiny_random_weights(spec).items():
+        name = gguf_name(hf_name)
+        tensor_type = (types or {}).get(name.removesuffix(".weight").rpartition(".")[2], qtype)
+        tensor_quant = GGMLQuantizationType[tensor_type]
         if hf_name.endswith("q_proj.weight") and spec.arch == "llama":
             weight = permute_for_llama_cpp(weight, spec.heads)
         if hf_name.endswith("k_proj.weight") and spec.arch == "llama":
             weight = permute_for_llama_cpp(weight, spec.kv_heads)
-        if weight.ndim == 1 or quant == GGMLQuantizationType.F32:
-            writer.add_tensor(gguf_name(hf_name), weight.astype(np.float32))
-        elif qtype in _K_BLOCKS:
-            blocks = random_k_blocks(weight.shape[0], weight.shape[1], qtype, rng)
-            writer.add_tensor(gguf_name(hf_name), blocks, raw_dtype=quant)
+        if weight.ndim == 1 or tensor_quant == GGMLQuantizationType.F32:
+            writer.add_tensor(name, weight.astype(np.float32))
+        elif tensor_type in _K_BLOCKS:
+            blocks = random_k_blocks(weight.shape[0], weight.shape[1], tensor_type, rng)
+            writer.add_tensor(name, blocks, raw_dtype=tensor_quant)
         else:
-            writer.add_tensor(gguf_name(hf_name), quantize(weight, quant), raw_dtype=quant)
+            writer.add_tensor(name, quantize(weight, tensor_quant), raw_dtype=tensor_quant)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
