@@ -44,7 +44,16 @@ def logits_over(llm: LLM, token_ids: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    ("qtype", "quantized"), [("Q4_1", True), ("Q8_0", True), ("Q4_0", True), ("Q6_K", False), ("F16", False)]
+    ("qtype", "quantized"),
+    [
+        ("Q4_1", True),
+        ("Q8_0", True),
+        ("Q4_0", True),
+        ("Q4_K", True),
+        ("Q5_K", True),
+        ("Q6_K", True),
+        ("F16", False),
+    ],
 )
 def test_projections_of_these_types_stay_quantized_others_are_dequantized(tmp_path, qtype, quantized):
     path = write_tiny_gguf(tmp_path / f"plan-{qtype}.gguf", GGUF_SPEC["qwen2"], qtype)
@@ -102,3 +111,57 @@ def test_demo_model_served_in_q4_1_answers_and_agrees_with_float32(demo_model, d
     # measured: 0.96 top-1 and a worst logit error of 1.8 (logits up to ~38) over 6 prompts x 48 tokens
     assert agree / total >= 0.9, f"top-1 agreement {agree}/{total}"
     assert 0.0 < worst_error < 4.0
+
+
+# as llama.cpp's Q4_K_M mix stores them: most matrices Q4_K, ffn_down and the head Q6_K
+Q4_K_M_TYPES = {"ffn_down": "Q6_K", "output": "Q6_K"}
+
+
+@pytest.mark.skipif(not load_cpu_ops(), reason="compiled CPU kernels unavailable")
+def test_k_quant_projections_stay_quantized_and_agree_with_float32(tmp_path):
+    """llama (its Q/K rows un-permuted as blocks) in Q4_K with Q6_K ffn_down and head,
+    against the same file dequantized to float32, teacher-forced over the float32 model's
+    greedy continuation of random prompts."""
+    path = write_tiny_gguf(tmp_path / "q4_k_m.gguf", GGUF_SPEC["llama"], "Q4_K", types=Q4_K_M_TYPES)
+    quantized = LLM(str(path), num_blocks=32, max_num_seqs=2)
+    reference = LLM(str(path), num_blocks=32, max_num_seqs=2, dtype="float32", quantization="none")
+    model = quantized.engine.model
+    kinds = {
+        name: (module.qtype.name if isinstance(module, QuantLinear) else type(module).__name__)
+        for name, module in (
+            ("qkv", model.layers[1].self_attn.qkv_proj),
+            ("o", model.layers[1].self_attn.o_proj),
+            ("gate_up", model.layers[1].mlp.gate_up_proj),
+            ("down", model.layers[1].mlp.down_proj),
+            ("head", model.lm_head),
+        )
+    }
+    assert kinds == {"qkv": "Q4_K", "o": "Q4_K", "gate_up": "Q4_K", "down": "Q6_K", "head": "Q6_K"}
+    prompts = [[3, 5, 7, 11, 13], [100, 200, 300, 400, 500, 600, 700]]
+    continuations = reference.generate(
+        prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    )
+    agree = total = 0
+    worst_error = largest = 0.0
+    for prompt, result in zip(prompts, continuations, strict=True):
+        sequence = prompt + result.token_ids
+        ours, theirs = (logits_over(llm, sequence)[len(prompt) - 1 : -1] for llm in (quantized, reference))
+        agree += int((ours.argmax(-1) == theirs.argmax(-1)).sum())
+        total += len(result.token_ids)
+        worst_error = max(worst_error, float((ours - theirs).abs().max()))
+        largest = max(largest, float(theirs.abs().max()))
+    assert agree / total >= 0.9, f"top-1 agreement {agree}/{total}"
+    assert 0.0 < worst_error < 0.05 * largest, (worst_error, largest)
+
+
+def test_a_fused_projection_of_mixed_k_quant_types_is_dequantized(tmp_path):
+    """attn_v in Q6_K beside Q4_K attn_q/attn_k: qkv_proj is one matmul of one type, so it
+    is dequantized; the rest stays quantized."""
+    path = write_tiny_gguf(tmp_path / "mixed.gguf", GGUF_SPEC["qwen2"], "Q4_K", types={"attn_v": "Q6_K"})
+    plan = quantization_plan(str(path), "gguf", None)
+    assert "layers.0.self_attn.qkv_proj" not in plan
+    assert plan["layers.0.self_attn.o_proj"].name == "Q4_K" and plan["lm_head"].name == "Q4_K"
+    llm = LLM(str(path), num_blocks=16, max_num_seqs=2)
+    assert isinstance(llm.engine.model.layers[0].self_attn.qkv_proj, Linear)
+    assert isinstance(llm.engine.model.layers[0].mlp.gate_up_proj, QuantLinear)
+    assert len(llm.generate([[3, 5, 7]], SamplingParams(max_tokens=3, temperature=0.0))[0].token_ids) == 3
