@@ -104,13 +104,33 @@ def test_k_quant_linear_at_the_extremes_of_every_field(qtype):
     check_every_path(extreme_blocks(qtype, cols), x, None)
 
 
+def q8_k_rounded(x: torch.Tensor) -> torch.Tensor:
+    """x as llama.cpp's q8_K sees it, in float64: per 256, rounded to multiples of amax/127."""
+    blocks = x.double().reshape(x.shape[0], -1, SUPER)
+    step = blocks.abs().amax(dim=-1, keepdim=True) / 127
+    return (torch.round(blocks / step.clamp_min(1e-300)) * step).reshape(x.shape)
+
+
 @needs_kernels
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_k_quant_linear_rounds_the_activations_per_256(qtype):
-    """The error is nonzero and of the bound's order: x really is rounded to int8, and per
-    256 (a per-32 rounding would leave the error far below this bound)."""
-    weight = k_weight(64, 512, qtype, seed=3)
-    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(4))
+def test_k_quant_linear_is_the_exact_product_of_x_rounded_per_256(qtype):
+    """Against float64 on x rounded as q8_K does (per 256, not per 32), every path agrees
+    to float32 summation alone, far inside the rounding bound: one large value in the
+    first super-block rounds its other 255 (at most 0.003, under half a step) to zero,
+    the second super-block keeps its own scale."""
+    weight = k_weight(67, 512, qtype, seed=3)
+    dequantized = weight.dequantize().double()
+    generator = torch.Generator().manual_seed(4)
+    x = (torch.rand(3, 512, generator=generator) - 0.5) * 0.006
+    x[:, 0] = torch.tensor([1.0, -2.0, 0.5])
+    x[2, 256:] = torch.randn(256, generator=generator)
+    reference = q8_k_rounded(x) @ dequantized.T
+    float32_error = 1e-5 * (x.double().abs() @ dequantized.abs().T)
+    unrounded = x.double() @ dequantized.T
+    assert ((unrounded - reference).abs() > 10 * float32_error).any()  # the rounding shows
+    for isa in kernel_paths():
+        out = quant_linear(x, weight.blocks, qtype, None, isa).double()
+        assert ((out - reference).abs() <= float32_error).all(), f"path {isa}"
     assert 0.02 < check_every_path(weight, x, None) <= 1.0
 
 
