@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType
 
 from splitserve.engine.llm import LLM
 from splitserve.frontend.chat_template import ChatTemplate
@@ -17,9 +18,9 @@ from splitserve.model.attention import AttentionMetadata, PrefillChunk
 from splitserve.model.gguf_loader import quantization_plan
 from splitserve.model.linear import Linear
 from splitserve.model.native import load_cpu_ops
-from splitserve.model.quant_linear import QuantLinear
+from splitserve.model.quant_linear import QuantizedTensor, QuantLinear
 from splitserve.protocol.sampling_params import SamplingParams
-from tests.model.gguf_files import GGUF_SPEC, write_tiny_gguf
+from tests.model.gguf_files import GGUF_SPEC, quantize_k, write_tiny_gguf
 
 # not "What is the capital of France?": there the float32 model's first token leads its
 # runner-up by 0.09 (The / L'), which any rounding flips (docs/engine-kernels.md)
@@ -165,3 +166,69 @@ def test_a_fused_projection_of_mixed_k_quant_types_is_dequantized(tmp_path):
     assert isinstance(llm.engine.model.layers[0].self_attn.qkv_proj, Linear)
     assert isinstance(llm.engine.model.layers[0].mlp.gate_up_proj, QuantLinear)
     assert len(llm.generate([[3, 5, 7]], SamplingParams(max_tokens=3, temperature=0.0))[0].token_ids) == 3
+
+
+def chat_prompts(demo_model: Path) -> list[list[int]]:
+    files = load_gguf_render_files(demo_model)
+    template = ChatTemplate(files.chat_template, special_tokens=files.special_tokens)
+    return [
+        files.tokenizer.encode(template.render([{"role": "user", "content": q}], add_generation_prompt=True))
+        for q in QUESTIONS
+    ]
+
+
+def swap_down_projs(llm: LLM, layers: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """Put `layers` in as the model's down_proj, one per decoder layer; the old ones back."""
+    old = [layer.mlp.down_proj for layer in llm.engine.model.layers]
+    for layer, new in zip(llm.engine.model.layers, layers, strict=True):
+        layer.mlp.down_proj = new
+    return old
+
+
+@pytest.mark.skipif(not load_cpu_ops(), reason="compiled CPU kernels unavailable")
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_demo_model_down_proj_in_k_quants_agrees_with_the_same_weights_in_float32(
+    demo_model, demo_pair, qtype
+):
+    """The demo model's hidden size (576) is no multiple of 256: only its down_proj
+    (K = 1536) can be a K-quant. Its weights quantized to `qtype` and multiplied by the
+    kernel against the same dequantized weights through F.linear: the kernel's per-256
+    int8 rounding of real (SiLU-gated) activations alone, teacher-forced over the float32
+    model's greedy continuations."""
+    _, reference = demo_pair
+    prompts = chat_prompts(demo_model)
+    continuations = reference.generate(
+        prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    )
+    float_layers, kernel_layers = [], []
+    for layer in reference.engine.model.layers:
+        weight = layer.mlp.down_proj.weight.detach()
+        quantized = QuantizedTensor(
+            GGMLQuantizationType[qtype],
+            torch.from_numpy(quantize_k(weight.float().numpy(), qtype)),
+            (weight.shape[0], weight.shape[1]),
+        )
+        dense = Linear(weight.shape[1], weight.shape[0], bias=False)
+        with torch.no_grad():
+            dense.weight.copy_(quantized.dequantize())
+        kernel = QuantLinear(weight.shape[1], weight.shape[0], quantized.qtype)
+        kernel.load_rows(0, quantized)
+        float_layers.append(dense)
+        kernel_layers.append(kernel)
+    originals = swap_down_projs(reference, float_layers)
+    try:
+        sequences = [p + r.token_ids for p, r in zip(prompts, continuations, strict=True)]
+        dense_logits = [logits_over(reference, s) for s in sequences]
+        swap_down_projs(reference, kernel_layers)
+        kernel_logits = [logits_over(reference, s) for s in sequences]
+    finally:
+        swap_down_projs(reference, originals)
+    agree = total = 0
+    worst_error = 0.0
+    for prompt, ours, theirs in zip(prompts, kernel_logits, dense_logits, strict=True):
+        ours, theirs = ours[len(prompt) - 1 : -1], theirs[len(prompt) - 1 : -1]
+        agree += int((ours.argmax(-1) == theirs.argmax(-1)).sum())
+        total += ours.shape[0]
+        worst_error = max(worst_error, float((ours - theirs).abs().max()))
+    assert agree / total >= 0.9, f"top-1 agreement {agree}/{total}"
+    assert 0.0 < worst_error < 4.0
