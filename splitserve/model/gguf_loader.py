@@ -4,7 +4,8 @@ The metadata becomes a `DecoderConfig`; the tensors are dequantized with the `gg
 package into float32 and renamed to Hugging Face names, so `DecoderModel.load_weights`
 fills (and casts to the compute dtype) exactly as it does from safetensors. With
 `--quantization gguf` (the default for a GGUF file when no --dtype is named) the
-projections stored as Q8_0/Q4_0/Q4_1 stay in their blocks instead (quant_linear.py).
+projections stored as Q8_0/Q4_0/Q4_1 or as the K-quants Q4_K/Q5_K/Q6_K stay in their
+blocks instead (quant_linear.py).
 llama.cpp's converter permutes the rows of llama's Q and K projections for its own RoPE
 layout (pairs interleaved instead of halves): that permutation is undone here.
 """
@@ -22,7 +23,7 @@ from gguf.quants import dequantize
 
 from splitserve.gguf_file import GGUFError, is_gguf_file, metadata_value, open_gguf
 from splitserve.model.decoder_config import BF16_WHERE_NATIVE, DecoderConfig
-from splitserve.model.quant_linear import QUANTIZED_TYPES, QuantizedTensor
+from splitserve.model.quant_linear import BLOCK_SIZE, QUANTIZED_TYPES, QuantizedTensor
 
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 SUPPORTED_QUANT_TYPES = frozenset(
@@ -180,22 +181,33 @@ def linear_module_name(hf_name: str) -> str | None:
 
 
 def quantized_linears(path: str | Path) -> dict[str, GGMLQuantizationType]:
-    """The decoder's Linears whose every part the file stores as Q8_0, Q4_0 or Q4_1
-    (module name -> type): they stay quantized. A tied lm_head takes token_embd's type;
-    the embedding table itself, and tensors of other types, are dequantized."""
+    """The decoder's Linears whose every part the file stores as one of Q8_0, Q4_0, Q4_1,
+    Q4_K, Q5_K, Q6_K (module name -> type): they stay quantized. A Linear's in_features
+    must be a multiple of its type's block (32; 256 for the K-quants' super-blocks), else
+    it stays dequantized; so does one whose parts differ in type (a Q4_K_M file's Q4_K
+    attn_q/attn_k with a Q6_K attn_v: the fused qkv_proj is one matmul of one type). A
+    tied lm_head takes token_embd's type; the embedding table itself, and tensors of other
+    types, are dequantized."""
     reader = open_gguf(path)
     parts: dict[str, set[GGMLQuantizationType]] = {}
+    widths: dict[str, int] = {}
     for tensor in reader.tensors:
         name = "lm_head.weight" if tensor.name == "output.weight" else hf_tensor_name(tensor.name)
         module = linear_module_name(name)
         if module is not None:
             parts.setdefault(module, set()).add(tensor.tensor_type)
+            widths[module] = int(tensor.shape[0])  # GGUF lists dimensions innermost first
     if "lm_head" not in parts:  # tied: the head multiplies by the embedding table
         embedding = next(t for t in reader.tensors if t.name == "token_embd.weight")
         parts["lm_head"] = {embedding.tensor_type}
-    return {
-        module: types.pop() for module, types in parts.items() if len(types) == 1 and types <= QUANTIZED_TYPES
-    }
+        widths["lm_head"] = int(embedding.shape[0])
+    plan = {}
+    for module, types in parts.items():
+        if len(types) == 1 and types <= QUANTIZED_TYPES:
+            qtype = types.pop()
+            if widths[module] % BLOCK_SIZE[qtype] == 0:
+                plan[module] = qtype
+    return plan
 
 
 def quantization_plan(

@@ -43,8 +43,14 @@ from splitserve.model.native_builder import kill_session
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "cpu_ops.cpp", CSRC / "prefill_attention.cpp", CSRC / "quant_matmul.cpp")
-OPS = ("argmax_rows", "prefill_attention", "quant_linear")  # registered by each source: the library is whole
+SOURCES = (
+    CSRC / "cpu_ops.cpp",
+    CSRC / "prefill_attention.cpp",
+    CSRC / "quant_matmul.cpp",
+    CSRC / "quant_matmul_k.cpp",
+)
+# registered by each source: the library is whole
+OPS = ("argmax_rows", "prefill_attention", "quant_linear", "quant_linear_k")
 DISABLE_ENV = "SPLITSERVE_NATIVE_OPS"
 BUILD_TIMEOUT_ENV = "SPLITSERVE_NATIVE_BUILD_TIMEOUT_S"
 DEFAULT_BUILD_TIMEOUT_S = 600.0  # a fresh build took 108 s on 2 cores under a load of 6

@@ -1,13 +1,16 @@
-"""A linear layer whose weight stays in a GGUF block format (Q8_0, Q4_0, Q4_1).
+"""A linear layer whose weight stays in a GGUF block format (Q8_0, Q4_0, Q4_1, and the
+K-quants Q4_K, Q5_K, Q6_K).
 
-The weight is the file's own bytes, one row of blocks per output feature (each block: an
-fp16 scale, Q4_1 also an fp16 minimum, then 32 int8 or 32 packed 4-bit values), so a
-decode step reads 8.5 (Q8_0), 4.5 (Q4_0) or 5 (Q4_1) bits per weight instead of 16 or 32.
-On the CPU, csrc/quant_matmul.cpp multiplies it as llama.cpp does: the activations are
-quantized to int8 per block of 32 and each block's dot product is exact integer
-arithmetic, scaled by the two blocks' scales. Elsewhere (CUDA, no compiled kernels) the
-weight is dequantized once, on first use, and F.linear runs: the same weight, without the
-activation rounding.
+The weight is the file's own bytes, one row of blocks per output feature: 32-weight
+blocks (an fp16 scale, Q4_1 also an fp16 minimum, then 32 int8 or 32 packed 4-bit values)
+or 256-weight K-quant super-blocks (fp16 scales and 6- or 8-bit sub-block scales, then
+4, 5 or 6 bits a weight), so a decode step reads 8.5 (Q8_0), 4.5 (Q4_0, Q4_K), 5 (Q4_1),
+5.5 (Q5_K) or 6.6 (Q6_K) bits per weight instead of 16 or 32. On the CPU,
+csrc/quant_matmul.cpp (and csrc/quant_matmul_k.cpp for the K-quants) multiplies it as
+llama.cpp does: the activations are quantized to int8 per block of 32 (per 256 for the
+K-quants) and each block's dot product is exact integer arithmetic, scaled by the two
+blocks' scales. Elsewhere (CUDA, no compiled kernels) the weight is dequantized once, on
+first use, and F.linear runs: the same weight, without the activation rounding.
 """
 
 from __future__ import annotations
@@ -24,18 +27,27 @@ from torch import nn
 
 from splitserve.model.native import load_cpu_ops, use_cpu_ops
 
-BLOCK_SIZE = 32  # weights per block, for every type here
 BLOCK_BYTES = {
     GGMLQuantizationType.Q8_0: 34,
     GGMLQuantizationType.Q4_0: 18,
     GGMLQuantizationType.Q4_1: 20,
+    GGMLQuantizationType.Q4_K: 144,
+    GGMLQuantizationType.Q5_K: 176,
+    GGMLQuantizationType.Q6_K: 210,
 }
+K_QUANT_TYPES = frozenset((GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K))
+# weights per block: the K-quants' super-blocks hold 256, the others' blocks 32
+BLOCK_SIZE = {qtype: 256 if qtype in K_QUANT_TYPES else 32 for qtype in BLOCK_BYTES}
 QUANTIZED_TYPES = frozenset(BLOCK_BYTES)
 BEST_ISA = -1  # quant_linear's `isa`: the best path compiled in (2 VNNI, 1 AVX2, 0 scalar)
 
 
+def type_names() -> str:
+    return ", ".join(sorted(qtype.name for qtype in QUANTIZED_TYPES))
+
+
 def row_bytes(qtype: GGMLQuantizationType, in_features: int) -> int:
-    return in_features // BLOCK_SIZE * BLOCK_BYTES[qtype]
+    return in_features // BLOCK_SIZE[qtype] * BLOCK_BYTES[qtype]
 
 
 @dataclass(frozen=True)
@@ -47,7 +59,7 @@ class QuantizedTensor:
     shape: tuple[int, int]  # (out_features, in_features)
 
     def dequantize(self) -> torch.Tensor:
-        """float32 [rows, in_features], exact (fp16 scales times small integers)."""
+        """float32 [rows, in_features], as gguf.quants.dequantize computes it."""
         return dequantize_blocks(self.blocks, self.qtype, self.shape[1])
 
 
@@ -69,7 +81,12 @@ def quant_linear(
         raise RuntimeError("the compiled CPU kernels are unavailable")
     flat = x.reshape(-1, x.shape[-1]).contiguous()
     out = torch.empty(flat.shape[0], blocks.shape[0], dtype=x.dtype)
-    torch.ops.splitserve_cpu.quant_linear(out, flat, blocks, int(qtype), bias, isa)
+    kernel = (
+        torch.ops.splitserve_cpu.quant_linear_k
+        if qtype in K_QUANT_TYPES
+        else torch.ops.splitserve_cpu.quant_linear
+    )
+    kernel(out, flat, blocks, int(qtype), bias, isa)
     return out.view(*x.shape[:-1], blocks.shape[0])
 
 
@@ -81,8 +98,10 @@ class QuantLinear(nn.Module):
         self, in_features: int, out_features: int, qtype: GGMLQuantizationType, bias: bool = False
     ) -> None:
         super().__init__()
-        if in_features % BLOCK_SIZE:
-            raise ValueError(f"a {qtype.name} weight needs in_features a multiple of {BLOCK_SIZE}")
+        if qtype not in BLOCK_BYTES:
+            raise ValueError(f"{qtype.name} weights cannot stay quantized; types: {type_names()}")
+        if in_features % BLOCK_SIZE[qtype]:
+            raise ValueError(f"a {qtype.name} weight needs in_features a multiple of {BLOCK_SIZE[qtype]}")
         self.in_features, self.out_features, self.qtype = in_features, out_features, qtype
         self.register_buffer(
             "blocks", torch.empty(out_features, row_bytes(qtype, in_features), dtype=torch.uint8)

@@ -5,6 +5,7 @@ in F32 and every matrix in the quantization type under test."""
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -90,6 +91,61 @@ def random_k_blocks(rows: int, cols: int, qtype: str, rng: np.random.Generator) 
     return blocks.reshape(rows, cols // 256 * block_bytes)
 
 
+def quantize_k(values: np.ndarray, qtype: str) -> np.ndarray:
+    """float32 [rows, cols] (cols a multiple of 256) as Q4_K, Q5_K or Q6_K blocks, bytes as
+    llama.cpp lays them out; a plain min/max (Q4_K, Q5_K) or absmax (Q6_K) rounding per
+    sub-block, not llama.cpp's searched scales: real blocks of real weights, somewhat
+    coarser than llama-quantize's."""
+    rows, cols = values.shape
+    x = values.astype(np.float32).reshape(-1, 256)
+    if qtype == "Q6_K":
+        groups = x.reshape(-1, 16, 16)
+        group_scale = np.abs(groups).max(axis=-1) / 31  # q - 32 in -31..31
+        d = (group_scale.max(axis=-1) / 127).astype(np.float16)
+        scales = np.round(group_scale / np.where(d > 0, d, 1).astype(np.float32)[:, None]).astype(np.int8)
+        step = d.astype(np.float32)[:, None] * scales
+        q = np.clip(np.round(groups / np.where(step > 0, step, 1)[..., None]), -32, 31).astype(np.int16) + 32
+        q = q.reshape(-1, 2, 4, 32).astype(np.uint8)  # [block, half, s, l]: element 128h + 32s + l
+        low = q & 15  # uint8: << 4 drops the high bits, which qh holds
+        ql = np.concatenate([low[:, :, 0] | (low[:, :, 2] << 4), low[:, :, 1] | (low[:, :, 3] << 4)], axis=-1)
+        qh = (
+            (q[:, :, 0] >> 4) | ((q[:, :, 1] >> 4) << 2) | ((q[:, :, 2] >> 4) << 4) | ((q[:, :, 3] >> 4) << 6)
+        )
+        blocks = [
+            ql.reshape(-1, 128),
+            qh.reshape(-1, 64),
+            scales.view(np.uint8),
+            d.view(np.uint8).reshape(-1, 2),
+        ]
+        return np.concatenate(blocks, axis=-1).reshape(rows, cols // 256 * 210)
+    levels = 31 if qtype == "Q5_K" else 15
+    subs = x.reshape(-1, 8, 32)
+    low = np.minimum(subs.min(axis=-1), 0.0)
+    sub_scale, sub_min = (subs.max(axis=-1) - low) / levels, -low
+    d = (sub_scale.max(axis=-1) / 63).astype(np.float16)
+    dmin = (sub_min.max(axis=-1) / 63).astype(np.float16)
+    sc = np.round(sub_scale / np.where(d > 0, d, 1).astype(np.float32)[:, None]).astype(np.uint8)
+    m = np.round(sub_min / np.where(dmin > 0, dmin, 1).astype(np.float32)[:, None]).astype(np.uint8)
+    step = d.astype(np.float32)[:, None] * sc
+    offset = dmin.astype(np.float32)[:, None] * m
+    q = np.round((subs + offset[..., None]) / np.where(step > 0, step, 1)[..., None])
+    q = np.clip(q, 0, levels).astype(np.uint8)  # [block, j, l]
+    packed = np.concatenate(
+        [
+            sc[:, :4] | ((sc[:, 4:] >> 4) << 6),
+            m[:, :4] | ((m[:, 4:] >> 4) << 6),
+            (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4),
+        ],
+        axis=-1,
+    )
+    nibbles = ((q[:, 0::2] & 15) | ((q[:, 1::2] & 15) << 4)).reshape(-1, 128)
+    parts = [d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), packed]
+    if qtype == "Q5_K":
+        parts.append(np.bitwise_or.reduce((q >> 4) << np.arange(8, dtype=np.uint8)[None, :, None], axis=1))
+    parts.append(nibbles)
+    return np.concatenate(parts, axis=-1).astype(np.uint8).reshape(rows, -1)
+
+
 def _tokenizer_metadata(spec: TinyModelSpec) -> tuple[list[str], list[int], list[str], int, int]:
     tokenizer = build_tokenizer(spec.vocab, spec.seed)
     size = tokenizer.get_vocab_size(with_added_tokens=True)
@@ -114,9 +170,17 @@ def _tokenizer_metadata(spec: TinyModelSpec) -> tuple[list[str], list[int], list
     )
 
 
-def write_tiny_gguf(path: Path, spec: TinyModelSpec, qtype: str, architecture: str | None = None) -> Path:
+def write_tiny_gguf(
+    path: Path,
+    spec: TinyModelSpec,
+    qtype: str,
+    architecture: str | None = None,
+    types: Mapping[str, str] | None = None,
+) -> Path:
     """A GGUF of `spec`'s random weights; matrices in `qtype`, norms and biases in F32.
-    `architecture` overrides the name the file states (general.architecture)."""
+    `architecture` overrides the name the file states (general.architecture); `types`
+    gives some matrices another type, by llama.cpp's name for them (`attn_v`, `ffn_down`,
+    `output`, `token_embd`), as a Q4_K_M file stores attn_v and ffn_down in Q6_K."""
     quant = GGMLQuantizationType[qtype]
     rng = np.random.default_rng(spec.seed + 1)
     writer = GGUFWriter(str(path), architecture or spec.arch)
@@ -144,17 +208,20 @@ def write_tiny_gguf(path: Path, spec: TinyModelSpec, qtype: str, architecture: s
     writer.add_add_bos_token(False)
     writer.add_chat_template(chat_template())
     for hf_name, weight in tiny_random_weights(spec).items():
+        name = gguf_name(hf_name)
+        tensor_type = (types or {}).get(name.removesuffix(".weight").rpartition(".")[2], qtype)
+        tensor_quant = GGMLQuantizationType[tensor_type]
         if hf_name.endswith("q_proj.weight") and spec.arch == "llama":
             weight = permute_for_llama_cpp(weight, spec.heads)
         if hf_name.endswith("k_proj.weight") and spec.arch == "llama":
             weight = permute_for_llama_cpp(weight, spec.kv_heads)
-        if weight.ndim == 1 or quant == GGMLQuantizationType.F32:
-            writer.add_tensor(gguf_name(hf_name), weight.astype(np.float32))
-        elif qtype in _K_BLOCKS:
-            blocks = random_k_blocks(weight.shape[0], weight.shape[1], qtype, rng)
-            writer.add_tensor(gguf_name(hf_name), blocks, raw_dtype=quant)
+        if weight.ndim == 1 or tensor_quant == GGMLQuantizationType.F32:
+            writer.add_tensor(name, weight.astype(np.float32))
+        elif tensor_type in _K_BLOCKS:
+            blocks = random_k_blocks(weight.shape[0], weight.shape[1], tensor_type, rng)
+            writer.add_tensor(name, blocks, raw_dtype=tensor_quant)
         else:
-            writer.add_tensor(gguf_name(hf_name), quantize(weight, quant), raw_dtype=quant)
+            writer.add_tensor(name, quantize(weight, tensor_quant), raw_dtype=tensor_quant)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

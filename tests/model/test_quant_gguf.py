@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType
 
 from splitserve.engine.llm import LLM
 from splitserve.frontend.chat_template import ChatTemplate
@@ -17,9 +18,9 @@ from splitserve.model.attention import AttentionMetadata, PrefillChunk
 from splitserve.model.gguf_loader import quantization_plan
 from splitserve.model.linear import Linear
 from splitserve.model.native import load_cpu_ops
-from splitserve.model.quant_linear import QuantLinear
+from splitserve.model.quant_linear import QuantizedTensor, QuantLinear
 from splitserve.protocol.sampling_params import SamplingParams
-from tests.model.gguf_files import GGUF_SPEC, write_tiny_gguf
+from tests.model.gguf_files import GGUF_SPEC, quantize_k, write_tiny_gguf
 
 # not "What is the capital of France?": there the float32 model's first token leads its
 # runner-up by 0.09 (The / L'), which any rounding flips (docs/engine-kernels.md)
@@ -44,7 +45,16 @@ def logits_over(llm: LLM, token_ids: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    ("qtype", "quantized"), [("Q4_1", True), ("Q8_0", True), ("Q4_0", True), ("Q6_K", False), ("F16", False)]
+    ("qtype", "quantized"),
+    [
+        ("Q4_1", True),
+        ("Q8_0", True),
+        ("Q4_0", True),
+        ("Q4_K", True),
+        ("Q5_K", True),
+        ("Q6_K", True),
+        ("F16", False),
+    ],
 )
 def test_projections_of_these_types_stay_quantized_others_are_dequantized(tmp_path, qtype, quantized):
     path = write_tiny_gguf(tmp_path / f"plan-{qtype}.gguf", GGUF_SPEC["qwen2"], qtype)
@@ -100,5 +110,125 @@ def test_demo_model_served_in_q4_1_answers_and_agrees_with_float32(demo_model, d
         total += len(result.token_ids)
         worst_error = max(worst_error, float((ours - theirs).abs().max()))
     # measured: 0.96 top-1 and a worst logit error of 1.8 (logits up to ~38) over 6 prompts x 48 tokens
+    assert agree / total >= 0.9, f"top-1 agreement {agree}/{total}"
+    assert 0.0 < worst_error < 4.0
+
+
+# as llama.cpp's Q4_K_M mix stores them: most matrices Q4_K, ffn_down and the head Q6_K
+Q4_K_M_TYPES = {"ffn_down": "Q6_K", "output": "Q6_K"}
+
+
+@pytest.mark.skipif(not load_cpu_ops(), reason="compiled CPU kernels unavailable")
+def test_k_quant_projections_stay_quantized_and_agree_with_float32(tmp_path):
+    """llama (its Q/K rows un-permuted as blocks) in Q4_K with Q6_K ffn_down and head,
+    against the same file dequantized to float32, teacher-forced over the float32 model's
+    greedy continuation of random prompts."""
+    path = write_tiny_gguf(tmp_path / "q4_k_m.gguf", GGUF_SPEC["llama"], "Q4_K", types=Q4_K_M_TYPES)
+    quantized = LLM(str(path), num_blocks=32, max_num_seqs=2)
+    reference = LLM(str(path), num_blocks=32, max_num_seqs=2, dtype="float32", quantization="none")
+    model = quantized.engine.model
+    kinds = {
+        name: (module.qtype.name if isinstance(module, QuantLinear) else type(module).__name__)
+        for name, module in (
+            ("qkv", model.layers[1].self_attn.qkv_proj),
+            ("o", model.layers[1].self_attn.o_proj),
+            ("gate_up", model.layers[1].mlp.gate_up_proj),
+            ("down", model.layers[1].mlp.down_proj),
+            ("head", model.lm_head),
+        )
+    }
+    assert kinds == {"qkv": "Q4_K", "o": "Q4_K", "gate_up": "Q4_K", "down": "Q6_K", "head": "Q6_K"}
+    prompts = [[3, 5, 7, 11, 13], [100, 200, 300, 400, 500, 600, 700]]
+    continuations = reference.generate(
+        prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    )
+    agree = total = 0
+    worst_error = largest = 0.0
+    for prompt, result in zip(prompts, continuations, strict=True):
+        sequence = prompt + result.token_ids
+        ours, theirs = (logits_over(llm, sequence)[len(prompt) - 1 : -1] for llm in (quantized, reference))
+        agree += int((ours.argmax(-1) == theirs.argmax(-1)).sum())
+        total += len(result.token_ids)
+        worst_error = max(worst_error, float((ours - theirs).abs().max()))
+        largest = max(largest, float(theirs.abs().max()))
+    assert agree / total >= 0.9, f"top-1 agreement {agree}/{total}"
+    assert 0.0 < worst_error < 0.05 * largest, (worst_error, largest)
+
+
+def test_a_fused_projection_of_mixed_k_quant_types_is_dequantized(tmp_path):
+    """attn_v in Q6_K beside Q4_K attn_q/attn_k: qkv_proj is one matmul of one type, so it
+    is dequantized; the rest stays quantized."""
+    path = write_tiny_gguf(tmp_path / "mixed.gguf", GGUF_SPEC["qwen2"], "Q4_K", types={"attn_v": "Q6_K"})
+    plan = quantization_plan(str(path), "gguf", None)
+    assert "layers.0.self_attn.qkv_proj" not in plan
+    assert plan["layers.0.self_attn.o_proj"].name == "Q4_K" and plan["lm_head"].name == "Q4_K"
+    llm = LLM(str(path), num_blocks=16, max_num_seqs=2)
+    assert isinstance(llm.engine.model.layers[0].self_attn.qkv_proj, Linear)
+    assert isinstance(llm.engine.model.layers[0].mlp.gate_up_proj, QuantLinear)
+    assert len(llm.generate([[3, 5, 7]], SamplingParams(max_tokens=3, temperature=0.0))[0].token_ids) == 3
+
+
+def chat_prompts(demo_model: Path) -> list[list[int]]:
+    files = load_gguf_render_files(demo_model)
+    template = ChatTemplate(files.chat_template, special_tokens=files.special_tokens)
+    return [
+        files.tokenizer.encode(template.render([{"role": "user", "content": q}], add_generation_prompt=True))
+        for q in QUESTIONS
+    ]
+
+
+def swap_down_projs(llm: LLM, layers: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """Put `layers` in as the model's down_proj, one per decoder layer; the old ones back."""
+    old = [layer.mlp.down_proj for layer in llm.engine.model.layers]
+    for layer, new in zip(llm.engine.model.layers, layers, strict=True):
+        layer.mlp.down_proj = new
+    return old
+
+
+@pytest.mark.skipif(not load_cpu_ops(), reason="compiled CPU kernels unavailable")
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_demo_model_down_proj_in_k_quants_agrees_with_the_same_weights_in_float32(
+    demo_model, demo_pair, qtype
+):
+    """The demo model's hidden size (576) is no multiple of 256: only its down_proj
+    (K = 1536) can be a K-quant. Its weights quantized to `qtype` and multiplied by the
+    kernel against the same dequantized weights through F.linear: the kernel's per-256
+    int8 rounding of real (SiLU-gated) activations alone, teacher-forced over the float32
+    model's greedy continuations."""
+    _, reference = demo_pair
+    prompts = chat_prompts(demo_model)
+    continuations = reference.generate(
+        prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    )
+    float_layers, kernel_layers = [], []
+    for layer in reference.engine.model.layers:
+        weight = layer.mlp.down_proj.weight.detach()
+        quantized = QuantizedTensor(
+            GGMLQuantizationType[qtype],
+            torch.from_numpy(quantize_k(weight.float().numpy(), qtype)),
+            (weight.shape[0], weight.shape[1]),
+        )
+        dense = Linear(weight.shape[1], weight.shape[0], bias=False)
+        with torch.no_grad():
+            dense.weight.copy_(quantized.dequantize())
+        kernel = QuantLinear(weight.shape[1], weight.shape[0], quantized.qtype)
+        kernel.load_rows(0, quantized)
+        float_layers.append(dense)
+        kernel_layers.append(kernel)
+    originals = swap_down_projs(reference, float_layers)
+    try:
+        sequences = [p + r.token_ids for p, r in zip(prompts, continuations, strict=True)]
+        dense_logits = [logits_over(reference, s) for s in sequences]
+        swap_down_projs(reference, kernel_layers)
+        kernel_logits = [logits_over(reference, s) for s in sequences]
+    finally:
+        swap_down_projs(reference, originals)
+    agree = total = 0
+    worst_error = 0.0
+    for prompt, ours, theirs in zip(prompts, kernel_logits, dense_logits, strict=True):
+        ours, theirs = ours[len(prompt) - 1 : -1], theirs[len(prompt) - 1 : -1]
+        agree += int((ours.argmax(-1) == theirs.argmax(-1)).sum())
+        total += ours.shape[0]
+        worst_error = max(worst_error, float((ours - theirs).abs().max()))
     assert agree / total >= 0.9, f"top-1 agreement {agree}/{total}"
     assert 0.0 < worst_error < 4.0

@@ -16,10 +16,17 @@ from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
 from splitserve.model.native import load_cpu_ops
-from splitserve.model.quant_linear import QUANTIZED_TYPES, QuantizedTensor, QuantLinear, quant_linear
+from splitserve.model.quant_linear import (
+    K_QUANT_TYPES,
+    QUANTIZED_TYPES,
+    QuantizedTensor,
+    QuantLinear,
+    quant_linear,
+)
 
 needs_kernels = pytest.mark.skipif(not load_cpu_ops(), reason="compiled CPU kernels unavailable")
-TYPES = sorted(QUANTIZED_TYPES, key=lambda t: t.name)
+# the 32-weight block types; tests/model/test_quant_k.py tests the K-quants' super-blocks
+TYPES = sorted(QUANTIZED_TYPES - K_QUANT_TYPES, key=lambda t: t.name)
 
 
 def quantized_weight(rows: int, cols: int, qtype: GGMLQuantizationType, seed: int) -> QuantizedTensor:
@@ -27,11 +34,12 @@ def quantized_weight(rows: int, cols: int, qtype: GGMLQuantizationType, seed: in
     return QuantizedTensor(qtype, torch.from_numpy(quantize(values, qtype)), (rows, cols))
 
 
-def activation_rounding_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """[M, N]: the most int8 rounding of x per 32-block can move each output (float64)."""
-    blocks = x.double().reshape(x.shape[0], -1, 32)
+def activation_rounding_bound(x: torch.Tensor, weight: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """[M, N]: the most int8 rounding of x per block (32; 256 for the K-quants) can move
+    each output (float64)."""
+    blocks = x.double().reshape(x.shape[0], -1, block)
     half_step = blocks.abs().amax(dim=-1) / 127 / 2  # [M, blocks]
-    weight_mass = weight.double().abs().reshape(weight.shape[0], -1, 32).sum(dim=-1)  # [N, blocks]
+    weight_mass = weight.double().abs().reshape(weight.shape[0], -1, block).sum(dim=-1)  # [N, blocks]
     return half_step @ weight_mass.T
 
 
