@@ -12,7 +12,7 @@ EngineRole = Literal["both", "prefill", "decode", "encoder"]  # encoder: the vis
 class ModelConfig:
     model: str  # a Hugging Face model directory
     dtype: str | None = None  # None: the dtype config.json names
-    # gguf: a GGUF file's Q8_0/Q4_0/Q4_1 projections stay in their blocks (quant_linear.py);
+    # gguf: a GGUF file's Q8_0/Q4_x/K-quant projections stay in their blocks (quant_linear.py);
     # none: dequantized to the dtype; auto: gguf for a GGUF file unless a dtype is named
     quantization: Literal["auto", "gguf", "none"] = "auto"
     device: str | None = None  # None: cuda when present, else cpu
