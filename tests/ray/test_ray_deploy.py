@@ -425,6 +425,9 @@ def test_a_replaced_ingress_keeps_the_tiers_and_answers_again(cluster, tiny_mode
                 assert answer.json()["error"]["message"], answer.text
                 time.sleep(0.2)
         assert [name for name in app_replicas() if "ProxyIngress" in name] != [ingress]
-        assert {(m["role"], m["url"], m["replica"]) for m in workers()} == before  # the tiers were kept
+        # The tiers were kept: every replica of before still serves at its URL, none restarted.
+        # The planner still runs, and the two long streams may have made it add a decode
+        # replica meanwhile, so the set may have grown; it may not have lost or replaced any.
+        assert before <= {(m["role"], m["url"], m["replica"]) for m in workers()}
     finally:
         splitserve("down", "--ray", cluster, "--ray-app-name", APP)
