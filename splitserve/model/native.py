@@ -49,6 +49,7 @@ SOURCES = (
     CSRC / "quant_matmul.cpp",
     CSRC / "quant_matmul_k.cpp",
 )
+HEADERS = (CSRC / "quant_common.h",)  # included by the sources: part of what the library depends on
 # registered by each source: the library is whole
 OPS = ("argmax_rows", "prefill_attention", "quant_linear", "quant_linear_k")
 DISABLE_ENV = "SPLITSERVE_NATIVE_OPS"
@@ -104,7 +105,7 @@ def cpu_features() -> str:
 
 def library_path() -> Path:
     digest = hashlib.sha256()
-    for source in SOURCES:
+    for source in (*SOURCES, *HEADERS):
         digest.update(source.read_bytes())
     for part in (*CFLAGS, *LDFLAGS, torch.__version__, sys.version, cpu_features()):
         digest.update(part.encode())

@@ -24,18 +24,17 @@
 #include <cstring>
 #include <vector>
 
+#include "quant_common.h"
+
 namespace {
+
+using namespace splitserve_quant;
 
 constexpr int64_t kBlock = 32;
 // GGML's type numbers, as the file and gguf.GGMLQuantizationType name them
 constexpr int64_t kQ4_0 = 2;
 constexpr int64_t kQ4_1 = 3;
 constexpr int64_t kQ8_0 = 8;
-// the kernel paths, best first; `isa` -1 asks for the best one compiled in
-constexpr int64_t kScalar = 0;
-constexpr int64_t kAvx2 = 1;
-constexpr int64_t kVnni = 2;
-constexpr int64_t kTokenTile = 32;  // rows of x per pass over a weight row kept in L1
 
 int64_t block_bytes(int64_t qtype) {
   switch (qtype) {
@@ -45,26 +44,6 @@ int64_t block_bytes(int64_t qtype) {
     default: TORCH_CHECK(false, "quant_linear: unsupported GGML type ", qtype);
   }
   return 0;
-}
-
-int64_t best_isa() {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return kVnni;
-#elif defined(__AVX2__)
-  return kAvx2;
-#else
-  return kScalar;
-#endif
-}
-
-inline float half_to_float(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, sizeof(bits));
-#if defined(__F16C__)
-  return _cvtsh_ss(bits);  // one instruction; c10's portable conversion is a dozen
-#else
-  return c10::detail::fp16_ieee_to_fp32_value(bits);
-#endif
 }
 
 // x's rows quantized per 32-block: int8 values, each block's scale d and d * sum(q)

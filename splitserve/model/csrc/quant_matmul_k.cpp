@@ -32,7 +32,11 @@
 #include <cstring>
 #include <vector>
 
+#include "quant_common.h"
+
 namespace {
+
+using namespace splitserve_quant;
 
 constexpr int64_t kSuper = 256;   // weights (and x values) per super-block
 constexpr int64_t kSums = 16;     // x values per partial sum (Q6_K's scale groups)
@@ -41,11 +45,6 @@ constexpr int64_t kGroups = kSuper / kSums;
 constexpr int64_t kQ4_K = 12;
 constexpr int64_t kQ5_K = 13;
 constexpr int64_t kQ6_K = 14;
-// the kernel paths, numbered as quant_matmul.cpp's (its quant_linear_best_isa answers for both)
-constexpr int64_t kScalar = 0;
-constexpr int64_t kAvx2 = 1;
-constexpr int64_t kVnni = 2;
-constexpr int64_t kTokenTile = 32;  // rows of x per pass over a weight row kept in L1
 
 int64_t super_block_bytes(int64_t qtype) {
   switch (qtype) {
@@ -55,27 +54,6 @@ int64_t super_block_bytes(int64_t qtype) {
     default: TORCH_CHECK(false, "quant_linear_k: unsupported GGML type ", qtype);
   }
   return 0;
-}
-
-int64_t best_isa() {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return kVnni;
-#elif defined(__AVX2__)
-  return kAvx2;
-#else
-  return kScalar;
-#endif
-}
-
-// the same conversion as quant_matmul.cpp's (a file of its own keeps that one's code as is)
-inline float half_to_float(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, sizeof(bits));
-#if defined(__F16C__)
-  return _cvtsh_ss(bits);
-#else
-  return c10::detail::fp16_ieee_to_fp32_value(bits);
-#endif
 }
 
 // x's rows as llama.cpp's block_q8_K: int8 values, one scale per 256, the sum of each 16
