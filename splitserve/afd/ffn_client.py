@@ -163,16 +163,18 @@ class FfnClient:
         self.socket.close()
         self.socket = None
 
-    def _send_frames(self, frames: list[bytes], stamp: bytes) -> None:
+    def _send_frames(self, frames: list[bytes], stamp: bytes) -> int:
+        """Sends the sealed message; its size in bytes."""
         assert self.socket is not None
         sealed = self.mac.seal([*frames, stamp] if self.mac.enabled else frames)
         self.socket.send_multipart(sealed)
-        self.bytes_sent += sum(len(f) for f in sealed)
+        return sum(len(f) for f in sealed)
 
     def _send_layer(self, pending: PendingLayer) -> None:
         pending.stamp = self.session.next_stamp() if self.mac.enabled else b""
         pending.answer = None
-        self._send_frames(
+        # only layer traffic counts: the step metrics would otherwise show a HELLO's layout
+        self.bytes_sent += self._send_frames(
             [MOE, json.dumps(pending.request.to_header()).encode(), *pending.data], pending.stamp
         )
         pending.sent_at = time.monotonic()
@@ -187,9 +189,7 @@ class FfnClient:
         while (left_s := deadline - time.monotonic()) > 0:
             ready = dict(poller.poll(left_s * 1000))
             if self.socket in ready:
-                reply = self.socket.recv_multipart()
-                self.bytes_received += sum(len(f) for f in reply)
-                return reply
+                return self.socket.recv_multipart()
             if (
                 self.monitor in ready
                 and recv_monitor_message(self.monitor)["event"] == zmq.EVENT_DISCONNECTED
@@ -238,6 +238,7 @@ class FfnClient:
         frames = self._next_reply(deadline)
         if frames is None:
             raise DaemonSilent(f"the FFN daemon at {self.address} has not answered in time")
+        self.bytes_received += sum(len(f) for f in frames)
         stamp, answer, data = self._open(frames)
         answer_id = answer.get("id")
         pending = self.in_flight.get(answer_id) if isinstance(answer_id, int) else None
