@@ -82,32 +82,35 @@ def demo_pair(demo_model: Path) -> tuple[LLM, LLM]:
     return quantized, reference
 
 
+@pytest.fixture(scope="module")
+def demo_continuations(demo_model: Path, demo_pair: tuple[LLM, LLM]) -> list[tuple[list[int], list[int]]]:
+    """The chat prompts and the float32 model's greedy continuations of them, generated
+    once for every test that teacher-forces over them."""
+    _, reference = demo_pair
+    prompts = chat_prompts(demo_model)
+    results = reference.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    return [(prompt, result.token_ids) for prompt, result in zip(prompts, results, strict=True)]
+
+
 @pytest.mark.skipif(not load_cpu_ops(), reason="compiled CPU kernels unavailable")
-def test_demo_model_served_in_q4_1_answers_and_agrees_with_float32(demo_model, demo_pair):
+def test_demo_model_served_in_q4_1_answers_and_agrees_with_float32(demo_model, demo_pair, demo_continuations):
     quantized, reference = demo_pair
     model = quantized.engine.model
     assert isinstance(model.layers[0].self_attn.qkv_proj, QuantLinear)
     assert model.layers[0].self_attn.qkv_proj.qtype.name == "Q4_1"
     assert model.lm_head.qtype.name == "Q8_0"  # tied: token_embd's blocks
     files = load_gguf_render_files(demo_model)
-    template = ChatTemplate(files.chat_template, special_tokens=files.special_tokens)
-    prompts = [
-        files.tokenizer.encode(template.render([{"role": "user", "content": q}], add_generation_prompt=True))
-        for q in QUESTIONS
-    ]
-    answer = quantized.generate(prompts[:1], SamplingParams(max_tokens=16, temperature=0.0))[0]
+    first_prompt = demo_continuations[0][0]
+    answer = quantized.generate([first_prompt], SamplingParams(max_tokens=16, temperature=0.0))[0]
     assert "Paris" in files.tokenizer.decode(answer.token_ids)  # as tests/service/test_demo_model.py asks
     # the same sequences (the reference's greedy continuations) through both models
-    continuations = reference.generate(
-        prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    )
     agree = total = 0
     worst_error = 0.0
-    for prompt, result in zip(prompts, continuations, strict=True):
-        sequence = prompt + result.token_ids
+    for prompt, continuation in demo_continuations:
+        sequence = prompt + continuation
         ours, theirs = (logits_over(llm, sequence)[len(prompt) - 1 : -1] for llm in (quantized, reference))
         agree += int((ours.argmax(-1) == theirs.argmax(-1)).sum())
-        total += len(result.token_ids)
+        total += len(continuation)
         worst_error = max(worst_error, float((ours - theirs).abs().max()))
     # measured: 0.96 top-1 and a worst logit error of 1.8 (logits up to ~38) over 6 prompts x 48 tokens
     assert agree / total >= 0.9, f"top-1 agreement {agree}/{total}"
@@ -188,7 +191,7 @@ def swap_down_projs(llm: LLM, layers: list[torch.nn.Module]) -> list[torch.nn.Mo
 @pytest.mark.skipif(not load_cpu_ops(), reason="compiled CPU kernels unavailable")
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
 def test_demo_model_down_proj_in_k_quants_agrees_with_the_same_weights_in_float32(
-    demo_model, demo_pair, qtype
+    demo_pair, demo_continuations, qtype
 ):
     """The demo model's hidden size (576) is no multiple of 256: only its down_proj
     (K = 1536) can be a K-quant. Its weights quantized to `qtype` and multiplied by the
@@ -196,10 +199,6 @@ def test_demo_model_down_proj_in_k_quants_agrees_with_the_same_weights_in_float3
     int8 rounding of real (SiLU-gated) activations alone, teacher-forced over the float32
     model's greedy continuations."""
     _, reference = demo_pair
-    prompts = chat_prompts(demo_model)
-    continuations = reference.generate(
-        prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    )
     float_layers, kernel_layers = [], []
     for layer in reference.engine.model.layers:
         weight = layer.mlp.down_proj.weight.detach()
@@ -217,7 +216,7 @@ def test_demo_model_down_proj_in_k_quants_agrees_with_the_same_weights_in_float3
         kernel_layers.append(kernel)
     originals = swap_down_projs(reference, float_layers)
     try:
-        sequences = [p + r.token_ids for p, r in zip(prompts, continuations, strict=True)]
+        sequences = [prompt + continuation for prompt, continuation in demo_continuations]
         dense_logits = [logits_over(reference, s) for s in sequences]
         swap_down_projs(reference, kernel_layers)
         kernel_logits = [logits_over(reference, s) for s in sequences]
@@ -225,6 +224,7 @@ def test_demo_model_down_proj_in_k_quants_agrees_with_the_same_weights_in_float3
         swap_down_projs(reference, originals)
     agree = total = 0
     worst_error = 0.0
+    prompts = [prompt for prompt, _ in demo_continuations]
     for prompt, ours, theirs in zip(prompts, kernel_logits, dense_logits, strict=True):
         ours, theirs = ours[len(prompt) - 1 : -1], theirs[len(prompt) - 1 : -1]
         agree += int((ours.argmax(-1) == theirs.argmax(-1)).sum())
