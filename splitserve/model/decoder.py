@@ -13,7 +13,6 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 
 import torch
-from gguf import GGMLQuantizationType
 from torch import nn
 
 from splitserve.model import ops
@@ -22,7 +21,15 @@ from splitserve.model.decoder_config import DecoderConfig
 from splitserve.model.linear import Linear
 from splitserve.model.loader import iter_checkpoint_weights, iter_safetensors
 from splitserve.model.moe import SparseMoeBlock, expert_weight_destination, is_expert_weight
-from splitserve.model.quant_linear import QuantizedTensor, QuantLinear, replace_with_quant_linears
+from splitserve.model.quant_linear import (
+    MixedQuantLinear,
+    QuantizedTensor,
+    QuantLayout,
+    QuantLinear,
+    replace_with_quant_linears,
+)
+
+QUANT_LINEARS = (QuantLinear, MixedQuantLinear)  # what load_weights fills with blocks
 
 # Called after layer i's KV is written: (layer_idx, kv_layer) -> None.
 LayerHook = Callable[[int, torch.Tensor], None]
@@ -242,7 +249,10 @@ class DecoderModel(nn.Module):
                         break
                 if isinstance(tensor, QuantizedTensor):
                     module = modules.get(target.removesuffix(".weight"))
-                    if not isinstance(module, QuantLinear) or start + tensor.shape[0] > module.out_features:
+                    fits = (
+                        isinstance(module, QUANT_LINEARS) and start + tensor.shape[0] <= module.out_features
+                    )
+                    if not fits:
                         raise ValueError(f"unexpected quantized weight {name!r}")
                     module.load_rows(start, tensor)
                     continue
@@ -263,7 +273,7 @@ class DecoderModel(nn.Module):
             elements_loaded["lm_head.weight"] = self.lm_head.weight.numel()
         missing = [n for n, p in params.items() if elements_loaded[n] < p.numel()]
         missing += [
-            n for n, m in modules.items() if isinstance(m, QuantLinear) and m.rows_loaded < m.out_features
+            n for n, m in modules.items() if isinstance(m, QUANT_LINEARS) and m.rows_loaded < m.out_features
         ]
         if missing:
             raise ValueError(f"checkpoint lacks weights for {missing[:5]}")
@@ -275,7 +285,7 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     with_experts: bool = True,  # False: a MoE model's experts run elsewhere (an FFN daemon)
-    quantized: Mapping[str, GGMLQuantizationType] | None = None,  # Linears kept in a GGUF block format
+    quantized: Mapping[str, QuantLayout] | None = None,  # Linears kept in a GGUF block format
 ) -> DecoderModel:
     with torch.device("meta"):
         model = DecoderModel(config)

@@ -23,7 +23,7 @@ from gguf.quants import dequantize
 
 from splitserve.gguf_file import GGUFError, is_gguf_file, metadata_value, open_gguf
 from splitserve.model.decoder_config import BF16_WHERE_NATIVE, DecoderConfig
-from splitserve.model.quant_linear import BLOCK_SIZE, QUANTIZED_TYPES, QuantizedTensor
+from splitserve.model.quant_linear import BLOCK_SIZE, QUANTIZED_TYPES, QuantizedTensor, QuantLayout, RowTypes
 
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 SUPPORTED_QUANT_TYPES = frozenset(
@@ -180,39 +180,42 @@ def linear_module_name(hf_name: str) -> str | None:
     return f"{parent}.{_FUSED_PROJECTIONS.get(part, part)}"
 
 
-def quantized_linears(path: str | Path) -> dict[str, GGMLQuantizationType]:
+def quantized_linears(path: str | Path) -> dict[str, QuantLayout]:
     """The decoder's Linears whose every part the file stores as one of Q8_0, Q4_0, Q4_1,
-    Q4_K, Q5_K, Q6_K (module name -> type): they stay quantized. A Linear's in_features
-    must be a multiple of its type's block (32; 256 for the K-quants' super-blocks), else
-    it stays dequantized; so does one whose parts differ in type (a Q4_K_M file's Q4_K
-    attn_q/attn_k with a Q6_K attn_v: the fused qkv_proj is one matmul of one type). A
-    tied lm_head takes token_embd's type; the embedding table itself, and tensors of other
-    types, are dequantized."""
+    Q4_K, Q5_K, Q6_K (module name -> its type; a RowTypes for a fused Linear whose parts
+    differ in type, as a Q4_K_M file's Q4_K attn_q/attn_k beside a Q6_K attn_v): they stay
+    quantized. A Linear's in_features must be a multiple of each of its types' block (32;
+    256 for the K-quants' super-blocks), else it stays dequantized. A tied lm_head takes
+    token_embd's type; the embedding table itself, and tensors of other types, are
+    dequantized."""
     reader = open_gguf(path)
-    parts: dict[str, set[GGMLQuantizationType]] = {}
+    parts: dict[str, dict[str, tuple[GGMLQuantizationType, int]]] = {}  # module -> part -> (type, rows)
     widths: dict[str, int] = {}
     for tensor in reader.tensors:
         name = "lm_head.weight" if tensor.name == "output.weight" else hf_tensor_name(tensor.name)
         module = linear_module_name(name)
         if module is not None:
-            parts.setdefault(module, set()).add(tensor.tensor_type)
-            widths[module] = int(tensor.shape[0])  # GGUF lists dimensions innermost first
+            part = name.removesuffix(".weight").rpartition(".")[2]
+            # GGUF lists dimensions innermost first: (in_features, rows)
+            parts.setdefault(module, {})[part] = (tensor.tensor_type, int(tensor.shape[1]))
+            widths[module] = int(tensor.shape[0])
     if "lm_head" not in parts:  # tied: the head multiplies by the embedding table
         embedding = next(t for t in reader.tensors if t.name == "token_embd.weight")
-        parts["lm_head"] = {embedding.tensor_type}
+        parts["lm_head"] = {"lm_head": (embedding.tensor_type, int(embedding.shape[1]))}
         widths["lm_head"] = int(embedding.shape[0])
-    plan = {}
-    for module, types in parts.items():
-        if len(types) == 1 and types <= QUANTIZED_TYPES:
-            qtype = types.pop()
-            if widths[module] % BLOCK_SIZE[qtype] == 0:
-                plan[module] = qtype
+    plan: dict[str, QuantLayout] = {}
+    for module, by_part in parts.items():
+        types = {qtype for qtype, _ in by_part.values()}
+        if not types <= QUANTIZED_TYPES or any(widths[module] % BLOCK_SIZE[t] for t in types):
+            continue
+        if len(types) == 1:
+            plan[module] = types.pop()
+        else:  # the decoder fuses the parts in _PROJECTIONS' order (q, k, v; gate, up)
+            plan[module] = RowTypes(tuple(by_part[p] for p in _PROJECTIONS if p in by_part))
     return plan
 
 
-def quantization_plan(
-    model_path: str, quantization: str, dtype: str | None
-) -> dict[str, GGMLQuantizationType]:
+def quantization_plan(model_path: str, quantization: str, dtype: str | None) -> dict[str, QuantLayout]:
     """Which Linears stay quantized: `gguf` asks for it (a GGUF file only), `auto` gives
     it to a GGUF file when no dtype is named, `none` never (ValueError for the rest)."""
     if quantization == "none":

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -40,6 +41,17 @@ K_QUANT_TYPES = frozenset((GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K,
 BLOCK_SIZE = {qtype: 256 if qtype in K_QUANT_TYPES else 32 for qtype in BLOCK_BYTES}
 QUANTIZED_TYPES = frozenset(BLOCK_BYTES)
 BEST_ISA = -1  # quant_linear's `isa`: the best path compiled in (2 VNNI, 1 AVX2, 0 scalar)
+
+
+class RowTypes(NamedTuple):
+    """A fused Linear whose parts a file stores in different types (a Q4_K_M file's Q4_K
+    attn_q and attn_k beside a Q6_K attn_v): each part's type and rows, in row order."""
+
+    parts: tuple[tuple[GGMLQuantizationType, int], ...]
+
+
+# what a Linear stays quantized as: one type for all its rows, or one per fused part
+QuantLayout = GGMLQuantizationType | RowTypes
 
 
 def type_names() -> str:
@@ -133,13 +145,56 @@ class QuantLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, qtype={self.qtype.name}"
 
 
-def replace_with_quant_linears(model: nn.Module, quantized: Mapping[str, GGMLQuantizationType]) -> None:
+class MixedQuantLinear(nn.Module):
+    """A fused Linear whose row ranges are QuantLinears of different types: one kernel
+    call per part, the outputs side by side (the bias, if any, is the whole Linear's)."""
+
+    def __init__(self, in_features: int, row_types: RowTypes, bias: bool = False) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = sum(rows for _, rows in row_types.parts)
+        self.parts = nn.ModuleList(QuantLinear(in_features, rows, qtype) for qtype, rows in row_types.parts)
+        self.starts = []  # each part's first row
+        start = 0
+        for _, rows in row_types.parts:
+            self.starts.append(start)
+            start += rows
+        self.bias = nn.Parameter(torch.empty(self.out_features)) if bias else None
+
+    @property
+    def rows_loaded(self) -> int:
+        return sum(part.rows_loaded for part in self.parts)
+
+    def load_rows(self, start: int, weight: QuantizedTensor) -> None:
+        """`weight` fills the part that begins at row `start`, whole."""
+        part = self.parts[self.starts.index(start)] if start in self.starts else None
+        if part is None or weight.shape[0] != part.out_features:
+            raise ValueError(f"{weight.shape[0]} rows at row {start} are no part of [{self.extra_repr()}]")
+        part.load_rows(0, weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.cat([part(x) for part in self.parts], dim=-1)
+        return out if self.bias is None else out + self.bias.to(out.dtype)
+
+    def extra_repr(self) -> str:
+        types = ", ".join(f"{part.qtype.name} x{part.out_features}" for part in self.parts)
+        return f"in_features={self.in_features}, out_features={self.out_features}, parts=[{types}]"
+
+
+def replace_with_quant_linears(model: nn.Module, quantized: Mapping[str, QuantLayout]) -> None:
     """Swap each named Linear of `model` (`layers.0.self_attn.qkv_proj`, `lm_head`) for a
-    QuantLinear of the same shape holding that type's blocks."""
-    for name, qtype in quantized.items():
+    QuantLinear of the same shape holding that type's blocks (a MixedQuantLinear where
+    its parts' types differ)."""
+    for name, layout in quantized.items():
         old = model.get_submodule(name)
         if not isinstance(old, nn.Linear):
             raise ValueError(f"{name!r} is not a Linear layer")
         parent_name, _, attr = name.rpartition(".")
-        replacement = QuantLinear(old.in_features, old.out_features, qtype, bias=old.bias is not None)
+        bias = old.bias is not None
+        if isinstance(layout, RowTypes):
+            if sum(rows for _, rows in layout.parts) != old.out_features:
+                raise ValueError(f"the parts of {name!r} do not add up to its {old.out_features} rows")
+            replacement: nn.Module = MixedQuantLinear(old.in_features, layout, bias=bias)
+        else:
+            replacement = QuantLinear(old.in_features, old.out_features, layout, bias=bias)
         setattr(model.get_submodule(parent_name), attr, replacement)

@@ -18,7 +18,7 @@ from splitserve.model.attention import AttentionMetadata, PrefillChunk
 from splitserve.model.gguf_loader import quantization_plan
 from splitserve.model.linear import Linear
 from splitserve.model.native import load_cpu_ops
-from splitserve.model.quant_linear import QuantizedTensor, QuantLinear
+from splitserve.model.quant_linear import MixedQuantLinear, QuantizedTensor, QuantLinear, RowTypes, row_bytes
 from splitserve.protocol.sampling_params import SamplingParams
 from tests.model.gguf_files import GGUF_SPEC, quantize_k, write_tiny_gguf
 
@@ -118,12 +118,13 @@ def test_demo_model_served_in_q4_1_answers_and_agrees_with_float32(demo_model, d
 
 
 # as llama.cpp's Q4_K_M mix stores them: most matrices Q4_K, ffn_down and the head Q6_K
-Q4_K_M_TYPES = {"ffn_down": "Q6_K", "output": "Q6_K"}
+Q4_K_M_TYPES = {"attn_v": "Q6_K", "ffn_down": "Q6_K", "output": "Q6_K"}
 
 
 @pytest.mark.skipif(not load_cpu_ops(), reason="compiled CPU kernels unavailable")
 def test_k_quant_projections_stay_quantized_and_agree_with_float32(tmp_path):
-    """llama (its Q/K rows un-permuted as blocks) in Q4_K with Q6_K ffn_down and head,
+    """llama (its Q/K rows un-permuted as blocks) in Q4_K with Q6_K attn_v, ffn_down and
+    head (qkv_proj a MixedQuantLinear: Q4_K q and k rows, Q6_K v rows),
     against the same file dequantized to float32, teacher-forced over the float32 model's
     greedy continuation of random prompts."""
     path = write_tiny_gguf(tmp_path / "q4_k_m.gguf", GGUF_SPEC["llama"], "Q4_K", types=Q4_K_M_TYPES)
@@ -131,7 +132,7 @@ def test_k_quant_projections_stay_quantized_and_agree_with_float32(tmp_path):
     reference = LLM(str(path), num_blocks=32, max_num_seqs=2, dtype="float32", quantization="none")
     model = quantized.engine.model
     kinds = {
-        name: (module.qtype.name if isinstance(module, QuantLinear) else type(module).__name__)
+        name: (module.qtype.name if isinstance(module, QuantLinear) else repr(module))
         for name, module in (
             ("qkv", model.layers[1].self_attn.qkv_proj),
             ("o", model.layers[1].self_attn.o_proj),
@@ -140,7 +141,11 @@ def test_k_quant_projections_stay_quantized_and_agree_with_float32(tmp_path):
             ("head", model.lm_head),
         )
     }
-    assert kinds == {"qkv": "Q4_K", "o": "Q4_K", "gate_up": "Q4_K", "down": "Q6_K", "head": "Q6_K"}
+    c = model.config
+    q_rows, kv_rows = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    mixed = f"parts=[Q4_K x{q_rows}, Q4_K x{kv_rows}, Q6_K x{kv_rows}]"
+    assert mixed in kinds.pop("qkv")
+    assert kinds == {"o": "Q4_K", "gate_up": "Q4_K", "down": "Q6_K", "head": "Q6_K"}
     prompts = [[3, 5, 7, 11, 13], [100, 200, 300, 400, 500, 600, 700]]
     continuations = reference.generate(
         prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
@@ -158,17 +163,41 @@ def test_k_quant_projections_stay_quantized_and_agree_with_float32(tmp_path):
     assert 0.0 < worst_error < 0.05 * largest, (worst_error, largest)
 
 
-def test_a_fused_projection_of_mixed_k_quant_types_is_dequantized(tmp_path):
-    """attn_v in Q6_K beside Q4_K attn_q/attn_k: qkv_proj is one matmul of one type, so it
-    is dequantized; the rest stays quantized."""
+@pytest.mark.skipif(not load_cpu_ops(), reason="compiled CPU kernels unavailable")
+def test_a_fused_projection_of_mixed_types_stays_quantized_part_by_part(tmp_path):
+    """attn_v in Q6_K beside Q4_K attn_q/attn_k (qwen2: q/k/v with biases): qkv_proj runs
+    one kernel per part, adds the fused bias once, and its output equals the same parts
+    dequantized through F.linear within the activations' int8 rounding."""
     path = write_tiny_gguf(tmp_path / "mixed.gguf", GGUF_SPEC["qwen2"], "Q4_K", types={"attn_v": "Q6_K"})
     plan = quantization_plan(str(path), "gguf", None)
-    assert "layers.0.self_attn.qkv_proj" not in plan
+    layout = plan["layers.0.self_attn.qkv_proj"]
+    assert isinstance(layout, RowTypes)
+    assert [qtype.name for qtype, _ in layout.parts] == ["Q4_K", "Q4_K", "Q6_K"]
     assert plan["layers.0.self_attn.o_proj"].name == "Q4_K" and plan["lm_head"].name == "Q4_K"
-    llm = LLM(str(path), num_blocks=16, max_num_seqs=2)
-    assert isinstance(llm.engine.model.layers[0].self_attn.qkv_proj, Linear)
-    assert isinstance(llm.engine.model.layers[0].mlp.gate_up_proj, QuantLinear)
-    assert len(llm.generate([[3, 5, 7]], SamplingParams(max_tokens=3, temperature=0.0))[0].token_ids) == 3
+    quantized = LLM(str(path), num_blocks=16, max_num_seqs=2)
+    reference = LLM(str(path), num_blocks=16, max_num_seqs=2, dtype="float32", quantization="none")
+    qkv = quantized.engine.model.layers[0].self_attn.qkv_proj
+    dense = reference.engine.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, MixedQuantLinear) and qkv.bias is not None
+    x = torch.randn(5, qkv.in_features, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours, theirs = qkv(x), dense(x)
+    assert ours.shape == theirs.shape == (5, qkv.out_features)
+    assert float((ours - theirs).abs().max()) < 0.05 * float(theirs.abs().max())
+    answer = quantized.generate([[3, 5, 7]], SamplingParams(max_tokens=3, temperature=0.0))[0]
+    assert len(answer.token_ids) == 3
+
+
+def test_a_mixed_projection_refuses_a_weight_that_is_not_one_of_its_parts():
+    row_types = RowTypes(((GGMLQuantizationType.Q4_K, 256), (GGMLQuantizationType.Q6_K, 256)))
+    linear = MixedQuantLinear(256, row_types)
+    blocks = torch.zeros(256, row_bytes(GGMLQuantizationType.Q6_K, 256), dtype=torch.uint8)
+    with pytest.raises(ValueError, match="no part of"):
+        linear.load_rows(128, QuantizedTensor(GGMLQuantizationType.Q6_K, blocks, (256, 256)))
+    with pytest.raises(ValueError, match="does not fit"):  # the right rows in the wrong type
+        linear.load_rows(0, QuantizedTensor(GGMLQuantizationType.Q6_K, blocks, (256, 256)))
+    linear.load_rows(256, QuantizedTensor(GGMLQuantizationType.Q6_K, blocks, (256, 256)))
+    assert linear.rows_loaded == 256
 
 
 def chat_prompts(demo_model: Path) -> list[list[int]]:
