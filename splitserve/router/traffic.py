@@ -19,7 +19,7 @@ KEPT_REQUESTS = 200_000
 UNBOUNDED_OUTPUT_GUESS = 256
 
 
-@dataclass
+@dataclass(slots=True)  # a proxy keeps tens of thousands: ~70 bytes each, not ~170
 class ObservedRequest:
     arrived_at: float  # time.monotonic()
     prompt_tokens: int
