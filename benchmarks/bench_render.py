@@ -36,6 +36,7 @@ from typing import NamedTuple
 import httpx
 
 from splitserve.runtime.ports import pick_free_port as free_port
+from splitserve.runtime.process_lifetime import child_command
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_BIN = "/work/vllm-peer/bin/vllm"
@@ -61,6 +62,8 @@ WORDS = (
 def served(command: list[str], port: int, name: str, env: dict[str, str] | None = None) -> Iterator[str]:
     """Start a server, wait for /health, yield its base URL, always stop it."""
     log = Path(tempfile.gettempdir()) / f"bench-{name}-{port}.log"
+    if command[:3] == [sys.executable, "-m", "splitserve.cli"]:
+        command = child_command(command[3:])  # a benchmark killed outright leaves no stack behind
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             command,

@@ -7,7 +7,6 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,6 +18,7 @@ from splitserve.model.tiny import write_tiny_model
 from splitserve.model.tiny_text import TinyModelSpec
 from splitserve.model_files.demo import ensure_demo_model
 from splitserve.runtime.ports import pick_free_port
+from splitserve.runtime.process_lifetime import child_command
 
 
 @pytest.fixture(scope="session")
@@ -96,16 +96,18 @@ def running_servers(
     env: dict[str, str] | None = None,
 ) -> Iterator[list[str]]:
     """Start every `splitserve <args>` of `servers` at once, each bound to 127.0.0.1 on its
-    port, wait until all answer health, yield their base URLs (in order), and always stop
-    them all (SIGINT, then SIGKILL for the whole process group). Starting them together
-    overlaps their start-ups (imports, model loading), which dominate a test's time."""
+        port, wait until all answer health, yield their base URLs (in order), and always stop
+        them all (SIGINT, then SIGKILL for the whole process group; the kernel kills them if
+    this process is killed outright, so no server of a killed run holds a port or the kernel
+    build lock for the next). Starting them together
+        overlaps their start-ups (imports, model loading), which dominate a test's time."""
     procs: list[subprocess.Popen] = []
     try:
         for args, port in servers:
             with open(_server_log(port), "wb") as log_file:
                 procs.append(
                     subprocess.Popen(
-                        [sys.executable, "-m", "splitserve.cli", *args],
+                        child_command(args),  # killed with pytest, however it ends
                         stdout=log_file,
                         stderr=subprocess.STDOUT,
                         start_new_session=True,
