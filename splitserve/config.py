@@ -102,6 +102,15 @@ class AfdConfig:
 
 
 @dataclass(frozen=True)
+class CpuLendingConfig:
+    """Idle CPUs lent between engines pinned on one host (engine/cpu_lending.py; `up`
+    sets it): a lender's CPUs serve its borrowers' large steps while it has no work."""
+
+    lend_file: str | None = None  # this engine lends its CPUs while idle, through this file
+    borrow_files: tuple[str, ...] = ()  # the lenders this engine may borrow from
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -110,6 +119,7 @@ class EngineConfig:
     transfer: TransferConfig = field(default_factory=TransferConfig)
     kv_events: KVEventsConfig | None = None  # None: publish no KV events
     afd: AfdConfig | None = None  # None: the experts run here (collocated)
+    cpu_lending: CpuLendingConfig = field(default_factory=CpuLendingConfig)
 
     def __post_init__(self) -> None:
         # shm maps decode's KV pool as a shared-memory file: it needs the pool in CPU memory

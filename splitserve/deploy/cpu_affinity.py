@@ -77,6 +77,20 @@ def parse_cpu_affinity(
     return pinned
 
 
+def idle_cpu_lenders(pinned: dict[str, frozenset[int]]) -> dict[str, list[str]]:
+    """Each pinned prefill part -> the pinned decode parts on other CPUs than its own, whose
+    CPUs it may borrow while they are idle (engine/cpu_lending.py). Unpinned parts lend
+    and borrow nothing: they already run on every CPU."""
+    decodes = [name for name in pinned if part_role(name) == "decode"]
+    lenders = {}
+    for name, cpus in pinned.items():
+        if part_role(name) == "prefill":
+            chosen = [d for d in decodes if not pinned[d] & cpus]
+            if chosen:
+                lenders[name] = chosen
+    return lenders
+
+
 def pin(pid: int, cpus: frozenset[int]) -> None:
     """Move a just-started part onto `cpus`. It is called right after the exec, before the
     interpreter has started any thread, so every thread the part starts inherits it."""

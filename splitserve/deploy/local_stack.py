@@ -15,6 +15,7 @@ import time
 
 import httpx
 
+from splitserve.deploy.cpu_affinity import idle_cpu_lenders
 from splitserve.deploy.liveness import LivenessWatch
 from splitserve.deploy.plan import FFN_ROLE, DeploymentPlan, TierPlan, kv_event_flags, tier_env
 from splitserve.deploy.supervisor import Part, Supervisor, kill_part, start_part
@@ -27,21 +28,24 @@ POLL_S = 0.2
 INTERNAL_HOST = "127.0.0.1"  # internal parts: only the proxy is exposed (--host)
 
 EC_DIRECTORY_PREFIX = "splitserve-ec-up-"
+LEND_DIRECTORY_PREFIX = "splitserve-lend-up-"
 
 
-def _ec_root() -> str:
+def _tmpfs_root() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
 def ec_directory() -> str:
     """A fresh encoder-cache directory on tmpfs (where there is one), named after this `up`."""
-    return owned_directory(EC_DIRECTORY_PREFIX, _ec_root())
+    return owned_directory(EC_DIRECTORY_PREFIX, _tmpfs_root())
 
 
-def remove_stale_ec_directories() -> None:
-    """The encoder caches of `up`s that are gone (SIGKILLed: their clean-up never ran)."""
-    for path in remove_dead_owners(EC_DIRECTORY_PREFIX, _ec_root()):
-        print(f"splitserve up: removed {path}, left by an up that is gone", file=sys.stderr)
+def remove_stale_directories() -> None:
+    """The encoder caches and CPU-lending files of `up`s that are gone (SIGKILLed: their
+    clean-up never ran)."""
+    for prefix in (EC_DIRECTORY_PREFIX, LEND_DIRECTORY_PREFIX):
+        for path in remove_dead_owners(prefix, _tmpfs_root()):
+            print(f"splitserve up: removed {path}, left by an up that is gone", file=sys.stderr)
 
 
 def wait_healthy(parts: list[Part], timeout_s: float) -> str | None:
@@ -113,10 +117,13 @@ class LocalStack:
         pinned: dict[str, frozenset[int]],
         proxy_host: str,
         proxy_port: int,
+        lend_idle_cpus: bool = True,
     ) -> None:
         self.plan = plan
         self.secrets = secrets
         self.pinned = pinned
+        # pinned prefill part -> the pinned decode parts whose idle CPUs it borrows
+        self.lenders = idle_cpu_lenders(pinned) if lend_idle_cpus else {}
         self.proxy_host = proxy_host
         self.proxy_port = proxy_port
         self.parts: list[Part] = []
@@ -162,6 +169,7 @@ class LocalStack:
             ec_dir = ec_directory()
             self.cleanup.append(ec_dir)
             ec_flags = ["--ec-shm-dir", ec_dir]
+        lending = self.lending_flags()
         engines = [self.plan.tier(role) for role in ("prefill", "decode", "encoder")]
         # Every P/D engine's KV socket is known up front, and each engine may dial only
         # those: a request naming any other host or port is refused (egress allow-list).
@@ -173,13 +181,14 @@ class LocalStack:
         for tier, ports in zip(engines, kv_ports, strict=True):
             for index in range(self.plan.count(tier.role)):
                 port = self.free_port()
-                argv = ["--host", host, "--port", str(port), *ec_flags]
+                name = next(names)
+                argv = ["--host", host, "--port", str(port), *ec_flags, *lending.get(name, [])]
                 if tier.moves_kv:
                     argv += ["--kv-port", str(ports[index]), "--kv-peers", *kv_peers]
                     argv += kv_event_flags(host, self.free_port(), self.free_port())
                 if tier.role == "decode" and ffn_flags:
                     argv += ffn_flags[index]
-                self.start_part(next(names), tier, argv, f"http://{host}:{port}", token)
+                self.start_part(name, tier, argv, f"http://{host}:{port}", token)
         error = wait_healthy(self.parts, timeout_s)
         if error is not None or self.stop_requested:
             return error
@@ -191,6 +200,20 @@ class LocalStack:
         url = f"http://{self.proxy_host}:{self.proxy_port}"
         self.start_part(next(names), self.plan.tier("proxy"), proxy, url, health_key)
         return wait_healthy(self.parts[-1:], timeout_s)
+
+    def lending_flags(self) -> dict[str, list[str]]:
+        """Each lending decode part's and borrowing prefill part's flags: one lock file per
+        lender, in a directory of this run (engine/cpu_lending.py)."""
+        if not self.lenders:
+            return {}
+        directory = owned_directory(LEND_DIRECTORY_PREFIX, _tmpfs_root())
+        self.cleanup.append(directory)
+        flags: dict[str, list[str]] = {}
+        for borrower, lenders in self.lenders.items():
+            for lender in lenders:
+                flags[lender] = ["--lend-idle-cpus", os.path.join(directory, lender)]
+            flags[borrower] = ["--borrow-idle-cpus", *(os.path.join(directory, d) for d in lenders)]
+        return flags
 
     def supervise(self, liveness_timeout_s: float) -> int:
         """Restart what dies (or wedges) until a stop is asked for (0) or a part cannot

@@ -21,7 +21,7 @@ import sys
 from rich.console import Console
 
 from splitserve.deploy.cpu_affinity import parse_cpu_affinity
-from splitserve.deploy.local_stack import LocalStack, remove_stale_ec_directories
+from splitserve.deploy.local_stack import LocalStack, remove_stale_directories
 from splitserve.deploy.plan import deployment_secrets, part_names, plan_from_args, up_replicas
 from splitserve.deploy.supervisor import Part
 from splitserve.deploy.up_afd import add_afd_arguments, afd_flag_error, afd_model_error
@@ -190,6 +190,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PART=CPUS",
         help="pin parts to CPUs, e.g. prefill=0,decode=1 (a role or a part such as decode-1; repeatable)",
     )
+    parser.add_argument(
+        "--no-lend-idle-cpus",
+        action="store_true",
+        help="with --cpu-affinity: a prefill never runs on an idle decode's CPUs (by default a "
+        "pinned prefill borrows them for its large steps while that decode has nothing to compute)",
+    )
     parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for every part")
     parser.add_argument(
         "--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"]
@@ -253,9 +259,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"splitserve up: {error}", file=sys.stderr)
         return 2
     plan = plan_from_args(args, resolved.path, args.served_model_name or resolved.name)
-    remove_stale_ec_directories()
+    remove_stale_directories()
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    stack = LocalStack(plan, deployment_secrets(api_key), pinned, args.host, args.port)
+    stack = LocalStack(
+        plan, deployment_secrets(api_key), pinned, args.host, args.port, not args.no_lend_idle_cpus
+    )
     previous = {sig: signal.signal(sig, stack.request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         error = stack.start(args.startup_timeout)

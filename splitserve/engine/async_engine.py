@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 from splitserve.config import EngineConfig
 from splitserve.encoder_cache.connector import ECConnector
+from splitserve.engine.cpu_lending import IdleCpuLender
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.model_runner import KVCacheAllocator
 from splitserve.engine.multimodal import MultiModalInputs
@@ -70,6 +71,9 @@ class AsyncEngine:
         self._stats = self.engine.stats()
         if connector is not None:
             connector.set_wakeup(self._wake.set)
+        lend_file = config.cpu_lending.lend_file
+        # busy while the engine thread computes, idle (lent) while it waits
+        self._lender = IdleCpuLender(lend_file) if lend_file else None
 
     # ---- lifecycle ----------------------------------------------------------------
     def start(self) -> AsyncEngine:
@@ -85,6 +89,8 @@ class AsyncEngine:
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
+        if self._lender is not None:
+            self._lender.close()
         with self._lock:
             streams, self._streams = self._streams, {}
         for request_id, stream in streams.items():
@@ -189,6 +195,8 @@ class AsyncEngine:
             engine.poll_connector()
             if not engine.has_runnable_work():
                 self._stats = engine.stats()
+                if self._lender is not None:
+                    self._lender.idle()
                 timeout = _REMOTE_WAIT_S if engine.has_unfinished_requests() else None
                 self._wake.wait(timeout)
                 self._wake.clear()
@@ -200,6 +208,8 @@ class AsyncEngine:
                 logger.exception("engine step failed outside the model; failing all requests")
                 outputs = engine.fail_all_requests()
             self._stats = engine.stats()
+            if self._lender is not None:  # lent until a step computes (a reservation does not)
+                self._lender.set_busy(engine.num_steps != steps_before)
             if engine.num_steps != steps_before:
                 for listener in self._listeners:
                     try:

@@ -251,6 +251,7 @@ class LLMEngine:
                 r.num_tokens - r.num_computed_tokens for r in [*sched.waiting, *prefilling]
             ),
             num_running_decode_blocks=sum(len(r.block_ids) for r in decoding),
+            num_borrowed_cpu_steps=self.runner.step_threads.borrowed_steps,
         )
 
     def check_integrity(self) -> None:

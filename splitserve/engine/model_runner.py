@@ -11,6 +11,7 @@ from splitserve.afd.ffn_client import FfnClient, attach_ffn
 from splitserve.afd.microbatch import overlapped_forward, splits
 from splitserve.config import EngineConfig
 from splitserve.encoder_cache.connector import ECConnector
+from splitserve.engine.cpu_lending import IdleCpuBorrower, StepThreads
 from splitserve.engine.device import choose_dtype, default_device
 from splitserve.engine.multimodal import EncoderCache, MultiModalRunner
 from splitserve.engine.outputs import ModelRunnerOutput, SampledToken
@@ -152,19 +153,19 @@ class ModelRunner:
         )
         self.sampler = Sampler(self.device, config.model.seed)
         self.connector = connector
-        # CPU: steps of at most this many tokens run on one thread
-        self.serial_step_tokens = config.model.serial_step_tokens if self.device.type == "cpu" else 0
-        self.parallel_threads = torch.get_num_threads()
-
-    def _use_threads_for(self, num_tokens: int) -> None:
-        wanted = 1 if num_tokens <= self.serial_step_tokens else self.parallel_threads
-        if torch.get_num_threads() != wanted:
-            torch.set_num_threads(wanted)
+        # CPU: steps of at most this many tokens run on one thread, larger ones on all of
+        # this engine's CPUs and its idle lenders' (engine/cpu_lending.py)
+        on_cpu = self.device.type == "cpu"
+        borrow = config.cpu_lending.borrow_files
+        self.step_threads = StepThreads(
+            config.model.serial_step_tokens if on_cpu else 0,
+            IdleCpuBorrower(borrow) if borrow and on_cpu else None,
+        )
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         scheduled = [s for s in scheduler_output.scheduled if s.num_tokens > 0]
-        self._use_threads_for(sum(s.num_tokens for s in scheduled))
+        self.step_threads.use_for(sum(s.num_tokens for s in scheduled))
         bs = self.block_size
         # decode-like (one token) first: they share one batched attention call
         decodes = [s for s in scheduled if s.num_tokens == 1]

@@ -56,3 +56,4 @@ class EngineStats(NamedTuple):
     # requests; not those waiting for remote KV) and blocks held by decoding requests
     num_waiting_prefill_tokens: int
     num_running_decode_blocks: int
+    num_borrowed_cpu_steps: int = 0  # steps run on an idle lender's CPUs too (cpu_lending.py)

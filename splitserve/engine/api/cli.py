@@ -9,6 +9,7 @@ import re
 from splitserve.config import (
     AfdConfig,
     CacheConfig,
+    CpuLendingConfig,
     EngineConfig,
     KVEventsConfig,
     ModelConfig,
@@ -149,6 +150,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(0: every step on all threads)",
     )
     parser.add_argument(
+        "--lend-idle-cpus",
+        metavar="FILE",
+        default=None,
+        help="lend this engine's CPUs to the engines borrowing through FILE while it has nothing "
+        "to compute (`up` with pinned engines sets it on decode)",
+    )
+    parser.add_argument(
+        "--borrow-idle-cpus",
+        metavar="FILE",
+        nargs="+",
+        default=[],
+        help="run large steps on the CPUs of the lenders behind these files too while they are "
+        "idle (`up` with pinned engines sets it on prefill)",
+    )
+    parser.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
     add_serving_arguments(parser)
@@ -230,6 +246,7 @@ def engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
         transfer=kv_routes.transfer_config(args, device),
         kv_events=kv_events_config(args),
         afd=afd_config(args),
+        cpu_lending=CpuLendingConfig(args.lend_idle_cpus, tuple(args.borrow_idle_cpus)),
     )
 
 

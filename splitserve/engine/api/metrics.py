@@ -86,6 +86,11 @@ class _EngineStatsCollector(Collector):
         yield CounterMetricFamily(
             f"{PREFIX}_num_preemptions", "Requests preempted (recomputed).", s.num_preemptions
         )
+        yield CounterMetricFamily(
+            f"{PREFIX}_cpu_borrowed_steps",
+            "Steps run on an idle lender's CPUs as well as this engine's own.",
+            s.num_borrowed_cpu_steps,
+        )
 
 
 class EngineMetrics:
