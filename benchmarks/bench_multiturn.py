@@ -20,7 +20,10 @@ the prefill engine's `splitserve_kv_prefix_blocks_total{direction="pulled"}` per
                                                                          # reasoning stripped
 
 TTFT is the median over `--repeats` conversations (the machine's noise otherwise decides);
-`--model DIR` runs another model (default: the tiny test model).
+`--model DIR` runs another model (default: the tiny test model). The P/D stacks send
+every turn through the prefill worker (`--pd-decision threshold --min-prefill-tokens 16`);
+"up (cost decision)" is `up` as it starts by default, each turn's path decided on its
+cost (a short new turn stays on the decode worker that holds the conversation).
 
 Ratios last: computed prompt tokens (P/D / collocated) and mean TTFT (P/D / collocated)
 over turns 2..N.
@@ -155,6 +158,8 @@ def main() -> int:
         "collocated": ["serve", model],
         "one-way P/D": [*pd, "--no-kv-bidirectional"],
         "bidirectional P/D": pd,
+        # what `up` does by default: each turn's path decided on its cost (docs/pd.md)
+        "up (cost decision)": pd[:6],
     }
     results: dict[str, list[Row]] = {}
     for name, command in stacks.items():
@@ -172,7 +177,7 @@ def main() -> int:
             cells.append(f"{ttft * 1e3:24.1f}  {prompt - cached:8d}  {pulled_blocks:6d}")
         print(f"{index + 1:>4}  " + "  ".join(cells))
     base_rows = results["collocated"][1:]
-    for name in ("one-way P/D", "bidirectional P/D"):
+    for name in ("one-way P/D", "bidirectional P/D", "up (cost decision)"):
         rows = results[name][1:]
         computed = sum(p - c for _t, p, c, _b in rows) / max(sum(p - c for _t, p, c, _b in base_rows), 1)
         ttft = sum(t for t, *_ in rows) / max(sum(t for t, *_ in base_rows), 1e-9)
