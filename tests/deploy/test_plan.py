@@ -4,6 +4,7 @@ and `up --ray` give a tier the same one (pure: nothing is started)."""
 from __future__ import annotations
 
 import argparse
+import os
 
 import pytest
 
@@ -154,3 +155,28 @@ def test_secrets_go_by_name_to_the_tiers_that_need_them():
     assert API_KEY_ENV not in tier_env(tiers.tier("proxy"), deployment_secrets(None))
     for tier in tiers.tiers:  # never on a command line
         assert not set(values.values()) & set(tier.argv)
+
+
+def test_up_lends_each_pinned_decode_to_the_pinned_prefill_unless_told_not_to():
+    from splitserve.deploy.cpu_affinity import parse_cpu_affinity
+    from splitserve.deploy.local_stack import LocalStack
+    from splitserve.deploy.plan import part_names, up_replicas
+
+    args = up_args("--prefill", "1", "--decode", "2", "--cpu-affinity", "prefill=0,decode-0=1,decode-1=2")
+    assert args.no_lend_idle_cpus is False and up_args("--no-lend-idle-cpus").no_lend_idle_cpus
+    names = part_names(up_replicas(args))
+    pinned = parse_cpu_affinity(args.cpu_affinity, names, available=frozenset({0, 1, 2}))
+    secrets = deployment_secrets(None)
+    stack = LocalStack(plan("--prefill", "1", "--decode", "2"), secrets, pinned, "127.0.0.1", 8000)
+    flags = stack.lending_flags()
+    try:
+        (directory,) = stack.cleanup  # one directory of this run, removed when it stops
+        lend = {name: flags[name] for name in ("decode-0", "decode-1")}
+        assert lend == {name: ["--lend-idle-cpus", f"{directory}/{name}"] for name in lend}
+        assert flags["prefill-0"] == ["--borrow-idle-cpus", f"{directory}/decode-0", f"{directory}/decode-1"]
+        assert "render" not in flags
+    finally:
+        for path in stack.cleanup:
+            os.rmdir(path)
+    off = LocalStack(plan("--prefill", "1", "--decode", "2"), secrets, pinned, "127.0.0.1", 8000, False)
+    assert off.lending_flags() == {} and off.cleanup == []
