@@ -175,7 +175,7 @@ async def derender_bytes(render: str, turns: int, tokens: int) -> tuple[float, f
         frontend = HTTPFrontendClient(render, client=http)
         prompt = await frontend.render_chat(ChatCompletionRequest.model_validate(chat))
         state = prompt.state
-        output = prompt.generate["token_ids"][-tokens:]  # any valid token IDs will do
+        output = list(prompt.generate.token_ids[-tokens:])  # any valid token IDs will do
         vllm_sizes = []
         for i, token in enumerate(output):
             last = i == len(output) - 1

@@ -17,6 +17,7 @@ import pytest
 from splitserve.model.tiny import write_tiny_model
 from splitserve.model.tiny_text import TinyModelSpec
 from splitserve.model_files.demo import ensure_demo_model
+from splitserve.protocol.generate_request import GenerateRequest
 from splitserve.runtime.ports import pick_free_port
 from splitserve.runtime.process_lifetime import child_command
 
@@ -159,3 +160,10 @@ def wait_until(condition: Callable[[], object], timeout_s: float = 20.0) -> bool
             return True
         time.sleep(0.05)
     return False
+
+
+def wire_request(body: dict) -> GenerateRequest:
+    """A generate body as an `EngineClient` takes it: parsed as the proxy parses the render
+    tier's answer (routing hints kept, pixels left to the engine). Bad bodies raise the
+    `APIError` an engine's edge would."""
+    return GenerateRequest.from_wire(body, max_pixel_bytes=None, routing_hints=True)

@@ -47,11 +47,11 @@ class LocalFrontendClient(FrontendClient):
     async def render_chat(self, request: ChatCompletionRequest) -> RenderedPrompt:
         generate = self.renderer.render_chat(request)
         seed = chat_seed(self.renderer, request, generate)
-        return RenderedPrompt(generate.to_wire(routing_hints=True), seed)
+        return RenderedPrompt(generate, seed)
 
     async def render_completion(self, request: CompletionRequest) -> list[RenderedPrompt]:
         return [
-            RenderedPrompt(generate.to_wire(routing_hints=True), completion_seed(request, generate))
+            RenderedPrompt(generate, completion_seed(request, generate))
             for generate in self.renderer.render_completion(request)
         ]
 

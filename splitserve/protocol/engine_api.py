@@ -8,15 +8,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from splitserve.protocol.generate_request import ROUTING_HINTS
-
-
-def without_routing_hints(body: dict) -> dict:
-    """The generate request an engine gets: the proxy's routing hints removed."""
-    if not any(name in body for name in ROUTING_HINTS):
-        return body
-    return {key: value for key, value in body.items() if key not in ROUTING_HINTS}
-
 
 def merge_chunks(chunks: list[dict]) -> dict:
     """Join a request's stream chunks into the non-streaming response shape."""

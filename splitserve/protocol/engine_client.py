@@ -9,13 +9,16 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 
+from splitserve.protocol.generate_request import GenerateRequest
+
 
 class EngineClient(ABC):
     @abstractmethod
-    def generate(self, request: dict) -> AsyncIterator[dict]:
-        """Run one generate request (the `/inference/v1/generate` body) and yield its
-        streamed chunks in wire shape: `{request_id, choices: [{index, token_ids,
-        finish_reason, logprobs?}], usage?, kv_transfer_params?, metrics?}`. The last
+    def generate(self, request: GenerateRequest) -> AsyncIterator[dict]:
+        """Run one generate request (as the render tier built it, routing hints included:
+        an engine never gets them) and yield its streamed chunks in wire shape:
+        `{request_id, choices: [{index, token_ids, finish_reason, logprobs?}], usage?,
+        kv_transfer_params?, metrics?}`. The last
         chunk has a non-null finish_reason. Raises `APIError` for a rejected request.
         Closing the iterator early aborts the request."""
 

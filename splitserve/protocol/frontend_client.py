@@ -12,12 +12,13 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any, NamedTuple
 
+from splitserve.protocol.generate_request import GenerateRequest
 from splitserve.protocol.openai_api import ChatCompletionRequest, CompletionRequest
 from splitserve.protocol.openai_chunks import ChoiceDelta
 
 
 class RenderedPrompt(NamedTuple):
-    generate: dict[str, Any]  # the engine's generate request (`/inference/v1/generate`)
+    generate: GenerateRequest  # the engine's generate request, routing hints included
     state: Any  # the way back's starting state for every choice of this prompt
 
 

@@ -182,6 +182,27 @@ class GenerateRequest:
             prompt_text=_text(body.get(PROMPT_TEXT)) if routing_hints else None,
         )
 
+    def at_engine(self, *, max_model_len: int | None, max_pixel_bytes: int) -> GenerateRequest:
+        """This request (parsed where pixels are not read: the render tier's answer) as an
+        engine takes it, what `from_wire` does at an engine's edge: the images decoded
+        (400 if malformed, 413 past `max_pixel_bytes`), a null max_tokens resolved to what
+        the context leaves (with `max_model_len`), and no routing hints."""
+        features, images = self.features, self.images
+        sampling_params = self.sampling_params
+        if max_model_len is not None:
+            sampling_params = sampling_params.for_context(len(self.token_ids), max_model_len)
+        if features is not None and not images:
+            images = parse_features(features, max_pixel_bytes)
+            features = features_without_pixels(features) if images else None
+        return dataclasses.replace(
+            self,
+            features=features if features not in (None, {}) else None,
+            images=images,
+            sampling_params=sampling_params,
+            conversation_id=None,
+            prompt_text=None,
+        )
+
     def to_wire(self, *, routing_hints: bool = False) -> dict[str, Any]:
         """The JSON body an engine (ours or vLLM's) takes; with `routing_hints`, the one
         the render tier answers the proxy with."""

@@ -17,6 +17,7 @@ cache keeps one file per image until the deployment ends).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import logging
@@ -29,6 +30,7 @@ import httpx
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from splitserve.protocol.engine_client import EngineClient
+from splitserve.protocol.generate_request import GenerateRequest
 from splitserve.protocol.multimodal import features_without_pixels
 from splitserve.runtime.http_pool import pooled_client
 
@@ -189,17 +191,15 @@ class EncoderPoolEngineClient(EngineClient):
         self.engines = engines
         self.pool = pool
 
-    def generate(self, request: dict) -> AsyncIterator[dict]:
+    def generate(self, request: GenerateRequest) -> AsyncIterator[dict]:
         return self._generate(request)
 
-    async def _generate(self, request: dict) -> AsyncIterator[dict]:
-        features = request.get("features")
-        if _has_images(features):
-            request_id = str(request.get("request_id") or "")
-            if await self.pool.encode(request_id, features):
-                features = features_without_pixels(features)
-                request = {**request, "features": features}
-                self.pool.metrics.bytes.labels("engines").inc(len(json.dumps(features)))
+    async def _generate(self, request: GenerateRequest) -> AsyncIterator[dict]:
+        features = request.features
+        if _has_images(features) and await self.pool.encode(request.request_id, features):
+            features = features_without_pixels(features)
+            request = dataclasses.replace(request, features=features)
+            self.pool.metrics.bytes.labels("engines").inc(len(json.dumps(features)))
         async for chunk in self.engines.generate(request):
             yield chunk
 

@@ -122,12 +122,12 @@ class PDEngineClient(EngineClient):
         return client
 
     # ---- EngineClient ---------------------------------------------------------------
-    def generate(self, request: dict) -> AsyncIterator[dict]:
+    def generate(self, request: GenerateRequest) -> AsyncIterator[dict]:
         return self._generate(request)
 
     def _send(self, worker: Worker, request: GenerateRequest) -> AsyncIterator[dict]:
         """`request` run on `worker`: the one place a request leaves the router."""
-        return self._client(worker).generate(request.to_wire())
+        return self._client(worker).generate(request)
 
     async def abort(self, request_ids: list[str]) -> None:
         for worker in self.pool.workers():
@@ -202,13 +202,7 @@ class PDEngineClient(EngineClient):
         return matched * self.block_sizes.get(worker.url, 0)
 
     # ---- the flow -------------------------------------------------------------------
-    async def _generate(self, body: dict) -> AsyncIterator[dict]:
-        # the one parse of the request in the router (pixels are the engines' to check)
-        try:
-            request = GenerateRequest.from_wire(body, max_pixel_bytes=None, routing_hints=True)
-        except APIError as exc:
-            self.metrics.errors.labels(str(exc.status)).inc()
-            raise
+    async def _generate(self, request: GenerateRequest) -> AsyncIterator[dict]:
         conversation = request.conversation_id
         hinted = self.conversations.worker_of(conversation)
 

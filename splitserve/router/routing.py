@@ -8,7 +8,7 @@
 - least-loaded: fewest requests in flight, then fewest served (equal loads rotate).
 - round-robin: the pool's healthy workers in turn, whatever they hold or run.
 - text-prefix (production-stack's prefix-aware router): the worker whose recently routed
-  prompt text (the client's message contents, `PROMPT_TEXT`) shares the longest common
+  prompt text (the client's message contents, `prompt_text`) shares the longest common
   character prefix with this one, when that prefix reaches `min_prefix_chars`; otherwise
   least-loaded. It never learns what the engines evicted, and cannot see cache_salt or
   what the chat template renders: the baseline cache-aware routing is measured against.
@@ -19,6 +19,7 @@ among the pool's healthy workers not excluded.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import threading
 from collections import OrderedDict
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from splitserve.protocol.frontend_client import DerenderedPiece, DerenderPiece, FrontendClient, RenderedPrompt
-from splitserve.protocol.generate_request import PROMPT_TEXT, GenerateRequest
+from splitserve.protocol.generate_request import GenerateRequest
 from splitserve.protocol.openai_api import ChatCompletionRequest, CompletionRequest
 from splitserve.router.kv_index import KVBlockIndex, KVRoutingWeights, request_block_hashes
 from splitserve.router.load import LoadTracker
@@ -190,7 +191,7 @@ def chat_text(request: ChatCompletionRequest) -> str:
 
 class PromptTextFrontend(FrontendClient):
     """The render tier, with each generate request carrying the client's prompt text
-    (`PROMPT_TEXT`, a routing hint engine clients drop) for the text-prefix router."""
+    (`prompt_text`, a routing hint engine clients drop) for the text-prefix router."""
 
     def __init__(self, inner: FrontendClient) -> None:
         self.inner = inner
@@ -200,7 +201,8 @@ class PromptTextFrontend(FrontendClient):
 
     async def render_chat(self, request: ChatCompletionRequest) -> RenderedPrompt:
         rendered = await self.inner.render_chat(request)
-        return RenderedPrompt({**rendered.generate, PROMPT_TEXT: chat_text(request)}, rendered.state)
+        generate = dataclasses.replace(rendered.generate, prompt_text=chat_text(request))
+        return RenderedPrompt(generate, rendered.state)
 
     async def render_completion(self, request: CompletionRequest) -> list[RenderedPrompt]:
         rendered = await self.inner.render_completion(request)
@@ -208,7 +210,9 @@ class PromptTextFrontend(FrontendClient):
         if len(prompts) != len(rendered):
             return rendered
         return [
-            RenderedPrompt({**r.generate, PROMPT_TEXT: p}, r.state) if isinstance(p, str) else r
+            RenderedPrompt(dataclasses.replace(r.generate, prompt_text=p), r.state)
+            if isinstance(p, str)
+            else r
             for r, p in zip(rendered, prompts, strict=True)
         ]
 

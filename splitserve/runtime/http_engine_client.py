@@ -8,14 +8,15 @@ the one with a finish_reason and it carries usage.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import AsyncIterator
 
 import httpx
 
-from splitserve.protocol.engine_api import without_routing_hints
 from splitserve.protocol.engine_client import EngineClient
 from splitserve.protocol.errors import APIError
+from splitserve.protocol.generate_request import GenerateRequest
 from splitserve.runtime.http_pool import pooled_client
 
 
@@ -34,16 +35,12 @@ class HTTPEngineClient(EngineClient):
         # No read timeout by default: a long generation may be silent while queued.
         self._client = client or pooled_client(read_timeout_s=timeout)
 
-    def generate(self, request: dict) -> AsyncIterator[dict]:
+    def generate(self, request: GenerateRequest) -> AsyncIterator[dict]:
         return self._generate(request)
 
-    async def _generate(self, request: dict) -> AsyncIterator[dict]:
-        options = request.get("stream_options")
-        body = {
-            **without_routing_hints(request),
-            "stream": True,
-            "stream_options": {**(options if isinstance(options, dict) else {}), "include_usage": True},
-        }
+    async def _generate(self, request: GenerateRequest) -> AsyncIterator[dict]:
+        # streamed, with usage on the final chunk; `to_wire` leaves the routing hints out
+        body = dataclasses.replace(request, stream=True, include_usage=True).to_wire()
         try:
             async with self._client.stream(
                 "POST", f"{self.base_url}/inference/v1/generate", json=body

@@ -20,6 +20,7 @@ from splitserve.protocol.frontend_client import (
     FrontendClient,
     RenderedPrompt,
 )
+from splitserve.protocol.generate_request import GenerateRequest
 from splitserve.protocol.openai_api import ChatCompletionRequest, CompletionRequest
 from splitserve.protocol.openai_chunks import delta_from_wire
 from splitserve.runtime.call_batcher import CallBatcher
@@ -85,12 +86,12 @@ class HTTPFrontendClient(FrontendClient):
     async def render_chat(self, request: ChatCompletionRequest) -> RenderedPrompt:
         body = request.model_dump(mode="json", exclude_unset=True)
         generate = await self._call("POST", "/v1/chat/completions/render?derender_state=true", body)
-        return RenderedPrompt(generate, generate.pop("derender_state"))
+        return _rendered(generate)
 
     async def render_completion(self, request: CompletionRequest) -> list[RenderedPrompt]:
         body = request.model_dump(mode="json", exclude_unset=True)
         generates = await self._call("POST", "/v1/completions/render?derender_state=true", body)
-        return [RenderedPrompt(generate, generate.pop("derender_state")) for generate in generates]
+        return [_rendered(generate) for generate in generates]
 
     async def derender(self, pieces: list[DerenderPiece]) -> list[DerenderedPiece]:
         return await self._derender_calls.call(pieces)
@@ -131,3 +132,12 @@ def _continued(piece: DerenderPiece, before: DerenderedPiece) -> DerenderPiece:
 
 def _backoff_s(attempt: int) -> float:
     return min(2.0, 0.1 * 2**attempt)
+
+
+def _rendered(generate: dict) -> RenderedPrompt:
+    """The render tier's answer, parsed once: the generate request (pixels unread: the
+    engines check them) and the way back's signed start state."""
+    state = generate.pop("derender_state")
+    return RenderedPrompt(
+        GenerateRequest.from_wire(generate, max_pixel_bytes=None, routing_hints=True), state
+    )

@@ -15,6 +15,7 @@ the client asked (`timeline=True`), returned in the response's `splitserve_timel
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -24,6 +25,7 @@ from splitserve.protocol.engine_api import choice_logprobs
 from splitserve.protocol.engine_client import EngineClient
 from splitserve.protocol.errors import APIError
 from splitserve.protocol.frontend_client import DerenderPiece, FrontendClient, RenderedPrompt
+from splitserve.protocol.generate_request import GenerateRequest
 from splitserve.protocol.openai_api import ChatCompletionRequest, CompletionRequest
 from splitserve.protocol.openai_chunks import (
     ChoiceDelta,
@@ -54,7 +56,7 @@ class CollectedChoice(NamedTuple):
 class Choices(NamedTuple):
     """The engine requests of one API request (n per prompt) and their way-back states."""
 
-    bodies: list[dict[str, Any]]
+    requests: list[GenerateRequest]
     states: list[Any]
     prompt_token_ids: list[list[int]]  # per choice
 
@@ -64,18 +66,24 @@ def fan_out(prompts: list[RenderedPrompt], n: int, seed: int | None) -> Choices:
     `request_id` is only echoed as the response's `id`, so no client can collide with
     (or abort, or hijack the KV of) another's request, and any ID up to the API's limit
     of 256 characters works behind the P/D proxy's suffixes."""
-    bodies, states, prompt_ids = [], [], []
+    requests, states, prompt_ids = [], [], []
     for prompt in prompts:
         generate = prompt.generate
         for i in range(n):
-            body = {**generate, "stream": True, "sampling_params": dict(generate["sampling_params"])}
-            body["request_id"] = f"req-{uuid.uuid4().hex}"
+            sampling_params = generate.sampling_params
             if n > 1 and seed is not None:
-                body["sampling_params"]["seed"] = seed + i
-            bodies.append(body)
+                sampling_params = dataclasses.replace(sampling_params, seed=seed + i)
+            requests.append(
+                dataclasses.replace(
+                    generate,
+                    request_id=f"req-{uuid.uuid4().hex}",
+                    stream=True,
+                    sampling_params=sampling_params,
+                )
+            )
             states.append(prompt.state)
-            prompt_ids.append(generate["token_ids"])
-    return Choices(bodies, states, prompt_ids)
+            prompt_ids.append(list(generate.token_ids))
+    return Choices(requests, states, prompt_ids)
 
 
 def _pieces(batch: list[tuple[int, dict]], states: list[Any], done: list[bool]) -> list[DerenderPiece]:
@@ -108,9 +116,9 @@ class OpenAIService:
         await self.engine.close()
         await self.frontend.close()
 
-    async def _start(self, bodies: list[dict[str, Any]], timeline: RequestTimeline) -> MergedStreams:
+    async def _start(self, requests: list[GenerateRequest], timeline: RequestTimeline) -> MergedStreams:
         started = time.monotonic()
-        streams = MergedStreams([self.engine.generate(body) for body in bodies])
+        streams = MergedStreams([self.engine.generate(request) for request in requests])
         await streams.start()
         timeline.first_chunk(time.monotonic() - started)
         return streams
@@ -167,10 +175,10 @@ class OpenAIService:
 
     async def _collect(self, choices: Choices, timeline: RequestTimeline) -> list[CollectedChoice]:
         """Run the engine requests to the end (non-streaming) through the way back."""
-        deltas: list[list[ChoiceDelta]] = [[] for _ in choices.bodies]
-        token_ids: list[list[int]] = [[] for _ in choices.bodies]
-        reasons: list[str] = ["stop"] * len(choices.bodies)
-        streams = await self._start(choices.bodies, timeline)
+        deltas: list[list[ChoiceDelta]] = [[] for _ in choices.requests]
+        token_ids: list[list[int]] = [[] for _ in choices.requests]
+        reasons: list[str] = ["stop"] * len(choices.requests)
+        streams = await self._start(choices.requests, timeline)
         try:
             async for piece in self._decoded(choices.states, streams, timeline):
                 deltas[piece.index].append(piece.delta)
@@ -197,16 +205,16 @@ class OpenAIService:
             token_ids = result.token_ids if request.return_token_ids else None
             choices.append(assembler.choice(i, result.finish_reason, token_ids))
         response: dict[str, Any] = {
-            "id": generate["request_id"],
+            "id": generate.request_id,
             "object": "chat.completion",
             "created": int(time.time()),
-            "model": generate["model"],
+            "model": generate.model,
             "choices": choices,
             # the prompt is counted once, so its cached part is the first choice's
-            "usage": _usage(collected, len(generate["token_ids"]), collected[0].cached_tokens),
+            "usage": _usage(collected, len(generate.token_ids), collected[0].cached_tokens),
         }
         if request.return_token_ids:
-            response["prompt_token_ids"] = generate["token_ids"]
+            response["prompt_token_ids"] = list(generate.token_ids)
         return _with_timeline(response, phases, timeline)
 
     async def chat_stream(
@@ -216,31 +224,31 @@ class OpenAIService:
         phases = RequestTimeline(self.timeline_sink)
         prompt = await self._render(self.frontend.render_chat(request), phases)
         choices = fan_out([prompt], request.n, request.seed)
-        streams = await self._start(choices.bodies, phases)
+        streams = await self._start(choices.requests, phases)
         events = self._chat_events(request, prompt.generate, choices, streams, phases)
         return _sse_stream(_with_final_timeline(events, phases, timeline), streams)
 
     async def _chat_events(
         self,
         request: ChatCompletionRequest,
-        generate: dict[str, Any],
+        generate: GenerateRequest,
         choices: Choices,
         streams: MergedStreams,
         phases: RequestTimeline,
     ) -> AsyncIterator[dict[str, Any]]:
-        role_sent = [False] * len(choices.bodies)
+        role_sent = [False] * len(choices.requests)
         num_tokens = 0
         include_usage = request.include_usage()
         base = {
-            "id": generate["request_id"],
+            "id": generate.request_id,
             "object": "chat.completion.chunk",
             "created": int(time.time()),
-            "model": generate["model"],
+            "model": generate.model,
         }
         first_chunk = True
         # the token IDs of a piece that made no event (its text held back by the parsers)
         # travel with the choice's next event: every generated ID reaches the client once
-        held: list[list[int]] = [[] for _ in choices.bodies]
+        held: list[list[int]] = [[] for _ in choices.requests]
         async for index, token_ids, delta, reason in self._decoded(choices.states, streams, phases):
             num_tokens += delta.num_tokens
             held[index] += token_ids
@@ -258,13 +266,13 @@ class OpenAIService:
             event: dict[str, Any] = {**base, "choices": [choice]}
             role_sent[index] = True
             if first_chunk and request.return_token_ids:
-                event["prompt_token_ids"] = generate["token_ids"]
+                event["prompt_token_ids"] = list(generate.token_ids)
             first_chunk = False
             if include_usage:
                 event["usage"] = None
             yield event
         if include_usage:
-            usage = usage_dict(len(generate["token_ids"]), num_tokens, streams.cached_tokens[0])
+            usage = usage_dict(len(generate.token_ids), num_tokens, streams.cached_tokens[0])
             yield {**base, "choices": [], "usage": usage}
 
     # --- completions ---
@@ -288,10 +296,10 @@ class OpenAIService:
                 choice["prompt_token_ids"] = choices.prompt_token_ids[i]
             result_choices.append(choice)
         response = {
-            "id": prompts[0].generate["request_id"],
+            "id": prompts[0].generate.request_id,
             "object": "text_completion",
             "created": int(time.time()),
-            "model": prompts[0].generate["model"],
+            "model": prompts[0].generate.model,
             "choices": result_choices,
             "usage": _usage(
                 collected,
@@ -307,7 +315,7 @@ class OpenAIService:
         phases = RequestTimeline(self.timeline_sink)
         prompts = await self._render(self.frontend.render_completion(request), phases)
         choices = fan_out(prompts, request.n, request.seed)
-        streams = await self._start(choices.bodies, phases)
+        streams = await self._start(choices.requests, phases)
         events = self._completion_events(request, prompts, choices, streams, phases)
         return _sse_stream(_with_final_timeline(events, phases, timeline), streams)
 
@@ -321,12 +329,12 @@ class OpenAIService:
     ) -> AsyncIterator[dict[str, Any]]:
         num_tokens = 0
         base = {
-            "id": prompts[0].generate["request_id"],
+            "id": prompts[0].generate.request_id,
             "object": "text_completion",
             "created": int(time.time()),
-            "model": prompts[0].generate["model"],
+            "model": prompts[0].generate.model,
         }
-        held: list[list[int]] = [[] for _ in choices.bodies]  # as in chat: IDs of pieces with no event
+        held: list[list[int]] = [[] for _ in choices.requests]  # as in chat: IDs of pieces with no event
         async for index, token_ids, delta, reason in self._decoded(choices.states, streams, phases):
             num_tokens += delta.num_tokens
             held[index] += token_ids

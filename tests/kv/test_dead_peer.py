@@ -30,7 +30,7 @@ from splitserve.kv.transport.types import ControlJob, PeerInfo, TransferError
 from splitserve.router.pd_engine_client import PDEngineClient
 from splitserve.router.pd_policy import PDPolicy
 from splitserve.router.workers import WorkerPool
-from tests.conftest import free_port, running_servers
+from tests.conftest import free_port, running_servers, wire_request
 from tests.kv.transport_peer import SHAPE, filled_pool, pattern, receiver
 
 SRC, DST = [0, 3, 6], [5, 2, 7]
@@ -224,7 +224,7 @@ async def stream_tokens(client: PDEngineClient, prompt: list[int]) -> tuple[list
     tokens: list[int] = []
     last = time.monotonic()
     worst_gap = 0.0
-    async for chunk in client.generate(body):
+    async for chunk in client.generate(wire_request(body)):
         now = time.monotonic()
         worst_gap, last = max(worst_gap, now - last), now
         tokens += chunk["choices"][0].get("token_ids") or []

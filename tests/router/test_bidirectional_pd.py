@@ -25,7 +25,7 @@ from splitserve.router.pd_engine_client import PDEngineClient
 from splitserve.router.pd_policy import PDPolicy
 from splitserve.router.workers import WorkerPool
 from splitserve.runtime.access import INTERNAL_TOKEN_ENV
-from tests.conftest import free_port, running_servers
+from tests.conftest import free_port, running_servers, wire_request
 from tests.router.test_multiturn_reuse import SYSTEM, common_prefix
 from tests.router.test_pd_proxy import internal_auth, metric, started_parts, up_log
 
@@ -257,7 +257,7 @@ def test_the_proxys_final_chunk_reports_where_the_prompt_came_from(up, monkeypat
             async def generate(prompt: list[int], max_tokens: int) -> list[dict]:
                 sampling = {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
                 body = {"token_ids": prompt, "sampling_params": sampling, "conversation_id": "conv-9"}
-                return [chunk async for chunk in client.generate(body)]
+                return [chunk async for chunk in client.generate(wire_request(body))]
 
             answer = [
                 t for chunk in await generate(turn1, 40) for c in chunk["choices"] for t in c["token_ids"]

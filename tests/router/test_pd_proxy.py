@@ -22,7 +22,7 @@ from splitserve.protocol.errors import APIError
 from splitserve.router.pd_engine_client import PDEngineClient
 from splitserve.router.pd_policy import PDPolicy
 from splitserve.router.workers import Worker, WorkerPool
-from tests.conftest import free_port, running_server, running_servers, wait_until
+from tests.conftest import free_port, running_server, running_servers, wait_until, wire_request
 from tests.kv.transport_peer import NEEDS_NIXL
 
 WORDS = "the of and to in is that for it as was with be by on not this are or from at prefill decode".split()
@@ -282,7 +282,7 @@ async def retry_past_a_dead_decode_worker(
                 await http.post(f"{render}/v1/chat/completions/render", json={"messages": messages})
             ).json()
         rendered["sampling_params"]["max_tokens"] = 2
-        chunks = [chunk async for chunk in client.generate(rendered)]
+        chunks = [chunk async for chunk in client.generate(wire_request(rendered))]
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
         assert client.metrics.registry.get_sample_value("splitserve_proxy_retries_total") == 1
         assert [w["healthy"] for w in client.pool.snapshot() if w["role"] == "decode"] == [False, True]
@@ -420,7 +420,7 @@ def test_failure_policy_fail_answers_a_clear_error(tiny_model):
             )
             try:
                 with pytest.raises(APIError) as failed:
-                    async for _ in client.generate({**body, "request_id": "doomed"}):
+                    async for _ in client.generate(wire_request({**body, "request_id": "doomed"})):
                         pass
                 assert failed.value.status == 502 and "policy is fail" in failed.value.message
             finally:

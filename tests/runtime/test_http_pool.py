@@ -14,6 +14,7 @@ import pytest
 import uvloop
 
 from splitserve.protocol.errors import APIError
+from splitserve.protocol.generate_request import GenerateRequest
 from splitserve.runtime.http_engine_client import HTTPEngineClient
 from splitserve.runtime.http_pool import pooled_client
 
@@ -53,7 +54,7 @@ def test_an_engine_that_resets_connections_is_unreachable_every_time(resetting_s
         try:
             for _ in range(ATTEMPTS):
                 with pytest.raises(APIError) as caught:
-                    async for _chunk in client.generate({"prompt_token_ids": [1, 2], "max_tokens": 1}):
+                    async for _chunk in client.generate(GenerateRequest("reset", (1, 2))):
                         pass
                 errors.append(caught.value)
         finally:

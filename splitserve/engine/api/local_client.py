@@ -12,7 +12,6 @@ from splitserve.engine.api.generate import ChunkBuilder
 from splitserve.engine.api.metrics import EngineMetrics
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.outputs import RequestOutput
-from splitserve.protocol.engine_api import without_routing_hints
 from splitserve.protocol.engine_client import EngineClient
 from splitserve.protocol.errors import APIError
 from splitserve.protocol.generate_request import DEFAULT_MAX_PIXEL_BYTES, GenerateRequest
@@ -42,12 +41,18 @@ class LocalEngineClient(EngineClient):
             self._count_rejected(exc.status)
             raise
 
-    def generate(self, request: dict) -> AsyncIterator[dict]:
+    def generate(self, request: GenerateRequest) -> AsyncIterator[dict]:
         # A client always gets usage on the final chunk, whatever stream_options say.
-        return self._generate_body(without_routing_hints(request))
+        return self._generate(request)
 
-    async def _generate_body(self, body: dict) -> AsyncIterator[dict]:
-        request = self.parse(body)
+    async def _generate(self, request: GenerateRequest) -> AsyncIterator[dict]:
+        try:
+            request = request.at_engine(
+                max_model_len=self.max_model_len, max_pixel_bytes=self.max_pixel_bytes
+            )
+        except APIError as exc:
+            self._count_rejected(exc.status)
+            raise
         async for chunk in self.stream(request, force_usage=True):
             yield chunk
 

@@ -17,7 +17,7 @@ from splitserve.engine.async_engine import AsyncEngine
 from splitserve.protocol.engine_client import EngineClient
 from splitserve.protocol.errors import APIError
 from splitserve.runtime.http_engine_client import HTTPEngineClient
-from tests.conftest import free_port, running_server
+from tests.conftest import free_port, running_server, wire_request
 
 VOCAB = 2048
 NUM_BLOCKS = 48
@@ -75,7 +75,7 @@ REQUESTS = [
 
 
 async def collect(client: EngineClient, request: dict) -> list[dict]:
-    return [chunk async for chunk in client.generate(request)]
+    return [chunk async for chunk in client.generate(wire_request(request))]
 
 
 def check_chunks(chunks: list[dict], request: dict) -> list[int]:
@@ -164,7 +164,7 @@ def test_closing_either_client_early_aborts(engine: AsyncEngine, server: str) ->
     long_request = {"token_ids": prompt(5, 20), "sampling_params": {"max_tokens": 600, "ignore_eos": True}}
 
     async def read_three_then_close(client: EngineClient) -> int:
-        chunks = client.generate(long_request)
+        chunks = client.generate(wire_request(long_request))
         received = 0
         async for _ in chunks:
             received += 1
@@ -195,7 +195,7 @@ def test_abort_through_clients(engine: AsyncEngine, server: str) -> None:
             "sampling_params": {"max_tokens": 800, "ignore_eos": True},
         }
         chunks = []
-        async for chunk in client.generate(request):
+        async for chunk in client.generate(wire_request(request)):
             chunks.append(chunk)
             if len(chunks) == 2:
                 await client.abort(["to-abort", "unknown-id"])
