@@ -4,9 +4,11 @@
   engine's last step (`last_step_time_s`, `last_step_tokens`). A prefill worker's steps are
   all prefill (it is asked for one token per request), so every new step of at least
   `MIN_STEP_TOKENS` tokens (below that the fixed cost of a step dominates) updates a moving
-  average of seconds per token; a step that ran on an idle decode's CPUs as well
-  (`last_step_borrowed`, engine/cpu_lending.py) is not the worker's own speed and is
-  skipped. A decode worker's steps mix decodes into its prefills, so
+  average of seconds per token. Steps that ran on an idle decode's CPUs as well
+  (`last_step_borrowed`, engine/cpu_lending.py) count as they are: they are what a
+  remote prefill costs while decode is idle, and an idle stack's prefill steps are all
+  such steps (skipping them left the default in place and the handoff's estimate took in
+  the whole prefill). A decode worker's steps mix decodes into its prefills, so
   its own figure is not taken from them: the same engine on the same hardware prefills at
   the prefill worker's rate, and a profile names a difference (cores, threads).
 - Handoff: the proxy times every first token, on both paths. What a path's TTFT spends
@@ -51,8 +53,6 @@ class CostCalibrator:
             return  # the step an earlier poll already saw (an idle engine reports it again)
         self._last_steps[url] = step
         step_s, tokens = step
-        if stats.get("last_step_borrowed") is True:
-            return
         if role == "prefill" and tokens >= MIN_STEP_TOKENS and step_s > 0:
             self._prefill_s_per_token = _moving_average(self._prefill_s_per_token, step_s / tokens)
 
