@@ -163,20 +163,19 @@ class FfnClient:
         self.socket.close()
         self.socket = None
 
-    def _send_frames(self, frames: list[bytes], stamp: bytes) -> int:
-        """Sends the sealed message; its size in bytes."""
+    def _send_frames(self, frames: list[bytes], stamp: bytes) -> None:
+        """Sends the sealed message."""
         assert self.socket is not None
-        sealed = self.mac.seal([*frames, stamp] if self.mac.enabled else frames)
-        self.socket.send_multipart(sealed)
-        return sum(len(f) for f in sealed)
+        self.socket.send_multipart(self.mac.seal([*frames, stamp] if self.mac.enabled else frames))
 
     def _send_layer(self, pending: PendingLayer) -> None:
         pending.stamp = self.session.next_stamp() if self.mac.enabled else b""
         pending.answer = None
-        # only layer traffic counts: the step metrics would otherwise show a HELLO's layout
-        self.bytes_sent += self._send_frames(
-            [MOE, json.dumps(pending.request.to_header()).encode(), *pending.data], pending.stamp
-        )
+        header = json.dumps(pending.request.to_header()).encode()
+        self._send_frames([MOE, header, *pending.data], pending.stamp)
+        # the tensors alone count (hidden states and routing out, the experts' output back):
+        # headers carry timings whose length varies, and a HELLO's layout is no layer traffic
+        self.bytes_sent += sum(len(f) for f in pending.data)
         pending.sent_at = time.monotonic()
 
     def _next_reply(self, deadline: float) -> list[bytes] | None:
@@ -238,12 +237,12 @@ class FfnClient:
         frames = self._next_reply(deadline)
         if frames is None:
             raise DaemonSilent(f"the FFN daemon at {self.address} has not answered in time")
-        self.bytes_received += sum(len(f) for f in frames)
         stamp, answer, data = self._open(frames)
         answer_id = answer.get("id")
         pending = self.in_flight.get(answer_id) if isinstance(answer_id, int) else None
         if pending is not None and pending.answer is None and pending.stamp == stamp:
             pending.answer = (answer, data, time.monotonic())
+            self.bytes_received += sum(len(f) for f in data)
 
     def _reconnect(self) -> None:
         """A new connection (HELLO) and every layer in flight sent again on it, waiting up

@@ -26,13 +26,13 @@ class AfdStepMetrics:
         r = registry
         self.bytes_sent = Histogram(
             f"{PREFIX}_step_bytes_sent",
-            "Bytes sent to the FFN daemon per step.",
+            "Tensor bytes sent to the FFN daemon per step (hidden states and routing).",
             buckets=BYTE_BUCKETS,
             registry=r,
         )
         self.bytes_received = Histogram(
             f"{PREFIX}_step_bytes_received",
-            "Bytes received from the FFN daemon per step.",
+            "Tensor bytes received from the FFN daemon per step (the experts' output).",
             buckets=BYTE_BUCKETS,
             registry=r,
         )
