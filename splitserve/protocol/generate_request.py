@@ -157,8 +157,7 @@ class GenerateRequest:
         features = body.get("features")
         images: tuple[ImageInput, ...] = ()
         if max_pixel_bytes is not None:
-            images = parse_features(features, max_pixel_bytes)
-            features = features_without_pixels(features) if images else None
+            features, images = _decoded_images(features, max_pixel_bytes)
         sampling_params = _parse_sampling_params(body.get("sampling_params"))
         if max_model_len is not None:
             sampling_params = sampling_params.for_context(len(token_ids), max_model_len)
@@ -192,8 +191,7 @@ class GenerateRequest:
         if max_model_len is not None:
             sampling_params = sampling_params.for_context(len(self.token_ids), max_model_len)
         if features is not None and not images:
-            images = parse_features(features, max_pixel_bytes)
-            features = features_without_pixels(features) if images else None
+            features, images = _decoded_images(features, max_pixel_bytes)
         return dataclasses.replace(
             self,
             features=features if features not in (None, {}) else None,
@@ -338,6 +336,12 @@ def parse_features(features: Any, max_pixel_bytes: int) -> tuple[ImageInput, ...
     except FeaturesError as exc:
         message = f"{exc} (max_pixel_bytes={max_pixel_bytes})" if exc.too_large else str(exc)
         raise APIError(413 if exc.too_large else 400, message, param="features") from exc
+
+
+def _decoded_images(features: Any, max_pixel_bytes: int) -> tuple[Any, tuple[ImageInput, ...]]:
+    """An engine edge's images: the `features` without their pixels, and the decoded images."""
+    images = parse_features(features, max_pixel_bytes)
+    return (features_without_pixels(features) if images else None), images
 
 
 def _hex_strings(value: Any) -> tuple[str, ...] | None:
