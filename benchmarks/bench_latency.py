@@ -16,6 +16,16 @@ shape, random weights, unless a directory is given). Both servers compute in bf1
 the CPU has native bf16 matmul, else float32. The ratios are printed last.
 
     .venv/bin/python benchmarks/bench_latency.py [--model bench|smollm2|DIR] [--skip-vllm]
+
+`--peer llama.cpp`: one stream against llama.cpp, the CPU engine users pick for one stream
+(llama-cpp-python in its own venv, `--llama-python`, built as PEERS.md says). The model is
+a GGUF file (`--model FILE.gguf`, default the demo model, SmolLM2-135M-Instruct Q4_1) and
+its weights requantized to BF16 by llama.cpp itself; each file is served by `splitserve
+serve FILE` (bf16: `--dtype` as above; the Q4_1 file as a user gets it, kept quantized) and
+decoded by llama.cpp in process (benchmarks/llama_cpp_peer.py: its bare decode step, no
+HTTP). Batch-1 TTFT and ITL at each prompt length; the ratios per file are printed last.
+
+    .venv/bin/python benchmarks/bench_latency.py --peer llama.cpp [--model FILE.gguf]
 """
 
 from __future__ import annotations
@@ -41,6 +51,7 @@ from splitserve.runtime.ports import pick_free_port as free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM = "/work/vllm-peer/bin/vllm"
+LLAMA_PYTHON = "/work/llama-peer/bin/python"
 
 
 class Latency(NamedTuple):
@@ -166,6 +177,83 @@ def run_engine(
     return Figures(name, latency, rate)
 
 
+def llama_cpp(args: argparse.Namespace, *command: str) -> dict:
+    """Run benchmarks/llama_cpp_peer.py under the peer's interpreter; its JSON answer."""
+    script = Path(__file__).with_name("llama_cpp_peer.py")
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+    done = subprocess.run([args.llama_python, str(script), *command], capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"llama.cpp peer {command[0]} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def gguf_vocab_size(path: Path) -> int:
+    from splitserve.gguf_file import metadata_value, open_gguf
+
+    return len(metadata_value(open_gguf(path), "tokenizer.ggml.tokens"))
+
+
+def run_llama_cpp_peer(args: argparse.Namespace) -> int:
+    """splitserve serve vs llama.cpp's decode step, one stream, on a GGUF file in BF16 and
+    in its own quantization."""
+    from splitserve.model_files.demo import ensure_demo_model
+
+    if not Path(args.llama_python).is_file():
+        print(f"no llama.cpp peer at {args.llama_python} (PEERS.md: llama-cpp-python)", file=sys.stderr)
+        return 2
+    quantized = Path(args.model) if args.model.endswith(".gguf") else ensure_demo_model()
+    bf16 = Path("/tmp") / f"{quantized.stem}.bf16.gguf"
+    if not bf16.is_file():
+        llama_cpp(args, "quantize", str(quantized), str(bf16), "bf16")
+    vocab = gguf_vocab_size(quantized)
+    dtype = compute_dtype()
+    threads = len(os.sched_getaffinity(0))
+    max_len = str(max(args.prompt_lens) + args.output_len + 64)
+    print(f"ISA {cpu_isa_flags()}; {threads} CPUs; bf16 compute {dtype}", flush=True)
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(ROOT)}
+    args.streams = 0  # one stream
+    rows = []
+    for name, path, flags in (
+        ("bf16", bf16, ["--dtype", dtype]),
+        (quantized.stem.rsplit(".", 1)[-1], quantized, []),
+    ):
+        port = free_port()
+        command = [
+            sys.executable, "-m", "splitserve.cli", "serve", str(path), "--port", str(port), *flags,
+            "--max-model-len", max_len, "--kv-cache-memory", "2GiB", "--log-level", "warning",
+        ]  # fmt: skip
+        ours = run_engine(f"splitserve {name}", command, env, args, vocab, port)
+        print(f"llama.cpp {name}: {path} ({threads} threads, in process)", flush=True)
+        contexts = [str(n) for n in args.prompt_lens]
+        theirs = llama_cpp(
+            args, "decode", str(path), "--contexts", *contexts, "--output-len", str(args.output_len),
+            "--repeats", str(args.repeats), "--threads", str(threads), "--seed", str(args.seed),
+        )  # fmt: skip
+        peer = {int(n): Latency(f["ttft_ms"], f["itl_ms"]) for n, f in theirs["latency"].items()}
+        for length in args.prompt_lens:
+            figure = peer[length]
+            print(f"  prompt {length:5d}: TTFT {figure.ttft_ms:7.1f} ms, ITL {figure.itl_ms:6.2f} ms")
+        rows.append((name, ours.latency, peer, theirs["version"]))
+
+    print(f"\nISA {cpu_isa_flags()}; splitserve bf16 file served as {dtype}; llama.cpp {threads} threads")
+    columns = ("splitserve TTFT", "llama.cpp TTFT", "splitserve ITL", "llama.cpp ITL")
+    print(f"{'file, prompt':<22} | " + " | ".join(f"{c:>15}" for c in columns))
+    for name, ours_latency, peer, _ in rows:
+        for length in args.prompt_lens:
+            a, b = ours_latency[length], peer[length]
+            cells = (a.ttft_ms, b.ttft_ms, a.itl_ms, b.itl_ms)
+            print(f"{f'{name}, {length}':<22} | " + " | ".join(f"{c:15.2f}" for c in cells))
+    print()
+    for name, ours_latency, peer, version in rows:
+        for length in args.prompt_lens:
+            a, b = ours_latency[length], peer[length]
+            print(
+                f"ratio splitserve / llama.cpp {version} ({name}), prompt {length}: "
+                f"ITL {a.itl_ms / b.itl_ms:.2f}x, TTFT {a.ttft_ms / b.ttft_ms:.2f}x (lower is better)"
+            )
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="bench", help="bench, smollm2, or a model directory")
@@ -183,7 +271,13 @@ def main() -> int:
         "with its ratios to serve",
     )
     parser.add_argument("--vllm", default=VLLM)
+    parser.add_argument("--peer", choices=["vllm", "llama.cpp"], default="vllm")
+    parser.add_argument(
+        "--llama-python", default=LLAMA_PYTHON, help="--peer llama.cpp: the peer venv's python"
+    )
     args = parser.parse_args()
+    if args.peer == "llama.cpp":
+        return run_llama_cpp_peer(args)
 
     model = resolve_bench_model(args.model)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
