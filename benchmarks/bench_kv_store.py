@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_pd_streaming import tiny_model
 from bench_render import free_port, served
 
-from splitserve.engine.kv_store_client import KVStoreConnector
+from splitserve.engine.kv_store_client import KVStoreClient
 from splitserve.engine.llm import engine_config_from_kwargs
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.protocol.generate_request import GenerateRequest
@@ -43,7 +43,7 @@ def one_turn(
     engine: LLMEngine, wake: threading.Event, request_id: str, prompt: list[int], max_tokens: int
 ) -> tuple[float, int, list[int]]:
     """(TTFT, cached prompt tokens, answer) of one request run alone. While its KV loads
-    the loop waits for the connector's wake-up, as AsyncEngine's does (a spinning loop
+    the loop waits for the store client's wake-up, as AsyncEngine's does (a spinning loop
     would hold the GIL the loader thread needs)."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     start = time.perf_counter()
@@ -67,12 +67,12 @@ def one_turn(
 
 def run(args: argparse.Namespace, model: str, store_port: int | None) -> list[tuple[float, int, int]]:
     """(TTFT, prompt tokens, computed tokens) of every turn 2+."""
-    connector = KVStoreConnector("127.0.0.1", store_port, None) if store_port else None
+    store = KVStoreClient("127.0.0.1", store_port, None) if store_port else None
     config = engine_config_from_kwargs(model, num_blocks=args.num_blocks, block_size=BLOCK)
-    engine = LLMEngine(config, connector)
+    engine = LLMEngine(config, kv_store=store)
     wake = threading.Event()
-    if connector is not None:
-        connector.set_wakeup(wake.set)
+    if store is not None:
+        store.set_wakeup(wake.set)
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(300, 1800) for _ in range(args.system_tokens)] for _ in range(args.sessions)]
     rows: list[tuple[float, int, int]] = []
@@ -88,8 +88,8 @@ def run(args: argparse.Namespace, model: str, store_port: int | None) -> list[tu
                     rows.append((ttft, len(prompt), len(prompt) - cached))
     finally:
         engine.shutdown()
-    if connector is not None:
-        s = connector.stats
+    if store is not None:
+        s = store.stats
         print(
             f"  store: lookups {s.lookups}, loaded {s.loaded_blocks} blocks "
             f"({s.loaded_bytes / 2**20:.1f} MiB, "

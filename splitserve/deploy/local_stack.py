@@ -17,7 +17,7 @@ import httpx
 
 from splitserve.deploy.cpu_affinity import idle_cpu_lenders
 from splitserve.deploy.liveness import LivenessWatch
-from splitserve.deploy.plan import FFN_ROLE, DeploymentPlan, TierPlan, kv_event_flags, tier_env
+from splitserve.deploy.plan import FFN_ROLE, STORE_ROLE, DeploymentPlan, TierPlan, kv_event_flags, tier_env
 from splitserve.deploy.supervisor import Part, Supervisor, kill_part, start_part
 from splitserve.deploy.up_afd import ffn_addresses
 from splitserve.runtime.access import API_KEY_ENV, INTERNAL_TOKEN_ENV, api_keys
@@ -159,6 +159,15 @@ class LocalStack:
             port = self.free_port()
             argv = ["--host", host, "--port", str(port)]
             self.start_part(next(names), render, argv, f"http://{host}:{port}", token)
+        store_flags: list[str] = []  # the engines': where the KV store's blocks are
+        store_url: str | None = None  # the proxy's: where it learns what the store holds
+        if self.plan.count(STORE_ROLE):
+            port, kv_port = self.free_port(), self.free_port()
+            argv = ["--host", host, "--port", str(port), "--kv-port", str(kv_port)]
+            argv += kv_event_flags(host, self.free_port(), self.free_port())
+            store_url = f"http://{host}:{port}"
+            self.start_part(next(names), self.plan.tier(STORE_ROLE), argv, store_url, token)
+            store_flags = ["--kv-store", f"{host}:{kv_port}"]
         ffn_ports = [self.free_port() for _ in range(self.plan.count(FFN_ROLE))]
         for port in ffn_ports:  # no HTTP: the url says where its ZeroMQ socket listens
             argv = ["--host", host, "--port", str(port)]
@@ -184,7 +193,7 @@ class LocalStack:
                 name = next(names)
                 argv = ["--host", host, "--port", str(port), *ec_flags, *lending.get(name, [])]
                 if tier.moves_kv:
-                    argv += ["--kv-port", str(ports[index]), "--kv-peers", *kv_peers]
+                    argv += ["--kv-port", str(ports[index]), "--kv-peers", *kv_peers, *store_flags]
                     argv += kv_event_flags(host, self.free_port(), self.free_port())
                 if tier.role == "decode" and ffn_flags:
                     argv += ffn_flags[index]
@@ -195,6 +204,8 @@ class LocalStack:
         proxy = ["--host", self.proxy_host, "--port", str(self.proxy_port)]
         for role in ("render", "prefill", "decode", "encoder"):
             proxy += [f"--{role}", *[p.url for p in self.parts if p.name.startswith(role)]]
+        if store_url is not None:
+            proxy += ["--kv-store", store_url]
         # several keys (comma-separated, the proxy's form): up checks health with the first
         health_key = next(iter(api_keys(self.secrets.get(API_KEY_ENV))), None)
         url = f"http://{self.proxy_host}:{self.proxy_port}"

@@ -23,6 +23,7 @@ from splitserve.runtime.access import API_KEY_ENV, INTERNAL_TOKEN_ENV
 SERVER_TIERS = ("render", "prefill", "decode", "encoder")  # what both launchers start
 KV_ROLES = ("prefill", "decode")  # the engines that move KV (and publish KV events)
 FFN_ROLE = "ffn"  # `up --afd A:F`: the FFN daemons the decode (attention) engines call per MoE layer
+STORE_ROLE = "kvstore"  # `up --kv-store`: the KV store tier the P/D engines offload to and load from
 
 
 @dataclass(frozen=True)
@@ -65,18 +66,19 @@ def up_replicas(args: argparse.Namespace) -> tuple[tuple[str, int], ...]:
     """Each tier's replica count from `up`'s flags, in start order (the proxy last; the
     FFN daemons of `--afd` before the engines)."""
     ffn = ((FFN_ROLE, args.afd[1]),) if getattr(args, "afd", None) else ()
+    store = ((STORE_ROLE, 1),) if getattr(args, "kv_store", False) else ()
     return (
-        ("render", args.render), *ffn, ("prefill", args.prefill), ("decode", args.decode),
+        ("render", args.render), *store, *ffn, ("prefill", args.prefill), ("decode", args.decode),
         ("encoder", args.encoder), ("proxy", 1),
     )  # fmt: skip
 
 
 def part_names(replicas: tuple[tuple[str, int], ...]) -> list[str]:
     """The names `up` gives its parts, in start order: `render` alone, else `render-0`,
-    ...; engines `ROLE-INDEX`; `proxy`."""
+    ...; `kvstore`; engines `ROLE-INDEX`; `proxy`."""
     names: list[str] = []
     for role, count in replicas:
-        if role in ("render", "proxy") and count == 1:
+        if role in ("render", STORE_ROLE, "proxy") and count == 1:
             names.append(role)
         else:
             names += [f"{role}-{index}" for index in range(count)]
@@ -150,6 +152,27 @@ def proxy_flags(args: argparse.Namespace) -> tuple[str, ...]:
     return tuple(flags)
 
 
+def store_flags(args: argparse.Namespace) -> tuple[str, ...]:
+    """The KV store tier's flags from `up`'s (local or on Ray); ValueError for sizes it
+    cannot take."""
+    if (args.kv_store_disk is None) != (args.kv_store_disk_gb is None):
+        raise ValueError("--kv-store-disk and --kv-store-disk-gb go together")
+    for name in ("kv_store_ram_gb", "kv_store_disk_gb"):
+        value = getattr(args, name)
+        if value is not None and not 0 < value < float("inf"):  # also NaN
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive size in GiB, not {value}")
+    flags = ["--kv-store-ram-gb", str(args.kv_store_ram_gb), "--drain-timeout", str(args.drain_timeout)]
+    if args.kv_store_disk is not None:
+        flags += ["--kv-store-disk", os.path.abspath(args.kv_store_disk)]
+        flags += ["--kv-store-disk-gb", str(args.kv_store_disk_gb)]
+    return tuple(flags)
+
+
+def store_tier(log_level: str, flags: tuple[str, ...]) -> TierPlan:
+    """The KV store tier: one process, torch-free; the host and ports the launcher's."""
+    return TierPlan(STORE_ROLE, (STORE_ROLE, "--log-level", log_level, *flags), (INTERNAL_TOKEN_ENV,))
+
+
 def server_tiers(
     *,
     model: str | None,
@@ -196,6 +219,8 @@ def plan_from_args(
     proxy = TierPlan("proxy", ("proxy", *proxy_flags(args)), (INTERNAL_TOKEN_ENV, API_KEY_ENV))
     if getattr(args, "afd", None):
         tiers = (*tiers, ffn_tier(model, args.log_level, engine_flags(args)))
+    if getattr(args, "kv_store", False):
+        tiers = (*tiers, store_tier(args.log_level, store_flags(args)))
     return DeploymentPlan(tiers=(*tiers, proxy), replicas=up_replicas(args))
 
 
@@ -226,8 +251,8 @@ def tier_env(tier: TierPlan, values: dict[str, str]) -> dict[str, str]:
 
 
 def kv_event_flags(host: str, events_port: int, replay_port: int) -> list[str]:
-    """Where a KV engine publishes its KV events (the proxy's router indexes them for
-    cache-aware routing), on the address its replica has."""
+    """Where a KV engine (or the KV store) publishes its KV events (the proxy's router
+    indexes them for cache-aware routing), on the address its replica has."""
     return [
         "--kv-events-endpoint", f"tcp://{host}:{events_port}",
         "--kv-events-replay-endpoint", f"tcp://{host}:{replay_port}",

@@ -18,6 +18,7 @@ from typing import NamedTuple
 from splitserve.config import EngineConfig
 from splitserve.encoder_cache.connector import ECConnector
 from splitserve.engine.cpu_lending import IdleCpuLender
+from splitserve.engine.kv_store_client import KVStoreClient
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.model_runner import KVCacheAllocator
 from splitserve.engine.multimodal import MultiModalInputs
@@ -58,8 +59,9 @@ class AsyncEngine:
         connector: KVConnector | None = None,
         kv_cache_allocator: KVCacheAllocator | None = None,
         ec_connector: ECConnector | None = None,  # visual embeddings from encoder workers
+        kv_store: KVStoreClient | None = None,  # the KV store tier (engine/kv_store_client.py)
     ) -> None:
-        self.engine = LLMEngine(config, connector, kv_cache_allocator, ec_connector)
+        self.engine = LLMEngine(config, connector, kv_cache_allocator, ec_connector, kv_store)
         self.model_info = self.engine.model_info
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -71,6 +73,8 @@ class AsyncEngine:
         self._stats = self.engine.stats()
         if connector is not None:
             connector.set_wakeup(self._wake.set)
+        if kv_store is not None:
+            kv_store.set_wakeup(self._wake.set)
         lend_file = config.cpu_lending.lend_file
         # busy while the engine thread computes, idle (lent) while it waits
         self._lender = IdleCpuLender(lend_file) if lend_file else None

@@ -1,23 +1,25 @@
-"""The engine's seam to the KV store tier (`splitserve kvstore`, kv_store/): a KV connector
-that offloads the blocks the prefix cache evicts and loads a prompt's missing leading
-blocks back.
+"""The engine's seam to the KV store tier (`splitserve kvstore`, kv_store/): it offloads the
+blocks the prefix cache evicts and loads a prompt's missing leading blocks back into the
+prefix cache before the prompt is admitted (engine/scheduler.py's store stage).
 
-Offload: the block manager tells this connector (its BlockObserver) when a block enters
-the prefix cache (its parent hash and tokens are kept by block ID) and when it leaves it;
-at that moment, on the engine thread, the block's KV is copied out of the pool (one block,
-a memory copy; the pool block is overwritten after the call returns) onto a bounded queue,
+Offload: the block manager tells this client (its BlockObserver) when a block enters the
+prefix cache (its parent hash and tokens are kept by block ID) and when it leaves it; at
+that moment, on the engine thread, the block's KV is copied out of the pool (one block, a
+memory copy; the pool block is overwritten after the call returns) onto a bounded queue,
 and a background thread puts batches of them to the store. A full queue, or a store known
 to be down, drops the block and counts it: a step never waits for the store.
 
-Load: when a waiting request is admitted, `get_num_new_matched_tokens` asks the store how
-many of the prompt's full blocks after the local prefix hit it holds (HAS, one round trip
-with a short timeout); those load asynchronously (GET on a loader thread) into the blocks
-the scheduler allocated, checked twice: the store matches hash, parent hash and tokens,
-and this side checks that what came back names the same hash, parent and tokens, and has
-the pool's block layout. A failed or short load recomputes from the local hit (the
-connector seam's contract: slower, never wrong). A store that does not answer is left
-alone for a cool-down (doubling up to a cap), so a dead store costs one timeout per
-cool-down, then nothing but the hits.
+Load: before a waiting request is admitted, `lookup` asks the store how many of the
+prompt's full blocks after the local prefix hit it holds (HAS, one round trip with a short
+timeout); those load asynchronously (GET on a loader thread) into blocks the scheduler
+allocated, checked twice: the store matches hash, parent hash and tokens, and this side
+checks that what came back names the same hash, parent and tokens, and has the pool's
+block layout. Loaded blocks enter the prefix cache and the request is admitted again: they
+are then local hits for whatever KV connector the engine runs (a P/D prefill pushes them
+to decode like any hit; a decode lends them). A failed or short load leaves the prefix
+cache as it was (the prompt computes them: slower, never wrong). A store that does not
+answer is left alone for a cool-down (doubling up to a cap), so a dead store costs one
+timeout per cool-down, then nothing but the hits.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from typing import NamedTuple
 
 import torch
 
-from splitserve.kv.connector.base import ConnectorRequest, KVConnector
+from splitserve.kv.connector.base import ConnectorRequest
 from splitserve.kv_store.wire import BlockKey, StoreClient, StoreError
 from splitserve.protocol.block_hash import BlockHash
 
@@ -94,7 +96,7 @@ class StoreHealth:
             self.cool_down_s = self.base_s
 
 
-class KVStoreConnector(KVConnector):
+class KVStoreClient:
     def __init__(
         self,
         host: str,
@@ -128,7 +130,7 @@ class KVStoreConnector(KVConnector):
         self.orphaned: set[str] = set()  # finished (aborted) while loading: blocks held
         self.finished_loading: set[str] = set()
         self.failed_loading: set[str] = set()
-        self.finished_sending: set[str] = set()
+        self.released: set[str] = set()
         self.wakeup: Callable[[], None] = lambda: None
         self.stopping = threading.Event()
         self.threads = [
@@ -219,7 +221,7 @@ class KVStoreConnector(KVConnector):
     def offload_queue_depth(self) -> int:
         return self.offload_queue.qsize()
 
-    # ---- scheduler half ---------------------------------------------------------------
+    # ---- the scheduler's store stage (engine thread) ---------------------------------
     def keys(self, request: ConnectorRequest, first: int, end: int) -> list[BlockKey]:
         """The store keys of the request's prompt blocks [first, end)."""
         size, tokens, hashes = self.block_size, request.prompt_token_ids, request.block_hashes
@@ -228,18 +230,17 @@ class KVStoreConnector(KVConnector):
             for i in range(first, end)
         ]
 
-    def get_num_new_matched_tokens(
-        self, request: ConnectorRequest, num_computed_tokens: int
-    ) -> tuple[int, bool]:
+    def lookup(self, request: ConnectorRequest, first_block: int) -> int:
+        """How many of the prompt's full blocks from `first_block` on (the local hit's end)
+        the store holds, never the block holding the last prompt token (its logits must
+        be computed); 0 while the store is in its cool-down."""
         if self.kv_cache is None or not self.health.up():
-            return 0, False
-        first = num_computed_tokens // self.block_size
-        # never the block holding the last prompt token: its logits must be computed
+            return 0
         end = min((request.num_prompt_tokens - 1) // self.block_size, len(request.block_hashes))
-        if end <= first:
-            return 0, False
+        if end <= first_block:
+            return 0
         try:
-            found = self.lookup_client.has(self.keys(request, first, end))
+            found = self.lookup_client.has(self.keys(request, first_block, end))
         except StoreError as exc:
             logger.warning(
                 "KV store %s: lookup failed (%s); not asked for %.1f s",
@@ -249,46 +250,44 @@ class KVStoreConnector(KVConnector):
             )
             self.health.failed()
             self.stats.lookup_errors += 1
-            return 0, False
+            return 0
         self.health.answered()
         self.stats.lookups += 1
-        return found * self.block_size, found > 0
+        return found
 
-    def update_state_after_alloc(
-        self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int
-    ) -> None:
-        if num_external_tokens <= 0:
-            return
-        first = request.num_computed_tokens // self.block_size
-        end = first + num_external_tokens // self.block_size
-        self.stats.hit_blocks += end - first
+    def start_load(self, request: ConnectorRequest, first_block: int, block_ids: list[int]) -> None:
+        """Load the prompt's blocks [first_block, first_block + len(block_ids)) into
+        `block_ids`, on the loader thread; `take_loaded` or `take_failed` names the
+        request when it is done."""
+        self.stats.hit_blocks += len(block_ids)
         with self.lock:
             self.loading.add(request.request_id)
-        job = LoadJob(
-            request.request_id, self.keys(request, first, end), block_ids[first:end], time.monotonic()
-        )
-        self.load_queue.put(job)
+        keys = self.keys(request, first_block, first_block + len(block_ids))
+        self.load_queue.put(LoadJob(request.request_id, keys, list(block_ids), time.monotonic()))
 
-    def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> tuple[bool, dict | None]:
+    def request_finished(self, request_id: str) -> bool:
+        """The request ended: True when a load may still write into its blocks (keep them
+        until `take_released` names it)."""
         with self.lock:
-            if request.request_id in self.loading:  # bytes may still land in its blocks
-                self.orphaned.add(request.request_id)
-                return True, None
-        return False, None
+            if request_id in self.loading:
+                self.orphaned.add(request_id)
+                return True
+        return False
 
-    def get_finished_loading(self) -> set[str]:
+    def take_loaded(self) -> set[str]:
         with self.lock:
             done, self.finished_loading = self.finished_loading, set()
         return done
 
-    def get_failed_loading(self) -> set[str]:
+    def take_failed(self) -> set[str]:
         with self.lock:
             failed, self.failed_loading = self.failed_loading, set()
         return failed
 
-    def get_finished_sending(self) -> set[str]:
+    def take_released(self) -> set[str]:
+        """Ended requests whose load can no longer write into their blocks."""
         with self.lock:
-            done, self.finished_sending = self.finished_sending, set()
+            done, self.released = self.released, set()
         return done
 
     # ---- load (the loader thread) -----------------------------------------------------
@@ -303,7 +302,7 @@ class KVStoreConnector(KVConnector):
                 self.loading.discard(job.request_id)
                 if job.request_id in self.orphaned:
                     self.orphaned.discard(job.request_id)
-                    self.finished_sending.add(job.request_id)
+                    self.released.add(job.request_id)
                 elif loaded:
                     self.finished_loading.add(job.request_id)
                 else:

@@ -7,6 +7,7 @@ from typing import Any, NamedTuple
 
 from splitserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from splitserve.encoder_cache.connector import ECConnector
+from splitserve.engine.kv_store_client import KVStoreClient
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.kv.connector.base import KVConnector
 from splitserve.protocol.generate_request import GenerateRequest
@@ -58,13 +59,14 @@ class LLM:
         config: EngineConfig | None = None,
         connector: KVConnector | None = None,
         ec_connector: ECConnector | None = None,
+        kv_store: KVStoreClient | None = None,
         **engine_kwargs: Any,
     ) -> None:
         if config is None:
             from splitserve.model_files.resolve import resolve_model
 
             config = engine_config_from_kwargs(resolve_model(model).path, **engine_kwargs)
-        self.engine = LLMEngine(config, connector, ec_connector=ec_connector)
+        self.engine = LLMEngine(config, connector, ec_connector=ec_connector, kv_store=kv_store)
         self._counter = 0
 
     def generate(

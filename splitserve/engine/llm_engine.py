@@ -16,7 +16,7 @@ import time
 from splitserve.config import EngineConfig
 from splitserve.encoder_cache.connector import ECConnector
 from splitserve.engine.block_manager import BlockManager, cdiv
-from splitserve.engine.kv_store_client import KVStoreConnector
+from splitserve.engine.kv_store_client import KVStoreClient
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.multimodal import MultiModalInputs
 from splitserve.engine.outputs import EngineStats, RequestOutput
@@ -40,9 +40,11 @@ class LLMEngine:
         connector: KVConnector | None = None,
         kv_cache_allocator: KVCacheAllocator | None = None,
         ec_connector: ECConnector | None = None,  # visual embeddings from encoder workers
+        kv_store: KVStoreClient | None = None,  # the KV store tier: offloads, loads into the prefix cache
     ) -> None:
         self.config = config
         self.connector = connector
+        self.kv_store = kv_store
         self.ec_connector = ec_connector
         self.runner = runner = ModelRunner(config, connector, kv_cache_allocator, ec_connector)
         # what callers read of the loaded model, held by the runner
@@ -60,14 +62,26 @@ class LLMEngine:
         )
         if runner.state_pool is not None:
             runner.state_pool.announce_hits_in(self.block_manager)
-        if isinstance(connector, KVStoreConnector):
-            self.block_manager.observer = connector  # it offloads the blocks the prefix cache evicts
+        if kv_store is not None:
+            if not self.block_manager.enable_prefix_caching or runner.state_pool is not None:
+                kv_store.shutdown()
+                raise ValueError(
+                    "--kv-store needs the prefix cache, and a model without Mamba state (hybrid "
+                    "models' state is not stored)"
+                )
+            self.block_manager.observer = kv_store  # it offloads the blocks the prefix cache evicts
+            kv_store.register_kv_cache(self.kv_cache, runner.block_size)
         self.kv_event_publisher = KVEventPublisher(config.kv_events) if config.kv_events else None
         if self.kv_event_publisher is not None:
             # a (re)started engine holds nothing: indexers drop what an earlier instance held
             self.kv_event_publisher.publish([AllBlocksCleared()])
         self.scheduler = Scheduler(
-            config.scheduler, self.block_manager, self.model_info.max_model_len, connector, runner.state_pool
+            config.scheduler,
+            self.block_manager,
+            self.model_info.max_model_len,
+            connector,
+            runner.state_pool,
+            kv_store,
         )
         if connector is not None:
             connector.register_kv_cache(self.kv_cache, runner.block_size)
@@ -238,7 +252,7 @@ class LLMEngine:
         decoding = [r for r in sched.running if r.num_computed_tokens >= r.num_tokens - 1]
         return EngineStats(
             num_running=len(sched.running),
-            num_waiting=len(sched.waiting) + len(sched.waiting_for_remote),
+            num_waiting=len(sched.waiting) + len(sched.waiting_for_remote) + len(sched.waiting_for_store),
             kv_usage=bm.usage,
             num_blocks_total=bm.num_blocks,
             num_blocks_free=bm.num_free_blocks,
@@ -263,6 +277,8 @@ class LLMEngine:
             self.kv_event_publisher.shutdown()
         if self.connector is not None:
             self.connector.shutdown()
+        if self.kv_store is not None:
+            self.kv_store.shutdown()
         if self.ec_connector is not None:
             self.ec_connector.shutdown()
         if self.runner.ffn is not None:

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"  # blocks held, async KV load in flight
+    WAITING_FOR_STORE = "waiting_for_store"  # blocks held, loading from the KV store tier
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -58,6 +59,7 @@ class Request:
         self.num_preemptions = 0
         self.output_kv_transfer_params: dict | None = None
         self.connector_consulted = False  # the KV connector was asked for external tokens
+        self.store_consulted = False  # the KV store tier was asked for the blocks past the local hit
         self.pending_external_tokens = 0  # tokens an async KV load is bringing in
         self.metrics: dict[str, float | None] = {
             "arrival_time": arrival_time if arrival_time is not None else time.monotonic(),

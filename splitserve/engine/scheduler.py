@@ -9,6 +9,12 @@ back from the prefix cache).
 After the model runs, `update_from_output` appends the sampled tokens and finishes the
 requests that hit a stop token, max_tokens or the model's length; a finished request's
 blocks are freed, or kept while the KV connector still sends from them.
+
+With a KV store tier (engine/kv_store_client.py), a waiting request first goes through
+the store stage: the blocks the store holds past its local prefix hit are loaded into
+blocks allocated for them, entered into the prefix cache, and the request is admitted
+again, finding them as local hits. So the connector (a P/D prefill's push, a decode's
+reservation and lends) sees them as any hit, and a second connector is never needed.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from splitserve.config import SchedulerConfig
 from splitserve.engine.block_manager import BlockManager, cdiv
@@ -24,6 +30,9 @@ from splitserve.engine.outputs import ModelRunnerOutput
 from splitserve.engine.request import Request, RequestStatus, ScheduledRequest
 from splitserve.engine.state_pool import MambaStatePool
 from splitserve.kv.connector.base import KVConnector
+
+if TYPE_CHECKING:
+    from splitserve.engine.kv_store_client import KVStoreClient
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +52,10 @@ class Scheduler:
         max_model_len: int,
         connector: KVConnector | None = None,
         state_pool: MambaStatePool | None = None,  # a hybrid model's per-request Mamba state
+        kv_store: KVStoreClient | None = None,  # loads blocks into the prefix cache before admission
     ) -> None:
         self.config = config
+        self.kv_store = kv_store
         self.state_pool = state_pool
         self.block_manager = block_manager
         self.max_model_len = max_model_len
@@ -54,6 +65,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.waiting_for_remote: dict[str, Request] = {}
+        self.waiting_for_store: dict[str, Request] = {}
         self.num_preemptions = 0
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
@@ -110,6 +122,9 @@ class Scheduler:
             if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                 self.waiting_for_remote[request.request_id] = request
                 continue
+            if request.status == RequestStatus.WAITING_FOR_STORE:
+                self.waiting_for_store[request.request_id] = request
+                continue
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled.append(item)
@@ -136,6 +151,9 @@ class Scheduler:
         pool = self.state_pool
         if pool is not None and not pool.has_slot(request.request_id) and pool.num_free_slots == 0:
             return None
+        fresh = not request.block_ids and not request.store_consulted
+        if self.kv_store is not None and fresh and self._load_from_store(request):
+            return ScheduledRequest(request, 0, 0)
         computed_blocks: list[int] = []
         if not request.block_ids:  # fresh or preempted (a failed remote load keeps its blocks)
             computed_blocks = bm.get_computed_blocks(request)
@@ -176,6 +194,44 @@ class Scheduler:
             if computed_blocks:
                 pool.restore(request, len(computed_blocks))
         return ScheduledRequest(request, num_computed, num_new)
+
+    def _load_from_store(self, request: Request) -> bool:
+        """The store stage: ask the store for the prompt's blocks past the local hit (once
+        per request) and, when it holds some, allocate blocks for them and start their load
+        (True: the request waits in WAITING_FOR_STORE)."""
+        assert self.kv_store is not None
+        request.store_consulted = True
+        bm = self.block_manager
+        hits = bm.get_computed_blocks(request)
+        found = self.kv_store.lookup(request, len(hits))
+        # no room for them now: the prompt computes them (slower, never wrong)
+        if found == 0 or not bm.allocate_slots(request, (len(hits) + found) * bm.block_size, hits):
+            return False
+        request.status = RequestStatus.WAITING_FOR_STORE
+        self.kv_store.start_load(request, len(hits), request.block_ids[len(hits) :])
+        return True
+
+    def finish_store_loads(self) -> None:
+        """Store loads done: loaded blocks enter the prefix cache; then the request's
+        blocks are released and it goes back to the head of the queue, to be admitted at
+        once with them as local hits (a failed load leaves nothing in the cache)."""
+        assert self.kv_store is not None
+        loaded, failed = self.kv_store.take_loaded(), self.kv_store.take_failed()
+        for request_id in loaded | failed:
+            request = self.waiting_for_store.pop(request_id, None)
+            if request is None:
+                continue
+            if request_id in loaded and request_id not in failed:
+                request.num_computed_tokens = len(request.block_ids) * self.block_manager.block_size
+                self.block_manager.cache_full_blocks(request)
+            self.block_manager.free_blocks(request)
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.WAITING
+            self.waiting.appendleft(request)
+        for request_id in self.kv_store.take_released():
+            request = self.delayed_free.pop(request_id, None)
+            if request is not None:
+                self.block_manager.free_blocks(request)
 
     def _note_hit(self, request: Request, num_hit: int, num_external: int) -> None:
         if request.num_cached_tokens < 0:
@@ -243,13 +299,20 @@ class Scheduler:
                 logger.exception("connector.request_finished failed for %s", request.request_id)
                 delay, params = False, None
             request.output_kv_transfer_params = params
+        # a load from the store may still write into its blocks; the connector then holds
+        # none (the store stage comes before the connector is consulted): one releases them
+        if self.kv_store is not None and self.kv_store.request_finished(request.request_id):
+            delay = True
         if delay and request.block_ids:
             self.delayed_free[request.request_id] = request
         else:
             self.block_manager.free_blocks(request)
 
     def poll_connector(self) -> None:
-        """Pick up finished/failed async loads and the blocks the connector is done with."""
+        """Pick up finished/failed async loads and the blocks the connector (and the KV
+        store's loader) is done with."""
+        if self.kv_store is not None:
+            self.finish_store_loads()
         if self.connector is None:
             return
         loaded, failed = self.connector.get_finished_loading(), self.connector.get_failed_loading()
@@ -286,6 +349,8 @@ class Scheduler:
             self.running.remove(request)
         elif request.request_id in self.waiting_for_remote:
             del self.waiting_for_remote[request.request_id]
+        elif request.request_id in self.waiting_for_store:
+            del self.waiting_for_store[request.request_id]
         elif request in self.waiting:
             self.waiting.remove(request)
 

@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
         store = TieredStore(
             args.kv_store_ram_gb, args.kv_store_disk, args.kv_store_disk_gb or 0, record_events=bool(events)
         )
-        publisher = None
+        publisher, replay = None, None
         if events:
             replay = args.kv_events_replay_endpoint or replay_endpoint_for(events)
             publisher = KVEventPublisher(KVEventsConfig(endpoint=events, replay_endpoint=replay))
@@ -97,6 +97,12 @@ def run(args: argparse.Namespace) -> int:
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok", "kv_port": server.port}
+
+    @app.get("/inference/v1/kv/events")
+    async def kv_events() -> dict:
+        """Where the store publishes which tier holds which block (the proxy's router
+        follows it, as it does an engine's)."""
+        return {"endpoint": events, "replay_endpoint": replay if events else None}
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -34,6 +34,7 @@ def create_proxy_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     encoder_urls: list[str] | None = None,  # images: encoded once on these, by hash
     encoder_pool: EncoderPool | None = None,  # or a pool whose encoders join later (Ray)
+    kv_store_url: str | None = None,  # a KV store tier: its events credit the blocks it holds
 ) -> FastAPI:
     checker: list[asyncio.Future] = []  # the health and load loops, while the app runs
 
@@ -44,6 +45,8 @@ def create_proxy_app(
         loop = health_loop(engine.pool, engine.check_worker, health_interval_s)
         checker.append(asyncio.ensure_future(loop))
         checker.append(asyncio.ensure_future(load_loop(engine.pool, engine.poll_load, load_interval_s)))
+        if kv_store_url is not None:
+            checker.append(asyncio.ensure_future(watch_store(engine, kv_store_url, health_interval_s)))
 
     async def stop() -> None:
         for task in checker:
@@ -77,6 +80,7 @@ def create_proxy_app(
                 "policy": engine.policy.__dict__,
                 "routing": str(engine.router.policy),
                 "kv_index_blocks": engine.kv_index.num_blocks(),
+                "kv_store_blocks": engine.kv_index.store_blocks(),
                 "load": engine.load_snapshot(),
                 "pd_costs": engine.costs.snapshot(),
             }
@@ -87,3 +91,9 @@ def create_proxy_app(
         return Response(engine.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app
+
+
+async def watch_store(engine: PDEngineClient, url: str, interval_s: float) -> None:
+    """Until the KV store answers where its events are (it may start after the proxy)."""
+    while not await engine.watch.watch_store(url):
+        await asyncio.sleep(interval_s)

@@ -120,6 +120,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-load-weight", type=float, default=0.0, help="routing cost per request a worker has in flight"
     )
     parser.add_argument(
+        "--kv-store",
+        default=None,
+        metavar="URL",
+        help="a `splitserve kvstore`'s HTTP URL: cache-aware routing credits the blocks it holds "
+        "(its KV events), below a worker's own",
+    )
+    parser.add_argument(
+        "--kv-store-ram-credit",
+        type=float,
+        default=0.75,
+        help="what a block the KV store holds in RAM is worth beside a cached one (1)",
+    )
+    parser.add_argument(
+        "--kv-store-disk-credit",
+        type=float,
+        default=0.25,
+        help="what a block the KV store holds on disk is worth beside a cached one (1)",
+    )
+    parser.add_argument(
         "--load-interval",
         type=float,
         default=0.25,
@@ -166,6 +185,8 @@ def run(args: argparse.Namespace) -> int:
             prefill_load_weight=args.kv_prefill_load_weight,
             decode_load_weight=args.kv_decode_load_weight,
             load_weight=args.kv_load_weight,
+            store_ram_credit=args.kv_store_ram_credit,
+            store_disk_credit=args.kv_store_disk_credit,
         )
         access.load_internal_token(args)  # every client to the internal parts sends it
         quota = QuotaLimits(
@@ -197,6 +218,7 @@ def run(args: argparse.Namespace) -> int:
         load_interval_s=args.load_interval,
         max_body_bytes=args.max_body_bytes,
         encoder_urls=args.encoder,
+        kv_store_url=args.kv_store,
     )
     serve_draining(
         access.AccessGuard(ClientQuota(app, quota), public),

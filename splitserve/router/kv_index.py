@@ -6,13 +6,19 @@ carries its chained block hashes (cache_salt included, so tenants never match ea
 other); the leading run a worker holds is what it would not recompute. Scoring (Dynamo's
 shape, router/routing.py): cost = overlap_weight × blocks to prefill + the worker's load
 (router/load.py), lowest wins.
+
+A KV store tier (docs/kv-store.md) publishes the same events, its `medium` naming the
+tier that holds each block ("CPU" for RAM, "DISK" for disk). Any engine loads the store's
+blocks past its own prefix hit, so the store's leading run after a worker's local run is
+credited to every worker, below a local block (a load costs more than a hit): by default
+0.75 of a block held in RAM, 0.25 of one on disk (Dynamo's host and disk weights).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from splitserve.protocol.generate_request import GenerateRequest
@@ -39,12 +45,24 @@ class KVRoutingWeights:
     # this request's prefill)
     decode_load_weight: float = 0.1
     load_weight: float = 0.0  # per request the worker has in flight (the router's count)
+    # what a block of the KV store is worth beside one in the worker's pool (1): loaded, not hit
+    store_ram_credit: float = 0.75
+    store_disk_credit: float = 0.25
 
     def __post_init__(self) -> None:
         for name in ("overlap_weight", "prefill_load_weight", "decode_load_weight", "load_weight"):
             value = getattr(self, name)
             if not value >= 0:  # also rejects NaN
                 raise ValueError(f"{name} must be >= 0, not {value}")
+        for name in ("store_ram_credit", "store_disk_credit"):
+            value = getattr(self, name)
+            if not 0 <= value <= 1:
+                raise ValueError(f"{name} must be in [0, 1], not {value}")
+
+    @property
+    def store_credits(self) -> dict[str, float]:
+        """A store-held block's credit by the medium its events name."""
+        return {"CPU": self.store_ram_credit, "DISK": self.store_disk_credit}
 
 
 class KVBlockIndex:
@@ -52,9 +70,21 @@ class KVBlockIndex:
         self._lock = threading.Lock()
         self._holders: dict[bytes, set[str]] = {}
         self._held: dict[str, set[bytes]] = {}
+        # per KV store (by the name its events are applied under): block → the medium holding it
+        self._store_media: dict[str, dict[bytes, str]] = {}
+
+    def add_store(self, name: str) -> None:
+        """Apply `name`'s events as a KV store's (blocks every worker can load, by tier),
+        not a worker's."""
+        with self._lock:
+            self._store_media.setdefault(name, {})
 
     def apply(self, worker: str, batch: KVEventBatch) -> None:
         with self._lock:
+            media = self._store_media.get(worker)
+            if media is not None:
+                apply_store_events(media, batch)
+                return
             held = self._held.setdefault(worker, set())
             for event in batch.events:
                 if isinstance(event, BlockStored):
@@ -73,6 +103,8 @@ class KVBlockIndex:
             self._clear(worker)
 
     def _clear(self, worker: str) -> None:
+        if worker in self._store_media:
+            self._store_media[worker].clear()
         for block_hash in self._held.pop(worker, set()):
             self._drop_holder(block_hash, worker)
 
@@ -93,6 +125,30 @@ class KVBlockIndex:
                 count += 1
             return count
 
+    def store_credit(self, block_hashes: Sequence[bytes], start: int, credits: Mapping[str, float]) -> float:
+        """What the leading run of `block_hashes[start:]` a KV store holds is worth, block
+        by block by the tier holding it (`credits`, by medium): a worker whose own run ends
+        at `start` loads those from the store."""
+        with self._lock:
+            if not self._store_media:
+                return 0.0
+            total = 0.0
+            for block_hash in block_hashes[start:]:
+                medium = next((m[block_hash] for m in self._store_media.values() if block_hash in m), None)
+                if medium is None:
+                    break
+                total += credits.get(medium, 0.0)
+            return total
+
+    def store_blocks(self) -> dict[str, int]:
+        """The blocks the KV stores hold, by medium."""
+        with self._lock:
+            counts: dict[str, int] = {}
+            for media in self._store_media.values():
+                for medium in media.values():
+                    counts[medium] = counts.get(medium, 0) + 1
+            return counts
+
     def held(self, worker: str) -> set[bytes]:
         with self._lock:
             return set(self._held.get(worker, ()))
@@ -100,6 +156,21 @@ class KVBlockIndex:
     def num_blocks(self) -> dict[str, int]:
         with self._lock:
             return {worker: len(hashes) for worker, hashes in self._held.items()}
+
+
+def apply_store_events(media: dict[bytes, str], batch: KVEventBatch) -> None:
+    """A KV store's batch: which medium holds each block. A demotion is a removal from
+    one medium and a store into the other, in either order."""
+    for event in batch.events:
+        if isinstance(event, BlockStored):
+            for block_hash in event.block_hashes:
+                media[block_hash] = event.medium or "CPU"
+        elif isinstance(event, BlockRemoved):
+            for block_hash in event.block_hashes:
+                if event.medium is None or media.get(block_hash) == event.medium:
+                    media.pop(block_hash, None)
+        elif isinstance(event, AllBlocksCleared):
+            media.clear()
 
 
 def request_block_hashes(request: GenerateRequest) -> list[bytes]:

@@ -1,7 +1,8 @@
 """How the proxy picks a worker of a pool (`--routing`): one picker per policy.
 
 - cache-aware (default): cost = overlap_weight × prompt blocks the worker lacks (by the KV
-  event index, router/kv_index.py) + prefill_load_weight × blocks of prompt tokens queued
+  event index, router/kv_index.py; a block the KV store holds past the worker's own run
+  counts 0.75 held in RAM, 0.25 on disk) + prefill_load_weight × blocks of prompt tokens queued
   for prefill on it + decode_load_weight × KV blocks its decoding requests hold (both from
   its reports and the router's own accounting, router/load.py) + load_weight × requests
   in flight, lowest wins; the client's conversation hint is worth half a block.
@@ -139,7 +140,9 @@ class Router:
         weights, index = self.weights, self.kv_index
 
         def cost(worker: Worker) -> float:
-            uncached = len(hashes) - index.matched_blocks(worker.url, hashes)
+            local = index.matched_blocks(worker.url, hashes)
+            # past its own run, a worker loads what the KV store holds (credited below a hit)
+            uncached = len(hashes) - local - index.store_credit(hashes, local, weights.store_credits)
             hint = 0.5 * weights.overlap_weight if worker.url == hinted else 0.0
             load = self.loads.load(worker.url)
             return (

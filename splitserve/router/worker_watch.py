@@ -91,6 +91,25 @@ class WorkerWatch:
             for w in pool.workers()
         }
 
+    async def watch_store(self, url: str) -> bool:
+        """Follow a KV store tier's events (which of its tiers holds which block; `splitserve
+        kvstore` answers /inference/v1/kv/events) into the routing index; False while it
+        does not answer (its feed, once started, follows its restarts itself)."""
+        try:
+            response = await self.http.get(f"{url}/inference/v1/kv/events", timeout=5.0)
+            info = response.json() if response.status_code == 200 else {}
+        except (httpx.HTTPError, ValueError):
+            return False
+        if not isinstance(info, dict) or not info.get("endpoint"):
+            return False
+        host = httpx.URL(url).host
+        replay = info.get("replay_endpoint")
+        self.kv_feed.index.add_store(url)
+        self.kv_feed.watch(
+            url, connect_address(info["endpoint"], host), replay and connect_address(replay, host)
+        )
+        return True
+
     async def _watch_kv_events(self, worker: Worker) -> None:
         """Follow the worker's KV events when it publishes them (engines started with
         --kv-events-endpoint answer /inference/v1/kv/events)."""

@@ -27,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from splitserve.engine.api.encode_routes import ECSetup
-    from splitserve.engine.api.kv_store_setup import make_kv_store_connector
+    from splitserve.engine.api.kv_store_setup import make_kv_store_client
     from splitserve.engine.api.local_client import LocalEngineClient
     from splitserve.engine.async_engine import AsyncEngine
     from splitserve.frontend.chat_template import TemplateError
@@ -47,8 +47,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         ec = ECSetup(args, encoder_role=False)  # images: an encoder cache shared with others
         config = engine_cli.engine_config(args, model_dir)
-        store = make_kv_store_connector(args, config, access.load_internal_token(args))  # --kv-store
-        engine = AsyncEngine(config, connector=store, ec_connector=ec.connector)
+        store = make_kv_store_client(args, config, access.load_internal_token(args))  # --kv-store
+        engine = AsyncEngine(config, ec_connector=ec.connector, kv_store=store)
     except (OSError, ValueError) as exc:
         print(f"splitserve serve: {exc}", file=sys.stderr)
         return 2

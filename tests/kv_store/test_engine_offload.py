@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from splitserve.engine.kv_store_client import KVStoreConnector
+from splitserve.engine.kv_store_client import KVStoreClient
 from splitserve.engine.llm import LLM
 from splitserve.kv_store.server import KVStoreServer
 from splitserve.kv_store.tiers import TieredStore
@@ -48,7 +48,7 @@ def store_server():
         server.close()
 
 
-def run_session(llm: LLM, connector: KVStoreConnector) -> list:
+def run_session(llm: LLM, connector: KVStoreClient) -> list:
     """A's prompt, enough others to evict it, then A again (one at a time)."""
     results = []
     for p in [SESSION_A, *OTHERS, SESSION_A]:
@@ -58,8 +58,8 @@ def run_session(llm: LLM, connector: KVStoreConnector) -> list:
 
 
 def test_evicted_blocks_come_back_from_the_store(tiny_model, without_store, store_server):
-    connector = KVStoreConnector("127.0.0.1", store_server.port, TOKEN)
-    llm = LLM(tiny_model, num_blocks=NUM_BLOCKS, block_size=BLOCK, connector=connector)
+    connector = KVStoreClient("127.0.0.1", store_server.port, TOKEN)
+    llm = LLM(tiny_model, num_blocks=NUM_BLOCKS, block_size=BLOCK, kv_store=connector)
     try:
         results = run_session(llm, connector)
     finally:
@@ -77,8 +77,8 @@ def test_evicted_blocks_come_back_from_the_store(tiny_model, without_store, stor
 
 
 def test_a_store_that_is_down_costs_only_hits(tiny_model, without_store):
-    connector = KVStoreConnector("127.0.0.1", free_port(), TOKEN, timeout_s=0.2, load_timeout_s=0.2)
-    llm = LLM(tiny_model, num_blocks=NUM_BLOCKS, block_size=BLOCK, connector=connector)
+    connector = KVStoreClient("127.0.0.1", free_port(), TOKEN, timeout_s=0.2, load_timeout_s=0.2)
+    llm = LLM(tiny_model, num_blocks=NUM_BLOCKS, block_size=BLOCK, kv_store=connector)
     try:
         results = run_session(llm, connector)
     finally:
@@ -92,8 +92,8 @@ def test_a_store_that_is_down_costs_only_hits(tiny_model, without_store):
 def test_another_tenant_salt_finds_nothing(tiny_model, store_server):
     """The store's blocks are keyed by the chained hashes, cache_salt included: another
     tenant's identical prompt is a miss; the same tenant's is a hit."""
-    connector = KVStoreConnector("127.0.0.1", store_server.port, TOKEN)
-    llm = LLM(tiny_model, num_blocks=NUM_BLOCKS, block_size=BLOCK, connector=connector)
+    connector = KVStoreClient("127.0.0.1", store_server.port, TOKEN)
+    llm = LLM(tiny_model, num_blocks=NUM_BLOCKS, block_size=BLOCK, kv_store=connector)
     try:
         llm.generate([SESSION_A], GREEDY, cache_salt="tenant-a")
         for p in OTHERS:
@@ -111,8 +111,8 @@ def test_another_tenant_salt_finds_nothing(tiny_model, store_server):
 def test_a_full_offload_queue_drops_and_counts(tiny_model, store_server):
     """The offload thread stuck in a PUT (its client held here) never stalls a step:
     one block waits in the queue, (once it woke) one in the stuck PUT, the rest are dropped and counted."""
-    connector = KVStoreConnector("127.0.0.1", store_server.port, TOKEN, queue_blocks=1, batch_blocks=1)
-    llm = LLM(tiny_model, num_blocks=NUM_BLOCKS, block_size=BLOCK, connector=connector)
+    connector = KVStoreClient("127.0.0.1", store_server.port, TOKEN, queue_blocks=1, batch_blocks=1)
+    llm = LLM(tiny_model, num_blocks=NUM_BLOCKS, block_size=BLOCK, kv_store=connector)
     try:
         with connector.offload_client.lock:
             results = [llm.generate([p], GREEDY)[0] for p in [SESSION_A, *OTHERS]]
@@ -129,8 +129,8 @@ def test_a_stored_block_of_another_layout_is_refused(tiny_model, without_store, 
     """Blocks under A's hashes, parents and tokens but of another shape (another model's,
     or a hostile writer's) never land in the pool: the load is refused, A recomputes and
     answers as without the store."""
-    connector = KVStoreConnector("127.0.0.1", store_server.port, TOKEN)
-    llm = LLM(tiny_model, num_blocks=NUM_BLOCKS, block_size=BLOCK, connector=connector)
+    connector = KVStoreClient("127.0.0.1", store_server.port, TOKEN)
+    llm = LLM(tiny_model, num_blocks=NUM_BLOCKS, block_size=BLOCK, kv_store=connector)
     writer = StoreClient("127.0.0.1", store_server.port, TOKEN, timeout_s=5)
     try:
         hashes = compute_block_hashes(SESSION_A, BLOCK)
@@ -149,8 +149,8 @@ def test_a_stored_block_of_another_layout_is_refused(tiny_model, without_store, 
 
 
 def test_a_request_aborted_while_loading_keeps_its_blocks_until_the_load_ends(tiny_model, store_server):
-    connector = KVStoreConnector("127.0.0.1", store_server.port, TOKEN)
-    llm = LLM(tiny_model, num_blocks=NUM_BLOCKS, block_size=BLOCK, connector=connector)
+    connector = KVStoreClient("127.0.0.1", store_server.port, TOKEN)
+    llm = LLM(tiny_model, num_blocks=NUM_BLOCKS, block_size=BLOCK, kv_store=connector)
     engine = llm.engine
     try:
         for p in [SESSION_A, *OTHERS]:  # A's blocks go to the store
@@ -175,8 +175,8 @@ def test_a_request_aborted_while_loading_keeps_its_blocks_until_the_load_ends(ti
 def test_a_store_restarted_mid_run_costs_only_its_hits(tiny_model, without_store):
     port = free_port()
     server = KVStoreServer(TieredStore(64 << 20), port=port, token=TOKEN)
-    connector = KVStoreConnector("127.0.0.1", port, TOKEN)
-    llm = LLM(tiny_model, num_blocks=NUM_BLOCKS, block_size=BLOCK, connector=connector)
+    connector = KVStoreClient("127.0.0.1", port, TOKEN)
+    llm = LLM(tiny_model, num_blocks=NUM_BLOCKS, block_size=BLOCK, kv_store=connector)
     try:
         for p in [SESSION_A, *OTHERS]:  # A is evicted here, into the store
             llm.generate([p], GREEDY)
@@ -193,8 +193,8 @@ def test_a_store_restarted_mid_run_costs_only_its_hits(tiny_model, without_store
 
 
 def test_an_engine_with_another_token_gets_no_hits(tiny_model, without_store, store_server):
-    connector = KVStoreConnector("127.0.0.1", store_server.port, "another-deployment")
-    llm = LLM(tiny_model, num_blocks=NUM_BLOCKS, block_size=BLOCK, connector=connector)
+    connector = KVStoreClient("127.0.0.1", store_server.port, "another-deployment")
+    llm = LLM(tiny_model, num_blocks=NUM_BLOCKS, block_size=BLOCK, kv_store=connector)
     try:
         results = run_session(llm, connector)
     finally:

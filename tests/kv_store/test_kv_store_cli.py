@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from splitserve.engine.api import cli as engine_cli
-from splitserve.engine.api.kv_store_setup import make_kv_store_connector
+from splitserve.engine.api.kv_store_setup import make_kv_store_client
 from splitserve.engine.llm import LLM
 from splitserve.kv_store.wire import BlockKey, StoreClient
 from splitserve.protocol.block_hash import compute_block_hashes
@@ -139,14 +139,14 @@ def test_kv_store_flag_errors_are_clear(tiny_model):
     engine_cli.add_arguments(parser)
     cases = [
         (["--kv-store", "nowhere"], "HOST:PORT"),
-        (["--role", "decode", "--kv-store", "127.0.0.1:9"], "--role both"),
+        (["--role", "encoder", "--kv-store", "127.0.0.1:9"], "not encoder"),
         (["--no-prefix-caching", "--kv-store", "127.0.0.1:9"], "prefix cache"),
         (["--kv-store", "127.0.0.1:9", "--kv-store-offload-queue", "0"], "offload-queue"),
     ]
     for flags, message in cases:
         args = parser.parse_args([tiny_model, "--device", "cpu", *flags])
         with pytest.raises(ValueError, match=message):
-            make_kv_store_connector(args, engine_cli.engine_config(args, tiny_model), None)
+            make_kv_store_client(args, engine_cli.engine_config(args, tiny_model), None)
     # and the command says so, before loading the model
     finished = subprocess.run(
         [sys.executable, "-m", "splitserve.cli", "serve", tiny_model, "--kv-store", "nowhere"],

@@ -290,21 +290,20 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"splitserve engine: {exc}") from exc
     kv_host = args.kv_host or args.host
     pd_connector = kv_routes.make_connector(config.role, config.transfer, kv_host, args.kv_port)
-    try:  # a collocated engine's connector slot may hold the KV store's instead
-        store_connector = kv_store_setup.make_kv_store_connector(args, config, access.internal_token())
+    try:  # the KV store tier: it loads into the prefix cache, beside any connector
+        kv_store = kv_store_setup.make_kv_store_client(args, config, access.internal_token())
     except ValueError as exc:
         ec.close()
         raise SystemExit(f"splitserve engine: {exc}") from exc
-    connector = pd_connector or store_connector
     try:
-        engine = AsyncEngine(config, connector=connector, ec_connector=ec.connector)
+        engine = AsyncEngine(config, connector=pd_connector, ec_connector=ec.connector, kv_store=kv_store)
     except (ValueError, AfdError) as exc:  # what the model, the memory or the FFN daemon cannot take
         ec.close()
         raise SystemExit(f"splitserve engine: {exc}") from exc
     app = create_engine_app(engine, manage_engine=True, max_pixel_bytes=args.max_pixel_bytes)
     if pd_connector is not None:
         kv_routes.install_kv_routes(app, pd_connector)
-    kv_store_setup.install_kv_store_metrics(app, store_connector)
+    kv_store_setup.install_kv_store_metrics(app, kv_store)
     if config.kv_events is not None:
         from splitserve.engine.api.kv_events_route import install_kv_events_route
 

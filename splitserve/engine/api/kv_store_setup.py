@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from splitserve.config import EngineConfig
-    from splitserve.engine.kv_store_client import KVStoreConnector
+    from splitserve.engine.kv_store_client import KVStoreClient
 
 PREFIX = "splitserve_kv_store_client"
 
@@ -25,7 +25,7 @@ def add_kv_store_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="HOST:PORT",
         help="a `splitserve kvstore`'s block port: evicted prefix-cache blocks are offloaded "
-        "there and a prompt's missing leading blocks loaded from it (--role both)",
+        "there and a prompt's missing leading blocks loaded from it (--role both, prefill or decode)",
     )
     parser.add_argument(
         "--kv-store-offload-queue",
@@ -48,40 +48,40 @@ def parse_address(text: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def make_kv_store_connector(
+STORE_ROLES = ("both", "prefill", "decode")
+
+
+def make_kv_store_client(
     args: argparse.Namespace, config: EngineConfig, token: str | None
-) -> KVStoreConnector | None:
-    """The connector `--kv-store` asks for (None without it); ValueError for flags it
+) -> KVStoreClient | None:
+    """The store client `--kv-store` asks for (None without it); ValueError for flags it
     cannot run with."""
     if not args.kv_store:
         return None
     host, port = parse_address(args.kv_store)
-    if config.role != "both":
-        raise ValueError(
-            "--kv-store runs on a --role both engine for now (a prefill or decode engine's "
-            "connector is the P/D one)"
-        )
+    if config.role not in STORE_ROLES:
+        raise ValueError(f"--kv-store runs on a --role both, prefill or decode engine, not {config.role}")
     if not config.cache.enable_prefix_caching:
         raise ValueError("--kv-store needs the prefix cache (it offloads what the cache evicts)")
     if args.kv_store_offload_queue < 1:
         raise ValueError(f"--kv-store-offload-queue must be positive, not {args.kv_store_offload_queue}")
     if not args.kv_store_timeout > 0:
         raise ValueError(f"--kv-store-timeout must be positive, not {args.kv_store_timeout}")
-    from splitserve.engine.kv_store_client import KVStoreConnector  # torch: only engines pay for it
+    from splitserve.engine.kv_store_client import KVStoreClient  # torch: only engines pay for it
 
-    return KVStoreConnector(
+    return KVStoreClient(
         host, port, token, timeout_s=args.kv_store_timeout, queue_blocks=args.kv_store_offload_queue
     )
 
 
 class KVStoreClientCollector(Collector):
-    """The connector's counters, read when scraped."""
+    """The store client's counters, read when scraped."""
 
-    def __init__(self, connector: KVStoreConnector) -> None:
-        self.connector = connector
+    def __init__(self, client: KVStoreClient) -> None:
+        self.client = client
 
     def collect(self) -> Iterator[Metric]:
-        s = self.connector.stats
+        s = self.client.stats
         counters = [
             ("lookups", "Prompts looked up in the KV store.", s.lookups),
             (
@@ -123,14 +123,12 @@ class KVStoreClientCollector(Collector):
         yield GaugeMetricFamily(
             f"{PREFIX}_offload_queue_depth",
             "Evicted blocks waiting to be offloaded.",
-            self.connector.offload_queue_depth,
+            self.client.offload_queue_depth,
         )
 
 
-def install_kv_store_metrics(app: FastAPI, connector: object) -> None:
-    """The connector's counters on the app's /metrics, when it is the KV store's."""
-    from splitserve.engine.kv_store_client import KVStoreConnector
-
+def install_kv_store_metrics(app: FastAPI, client: KVStoreClient | None) -> None:
+    """The store client's counters on the app's /metrics (when there is a client)."""
     metrics = getattr(app.state, "metrics", None)
-    if isinstance(connector, KVStoreConnector) and metrics is not None:
-        metrics.registry.register(KVStoreClientCollector(connector))
+    if client is not None and metrics is not None:
+        metrics.registry.register(KVStoreClientCollector(client))
