@@ -13,6 +13,12 @@ The full transfer time of a prompt is the pull's measured transfer (pull sent ->
 layer landed) on the same transport; exposed transfer is reported as a fraction of it.
 With L layers streamed while the next computes, about 1/L should remain (the seed).
 
+Part 1b, a hybrid model beside a dense one (`--hybrid-prompt-tokens`, default 256, 1k, 8k):
+the bench model and a Nemotron-H of its width and depth (4 Mamba2, 2 attention, 2 MLP
+layers), push over shm and tcp: the bytes handed over, KV and Mamba state apart, and the
+exposed handoff, beside the simulator's prediction of the bytes (sim/specs.py: the KV of
+the prompt's n - 1 tokens, and every Mamba layer's state, whole, whatever the length).
+
 Part 2, interference: short prompts stream long answers while long prompts arrive.
 Every engine gets one core and one thread: collocated, one `--role both` engine on core 0;
 P/D, prefill on core 0 and decode on core 1 (shm push; prompts under 512 tokens skip the
@@ -41,14 +47,22 @@ from pathlib import Path
 from typing import NamedTuple
 
 import httpx
-from bench_model import DEFAULT_MODEL_DIR, compute_dtype, ensure_bench_model, ensure_long_bench_model
+from bench_model import (
+    DEFAULT_MODEL_DIR,
+    compute_dtype,
+    ensure_bench_model,
+    ensure_hybrid_bench_model,
+    ensure_long_bench_model,
+)
 
 from splitserve.kv.transport.nixl_package import nixl_present
+from splitserve.protocol.generate_request import GenerateRequest
 from splitserve.router.pd_engine_client import PDEngineClient
 from splitserve.router.pd_policy import PDPolicy
 from splitserve.router.workers import WorkerPool
 from splitserve.runtime.http_engine_client import HTTPEngineClient
 from splitserve.runtime.ports import pick_free_port as free_port
+from splitserve.sim.specs import load_model as load_sim_model
 
 VOCAB = 32768
 
@@ -101,9 +115,11 @@ def stop(engines: list[Engine]) -> None:
             engine.process.kill()
 
 
-def body(request_id: str, tokens: list[int], max_tokens: int) -> dict:
+def body(request_id: str, tokens: list[int], max_tokens: int) -> GenerateRequest:
+    """A streamed greedy request, as the engine clients take it (typed)."""
     sampling = {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
-    return {"request_id": request_id, "token_ids": tokens, "sampling_params": sampling, "stream": True}
+    wire = {"request_id": request_id, "token_ids": tokens, "sampling_params": sampling, "stream": True}
+    return GenerateRequest.from_wire(wire)
 
 
 def median_ms(values: list[float]) -> float:
@@ -117,7 +133,8 @@ class Handoff(NamedTuple):
     notification_s: float
     exposed_handoff_s: float
     wait_s: float
-    num_bytes: int
+    num_bytes: int  # KV
+    state_bytes: int  # a hybrid model's Mamba state
 
 
 async def one_handoff(client: PDEngineClient, request_id: str, tokens: list[int]) -> Handoff:
@@ -136,15 +153,16 @@ async def one_handoff(client: PDEngineClient, request_id: str, tokens: list[int]
         handoff["exposed_handoff_s"],
         handoff["wait_s"],
         handoff["bytes"],
+        handoff.get("state_bytes", 0),
     )
 
 
 async def handoff_runs(
-    prefill: str, decode: str, lengths: list[int], repeats: int, seed: int
+    prefill: str, decode: str, lengths: list[int], repeats: int, seed: int, modes=("push", "pull")
 ) -> dict[tuple[int, str], list[Handoff]]:
     """(prompt tokens, mode) -> the runs; fresh prompts every time (no prefix hits)."""
     results = {}
-    for mode in ("push", "pull"):
+    for mode in modes:
         client = PDEngineClient(
             WorkerPool([prefill], [decode]), PDPolicy(min_prefill_tokens=0, mode=mode, decision="threshold")
         )
@@ -207,6 +225,45 @@ def part_handoff(model: Path, lengths: list[int], repeats: int) -> dict[str, flo
                 )
     print(f"(one layer's share of the transfer: 1/{layers} = {1 / layers:.0%})")
     return fractions
+
+
+def part_hybrid(dense: Path, lengths: list[int], repeats: int) -> None:
+    """Part 1b: what a hybrid model hands over beside a dense one of its size, measured
+    and predicted (push only: a hybrid's state travels in a push)."""
+    max_len = max(4096, max(lengths) + 64)
+    hybrid = ensure_hybrid_bench_model(8192 * -(-max_len // 8192))
+    print(
+        f"\n== Hybrid vs dense handoff (push): {'/'.join(map(str, lengths))}-token prompts, "
+        f"{repeats} per cell =="
+    )
+    print(
+        f"{'model':<8} {'transport':<9} {'tokens':>6} {'KV KiB':>8} {'sim KV':>8} {'state KiB':>9} "
+        f"{'sim state':>9} {'exposed handoff ms':>18}"
+    )
+    for seed, ((name, model), transport) in enumerate(
+        itertools.product((("dense", dense), ("hybrid", hybrid)), ("shm", "tcp")), start=10
+    ):
+        spec = load_sim_model(str(model))
+        engines = [
+            start_engine(model, "prefill", {0}, transport, max_len=max_len),
+            start_engine(model, "decode", {1}, transport, max_len=max_len),
+        ]
+        try:
+            wait_healthy(engines)
+            results = asyncio.run(
+                handoff_runs(engines[0].url, engines[1].url, lengths, repeats, seed, modes=("push",))
+            )
+        finally:
+            stop(engines)
+        for length in lengths:
+            runs = results[(length, "push")]
+            block_tokens = 16 * -(-(length - 1) // 16)  # decode's blocks for positions [0, n - 1)
+            print(
+                f"{name:<8} {transport:<9} {length:>6} {runs[0].num_bytes / 1024:>8.0f} "
+                f"{block_tokens * spec.kv_bytes_per_token / 1024:>8.0f} {runs[0].state_bytes / 1024:>9.1f} "
+                f"{spec.state_bytes_per_request / 1024:>9.1f} "
+                f"{median_ms([h.exposed_handoff_s for h in runs]):>18.2f}"
+            )
 
 
 # ---- part 2: interference ----------------------------------------------------------------
@@ -316,6 +373,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-handoff", action="store_true")
     parser.add_argument("--skip-interference", action="store_true")
+    parser.add_argument("--hybrid-prompt-tokens", type=int, nargs="+", default=[256, 1024, 8192])
+    parser.add_argument("--skip-hybrid", action="store_true")
     parser.add_argument("--streams", type=int, default=4)
     parser.add_argument("--long-prompts", type=int, default=3)
     parser.add_argument("--long-tokens", type=int, default=2000)
@@ -332,6 +391,10 @@ def main() -> int:
         # the bench model holds 4096 positions: longer prompts get its shape with more
         handoff_model = ensure_long_bench_model(8192 * -(-longest // 8192))
     fractions = {} if args.skip_handoff else part_handoff(handoff_model, args.prompt_tokens, args.repeats)
+    if not args.skip_hybrid:
+        longest = max(args.hybrid_prompt_tokens) + 64
+        dense = model if longest <= 4096 else ensure_long_bench_model(8192 * -(-longest // 8192))
+        part_hybrid(dense, args.hybrid_prompt_tokens, args.repeats)
     stats = (
         {}
         if args.skip_interference

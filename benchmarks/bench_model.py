@@ -26,6 +26,11 @@ SMOLLM2_SHAPE_FLAGS = [
     "--head-dim", "64", "--intermediate", "1536", "--vocab", "49152", "--max-position", "8192",
     "--dtype", "bfloat16",
 ]  # fmt: skip
+# a hybrid beside the bench model, of its width and depth: 4 Mamba2, 2 attention, 2 MLP layers
+HYBRID_BENCH_FLAGS = [
+    "--arch", "nemotron_h", "--layers", "8", "--hidden", "512", "--heads", "8", "--kv-heads", "4",
+    "--vocab", "32768", "--dtype", "bfloat16", "--pattern", "M*M-M*M-",
+]  # fmt: skip
 MODELS_HOME = Path(os.environ.get("SPLITSERVE_HOME", Path.home() / ".cache" / "splitserve"))
 DEFAULT_MODEL_DIR = MODELS_HOME / "bench-qwen3-8l"
 SMOLLM2_SHAPE_DIR = MODELS_HOME / "bench-smollm2-shape"
@@ -48,6 +53,14 @@ def ensure_long_bench_model(max_position: int) -> Path:
     directory = DEFAULT_MODEL_DIR.with_name(f"{DEFAULT_MODEL_DIR.name}-{max_position}")
     if not (directory / "model.safetensors").is_file():
         _build(directory, [*BENCH_MODEL_FLAGS, "--max-position", str(max_position)])
+    return directory
+
+
+def ensure_hybrid_bench_model(max_position: int) -> Path:
+    """The hybrid (Nemotron-H) bench model holding `max_position` tokens, its own directory."""
+    directory = MODELS_HOME / f"bench-nemotron-h-8l-{max_position}"
+    if not (directory / "model.safetensors").is_file():
+        _build(directory, [*HYBRID_BENCH_FLAGS, "--max-position", str(max_position)])
     return directory
 
 

@@ -65,11 +65,6 @@ class ModelRunner:
         self.hybrid_config = (
             load_nemotron_h_config(config.model.model) if is_hybrid_model(config.model.model) else None
         )
-        if self.hybrid_config is not None and (connector is not None or kv_cache_allocator is not None):
-            raise ValueError(
-                "hybrid (Mamba) models cannot run with a KV connector yet: their Mamba state is not "
-                "transferred (serve them without --prefill/--decode roles)"
-            )
         self.decoder_config = (
             self.vl_config.text
             if self.vl_config
@@ -134,6 +129,9 @@ class ModelRunner:
                 block_size,
                 config.cache.state_snapshot_bytes if config.cache.enable_prefix_caching else 0,
             )
+            if connector is not None:  # P/D: the state travels with the KV, whole
+                connector.register_state(self.state_pool.slot_bytes)
+                self.state_pool.hand_over_states = True
         elif self.vl_config is None:
             self.model = load_model(
                 config.model.model, dc, self.dtype, self.device, config.afd is None, quantized
@@ -245,8 +243,14 @@ class ModelRunner:
         if self.state_pool is not None:
             assert isinstance(self.model, NemotronHModel)
             mamba = self.state_pool.step_metadata(ordered, self.device)
-            logits = self.model(input_ids_t, positions_t, self.kv_cache, meta, sample_rows_t, mamba=mamba)
+            logits = self.model(
+                input_ids_t, positions_t, self.kv_cache, meta, sample_rows_t, before_layer, after_layer,
+                mamba=mamba,
+            )  # fmt: skip
             self.state_pool.save_step_snapshots()
+            if self.connector is not None:
+                for request_id, state in self.state_pool.take_step_handoffs():
+                    self.connector.save_state(request_id, state)
         elif self.ffn is not None and splits(meta, self.afd_microbatches):
             assert isinstance(self.model, DecoderModel)
             logits = overlapped_forward(

@@ -177,6 +177,8 @@ class Scheduler:
             self.connector.update_state_after_alloc(request, list(request.block_ids), num_external)
             if pool is not None:
                 pool.allocate(request.request_id)
+                if computed_blocks:  # what a failed load recomputes from; a load overwrites it
+                    pool.restore(request, len(computed_blocks))
             return ScheduledRequest(request, num_hit, 0)
         num_new = min(request.num_tokens - num_computed, budget)
         if cdiv(num_computed + num_new, bm.block_size) > bm.num_blocks:
@@ -331,6 +333,8 @@ class Scheduler:
             if request is None:
                 continue
             external = request.pending_external_tokens
+            if request_id in loaded and request_id not in failed and not self.load_state(request):
+                failed = failed | {request_id}
             if request_id in loaded and request_id not in failed:
                 request.num_computed_tokens += external
                 self.block_manager.cache_full_blocks(request)
@@ -342,6 +346,20 @@ class Scheduler:
             request.pending_external_tokens = 0
             request.status = RequestStatus.WAITING
             self.waiting.appendleft(request)
+
+    def load_state(self, request: Request) -> bool:
+        """A hybrid model's loaded request: its slot takes the Mamba state that arrived with
+        the KV (True); without one (or one not whole) it recomputes instead (False)."""
+        if self.state_pool is None or self.connector is None or request.pending_external_tokens == 0:
+            return True
+        state = self.connector.take_received_state(request.request_id)
+        if state is None or len(state) != self.state_pool.slot_bytes:
+            logger.warning(
+                "request %s: no whole Mamba state came with its KV; recomputing", request.request_id
+            )
+            return False
+        self.state_pool.load_state(request.request_id, state)
+        return True
 
     def remove(self, request: Request) -> None:
         """Take a request out of whichever queue holds it."""

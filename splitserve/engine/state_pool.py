@@ -10,6 +10,12 @@ requests that hold slots, as BlockManager.check_integrity does for blocks.
 Prefix caching: a step copies each request's state at every block boundary it computes
 into the snapshot store (state_snapshots.py); a prefix hit is cut back to the latest
 boundary with a snapshot, which admission copies into the request's new slot.
+
+P/D (`hand_over_states`): a prefill request's step that reaches position n - 1 of its
+n-token prompt also copies the state there (the decode worker computes the last prompt
+token itself, from that state); the runner hands it to the KV connector as bytes
+(`take_step_handoffs`), and a decode worker's slot is filled from those bytes
+(`load_state`) once the request's KV and state have both arrived.
 """
 
 from __future__ import annotations
@@ -26,6 +32,12 @@ from splitserve.protocol.block_hash import BlockHash
 if TYPE_CHECKING:
     from splitserve.engine.block_manager import BlockManager
     from splitserve.engine.request import Request, ScheduledRequest
+
+
+def state_bytes(conv: torch.Tensor, ssm: torch.Tensor) -> bytes:
+    """One request's state (every Mamba layer) as bytes: the conv state, then the SSM state."""
+    parts = (t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes() for t in (conv, ssm))
+    return b"".join(parts)
 
 
 class MambaStatePool:
@@ -70,6 +82,10 @@ class MambaStatePool:
         # the boundaries the running step captures: (key, capture row) for those inside a
         # prefill chunk, (key, -1 - slot) for those at a row's end (read from the slot)
         self.step_captures: list[tuple[SnapshotKey, int]] = []
+        # P/D prefill: capture each pushing request's state at its prompt's position n - 1,
+        # as (request ID, capture row or -1 - slot) for the running step
+        self.hand_over_states = False
+        self.step_handoffs: list[tuple[str, int]] = []
         self.capture_conv: torch.Tensor | None = None
         self.capture_ssm: torch.Tensor | None = None
 
@@ -159,7 +175,7 @@ class MambaStatePool:
         decode_slots: list[int] = []
         prefills: list[MambaPrefill] = []
         floors: list[torch.Tensor] = []
-        self.step_captures = []
+        self.step_captures, self.step_handoffs = [], []
         num_inner = 0
         offset = 0
         for item in ordered:
@@ -167,17 +183,31 @@ class MambaStatePool:
             if item.position_start == 0:
                 self.conv_states[slot].zero_()
                 self.ssm_states[slot].zero_()
-            inner: list[tuple[int, int]] = []
+            start, end = item.position_start, item.position_start + item.num_tokens
+            # the positions whose state the step keeps: block boundaries (snapshots), and a
+            # pushing prefill request's n - 1 (its handoff); a position inside a prefill
+            # chunk is a capture row, the row's end is read from the slot after the step
+            snapshots: list[tuple[int, SnapshotKey]] = []
             if self.snapshots is not None:
-                bs, end = self.block_size, item.position_start + item.num_tokens
-                for boundary in range(-(-(item.position_start + 1) // bs) * bs, end + 1, bs):
-                    key = self.snapshot_key(item.request, boundary // bs)
-                    if boundary == end:
-                        self.step_captures.append((key, -1 - slot))
-                    else:
-                        inner.append((boundary - item.position_start, num_inner))
-                        self.step_captures.append((key, num_inner))
-                        num_inner += 1
+                bs = self.block_size
+                for boundary in range(-(-(start + 1) // bs) * bs, end + 1, bs):
+                    snapshots.append((boundary, self.snapshot_key(item.request, boundary // bs)))
+            handoff = self.handoff_position(item.request)
+            wanted = {boundary for boundary, _ in snapshots}
+            if handoff is not None and start < handoff <= end:
+                wanted.add(handoff)
+            source: dict[int, int] = {}
+            inner: list[tuple[int, int]] = []
+            for position in sorted(wanted):
+                if position == end:
+                    source[position] = -1 - slot
+                else:
+                    source[position] = num_inner
+                    inner.append((position - start, num_inner))
+                    num_inner += 1
+            self.step_captures.extend((key, source[boundary]) for boundary, key in snapshots)
+            if handoff in source:
+                self.step_handoffs.append((item.request.request_id, source[handoff]))
             if item.num_tokens == 1:
                 decode_slots.append(slot)
             else:
@@ -199,6 +229,38 @@ class MambaStatePool:
             capture_conv=self.capture_conv,
             capture_ssm=self.capture_ssm,
         )
+
+    def handoff_position(self, request: Request) -> int | None:
+        """Where a P/D prefill request's state is handed over: n - 1 (None: it is not)."""
+        if not self.hand_over_states or not request.kv_transfer_params.do_remote_decode:
+            return None
+        return request.num_prompt_tokens - 1 if request.num_prompt_tokens > 1 else None
+
+    def take_step_handoffs(self) -> list[tuple[str, bytes]]:
+        """After the step ran: (request ID, its state as bytes) for each request whose
+        handoff position the step reached (read before the next step reuses the rows)."""
+        handoffs = []
+        for request_id, source in self.step_handoffs:
+            if source >= 0:
+                assert self.capture_conv is not None and self.capture_ssm is not None
+                conv, ssm = self.capture_conv[source], self.capture_ssm[source]
+            else:
+                conv, ssm = self.conv_states[-1 - source], self.ssm_states[-1 - source]
+            handoffs.append((request_id, state_bytes(conv, ssm)))
+        self.step_handoffs = []
+        return handoffs
+
+    def load_state(self, request_id: str, state: bytes) -> None:
+        """Fill the request's slot from a state handed over whole (`take_step_handoffs`'
+        bytes on the prefill worker). ValueError for bytes of another size."""
+        if len(state) != self.slot_bytes:
+            raise ValueError(f"a Mamba state of {len(state)} bytes, {self.slot_bytes} expected")
+        slot = self.slots[request_id]
+        raw = torch.frombuffer(bytearray(state), dtype=torch.uint8)
+        conv_bytes = self.conv_states[slot].numel() * self.conv_states.element_size()
+        parts = ((self.conv_states[slot], raw[:conv_bytes]), (self.ssm_states[slot], raw[conv_bytes:]))
+        for target, part in parts:
+            target.copy_(part.view(target.dtype).view(target.shape))
 
     def save_step_snapshots(self) -> None:
         """After the step ran: keep the states at the boundaries it computed."""

@@ -7,7 +7,8 @@ On the wire it is a JSON object with vLLM's key names (`do_remote_prefill`,
 `push_target_pending` (push: prefill starts now, its target is posted later), and for
 bidirectional transfer `prefix_lend_id`, `prefix_block_ids`, `prefix_block_hashes`: the
 leading blocks decode holds of this prompt, by chained block hash, that prefill may pull);
-a finished request reports `kv_bytes`, `send_s`, `kv_transfer_error`, `handoff`,
+a finished request reports `kv_bytes`, `state_bytes` (a hybrid model's Mamba state,
+apart from the KV), `send_s`, `kv_transfer_error`, `handoff`,
 `prompt_sources` and, through the proxy, `prefill`. A request carries it parsed (the
 typed generate request, protocol/generate_request.py) into the engine's `Request`; every
 tier reads and writes it only through `KVTransferParams`.
@@ -75,6 +76,7 @@ class KVTransferParams:
     push_target_pending: bool = False
     # what a finished request reports
     kv_bytes: int | None = None
+    state_bytes: int | None = None  # a hybrid model's Mamba state, handed over whole
     send_s: float | None = None
     kv_transfer_error: str | None = None
     handoff: dict[str, Any] | None = None  # decode: where the TTFT went
@@ -114,6 +116,7 @@ class KVTransferParams:
             prefix_block_hashes=take("prefix_block_hashes", _hex_list(data.get("prefix_block_hashes"))),
             push_target_pending=data.get("push_target_pending") is True,
             kv_bytes=_count(data.get("kv_bytes")),
+            state_bytes=_count(data.get("state_bytes")),
             send_s=_number(data.get("send_s")),
             kv_transfer_error=_text(data.get("kv_transfer_error")),
             handoff=data.get("handoff") if isinstance(data.get("handoff"), dict) else None,

@@ -111,7 +111,8 @@ class PushControl:
                 failure = f"prefill on {prefill.url} refused the push target: {response.text[:200]}"
             else:
                 sent = KVTransferParams.from_wire(response.json())  # a parked prefill's push
-                report.update({k: v for k, v in sent.to_wire().items() if k in ("kv_bytes", "send_s")})
+                reported = ("kv_bytes", "state_bytes", "send_s")
+                report.update({k: v for k, v in sent.to_wire().items() if k in reported})
                 failure = sent.kv_transfer_error
         if target is None or failure is not None:
             prefill_task.cancel()

@@ -17,6 +17,7 @@ from splitserve.protocol.sampling_params import SamplingParams
 from tests.conftest import free_port, running_server
 from tests.engine.helpers import make_prompts, oracle_greedy
 from tests.generate_requests import generate_request
+from tests.kv.transport_peer import NEEDS_NIXL
 
 MAX_TOKENS = 12
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
@@ -127,14 +128,25 @@ def test_serve_openai_completions_equal_transformers(hybrid_case):
         assert bad.status_code == 400
 
 
-def test_hybrid_model_refuses_a_kv_connector(hybrid_case):
-    """P/D would hand decode the attention KV without the Mamba state: refused at start."""
+def test_a_connector_that_cannot_move_the_state_refuses_a_hybrid_model(hybrid_case):
+    """It would hand over the attention KV without the Mamba state: refused at start."""
     from splitserve.kv.connector.inprocess import InProcessConnector, InProcessKVStore
 
     model_dir, _, _ = hybrid_case
     connector = InProcessConnector(InProcessKVStore(), "prefill-0")
-    with pytest.raises(ValueError, match="Mamba state is not transferred"):
+    with pytest.raises(ValueError, match="cannot hand over a hybrid model's Mamba state"):
         LLM(model_dir, num_blocks=8, role="prefill", connector=connector)
+
+
+@NEEDS_NIXL
+def test_nixl_refuses_a_hybrid_model_at_start_up(hybrid_case):
+    from splitserve.config import TransferConfig
+    from splitserve.kv.connector.pd_connector import make_pd_connector
+
+    model_dir, _, _ = hybrid_case
+    connector = make_pd_connector("decode", TransferConfig(transport="nixl"))
+    with pytest.raises(ValueError, match="cannot use --kv-transport nixl"):
+        LLM(model_dir, num_blocks=8, role="decode", connector=connector)
 
 
 def test_prefix_hits_resume_from_the_latest_snapshot(hybrid_case):
@@ -160,10 +172,10 @@ def test_prefix_hits_resume_from_the_latest_snapshot(hybrid_case):
         small.engine.check_integrity()
 
 
-def test_up_refuses_a_hybrid_model(hybrid_case, capsys):
-    """Before it starts any part: nothing to stop afterwards."""
+def test_up_refuses_a_hybrid_model_in_pull_mode(hybrid_case, capsys):
+    """The state travels in a push only: refused before any part starts."""
     from splitserve.cli import main
 
     model_dir, _, _ = hybrid_case
-    assert main(["up", model_dir, "--port", str(free_port())]) == 2
-    assert "hybrid (Mamba) models cannot be served disaggregated" in capsys.readouterr().err
+    assert main(["up", model_dir, "--port", str(free_port()), "--mode", "pull"]) == 2
+    assert "drop --transport nixl and --mode pull" in capsys.readouterr().err

@@ -310,6 +310,7 @@ def install_kv_routes(app: FastAPI, connector: PDConnector) -> None:
         if answer.outcome is not None:
             sent = KVTransferParams(
                 kv_bytes=answer.outcome.num_bytes,
+                state_bytes=answer.outcome.state_bytes or None,
                 send_s=answer.outcome.send_s,
                 kv_transfer_error=answer.outcome.error,
             )
@@ -326,6 +327,12 @@ def install_kv_routes(app: FastAPI, connector: PDConnector) -> None:
                 "failure_policy": connector.config.failure_policy,
                 "pid": os.getpid(),
                 "received_bytes": connector.transport.received_by_path(),  # auto: per data path
+                # a hybrid model's Mamba states, counted apart from the KV (0 without one)
+                "state_bytes": {
+                    "per_request": connector.state_bytes,
+                    "sent": connector.transport.sent.state_bytes,
+                    "received": connector.transport.arrivals.state_bytes_received,
+                },
                 **KVTransferParams().with_address(connector.kv_address()).to_wire(),
             }
         )

@@ -13,6 +13,8 @@ At engine start:
      [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]; block IDs index dim 2.
   3. `set_wakeup(fn)` — `fn()` is thread-safe; call it when an async load completes
      (or fails) so an idle engine loop wakes at once instead of at its next poll.
+  A hybrid (attention + Mamba) model first calls `register_state(state_bytes)`: every
+  transfer then also carries the request's Mamba state as of position n - 1, whole.
 
 Each step, scheduling (for each WAITING request being admitted):
   4. `get_num_new_matched_tokens(request, num_computed_tokens)` ->
@@ -30,12 +32,16 @@ Each step, forward pass (only when the step computes tokens):
   6. `start_load_kv(step)` — begin the synchronous loads registered in step 5.
   7. for each layer i: `wait_for_layer_load(i)`; the layer's attention writes its KV into
      the cache; `save_kv_layer(i, kv_cache[i], step)` — ship layer i while i+1 computes.
-  8. `wait_for_save()` — after the last layer, before sampling.
+  8. (hybrid) `save_state(request_id, state)` for each request whose step reached its
+     prompt's position n - 1: the Mamba state there. Then `wait_for_save()` — after the
+     last layer, before sampling.
 
 After each step:
   9. `get_finished_loading()` / `get_failed_loading()` — request IDs whose async loads are
      complete / failed. Completed ones become WAITING with their external tokens counted
      as computed (they run at the next step); failed ones recompute from their local hit.
+     (hybrid) A completed load's Mamba state is `take_received_state(request_id)`; none
+     there makes it a failed one.
  10. `request_finished(request, block_ids)` when a request finishes for any reason (its
      finish_reason says which) -> (delay_free_blocks, kv_transfer_params). With
      delay_free_blocks the engine keeps the blocks until the ID shows up in
@@ -113,6 +119,11 @@ class KVConnector(ABC):
     def set_wakeup(self, wakeup: Callable[[], None]) -> None:  # noqa: B027
         """Called once; store `wakeup` and call it when async loads complete."""
 
+    def register_state(self, state_bytes: int) -> None:
+        """A hybrid model: one request's Mamba state is `state_bytes` long, and travels
+        with its KV. A connector that cannot move it raises ValueError (a start-up error)."""
+        raise ValueError(f"the {type(self).__name__} cannot hand over a hybrid model's Mamba state")
+
     # ---- scheduler half -----------------------------------------------------------
     @abstractmethod
     def get_num_new_matched_tokens(
@@ -142,6 +153,10 @@ class KVConnector(ABC):
         """IDs of finished requests whose delayed blocks may now be freed."""
         return set()
 
+    def take_received_state(self, request_id: str) -> bytes | None:
+        """The Mamba state that arrived with a finished load (hybrid models), once."""
+        return None
+
     # ---- worker half --------------------------------------------------------------
     def start_load_kv(self, step: StepKVInfo) -> None:  # noqa: B027
         """Begin this step's synchronous loads."""
@@ -152,6 +167,9 @@ class KVConnector(ABC):
     def save_kv_layer(self, layer_idx: int, kv_layer: torch.Tensor, step: StepKVInfo) -> None:  # noqa: B027
         """Layer `layer_idx`'s KV for this step's tokens has just been written into
         `kv_layer` ([2, num_blocks, block_size, num_kv_heads, head_dim])."""
+
+    def save_state(self, request_id: str, state: bytes) -> None:  # noqa: B027
+        """The request's Mamba state as of its prompt's position n - 1 (hybrid models)."""
 
     def wait_for_save(self) -> None:  # noqa: B027
         """Block until this step's saves no longer need the cache contents."""

@@ -1,11 +1,16 @@
 """The P/D connector of a decode worker: a request sent with `do_remote_prefill` reserves
 blocks for the KV it lacks and waits, parked, until a prefill worker has pushed it (or it
 has pulled it from prefill's hold); in bidirectional mode the reservation also lends the
-prefix this worker already holds (prefix_lend.py). pd_connector.py describes the whole flow."""
+prefix this worker already holds (prefix_lend.py). pd_connector.py describes the whole flow.
+
+A hybrid (attention + Mamba) model's transfer also waits for the request's Mamba state as
+of position n - 1, pushed whole after the layers; the engine takes it once the load is
+done (`take_received_state`). Pull mode has no state to read: such a request recomputes."""
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import ClassVar
 
@@ -41,6 +46,10 @@ class DecodeConnector(PDConnector):
         # the lend table answers the transport's is_held from the moment it exists
         self.lends = PrefixLends(config.reservation_ttl_s, self.on_lend_ended)
         super().__init__(config, engine_id=engine_id, host=host, port=port, transport=transport)
+        # hybrid models: the states that arrived, by transfer (a push is named by its
+        # request), until the engine takes them (transport threads put, the engine takes)
+        self.states_lock = threading.Lock()
+        self.received_states: dict[str, bytes] = {}
 
     def is_held(self, transfer_id: str, block_ids: list[int], block_hashes: list[str]) -> bool:
         return self.lends.is_held(transfer_id, block_ids, block_hashes)
@@ -66,6 +75,10 @@ class DecodeConnector(PDConnector):
             return 0, False
         external = request.num_prompt_tokens - 1 - num_computed_tokens
         if external <= 0:
+            return 0, False
+        if params.mode(self.config.mode) == "pull" and self.state_bytes:
+            logger.warning("request %s computes its prompt: pull mode has no Mamba state", request.request_id)
+            self.metrics.fallbacks.labels("hybrid_pull").inc()
             return 0, False
         if params.mode(self.config.mode) == "pull":
             try:
@@ -105,10 +118,15 @@ class DecodeConnector(PDConnector):
         if mode == "pull" and params.prefill_done_at is not None:
             load.ready_mono = wall_to_monotonic(params.prefill_done_at)
         self.loads.start(request_id, load)
-        # the grant is bound to this prompt's tokens and salt: KV of anything else is refused
-        hashes = request.prompt_kv_hashes()[first:last]
+        # the grant is bound to this prompt's tokens and salt: KV of anything else is refused;
+        # a hybrid's state is bound to every token before it (the last KV hash)
+        prompt_hashes = request.prompt_kv_hashes()
+        hashes = prompt_hashes[first:last]
+        state_hash = prompt_hashes[-1] if self.state_bytes else ""
         ttl_s = self.config.reservation_ttl_s
-        self.transport.expect(transfer_id, dst, self.kv_arrived, ttl_s=ttl_s, block_hashes=hashes)
+        self.transport.expect(
+            transfer_id, dst, self.kv_arrived, ttl_s=ttl_s, block_hashes=hashes, state_hash=state_hash
+        )
         if mode == "push":
             lend = self.lend_prefix(request, block_ids[:first])
             num_tokens = hit + num_external_tokens
@@ -123,7 +141,14 @@ class DecodeConnector(PDConnector):
         self.transport.pull(PeerInfo(*params.remote_address()), transfer_id, list(src), dst, hashes)
 
     def kv_arrived(self, result: TransferResult) -> None:
+        if result.ok and result.state is not None:  # kept before the engine can hear of the load
+            with self.states_lock:
+                self.received_states[result.transfer_id] = result.state
         self.report_arrival("decode", result)
+
+    def take_received_state(self, request_id: str) -> bytes | None:
+        with self.states_lock:
+            return self.received_states.pop(request_id, None)
 
     def settle_arrival(self, arrival: Arrival, result: TransferResult) -> None:
         self.reservations.remove(arrival.request_id, expired=not result.ok and result.first_arrival is None)
@@ -135,6 +160,7 @@ class DecodeConnector(PDConnector):
         if not params.do_remote_prefill:
             return False, None
         request_id = request.request_id
+        self.take_received_state(request_id)  # one never taken (the request ended first) goes
         load, in_flight = self.loads.end(request_id)
         lent = self.loads.wait_for_lend(request_id)  # a prefill worker may still read our prefix
         if in_flight:

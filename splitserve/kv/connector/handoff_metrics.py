@@ -40,6 +40,12 @@ class HandoffMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.bytes = Counter(f"{PREFIX}_transfer_bytes", "KV bytes moved.", ["direction"], registry=r)
+        self.state_bytes = Counter(
+            f"{PREFIX}_state_bytes",
+            "Hybrid models: Mamba state bytes moved (whole states, apart from the KV bytes).",
+            ["direction"],
+            registry=r,
+        )
         self.transfers = Counter(
             f"{PREFIX}_transfers", "KV transfers finished.", ["side", "outcome"], registry=r
         )
@@ -94,6 +100,7 @@ class HandoffMetrics:
         """A transfer into this worker ended (`side`: "decode" or "prefix_pull");
         `fallback`: what a failure made the request do ("fail", "recompute"; None: nothing)."""
         self.bytes.labels("received").inc(result.num_bytes)
+        self.state_bytes.labels("received").inc(result.state_bytes)
         if result.ok:
             self.transfers.labels(side, "ok").inc()
             if side == "prefix_pull":

@@ -5,6 +5,11 @@ blocks that are complete for that layer (the destination peer's send lane copies
 while layer i+1 computes). A block is sent once per layer: when its positions are all computed,
 or when the prompt ends inside it. Prefix-cached blocks of prefill go with the first chunk.
 
+A hybrid (attention + Mamba) model's request also hands over its Mamba state as of the
+prompt's last KV position, whole (`save_state`, after the step that computed it): queued on
+the same lane after that step's layers, bound to the prompt's last KV hash. Its push is
+complete only with the state.
+
 A request sent with `push_target_pending` computes before decode has reserved anything:
 its plan has no destination yet and `save` only records how far each layer got. When the
 target arrives (`set_target`, from the HTTP thread) everything computed so far is queued
@@ -48,6 +53,11 @@ class _PushPlan:
     step_end: int = 0  # this step completes our blocks [next_block, step_end) ...
     layers_saved: int = 0  # ... of layers [0, layers_saved) so far
     caught_up: bool = False  # pushes were queued from another thread: flush before freeing
+    # a hybrid model: the hash the state is bound to (empty: no state travels), the state
+    # computed but not yet queued (target pending), and the bytes queued
+    state_hash: str = ""
+    state: bytes | None = None
+    state_sent: int = 0
 
 
 class PushOutcome(NamedTuple):
@@ -55,7 +65,8 @@ class PushOutcome(NamedTuple):
     transfer_id: str
     error: str | None
     send_s: float  # time the sender spent copying this request's KV
-    num_bytes: int
+    num_bytes: int  # KV
+    state_bytes: int = 0  # the Mamba state (hybrid models)
 
 
 class TargetAnswer(NamedTuple):
@@ -74,6 +85,7 @@ class LayerPusher:
         self.parked_ttl_s = parked_ttl_s
         self.block_size = 0
         self.num_layers = 0
+        self.carries_state = False  # a hybrid model: every push also hands over the Mamba state
         # the engine thread saves while the HTTP thread sets targets
         self._lock = threading.RLock()
         self._plans: dict[str, _PushPlan] = {}
@@ -86,11 +98,14 @@ class LayerPusher:
         self, request_id: str, num_prompt_tokens: int, params: KVTransferParams, block_hashes: list[str]
     ) -> None:
         """Remember where a request's blocks go (idempotent: admission may be retried)."""
+        # the state is as of the prompt's last KV position: bound to the hash of those tokens
+        state_hash = block_hashes[-1] if self.carries_state and block_hashes else ""
         with self._lock:
             if request_id in self._plans:
                 return
             if params.push_target_pending:
                 plan = _PushPlan(params.remote_request_id or request_id, num_prompt_tokens, block_hashes)
+                plan.state_hash = state_hash
                 self._plans[request_id] = plan
                 early = self._early.pop(request_id, None)
                 if early is not None:
@@ -103,6 +118,7 @@ class LayerPusher:
                 logger.warning("request %s cannot push its KV: %s", request_id, exc)
                 return
             plan = _PushPlan(params.remote_request_id or request_id, num_prompt_tokens, block_hashes)
+            plan.state_hash = state_hash
             self._plans[request_id] = plan
             self._aim(plan, peer, dst, params.remote_first_block or 0)
             plan.next_block = plan.first_block
@@ -135,6 +151,8 @@ class LayerPusher:
             end = plan.step_end if layer < plan.layers_saved else computed
             if end > first:
                 self._push(plan, layer, first, end, time.time())
+        if plan.state is not None:
+            self._push_state(plan, time.time())
         plan.caught_up = True
         self._pushed_this_step = True
 
@@ -148,6 +166,27 @@ class LayerPusher:
             self.transport.push_layer(plan.peer, plan.transfer_id, layer, src, dst, ready_at, hashes)
         except TransferError as exc:
             plan.error = str(exc)
+
+    def _push_state(self, plan: _PushPlan, ready_at: float) -> None:
+        """Queue the plan's computed state for its target (after the layers queued before)."""
+        assert plan.peer is not None and plan.state is not None
+        try:
+            self.transport.push_state(plan.peer, plan.transfer_id, plan.state, plan.state_hash, ready_at)
+            plan.state_sent, plan.state = len(plan.state), None
+        except TransferError as exc:
+            plan.error = str(exc)
+
+    def save_state(self, request_id: str, state: bytes) -> None:
+        """The request's Mamba state as of its prompt's last KV position (a hybrid model),
+        computed by the step that just ran: queued now, or kept until the target comes."""
+        with self._lock:
+            plan = self._plans.get(request_id)
+            if plan is None or not plan.state_hash or plan.error is not None:
+                return
+            plan.state = state
+            if plan.peer is not None:
+                self._push_state(plan, time.time())
+                self._pushed_this_step = True
 
     def save(self, layer_idx: int, step: StepKVInfo) -> None:
         if not self._plans:
@@ -264,13 +303,15 @@ class LayerPusher:
 
     def _outcome(self, plan: _PushPlan, finish_reason: str | None) -> PushOutcome:
         assert plan.peer is not None
-        seconds, num_bytes = self.transport.take_send_stats(plan.transfer_id)
+        sent = self.transport.sent.take(plan.transfer_id)
         error = plan.error or self.transport.take_send_error(plan.transfer_id)
         if error is None and plan.next_block < plan.first_block + len(plan.dst):
             error = f"prefill ended ({finish_reason}) before its KV was sent"
+        if error is None and plan.state_hash and not plan.state_sent:
+            error = f"prefill ended ({finish_reason}) before its Mamba state was sent"
         if error is not None:
             self.transport.send_failure(plan.peer, plan.transfer_id, error)
-        return PushOutcome(plan.peer, plan.transfer_id, error, seconds, num_bytes)
+        return PushOutcome(plan.peer, plan.transfer_id, error, sent.seconds, sent.kv_bytes, sent.state_bytes)
 
     def close(self) -> None:
         with self._lock:

@@ -61,7 +61,7 @@ class LoadTable:
                 return None
             fail_request = may_fail_request and load.mode != "prefix"
             load.done, load.ok, load.error = True, result.ok, result.error
-            load.num_bytes = result.num_bytes
+            load.num_bytes, load.state_bytes = result.num_bytes, result.state_bytes
             load.last_arrival_mono = wall_to_monotonic(result.last_arrival) if result.last_arrival else now
             load.transfer_s = load.last_arrival_mono - load.started
             if result.sender_ready_at is not None and load.mode == "push":

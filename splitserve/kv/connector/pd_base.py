@@ -49,6 +49,7 @@ class PDConnector(KVConnector):
         self.abort: Callable[[str], object] | None = None
         self.block_size = 0
         self.num_layers = 0
+        self.state_bytes = 0  # a hybrid model's Mamba state per request (0: none travels)
         self.peer: PeerInfo | None = None
 
     # ---- what each side answers for the transport and /metrics ------------------------
@@ -82,6 +83,17 @@ class PDConnector(KVConnector):
 
     def set_wakeup(self, wakeup: Callable[[], None]) -> None:
         self.wakeup = wakeup
+
+    def register_state(self, state_bytes: int) -> None:
+        # The state frame rides the control channel every transport shares, nixl's too, but
+        # no test has run it beside NIXL's WRITEs (NIXL is not installed where the suite
+        # runs): refused at start-up until one does, never left to fail at the first request
+        if self.transport.name == "nixl":
+            raise ValueError(
+                "hybrid (Mamba) models cannot use --kv-transport nixl yet (their state travels "
+                "over shm or tcp); use --kv-transport shm or tcp"
+            )
+        self.state_bytes = self.transport.state_bytes = state_bytes
 
     def set_abort(self, abort: Callable[[str], object]) -> None:
         """How to end a request whose KV failed under failure_policy "fail" (thread-safe,

@@ -29,6 +29,7 @@ class Load:
     noticed_mono: float | None = None  # when the engine picked the finished load up
     transfer_s: float = 0.0
     num_bytes: int = 0
+    state_bytes: int = 0  # a hybrid model's Mamba state, apart from the KV
     done: bool = False
     ok: bool = False
     error: str | None = None
@@ -44,6 +45,7 @@ def handoff_report(load: Load, request: ConnectorRequest, metrics: HandoffMetric
         "transferred": load.ok,
         "mode": load.mode,
         "bytes": load.num_bytes,
+        "state_bytes": load.state_bytes,
         "wait_s": load.transfer_s,
         "error": load.error,
     }

@@ -36,10 +36,12 @@ def push_finished(
         metrics.transfers.labels("prefill", "ok").inc()
         metrics.send_time.observe(outcome.send_s)
     metrics.bytes.labels("sent").inc(outcome.num_bytes)
+    metrics.state_bytes.labels("sent").inc(outcome.state_bytes)
     pushed = KVTransferParams(
         transfer_mode="push",
         prefill_done_at=done_at,
         kv_bytes=outcome.num_bytes,
+        state_bytes=outcome.state_bytes or None,
         send_s=outcome.send_s,
         kv_transfer_error=outcome.error,
         prompt_sources=sources,

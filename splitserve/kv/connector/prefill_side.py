@@ -62,13 +62,19 @@ class PrefillConnector(PDConnector):
         super().register_kv_cache(kv_cache, block_size)
         self.pusher.block_size, self.pusher.num_layers = self.block_size, self.num_layers
 
+    def register_state(self, state_bytes: int) -> None:
+        super().register_state(state_bytes)
+        self.pusher.carries_state = state_bytes > 0
+
     # ---- scheduler half ---------------------------------------------------------------
     def get_num_new_matched_tokens(
         self, request: ConnectorRequest, num_computed_tokens: int
     ) -> tuple[int, bool]:
         """Side-effect free (vLLM's contract): it may be asked again for the same request."""
         params = request.kv_transfer_params
-        if not params.do_remote_decode:
+        if not params.do_remote_decode or self.state_bytes:
+            # a hybrid resumes only from a Mamba state snapshot of its own (its prefix-cache
+            # hit): decode's lent prefix has no state with it, so it is recomputed here
             return 0, False
         mode = params.mode(self.config.mode)
         return pullable_prefix_tokens(request, num_computed_tokens, params, self.block_size, mode), True
@@ -122,6 +128,9 @@ class PrefillConnector(PDConnector):
         address = self.kv_address()
         if params.mode(self.config.mode) == "push":
             sources = prefill_prompt_sources(request, params, prefix, self.block_size)
+            if self.state_bytes and sources["offered_blocks"]:
+                sources["pull_declined"] = "a hybrid model resumes only from its own Mamba state snapshots"
+                self.metrics.fallbacks.labels("hybrid_prefix_recompute").inc()
             keep, pushed = push_finished(self.pusher, self.metrics, request, block_ids, sources, done_at)
             return keep or in_flight, pushed.with_address(address).to_wire()
         if request.finish_reason not in ("stop", "length") or not block_ids:
@@ -141,6 +150,9 @@ class PrefillConnector(PDConnector):
     # ---- worker half ------------------------------------------------------------------
     def save_kv_layer(self, layer_idx: int, kv_layer: torch.Tensor, step: StepKVInfo) -> None:
         self.pusher.save(layer_idx, step)
+
+    def save_state(self, request_id: str, state: bytes) -> None:
+        self.pusher.save_state(request_id, state)
 
     def wait_for_save(self) -> None:
         self.pusher.wait()

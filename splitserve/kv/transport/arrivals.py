@@ -1,7 +1,10 @@
 """Receiver side of KV transfers: count arrivals, signal completion once, time out.
 
-A transfer expects every layer of a list of blocks. `on_done` runs exactly once: on the
-last arrival (at once, from the thread that saw it, not at the engine's next step), or
+A transfer expects every layer of a list of blocks and, for a hybrid (attention + Mamba)
+model, the request's Mamba state as of the prompt's end, whole: one frame of exactly the
+size the receiver expects, bound to the prompt's last KV hash (the tokens before the
+state). `on_done` runs exactly once: on the last arrival (at once, from the thread that
+saw it, not at the engine's next step), or
 with an error when nothing arrived within the reservation TTL, when a started transfer
 made no progress for `timeout_s`, or when someone fails it explicitly.
 """
@@ -9,11 +12,14 @@ made no progress for `timeout_s`, or when someone fails it explicitly.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
+
+logger = logging.getLogger(__name__)
 
 
 class TransferResult(NamedTuple):
@@ -26,6 +32,8 @@ class TransferResult(NamedTuple):
     last_arrival: float | None
     sender_ready_at: float | None  # sender's wall clock when the last layer it sent was computed
     expired: bool  # nothing arrived within the reservation TTL
+    state: bytes | None = None  # the Mamba state that arrived (hybrid models), whole
+    state_bytes: int = 0  # its size (apart from num_bytes, the KV's)
 
 
 @dataclass
@@ -45,6 +53,12 @@ class _Expectation:
     last_progress: float = 0.0
     sender_ready_at: float | None = None
     seen: set[tuple[int, int]] = field(default_factory=set)
+    state_bytes: int = 0  # the Mamba state's size; 0: no state travels with this transfer
+    state_hash: str = ""  # what the state is bound to: the hash of the tokens before it
+    state: bytes | None = None
+
+    def complete(self) -> bool:
+        return self.arrived >= self.expected and (self.state_bytes == 0 or self.state is not None)
 
 
 class ArrivalTracker:
@@ -53,6 +67,7 @@ class ArrivalTracker:
         self.default_ttl_s = default_ttl_s
         self._lock = threading.Lock()
         self._expectations: dict[str, _Expectation] = {}
+        self.state_bytes_received = 0  # hybrid models' Mamba states landed, apart from KV
 
     def expect(
         self,
@@ -62,9 +77,15 @@ class ArrivalTracker:
         on_done: Callable[[TransferResult], None],
         ttl_s: float | None = None,
         block_hashes: Sequence[str] = (),
+        state_bytes: int = 0,
+        state_hash: str = "",
     ) -> None:
+        """`state_bytes` > 0: the transfer also expects a state of that size bound to
+        `state_hash`, and is complete only once it has arrived too."""
         if block_hashes and len(block_hashes) != len(block_ids):
             raise ValueError(f"{len(block_hashes)} block hashes for {len(block_ids)} blocks")
+        if state_bytes < 0 or (state_bytes > 0 and not state_hash):
+            raise ValueError("an expected state needs a positive size and the hash it is bound to")
         now = time.monotonic()
         expectation = _Expectation(
             expected=num_layers * len(set(block_ids)),
@@ -74,10 +95,12 @@ class ArrivalTracker:
             started_at=time.time(),
             ttl_deadline=now + (self.default_ttl_s if ttl_s is None else ttl_s),
             last_progress=now,
+            state_bytes=state_bytes,
+            state_hash=state_hash,
         )
         with self._lock:
             self._expectations[transfer_id] = expectation
-        if expectation.expected == 0:
+        if expectation.complete():
             self.finish(transfer_id, None)
 
     def accepts(self, transfer_id: str, block_ids: list[int], block_hashes: Sequence[str] = ()) -> bool:
@@ -132,9 +155,52 @@ class ArrivalTracker:
             expectation.last_progress = now
             if ready_at is not None:
                 expectation.sender_ready_at = max(expectation.sender_ready_at or 0.0, ready_at)
-            complete = expectation.arrived >= expectation.expected
+            complete = expectation.complete()
         if complete:
             self.finish(transfer_id, None)
+
+    def land_state(
+        self, transfer_id: str, state: bytes, state_hash: str, ready_at: float | None
+    ) -> str | None:
+        """A state frame arrived: None when it landed, else why it was refused. A state of
+        the wrong size (not whole) also fails the transfer at once (decode recomputes); one
+        not expected, bound to other tokens or arriving twice is only dropped, like a KV
+        push outside its grant."""
+        refused = self._land_state(transfer_id, state, state_hash, ready_at)
+        if refused is not None:
+            logger.warning("KV transfer %s: a Mamba state refused: %s", transfer_id, refused)
+        return refused
+
+    def _land_state(
+        self, transfer_id: str, state: bytes, state_hash: str, ready_at: float | None
+    ) -> str | None:
+        now_wall, now = time.time(), time.monotonic()
+        with self._lock:
+            expectation = self._expectations.get(transfer_id)
+            if expectation is None or expectation.state_bytes == 0:
+                return "no state is expected for this transfer"
+            if state_hash != expectation.state_hash:
+                return "the state is bound to other tokens"
+            if expectation.state is not None:
+                return "the state has already arrived"
+            short = len(state) != expectation.state_bytes
+            if not short:
+                self.state_bytes_received += len(state)
+                expectation.state = state
+                expectation.first_arrival = expectation.first_arrival or now_wall
+                expectation.last_arrival = now_wall
+                expectation.last_progress = now
+                if ready_at is not None:
+                    expectation.sender_ready_at = max(expectation.sender_ready_at or 0.0, ready_at)
+            complete = expectation.complete()
+            wanted = expectation.state_bytes
+        if short:
+            error = f"the Mamba state arrived with {len(state)} bytes, {wanted} expected: not whole"
+            self.finish(transfer_id, error)
+            return error
+        if complete:
+            self.finish(transfer_id, None)
+        return None
 
     def check_deadlines(self) -> None:
         now = time.monotonic()
@@ -166,6 +232,8 @@ class ArrivalTracker:
             last_arrival=expectation.last_arrival,
             sender_ready_at=expectation.sender_ready_at,
             expired=expired,
+            state=expectation.state if error is None else None,
+            state_bytes=len(expectation.state) if expectation.state is not None else 0,
         )
         with contextlib.suppress(Exception):
             expectation.on_done(result)

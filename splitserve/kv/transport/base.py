@@ -15,12 +15,10 @@ data plane:
 - `nixl`: the pool is registered with a NIXL agent (UCX underneath); the sender writes a
   layer's blocks with one-sided NIXL WRITEs and the notification rides the WRITE (nixl.py).
 
-The receiver counts arrivals per transfer (layers x blocks) and calls `on_done` exactly
-once: on the last arrival (at once, from the receiving thread, not at the engine's next
-step), or with an error when nothing arrived within the reservation TTL, when a started
-transfer makes no progress for `timeout_s`, or when the sender reports a failure.
-Pull mode asks the source to send (`tcp`) or reads the source's pool itself (`shm`), then
-tells the source it may release its blocks.
+A hybrid model's Mamba state travels whole, after the layers, as a STATE frame of the same
+authenticated channel (shm and tcp alike). The receiver counts arrivals per transfer
+(layers x blocks, + the state) and calls `on_done` once (arrivals.py). Pull asks the source
+to send (`tcp`) or reads its pool (`shm`), then tells the source it may release the blocks.
 """
 
 from __future__ import annotations
@@ -38,12 +36,14 @@ from splitserve.config import TransferConfig
 from splitserve.kv.transport.arrivals import ArrivalTracker, TransferResult
 from splitserve.kv.transport.control_channel import ControlChannel
 from splitserve.kv.transport.send_lane import LaneSocket, SendLanes, job_transfer_id
+from splitserve.kv.transport.send_stats import SendLedger
 from splitserve.kv.transport.types import (
     ControlJob,
     PeerInfo,
     PoolLayout,
     PullJob,
     PushJob,
+    StateJob,
     TransferError,
     dtype_name,
     layout_from_hello,
@@ -93,12 +93,11 @@ class KVTransport(ABC):
         self._lanes = SendLanes(self, self._context, socket_options, self.max_queued_jobs, config.timeout_s)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._send_errors: dict[str, str] = {}
-        self._send_stats: dict[str, tuple[float, int]] = {}
+        self.sent = SendLedger()
         self.on_release: Callable[[str], None] | None = None  # pull source: a peer has read the blocks
         # pull source: does this transfer still hold these blocks, with KV of these hashes?
         self.is_held: Callable[[str, list[int], list[str]], bool] | None = None
-        self.bytes_sent = 0
+        self.state_bytes = 0  # a hybrid model's Mamba state of one request (0: none travels)
         self.control = ControlChannel(internal_token())  # MAC and replay stamps on every message
 
     # ---- pool ----------------------------------------------------------------------------
@@ -116,8 +115,7 @@ class KVTransport(ABC):
         return None, None
 
     def received_by_path(self) -> dict[str, int]:
-        """Bytes received per data path ("shm", "tcp") where a transport uses both (auto)."""
-        return {}
+        return {}  # bytes received per data path ("shm", "tcp") where a transport uses both (auto)
 
     # ---- lifecycle -----------------------------------------------------------------------
     def start(self) -> PeerInfo:
@@ -168,15 +166,17 @@ class KVTransport(ABC):
         on_done: Callable[[TransferResult], None],
         ttl_s: float | None = None,
         block_hashes: Sequence[str] = (),
+        state_hash: str = "",
     ) -> None:
         """Count arrivals for `block_ids` (every layer); `on_done` runs once, on any thread.
         With `block_hashes` (one per block) the transfer is bound to those tokens: data
-        sent under other hashes is dropped."""
+        sent under other hashes is dropped. With `state_hash`, it also waits for the
+        request's Mamba state (`state_bytes`, whole) bound to that hash."""
         if self.pool is None:
             raise TransferError("the KV pool is not allocated yet")
-        self.arrivals.expect(
-            transfer_id, self.pool.shape[0], list(block_ids), on_done, ttl_s, list(block_hashes)
-        )
+        state_bytes = self.state_bytes if state_hash else 0
+        layers, blocks, hashes = self.pool.shape[0], list(block_ids), list(block_hashes)
+        self.arrivals.expect(transfer_id, layers, blocks, on_done, ttl_s, hashes, state_bytes, state_hash)
 
     def cancel(self, transfer_id: str) -> None:
         """Stop expecting; later arrivals for it are ignored and `on_done` is not called."""
@@ -236,6 +236,13 @@ class KVTransport(ABC):
         )
         self._enqueue(peer, job)
 
+    def push_state(
+        self, peer: PeerInfo, transfer_id: str, state: bytes, state_hash: str, ready_at: float
+    ) -> None:
+        """Queue a request's Mamba state for the peer: it goes after the layers queued
+        before it, on the same lane, as one authenticated frame. Raises as `push_layer`."""
+        self._enqueue(peer, StateJob(peer, transfer_id, state, state_hash, ready_at))
+
     def pull(
         self,
         peer: PeerInfo,
@@ -263,32 +270,16 @@ class KVTransport(ABC):
             logger.info("KV %s: could not report transfer %s failed: %s", self.name, transfer_id, exc)
 
     def flush(self, timeout_s: float | None = None) -> bool:
-        """Wait until every job queued on any lane has been written (shm) or handed to the
-        socket (tcp), or failed with its stalled lane: a dead peer holds this up at most
-        HANDSHAKE_TIMEOUT_S / STALLED_PEER_S."""
+        """Wait until every job queued on any lane is written (shm), handed to the socket
+        (tcp) or failed with its stalled lane (a dead peer: STALLED_PEER_S at most)."""
         return not self.flush_peers(timeout_s)
 
     def flush_peers(self, timeout_s: float | None = None) -> set[PeerInfo]:
         """`flush`, answering the peers whose jobs were still queued at `timeout_s`."""
         return self._lanes.flush(self.config.timeout_s if timeout_s is None else timeout_s)
 
-    def _note_sent(self, transfer_id: str, seconds: float, num_bytes: int) -> None:
-        with self._lock:
-            spent, sent = self._send_stats.get(transfer_id, (0.0, 0))
-            self._send_stats[transfer_id] = (spent + seconds, sent + num_bytes)
-            self.bytes_sent += num_bytes
-
-    def take_send_stats(self, transfer_id: str) -> tuple[float, int]:
-        """(seconds spent copying, bytes sent) for a transfer, forgotten afterwards."""
-        with self._lock:
-            return self._send_stats.pop(transfer_id, (0.0, 0))
-
     def take_send_error(self, transfer_id: str) -> str | None:
-        with self._lock:
-            return self._send_errors.pop(transfer_id, None)
-
-    def _put(self, peer: PeerInfo, job: object) -> None:
-        self._enqueue(peer, job)
+        return self.sent.take_error(transfer_id)
 
     def _enqueue(self, peer: PeerInfo, job: object) -> None:
         """Queue a job for a peer's lane; a peer not registered is never dialled."""
@@ -320,9 +311,13 @@ class KVTransport(ABC):
         if isinstance(job, PushJob):
             started = time.perf_counter()
             num_bytes = self._send_push(socket, job)
-            self._note_sent(job.transfer_id, time.perf_counter() - started, num_bytes)
+            self.sent.note(job.transfer_id, time.perf_counter() - started, num_bytes)
         elif isinstance(job, PullJob):
             self._do_pull(socket, job)
+        elif isinstance(job, StateJob):
+            header = {"transfer_id": job.transfer_id, "hash": job.state_hash, "ready_at": job.ready_at}
+            self.control.send(socket, b"STATE", header, memoryview(job.state))
+            self.sent.note(job.transfer_id, 0.0, 0, len(job.state))
         elif isinstance(job, ControlJob):
             self.control.send(socket, job.kind, job.header)
         else:
@@ -332,9 +327,8 @@ class KVTransport(ABC):
         """A job that will not be carried out: the transfer it belongs to fails, alone."""
         transfer_id = job_transfer_id(job)
         logger.warning("KV %s transfer %s failed: %s", self.name, transfer_id, error)
-        if isinstance(job, PushJob):
-            with self._lock:
-                self._send_errors[transfer_id] = error
+        if isinstance(job, PushJob | StateJob):
+            self.sent.note_error(transfer_id, error)
         elif isinstance(job, PullJob):
             self.arrivals.finish(transfer_id, f"pull from {job.peer.engine_id} failed: {error}")
 
@@ -358,6 +352,8 @@ class KVTransport(ABC):
             or layout.dtype != mine.dtype
         ):
             raise TransferError(f"KV pool layouts differ: ours {mine.shape} {mine.dtype}, peer {layout}")
+        if reply.get("state_bytes", 0) != self.state_bytes:
+            raise TransferError(f"Mamba state sizes differ: ours {self.state_bytes}, peer {reply}")
         self.control.start_session(socket, reply, peer.engine_id)
         socket.peer_pool = self._on_handshake(peer, layout)
         socket.peer_layout = layout
@@ -366,7 +362,7 @@ class KVTransport(ABC):
 
     def hello_fields(self) -> dict:
         """What this engine answers a HELLO with (over the authenticated control channel)."""
-        return self.layout()._asdict()
+        return {**self.layout()._asdict(), "state_bytes": self.state_bytes}
 
     def _on_hello_reply(self, socket: LaneSocket, peer: PeerInfo, reply: dict) -> None:
         """Connection set-up's last step, with the peer's whole HELLO answer (nixl: its agent)."""
@@ -431,6 +427,10 @@ class KVTransport(ABC):
                 self.record_arrival(
                     header["transfer_id"], header["layer"], header["dst"], num_bytes, header["ready_at"]
                 )
+        elif kind == b"STATE":
+            state = bytes(message.data[0].buffer) if message.data else b""
+            with self._landing:
+                self.arrivals.land_state(header["transfer_id"], state, header["hash"], header["ready_at"])
         elif kind == b"HELD":
             blocks, hashes = [int(block) for block in header["src"]], list(header.get("hashes", []))
             held = self.is_held(header["transfer_id"], blocks, hashes) if self.is_held is not None else True

@@ -75,4 +75,4 @@ class TcpTransport(KVTransport):
             self.push_layer(peer, transfer_id, layer, header["src"], header["dst"], None, hashes)
         release = self.on_release
         if release is not None:
-            self._put(peer, CallbackJob(peer, transfer_id, lambda: release(transfer_id)))
+            self._enqueue(peer, CallbackJob(peer, transfer_id, lambda: release(transfer_id)))

@@ -69,7 +69,8 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 
 # A send lane's queue items (each job goes to its peer's lane); a transport subclass
-# implements the data plane of PushJob (`_send_push`) and PullJob (`_do_pull`).
+# implements the data plane of PushJob (`_send_push`) and PullJob (`_do_pull`); a StateJob
+# travels as a data frame of the authenticated control channel on every transport.
 
 
 class PushJob(NamedTuple):
@@ -80,6 +81,17 @@ class PushJob(NamedTuple):
     dst_block_ids: list[int]
     ready_at: float
     block_hashes: list[str]  # the KV's chained block hashes, one per block: what it is bound to
+
+
+class StateJob(NamedTuple):
+    """A hybrid model's request state (every Mamba layer's conv and SSM state as of the
+    prompt's last KV position), whole, after the transfer's layers on the same lane."""
+
+    peer: PeerInfo
+    transfer_id: str
+    state: bytes
+    state_hash: str  # the prompt's last KV hash: the tokens the state was computed over
+    ready_at: float
 
 
 class PullJob(NamedTuple):
