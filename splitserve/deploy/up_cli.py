@@ -258,11 +258,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"splitserve up: {exc}", file=sys.stderr)
         return 2
     resolved = resolved or resolve_model_or_exit(args.model)
-    if is_hybrid_model(resolved.path) and (args.transport == "nixl" or args.mode == "pull"):
-        # the Mamba state travels whole in a push, over shm or tcp (docs/pd.md, "Hybrid models")
+    if is_hybrid_model(resolved.path) and args.mode == "pull":
+        # the Mamba state travels whole in a push (docs/pd.md, "Hybrid models")
         print(
-            "splitserve up: a hybrid (Mamba) model's state is handed over in push mode over shm "
-            "or tcp only: drop --transport nixl and --mode pull",
+            "splitserve up: a hybrid (Mamba) model's state is handed over in push mode only: "
+            "drop --mode pull",
             file=sys.stderr,
         )
         return 2

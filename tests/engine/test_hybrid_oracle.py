@@ -17,7 +17,6 @@ from splitserve.protocol.sampling_params import SamplingParams
 from tests.conftest import free_port, running_server
 from tests.engine.helpers import make_prompts, oracle_greedy
 from tests.generate_requests import generate_request
-from tests.kv.transport_peer import NEEDS_NIXL
 
 MAX_TOKENS = 12
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
@@ -138,17 +137,6 @@ def test_a_connector_that_cannot_move_the_state_refuses_a_hybrid_model(hybrid_ca
         LLM(model_dir, num_blocks=8, role="prefill", connector=connector)
 
 
-@NEEDS_NIXL
-def test_nixl_refuses_a_hybrid_model_at_start_up(hybrid_case):
-    from splitserve.config import TransferConfig
-    from splitserve.kv.connector.pd_connector import make_pd_connector
-
-    model_dir, _, _ = hybrid_case
-    connector = make_pd_connector("decode", TransferConfig(transport="nixl"))
-    with pytest.raises(ValueError, match="cannot use --kv-transport nixl"):
-        LLM(model_dir, num_blocks=8, role="decode", connector=connector)
-
-
 def test_prefix_hits_resume_from_the_latest_snapshot(hybrid_case):
     """A second turn hits up to the last block boundary of the first turn's prompt (the
     boundaries its answer crossed were computed as generated tokens, a different state for
@@ -178,4 +166,4 @@ def test_up_refuses_a_hybrid_model_in_pull_mode(hybrid_case, capsys):
 
     model_dir, _, _ = hybrid_case
     assert main(["up", model_dir, "--port", str(free_port()), "--mode", "pull"]) == 2
-    assert "drop --transport nixl and --mode pull" in capsys.readouterr().err
+    assert "drop --mode pull" in capsys.readouterr().err

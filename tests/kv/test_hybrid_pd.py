@@ -17,6 +17,7 @@ from splitserve.kv.connector.pd_connector import make_pd_connector
 from splitserve.kv.connector.prefill_side import PrefillConnector
 from splitserve.kv.transport.arrivals import ArrivalTracker, TransferResult
 from splitserve.kv.transport.base import KVTransport
+from splitserve.kv.transport.nixl import NixlTransport
 from splitserve.kv.transport.shm import ShmTransport
 from splitserve.kv.transport.tcp import TcpTransport
 from splitserve.kv.transport.types import PeerInfo
@@ -32,7 +33,11 @@ PROMPTS = {
 }
 SHARED = prompt(6, 40)  # decode computes it itself: its snapshot at 32 makes a prefix hit
 FOLLOW_UP = SHARED + prompt(7, 30)
-TRANSPORT_CLASSES: dict[str, type[KVTransport]] = {"shm": ShmTransport, "tcp": TcpTransport}
+TRANSPORT_CLASSES: dict[str, type[KVTransport]] = {
+    "shm": ShmTransport,
+    "tcp": TcpTransport,
+    "nixl": NixlTransport,
+}
 
 
 def make_engine(model: str, role: str, connector=None, budget: int = 2048) -> AsyncEngine:
@@ -89,7 +94,7 @@ def sample(connector, name: str, labels: dict[str, str] | None = None) -> float:
     return connector.metrics.registry.get_sample_value(name, labels or {}) or 0.0
 
 
-@pytest.mark.parametrize("kind", ["shm", "tcp"])
+@pytest.mark.parametrize("kind", ["shm", "tcp", "nixl"])
 def test_hybrid_pd_hands_over_the_state_whole_and_equals_collocated(hybrid_model, expected, kind):
     transfer = TransferConfig(transport=kind, timeout_s=10, reservation_ttl_s=30)
     prefill_connector = make_pd_connector("prefill", transfer)
@@ -139,7 +144,9 @@ def test_hybrid_pd_hands_over_the_state_whole_and_equals_collocated(hybrid_model
         decode[0].shutdown()
 
 
-@pytest.mark.parametrize("failure", ["short-state-shm", "short-state-tcp", "no-state-tcp"])
+@pytest.mark.parametrize(
+    "failure", ["short-state-shm", "short-state-tcp", "short-state-nixl", "no-state-tcp"]
+)
 def test_a_failed_state_transfer_recomputes_with_nothing_lost(hybrid_model, expected, failure):
     kind = failure.rsplit("-", 1)[1]
     transfer = TransferConfig(transport=kind, timeout_s=10, reservation_ttl_s=30)
