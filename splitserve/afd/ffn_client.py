@@ -328,7 +328,8 @@ def attach_ffn(
     if moe is None:
         raise AfdError("attention-FFN disaggregation needs a mixture-of-experts model")
     sparse = tuple(i for i, layer in enumerate(model.layers) if isinstance(layer.mlp, SparseMoeBlock))
-    ours = FfnLayout(model.config.hidden_size, moe.num_experts, moe.top_k, sparse, dtype_name(dtype))
+    shared = moe.shared_expert_intermediate_size > 0
+    ours = FfnLayout(model.config.hidden_size, moe.num_experts, moe.top_k, sparse, dtype_name(dtype), shared)
     client = FfnClient(
         afd.ffn_host,
         afd.ffn_port,

@@ -42,7 +42,7 @@ from splitserve.afd.wire import DTYPES, afd_mac, dtype_name, tensor_frame, tenso
 from splitserve.kv.transport.frame_mac import ReplayGuard
 from splitserve.kv.transport.types import TransferError
 from splitserve.model.decoder_config import DecoderConfig
-from splitserve.model.moe import Experts
+from splitserve.model.moe import ExpertLayer
 from splitserve.protocol.afd import (
     HELLO,
     MOE,
@@ -79,7 +79,7 @@ class LayerWork:
 class FfnServer:
     def __init__(
         self,
-        experts: dict[int, Experts],  # by layer index
+        experts: dict[int, ExpertLayer],  # by layer index (routed and shared experts)
         config: DecoderConfig,
         dtype: torch.dtype,
         host: str = "127.0.0.1",
@@ -97,6 +97,7 @@ class FfnServer:
             config.moe.top_k,
             tuple(sorted(experts)),
             dtype_name(dtype),
+            config.moe.shared_expert_intermediate_size > 0,
         )
         self.mac = afd_mac(token)
         self.sessions = ReplayGuard()

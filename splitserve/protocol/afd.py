@@ -51,6 +51,7 @@ class FfnLayout:
     top_k: int
     sparse_layers: tuple[int, ...]
     dtype: str
+    shared_expert: bool = False  # each sparse layer's shared expert runs on the daemon too
 
     def to_header(self) -> dict:
         return {**asdict(self), "sparse_layers": list(self.sparse_layers)}
@@ -63,12 +64,16 @@ class FfnLayout:
         dtype = header.get("dtype")
         if dtype not in WIRE_DTYPES:
             raise AfdProtocolError(f"dtype must be one of {WIRE_DTYPES}, not {dtype!r}")
+        shared = header.get("shared_expert", False)
+        if not isinstance(shared, bool):
+            raise AfdProtocolError(f"shared_expert must be true or false, not {shared!r}")
         return cls(
             _int(header, "hidden_size", 1),
             _int(header, "num_experts", 1),
             _int(header, "top_k", 1),
             tuple(layers),
             str(dtype),
+            shared,
         )
 
 
