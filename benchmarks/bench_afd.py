@@ -98,6 +98,13 @@ def main() -> None:
         default=0,
         help="torch threads of each process, the daemon's too (0: torch's default)",
     )
+    parser.add_argument(
+        "--transport",
+        default="tcp",
+        choices=["shm", "tcp"],
+        help="how the layers' tensors reach the daemon (docs/afd.md): tcp frames (the "
+        "figures' default) or a shared-memory segment",
+    )
     args = parser.parse_args()
     if args.threads:  # before any engine: the runner takes torch's thread count as its own
         torch.set_num_threads(args.threads)
@@ -127,7 +134,7 @@ def main() -> None:
     try:
         os.environ.pop(INTERNAL_TOKEN_ENV, None)
         config = engine_config_from_kwargs(model, **engine)
-        afd = {m: AfdConfig("127.0.0.1", port, timeout_s=120.0, microbatches=m) for m in runs}
+        afd = {m: AfdConfig("127.0.0.1", port, 120.0, m, args.transport) for m in runs}
         llms = {m: LLM(config=dataclasses.replace(config, afd=afd[m])) for m in runs}
         for _ in range(args.repeats):
             for microbatches, llm in llms.items():
@@ -139,7 +146,7 @@ def main() -> None:
     threads = f"{args.threads} torch threads each" if args.threads else "torch's default threads"
     print(
         f"{model}: hidden {args.hidden}, {args.streams} streams x {args.tokens} tokens, {args.dtype}, "
-        f"{threads}, median of {args.repeats}"
+        f"{threads}, median of {args.repeats}, AFD over {args.transport}"
     )
     collocated_ms = collocated_s / args.tokens * 1e3
     print(f"  collocated           {generated / collocated_s:8.0f} tok/s  ITL {collocated_ms:6.2f} ms")

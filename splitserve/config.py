@@ -95,10 +95,15 @@ class AfdConfig:
     # a decode step of >= 2 sequences as two micro-batches, one's MoE traffic hidden
     # behind the other's attention (afd/microbatch.py); 1: the whole step at once
     microbatches: int = 1
+    # how a layer's tensors travel: shm (a shared-memory segment, the daemon on this host),
+    # tcp (ZeroMQ frames), auto (shm when the daemon can map the segment, else tcp)
+    transport: Literal["shm", "tcp", "auto"] = "auto"
 
     def __post_init__(self) -> None:
         if self.microbatches not in (1, 2):
             raise ValueError(f"AFD micro-batches must be 1 or 2, not {self.microbatches}")
+        if self.transport not in ("shm", "tcp", "auto"):
+            raise ValueError(f"the AFD transport must be shm, tcp or auto, not {self.transport!r}")
 
 
 @dataclass(frozen=True)

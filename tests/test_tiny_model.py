@@ -9,7 +9,7 @@ from splitserve.model.tiny import write_tiny_model
 from splitserve.model.tiny_text import MARKUP_TOKENS, SPECIAL_TOKENS, TinyModelSpec
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe"])
 def test_transformers_loads_tiny_model(tiny_model_factory, arch):
     directory = tiny_model_factory(arch=arch)
     model = AutoModelForCausalLM.from_pretrained(directory)

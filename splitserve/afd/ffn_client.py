@@ -1,13 +1,18 @@
 """The attention engine's side of attention-FFN disaggregation: every sparse MoE layer's
 experts are computed by the FFN daemon (ffn_server.py), one request and one reply per
 layer (per micro-batch, afd/microbatch.py) of every forward pass, over a ZeroMQ DEALER
-socket.
+socket (the connection: afd/ffn_connection.py).
 
 At start-up the client says HELLO (waiting up to the timeout for the daemon to come up)
 and checks that the daemon holds this model's experts (hidden size, expert count, top-k,
 the sparse layers, the dtype); with the internal token it takes the session the daemon
 issues and stamps every later request with it (frame_mac.py's SenderSession), and takes
 only a reply sealed with the deployment's key that carries its request's stamp.
+
+The tensors travel as frames on that socket (tcp), or, with a daemon on the same host,
+through a shared-memory segment this engine offers in its HELLO (afd/shm_slots.py; only
+the sealed header crosses the socket): `transport` says which (auto: shm when the
+daemon can map the segment, tcp otherwise; shm: refused at HELLO when it cannot).
 
 A layer is sent (`submit`, which does not wait) and its answer taken (`collect`); several
 may be in flight. A daemon that dies (its connection closes) or stops answering (no reply
@@ -18,6 +23,7 @@ twice is harmless. Only when no daemon answers for the whole timeout does the st
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import logging
@@ -27,29 +33,17 @@ from dataclasses import dataclass, field
 
 import torch
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from splitserve.afd.deadline import DEADLINE_FLOOR_S, ReplyDeadline
-from splitserve.afd.wire import afd_mac, dtype_name, tensor_frame, tensor_from_frame
+from splitserve.afd.ffn_connection import AfdError, DaemonLost, DaemonSilent, FfnConnection
+from splitserve.afd.shm_slots import SLOTS, EngineSegment
+from splitserve.afd.wire import dtype_name, tensor_frame, tensor_from_frame
 from splitserve.config import AfdConfig
-from splitserve.kv.transport.frame_mac import SenderSession, hello_stamp
 from splitserve.model.decoder import DecoderModel
 from splitserve.model.moe import SparseMoeBlock
-from splitserve.protocol.afd import HELLO, MOE, UNAUTHORIZED, FfnLayout, MoeLayerRequest
+from splitserve.protocol.afd import MOE, FfnLayout, MoeLayerRequest
 
 logger = logging.getLogger(__name__)
-
-
-class AfdError(RuntimeError):
-    """The FFN daemon cannot be reached, refused us, or does not hold this model."""
-
-
-class DaemonLost(AfdError):
-    """The daemon's connection closed (it died, or `up` is starting it again)."""
-
-
-class DaemonSilent(AfdError):
-    """No answer by the layer's deadline: the daemon is stopped or wedged (or very slow)."""
 
 
 @dataclass(frozen=True)
@@ -63,20 +57,20 @@ class AfdTotals:
     blocked_s: float  # the caller's time in submit and collect: what no overlap hid
     deadlines_missed: int
     expert_tokens: tuple[int, ...]  # by expert
+    shm_layers: int  # layers whose tensors went through shared memory
 
 
 @dataclass
 class PendingLayer:
     """A layer sent to the daemon whose answer is not taken yet."""
 
-    request: MoeLayerRequest
-    data: list[bytes]
-    shape: tuple[int, ...]
-    dtype: torch.dtype
+    request: MoeLayerRequest  # its slot: where it goes when shared memory is in use
+    tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # hidden, ids (int32), weights
     device: torch.device
     expert_ids: torch.Tensor
     stamp: bytes = b""
     sent_at: float = 0.0  # monotonic, of the latest send
+    in_slot: bool = False  # the latest send went through the shared-memory segment
     answer: tuple[dict, list[bytes], float] | None = field(default=None, repr=False)  # + arrival
 
 
@@ -88,18 +82,20 @@ class FfnClient:
         token: str | None,
         timeout_s: float = 30.0,
         deadline_floor_s: float = DEADLINE_FLOOR_S,
+        layout: FfnLayout | None = None,  # what this engine needs; None: whatever the daemon holds
+        transport: str = "tcp",
+        slot_tokens: int = 2048,  # a shared-memory slot's room; a larger layer goes as frames
+        node_id: str | None = None,  # this host's identity for shm (None: its boot ID)
     ) -> None:
+        if transport != "tcp" and layout is None:
+            raise ValueError("a shared-memory AFD transport needs the model's layout to size its segment")
         self.address = f"tcp://{host}:{port}"
-        self.mac = afd_mac(token)
+        self.connection = FfnConnection(self.address, token, transport, slot_tokens, node_id)
         self.timeout_s = timeout_s
         self.deadline = ReplyDeadline(timeout_s, min(deadline_floor_s, timeout_s))
-        self.context = zmq.Context()
-        self.lock = threading.Lock()  # the socket and the layers in flight
+        self.lock = threading.Lock()  # the connection and the layers in flight
         self.ids = itertools.count()
-        self.session = SenderSession()
-        self.socket: zmq.Socket | None = None
-        self.monitor: zmq.Socket | None = None  # the socket's disconnect events
-        self.layout: FfnLayout | None = None
+        self.layout: FfnLayout | None = layout
         self.in_flight: dict[int, PendingLayer] = {}  # by request id, in the order sent
         # what the layers cost, summed: bytes each way, the round trips (from sending a
         # layer to holding its answer), the daemon's compute within them, and the time the
@@ -108,6 +104,7 @@ class FfnClient:
         self.layers = 0
         self.reconnects = 0
         self.deadlines_missed = 0
+        self.shm_layers = 0
         self.round_trip_s = self.remote_compute_s = self.blocked_s = 0.0
         self.expert_tokens: list[int] = []  # by expert: the tokens routed to it, all layers
 
@@ -116,133 +113,50 @@ class FfnClient:
         with self.lock:
             return self._hello(self.timeout_s)
 
+    @property
+    def socket(self) -> zmq.Socket | None:
+        return self.connection.socket
+
+    @property
+    def segment(self) -> EngineSegment | None:
+        return self.connection.segment
+
     def _hello(self, timeout_s: float) -> FfnLayout:
-        self._close_socket()
-        self.socket = self.context.socket(zmq.DEALER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        # the daemon's death shows as its connection closing: the layers in flight are sent
-        # again to the daemon `up` starts in its place, not waited for until the timeout
-        self.monitor = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self.socket.connect(self.address)
-        answer = self._hello_answer(timeout_s)
-        try:
-            if self.mac.enabled:
-                self.session.start(bytes.fromhex(str(answer["session"])))
-            layout = FfnLayout.from_header(answer)
-        except (KeyError, ValueError) as exc:
-            raise AfdError(f"the FFN daemon at {self.address} answered HELLO with {exc!r}") from exc
-        if self.layout is not None and layout != self.layout:
-            raise AfdError(f"the FFN daemon at {self.address} came back holding {layout}, not {self.layout}")
-        self.layout = layout
+        self.layout = self.connection.hello(timeout_s, self.layout)
         if not self.expert_tokens:
-            self.expert_tokens = [0] * layout.num_experts
-        return layout
-
-    def _hello_answer(self, timeout_s: float) -> dict:
-        assert self.socket is not None
-        stamp = hello_stamp() if self.mac.enabled else b""
-        header = {"id": next(self.ids)}
-        self._send_frames([HELLO, json.dumps(header).encode()], stamp)
-        deadline = time.monotonic() + timeout_s
-        while True:
-            frames = self._next_reply(deadline)
-            if frames is None:
-                self._close_socket()  # what may still arrive belongs to a HELLO given up on
-                raise AfdError(f"the FFN daemon at {self.address} did not answer HELLO in {timeout_s:.1f} s")
-            reply_stamp, answer, _ = self._open(frames)
-            if reply_stamp == stamp and answer.get("id") == header["id"]:
-                return answer
-
-    def _close_socket(self) -> None:
-        if self.socket is None:
-            return
-        if self.monitor is not None:
-            self.socket.disable_monitor()
-            self.monitor.close()
-            self.monitor = None
-        self.socket.close()
-        self.socket = None
-
-    def _send_frames(self, frames: list[bytes], stamp: bytes) -> None:
-        """Sends the sealed message."""
-        assert self.socket is not None
-        self.socket.send_multipart(self.mac.seal([*frames, stamp] if self.mac.enabled else frames))
+            self.expert_tokens = [0] * self.layout.num_experts
+        return self.layout
 
     def _send_layer(self, pending: PendingLayer) -> None:
-        pending.stamp = self.session.next_stamp() if self.mac.enabled else b""
+        pending.stamp = self.connection.next_stamp()
         pending.answer = None
-        header = json.dumps(pending.request.to_header()).encode()
-        self._send_frames([MOE, header, *pending.data], pending.stamp)
-        # the tensors alone count (hidden states and routing out, the experts' output back):
-        # headers carry timings whose length varies, and a HELLO's layout is no layer traffic
-        self.bytes_sent += sum(len(f) for f in pending.data)
+        request, data = pending.request, []
+        pending.in_slot = self.segment is not None and request.slot is not None
+        if self.segment is not None and request.slot is not None:
+            views = self.segment.views(request.slot, request.num_tokens)
+            for target, source in zip((views.x, views.ids, views.weights), pending.tensors, strict=True):
+                target.copy_(source)
+        else:  # no segment (tcp, or a daemon that could not map it) or no free slot: frames
+            request = dataclasses.replace(request, slot=None)
+            data = [tensor_frame(t) for t in pending.tensors]
+        self.connection.send([MOE, json.dumps(request.to_header()).encode(), *data], pending.stamp)
+        # the tensors alone count (hidden states and routing out, the experts' output back),
+        # whichever way they went: headers carry timings whose length varies, and a HELLO's
+        # layout is no layer traffic
+        self.bytes_sent += sum(t.nbytes for t in pending.tensors)
         pending.sent_at = time.monotonic()
-
-    def _next_reply(self, deadline: float) -> list[bytes] | None:
-        """The next message from the daemon, or None at the deadline; DaemonLost when its
-        connection closes."""
-        assert self.socket is not None and self.monitor is not None
-        poller = zmq.Poller()
-        poller.register(self.socket, zmq.POLLIN)
-        poller.register(self.monitor, zmq.POLLIN)
-        while (left_s := deadline - time.monotonic()) > 0:
-            ready = dict(poller.poll(left_s * 1000))
-            if self.socket in ready:
-                return self.socket.recv_multipart()
-            if (
-                self.monitor in ready
-                and recv_monitor_message(self.monitor)["event"] == zmq.EVENT_DISCONNECTED
-            ):
-                self._close_socket()
-                raise DaemonLost(f"the FFN daemon at {self.address} closed the connection")
-        return None
-
-    def _open(self, reply: list[bytes]) -> tuple[bytes, dict, list[bytes]]:
-        """A reply's stamp (that of the request it answers; b"" without a token), header
-        and data frames; AfdError for a refusal or a reply not sealed with our key."""
-        body = self.mac.open(reply)
-        if body is None:
-            raise AfdError(self._refusal(reply))
-        stamp = b""
-        if self.mac.enabled:
-            if len(body) < 2:
-                raise AfdError(f"a reply from {self.address} without its request's stamp")
-            stamp, body = body[-1], body[:-1]
-        try:
-            answer = json.loads(body[0])
-        except ValueError as exc:
-            raise AfdError(f"a reply from {self.address} with an unreadable header: {exc}") from exc
-        if not isinstance(answer, dict):
-            raise AfdError(f"a reply from {self.address} whose header is not a JSON object")
-        if answer.get("error") == UNAUTHORIZED:  # we have no token, the daemon has one
-            raise AfdError(self._refusal(reply))
-        if not answer.get("ok"):
-            raise AfdError(f"the FFN daemon at {self.address} refused a request: {answer.get('error')}")
-        return stamp, answer, body[1:]
-
-    def _refusal(self, reply: list[bytes]) -> str:
-        try:
-            unauthorized = json.loads(reply[0]).get("error") == UNAUTHORIZED
-        except (ValueError, AttributeError, IndexError):
-            unauthorized = False
-        if unauthorized:
-            return (
-                f"the FFN daemon at {self.address} refused this engine: not this deployment's internal token"
-            )
-        return f"a reply from {self.address} failed authentication (not this deployment's FFN daemon)"
 
     def _take_reply(self, deadline: float) -> None:
         """Wait for one message and file it with the layer in flight it answers (a late
         answer to an earlier send is dropped); DaemonSilent when none comes by the deadline."""
-        frames = self._next_reply(deadline)
+        frames = self.connection.next_reply(deadline)
         if frames is None:
             raise DaemonSilent(f"the FFN daemon at {self.address} has not answered in time")
-        stamp, answer, data = self._open(frames)
+        stamp, answer, data = self.connection.open_reply(frames)
         answer_id = answer.get("id")
         pending = self.in_flight.get(answer_id) if isinstance(answer_id, int) else None
         if pending is not None and pending.answer is None and pending.stamp == stamp:
             pending.answer = (answer, data, time.monotonic())
-            self.bytes_received += sum(len(f) for f in data)
 
     def _reconnect(self) -> None:
         """A new connection (HELLO) and every layer in flight sent again on it, waiting up
@@ -262,14 +176,21 @@ class FfnClient:
         self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor
     ) -> PendingLayer:
         """Send `layer`'s tokens to the daemon; `collect` takes the answer."""
-        request = MoeLayerRequest(next(self.ids), layer, x.shape[0], expert_ids.shape[1], dtype_name(x.dtype))
-        data = [tensor_frame(x), tensor_frame(expert_ids.to(torch.int32)), tensor_frame(expert_weights)]
-        pending = PendingLayer(request, data, tuple(x.shape), x.dtype, x.device, expert_ids)
+        tensors = (x.detach(), expert_ids.to(torch.int32), expert_weights.detach())
         with self.lock:
             started = time.perf_counter()
+            request = MoeLayerRequest(
+                next(self.ids),
+                layer,
+                x.shape[0],
+                expert_ids.shape[1],
+                dtype_name(x.dtype),
+                self._free_slot(x.shape[0]),
+            )
+            pending = PendingLayer(request, tensors, x.device, expert_ids)
             try:
                 self.in_flight[request.id] = pending
-                if self.socket is None:  # a step failed, or a layer was given up on: a new session
+                if not self.connection.open:  # a step failed, or a layer was given up on: a new session
                     self._reconnect()  # sends the pending one too
                 else:
                     self._send_layer(pending)
@@ -279,6 +200,13 @@ class FfnClient:
             finally:
                 self.blocked_s += time.perf_counter() - started
         return pending
+
+    def _free_slot(self, num_tokens: int) -> int | None:
+        """A shared-memory slot no layer in flight holds (None: the layer goes as frames)."""
+        if self.connection.transport == "tcp" or num_tokens > self.connection.slot_tokens:
+            return None
+        taken = {pending.request.slot for pending in self.in_flight.values()}
+        return next((slot for slot in range(SLOTS) if slot not in taken), None)
 
     def collect(self, pending: PendingLayer) -> torch.Tensor:
         """The combined expert output of a submitted layer: [T, H] in its dtype."""
@@ -300,12 +228,12 @@ class FfnClient:
         given_up_at: float | None = None
         while pending.answer is None:
             try:
-                if self.socket is None:
+                if not self.connection.open:
                     self._reconnect()
                 deadline = pending.sent_at + patience * self.deadline.for_layer(request.num_tokens)
                 self._take_reply(deadline)
             except (DaemonLost, DaemonSilent) as exc:
-                self._close_socket()
+                self.connection.close()
                 given_up_at = given_up_at if given_up_at is not None else time.monotonic()
                 if time.monotonic() - given_up_at > self.timeout_s:
                     raise AfdError(f"{exc}, and no daemon answered in {self.timeout_s:.0f} s") from exc
@@ -316,12 +244,19 @@ class FfnClient:
                 logger.warning("%s; sending %d layers again", exc, len(self.in_flight))
         answer, frames, arrived = pending.answer
         del self.in_flight[request.id]
-        if len(frames) != 1 or answer.get("num_tokens") != request.num_tokens:
+        if len(frames) != (0 if pending.in_slot else 1) or answer.get("num_tokens") != request.num_tokens:
             raise AfdError(f"the FFN daemon's answer for layer {request.layer} does not match the request")
-        try:
-            combined = tensor_from_frame(frames[0], pending.dtype, pending.shape).to(pending.device)
-        except ValueError as exc:
-            raise AfdError(f"the FFN daemon's answer for layer {request.layer}: {exc}") from exc
+        x = pending.tensors[0]
+        if pending.in_slot:
+            assert self.segment is not None and request.slot is not None
+            combined = self.segment.views(request.slot, request.num_tokens).out.to(pending.device, copy=True)
+            self.shm_layers += 1
+        else:
+            try:
+                combined = tensor_from_frame(frames[0], x.dtype, tuple(x.shape)).to(pending.device)
+            except ValueError as exc:
+                raise AfdError(f"the FFN daemon's answer for layer {request.layer}: {exc}") from exc
+        self.bytes_received += combined.nbytes
         compute_s = answer.get("compute_s")
         compute = float(compute_s) if isinstance(compute_s, (int, float)) else 0.0
         self.layers += 1
@@ -335,7 +270,7 @@ class FfnClient:
     def _forget(self) -> None:
         """After a failed step: nothing of it is sent again, and the next layer says HELLO."""
         self.in_flight.clear()
-        self._close_socket()
+        self.connection.close()
 
     def abandon(self) -> None:
         """The layers in flight are no longer wanted (their step failed elsewhere): their
@@ -363,12 +298,12 @@ class FfnClient:
             self.blocked_s,
             self.deadlines_missed,
             tuple(self.expert_tokens),
+            self.shm_layers,
         )
 
     def close(self) -> None:
         with self.lock:
-            self._close_socket()
-            self.context.term()
+            self.connection.terminate()
 
 
 class RemoteExperts:
@@ -383,19 +318,29 @@ class RemoteExperts:
         return self.client.compute(self.layer, x, expert_ids, expert_weights)
 
 
-def attach_ffn(model: DecoderModel, afd: AfdConfig, dtype: torch.dtype, token: str | None) -> FfnClient:
+def attach_ffn(
+    model: DecoderModel, afd: AfdConfig, dtype: torch.dtype, token: str | None, max_step_tokens: int
+) -> FfnClient:
     """Connect to the FFN daemon, check it holds this model's experts, and route every
-    sparse layer of `model` to it. AfdError when it cannot."""
+    sparse layer of `model` to it (`max_step_tokens`: the most a forward pass carries, the
+    room of a shared-memory slot). AfdError when it cannot."""
     moe = model.config.moe
     if moe is None:
         raise AfdError("attention-FFN disaggregation needs a mixture-of-experts model")
-    client = FfnClient(afd.ffn_host, afd.ffn_port, token, afd.timeout_s)
+    sparse = tuple(i for i, layer in enumerate(model.layers) if isinstance(layer.mlp, SparseMoeBlock))
+    shared = moe.shared_expert_intermediate_size > 0
+    ours = FfnLayout(model.config.hidden_size, moe.num_experts, moe.top_k, sparse, dtype_name(dtype), shared)
+    client = FfnClient(
+        afd.ffn_host,
+        afd.ffn_port,
+        token,
+        afd.timeout_s,
+        layout=ours,
+        transport=afd.transport,
+        slot_tokens=max_step_tokens,
+    )
     try:
-        layout = client.connect()
-        sparse = tuple(i for i, layer in enumerate(model.layers) if isinstance(layer.mlp, SparseMoeBlock))
-        ours = FfnLayout(model.config.hidden_size, moe.num_experts, moe.top_k, sparse, dtype_name(dtype))
-        if layout != ours:
-            raise AfdError(f"the FFN daemon at {client.address} holds {layout}, this engine needs {ours}")
+        client.connect()
     except (AfdError, ValueError, KeyError) as exc:
         client.close()
         raise AfdError(str(exc)) from exc

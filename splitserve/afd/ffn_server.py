@@ -15,6 +15,12 @@ message is sealed with a MAC derived from the deployment's internal token under 
 label; HELLO gets a session, and each later message of that session must carry a higher
 sequence number (ReplayGuard), so a captured message sent again is dropped. A message
 that fails the MAC is answered untagged {"ok": false, "error": "unauthorized"}.
+
+Over shared memory (an engine on this host that offered its segment in an authenticated
+HELLO, afd/shm_slots.py) a MOE message names a slot of that segment instead of carrying
+data frames: the tensors are read from the slot and the output written into it, and the
+answer is the header alone. The segment is the connection's: a request on another
+connection cannot name it.
 """
 
 from __future__ import annotations
@@ -25,16 +31,18 @@ import logging
 import signal
 import threading
 import time
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
 
 import torch
 import zmq
 
+from splitserve.afd.shm_slots import PeerSegment, map_engine_segment
 from splitserve.afd.wire import DTYPES, afd_mac, dtype_name, tensor_frame, tensor_from_frame
 from splitserve.kv.transport.frame_mac import ReplayGuard
+from splitserve.kv.transport.types import TransferError
 from splitserve.model.decoder_config import DecoderConfig
-from splitserve.model.moe import Experts
+from splitserve.model.moe import ExpertLayer
 from splitserve.protocol.afd import (
     HELLO,
     MOE,
@@ -44,6 +52,7 @@ from splitserve.protocol.afd import (
     AfdProtocolError,
     FfnLayout,
     MoeLayerRequest,
+    ShmOffer,
 )
 
 logger = logging.getLogger(__name__)
@@ -51,6 +60,7 @@ logger = logging.getLogger(__name__)
 POLL_MS = 100
 MAX_MESSAGE_BYTES = 1 << 30
 MAX_BATCH_MESSAGES = 64
+MAX_SEGMENTS = 64  # engines' segments mapped at once (a reconnect brings a new one)
 
 
 @dataclass(frozen=True)
@@ -63,12 +73,13 @@ class LayerWork:
     x: torch.Tensor
     ids: torch.Tensor
     weights: torch.Tensor
+    out: torch.Tensor | None  # where the output goes in the engine's segment; None: a frame
 
 
 class FfnServer:
     def __init__(
         self,
-        experts: dict[int, Experts],  # by layer index
+        experts: dict[int, ExpertLayer],  # by layer index (routed and shared experts)
         config: DecoderConfig,
         dtype: torch.dtype,
         host: str = "127.0.0.1",
@@ -86,9 +97,12 @@ class FfnServer:
             config.moe.top_k,
             tuple(sorted(experts)),
             dtype_name(dtype),
+            config.moe.shared_expert_intermediate_size > 0,
         )
         self.mac = afd_mac(token)
         self.sessions = ReplayGuard()
+        # by connection (ROUTER identity), least recently offered first
+        self.segments: OrderedDict[bytes, PeerSegment] = OrderedDict()
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
@@ -170,11 +184,13 @@ class FfnServer:
                 answer = {"id": header.get("id"), "ok": True, **self.layout.to_header()}
                 if self.mac.enabled:
                     answer["session"] = self.sessions.issue(identity).hex()
+                if "shm" in header:
+                    answer.update(self.map_segment(identity, header["shm"]))
                 self.reply(identity, stamp, answer, [])
                 return None
             if kind == MOE:
                 request = MoeLayerRequest.from_header(header)
-                return LayerWork(identity, stamp, request, *self.layer_tensors(request, data))
+                return LayerWork(identity, stamp, request, *self.layer_tensors(identity, request, data))
             raise AfdProtocolError(f"unknown message kind {kind[:16]!r}")
         except (ValueError, KeyError, RuntimeError) as exc:
             error = {"id": _request_id(header_frame), "ok": False, "error": f"{type(exc).__name__}: {exc}"}
@@ -187,24 +203,51 @@ class FfnServer:
             frames.append(stamp)  # binds the reply to the request it answers
         self.socket.send_multipart([identity, *self.mac.seal(frames)])
 
+    def map_segment(self, identity: bytes, offer_header: object) -> dict:
+        """The HELLO answer's `shm` (and why not): the offered segment mapped for this
+        connection, in place of any it had."""
+        self.segments.pop(identity, None)
+        for gone in [i for i, segment in self.segments.items() if not segment.still_owned()]:
+            del self.segments[gone]  # their engines closed them (a reconnect, or gone)
+        try:
+            offer = ShmOffer.from_header(offer_header)
+            segment = map_engine_segment(offer, self.layout.hidden_size, self.layout.top_k, self.layout.dtype)
+        except (AfdProtocolError, TransferError) as exc:
+            logger.info("an engine's shared-memory segment not used: %s", exc)
+            return {"shm": False, "shm_error": str(exc)}
+        self.segments[identity] = segment
+        while len(self.segments) > MAX_SEGMENTS:
+            self.segments.popitem(last=False)
+        return {"shm": True}
+
     def layer_tensors(
-        self, request: MoeLayerRequest, data: list[bytes]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The request's hidden states, expert ids and weights (AfdProtocolError, or
-        ValueError for a frame of the wrong size, when they are not what it says)."""
+        self, identity: bytes, request: MoeLayerRequest, data: list[bytes]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The request's hidden states, expert ids and weights, and where its output goes
+        in the engine's segment (None: a frame) (AfdProtocolError, or ValueError for a frame
+        of the wrong size, when they are not what it says)."""
         if request.layer not in self.experts:
             raise AfdProtocolError(f"layer {request.layer} is not a sparse layer of this model")
-        if DTYPES[request.dtype] != self.dtype or request.top_k != self.layout.top_k or len(data) != 3:
+        frames = 0 if request.slot is not None else 3
+        if DTYPES[request.dtype] != self.dtype or request.top_k != self.layout.top_k or len(data) != frames:
             raise AfdProtocolError(
                 f"expected {self.layout.dtype} hidden states, top-{self.layout.top_k} ids and weights"
             )
         tokens, hidden, top_k = request.num_tokens, self.layout.hidden_size, request.top_k
-        x = tensor_from_frame(data[0], self.dtype, (tokens, hidden))
-        ids = tensor_from_frame(data[1], torch.int32, (tokens, top_k)).long()
-        weights = tensor_from_frame(data[2], self.dtype, (tokens, top_k))
+        out = None
+        if request.slot is not None:
+            segment = self.segments.get(identity)
+            if segment is None:
+                raise AfdProtocolError("a shared-memory slot named on a connection that offered no segment")
+            x, ids, weights, out = segment.views(request.slot, tokens)
+            ids = ids.long()  # a copy: checked below, whatever the engine writes meanwhile
+        else:
+            x = tensor_from_frame(data[0], self.dtype, (tokens, hidden))
+            ids = tensor_from_frame(data[1], torch.int32, (tokens, top_k)).long()
+            weights = tensor_from_frame(data[2], self.dtype, (tokens, top_k))
         if tokens and (int(ids.min()) < 0 or int(ids.max()) >= self.layout.num_experts):
             raise AfdProtocolError(f"expert ids must be in 0..{self.layout.num_experts - 1}")
-        return x, ids, weights
+        return x, ids, weights, out
 
     @torch.inference_mode()
     def compute_layer(self, layer: int, items: list[LayerWork]) -> None:
@@ -232,7 +275,11 @@ class FfnServer:
                 "num_tokens": request.num_tokens,
                 "compute_s": compute_s,
             }
-            self.reply(item.identity, item.stamp, answer, [tensor_frame(output)])
+            if item.out is not None:
+                item.out.copy_(output)
+                self.reply(item.identity, item.stamp, answer, [])
+            else:
+                self.reply(item.identity, item.stamp, answer, [tensor_frame(output)])
 
 
 def _request_id(header_frame: bytes) -> object:

@@ -2,8 +2,9 @@
 that called the FFN daemon: the bytes it sent and received, the time the step was held up
 by the daemon (sending and waiting: what no micro-batch overlap hid) and the communication
 in it (that time less the daemon's compute), and the tokens routed to each expert (summed
-over the sparse layers); and counters of the layers sent again and of the answers that
-missed their deadline (a stuck daemon)."""
+over the sparse layers); and counters of the layers sent again, of the answers that
+missed their deadline (a stuck daemon), and of the layers whose tensors went through
+shared memory (the bytes count the same either way)."""
 
 from __future__ import annotations
 
@@ -70,6 +71,12 @@ class AfdStepMetrics:
             registry=r,
         )
 
+        self.shm_layers = Counter(
+            f"{PREFIX}_shm_layers",
+            "Layers whose tensors went to the FFN daemon and back through shared memory.",
+            registry=r,
+        )
+
     def on_step(self, _step_time_s: float, _num_tokens: int) -> None:
         now, last = self.client.totals(), self.last
         self.last = now
@@ -91,3 +98,5 @@ class AfdStepMetrics:
             self.resent.inc(now.reconnects - last.reconnects)
         if now.deadlines_missed > last.deadlines_missed:
             self.deadlines_missed.inc(now.deadlines_missed - last.deadlines_missed)
+        if now.shm_layers > last.shm_layers:
+            self.shm_layers.inc(now.shm_layers - last.shm_layers)

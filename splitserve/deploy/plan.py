@@ -114,6 +114,7 @@ def engine_flags(args: argparse.Namespace) -> tuple[str, ...]:
         ("--kv-timeout", args.kv_timeout),
         ("--kv-reservation-ttl", args.kv_reservation_ttl),
         ("--afd-microbatches", getattr(args, "afd_microbatches", None)),  # read with --ffn-address only
+        ("--afd-transport", getattr(args, "afd_transport", None)),
     ):
         if value is not None:
             flags += [flag, str(value)]

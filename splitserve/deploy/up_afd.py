@@ -2,7 +2,8 @@
 (docs/afd.md). A attention engines are the decode tier (`--decode A`, P/D in front
 unchanged) and F FFN daemons hold the experts; decode engine `i` calls daemon `i % F`,
 so several attention engines share one daemon. The daemons are parts like any other:
-started before the decode engines, restarted when they die, stopped with `up`."""
+started before the decode engines, restarted when they die, stopped with `up`. With
+`--ray` the daemons are the `ffn` tier of the Serve application (ray_serve/, docs/ray.md)."""
 
 from __future__ import annotations
 
@@ -39,21 +40,33 @@ def add_afd_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --afd: the attention engines' decode steps of >= 2 sequences as 2 "
         "overlapped micro-batches or 1 (their default; docs/afd.md: which pays where)",
     )
+    parser.add_argument(
+        "--afd-transport",
+        choices=["shm", "tcp", "auto"],
+        default=None,
+        help="with --afd: how a layer's tensors reach the FFN daemon: shared memory (the "
+        "default: every part is on this host), tcp frames, or auto",
+    )
 
 
 def afd_flag_error(args: argparse.Namespace) -> str | None:
     """Why `--afd` cannot go with these flags (None: it can, or is not given). Sets
     `args.decode` to A."""
     if args.afd is None:
-        return "--afd-microbatches needs --afd" if args.afd_microbatches is not None else None
+        for flag in ("afd_microbatches", "afd_transport"):
+            if getattr(args, flag) is not None:
+                return f"--{flag.replace('_', '-')} needs --afd"
+        return None
     attention, _ = args.afd
-    if args.ray is not None:
-        return "--afd starts local FFN daemons; not with --ray"
     if args.plan:
         return "--plan does not plan --afd layouts"
     if "--decode" in args.layout_flags and args.decode != attention:
         return f"--afd {attention}:{args.afd[1]} runs {attention} decode engines, not --decode {args.decode}"
     args.decode = attention
+    if args.afd_transport is None:
+        # `up` starts every part on this host; Ray places them on any node (auto: shm
+        # with a daemon on the engine's host, tcp with one elsewhere)
+        args.afd_transport = "auto" if args.ray is not None else "shm"
     return None
 
 

@@ -237,6 +237,11 @@ def run(args: argparse.Namespace) -> int:
         args.prefill, args.decode = layout.prefill, layout.decode
         args.cpu_affinity = layout.cpu_affinity(sorted(os.sched_getaffinity(0)))
     if args.ray is not None:
+        if args.afd and args.model and os.path.isdir(args.model):  # else the nodes resolve it
+            error = afd_model_error(args.model)
+            if error is not None:
+                print(f"splitserve up: {error}", file=sys.stderr)
+                return 2
         if args.cpu_affinity:
             print("splitserve up: --cpu-affinity pins local processes; Ray places --ray's", file=sys.stderr)
             return 2

@@ -137,7 +137,13 @@ class ModelRunner:
                 config.model.model, dc, self.dtype, self.device, config.afd is None, quantized
             )
             if config.afd is not None:
-                self.ffn = attach_ffn(self.model, config.afd, self.dtype, internal_token())
+                self.ffn = attach_ffn(
+                    self.model,
+                    config.afd,
+                    self.dtype,
+                    internal_token(),
+                    config.scheduler.max_num_batched_tokens,
+                )
         else:
             self.model = load_qwen2_vl(config.model.model, self.vl_config, self.dtype, self.device)
             encoder_cache = EncoderCache(config.cache.encoder_cache_bytes)

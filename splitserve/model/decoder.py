@@ -244,7 +244,9 @@ class DecoderModel(nn.Module):
                 target, destination = expert
             else:
                 for part, (fused_name, offset, length) in fused.items():
-                    if f".{part}." in target:
+                    # a name that is a parameter itself is not fused (a Qwen2-MoE shared
+                    # expert keeps its gate_proj and up_proj)
+                    if f".{part}." in target and target not in params:
                         target, start, size = target.replace(part, fused_name), offset, length
                         break
                 if isinstance(tensor, QuantizedTensor):
@@ -294,7 +296,7 @@ def load_model(
     if not with_experts:
         for layer in model.layers:
             if isinstance(layer.mlp, SparseMoeBlock):
-                layer.mlp.experts = None
+                layer.mlp.drop_experts()
         weights = iter_safetensors(model_dir, keep=lambda name: not is_expert_weight(name))
     model = model.to_empty(device=device).to(dtype)
     model.inv_freq = rope_inv_freq(config).to(device)

@@ -14,7 +14,7 @@ BF16_WHERE_NATIVE = "bfloat16-where-native"
 class DecoderConfig:
     """The decoder's shape and numerics, read from config.json."""
 
-    arch: str  # "llama" | "qwen2" | "qwen3" | "qwen3_moe"
+    arch: str  # "llama" | "qwen2" | "qwen3" | "qwen3_moe" | "qwen2_moe"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -40,7 +40,8 @@ class DecoderConfig:
 
 @dataclass(frozen=True)
 class MoeConfig:
-    """A sparse mixture-of-experts MLP (Qwen3-MoE): which layers have one, and its router."""
+    """A sparse mixture-of-experts MLP (Qwen3-MoE, Qwen2-MoE): which layers have one, its
+    router, and (Qwen2-MoE) the shared expert every token also goes through."""
 
     num_experts: int
     top_k: int  # experts per token
@@ -48,6 +49,7 @@ class MoeConfig:
     norm_topk_prob: bool  # renormalize the top-k router probabilities to sum to 1
     decoder_sparse_step: int  # every step-th layer is sparse ...
     mlp_only_layers: tuple[int, ...]  # ... except these, which keep the dense MLP
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
 
     def is_sparse_layer(self, layer_idx: int) -> bool:
         """transformers' rule (Qwen3MoeDecoderLayer)."""
@@ -59,10 +61,10 @@ class MoeConfig:
 
 
 def moe_config_from_hf(raw: dict) -> MoeConfig:
-    """From a qwen3_moe config.json (transformers 5 writes `num_local_experts`)."""
+    """From a qwen3_moe or qwen2_moe config.json (transformers 5 writes `num_local_experts`)."""
     num_experts = raw.get("num_experts", raw.get("num_local_experts"))
     if num_experts is None:
-        raise ValueError("a qwen3_moe config.json needs num_experts")
+        raise ValueError("a mixture-of-experts config.json needs num_experts")
     config = MoeConfig(
         num_experts=int(num_experts),
         top_k=int(raw["num_experts_per_tok"]),
@@ -70,6 +72,7 @@ def moe_config_from_hf(raw: dict) -> MoeConfig:
         norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
         decoder_sparse_step=int(raw.get("decoder_sparse_step", 1)),
         mlp_only_layers=tuple(int(i) for i in raw.get("mlp_only_layers") or ()),
+        shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0),
     )
     if not 0 < config.top_k <= config.num_experts or config.decoder_sparse_step < 1:
         raise ValueError(

@@ -22,6 +22,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
     "MistralForCausalLM": "llama",
 }
 
@@ -65,6 +66,8 @@ def load_decoder_config(model_path: str | Path) -> DecoderConfig:
     dtype = str(raw.get("torch_dtype") or raw.get("dtype") or "float32")
     if arch == "qwen2":
         attention_bias = True
+    elif arch == "qwen2_moe":  # q, k and v only, as qwen2's
+        attention_bias = bool(raw.get("qkv_bias", True))
     else:
         attention_bias = bool(raw.get("attention_bias", False))
     return DecoderConfig(
@@ -85,7 +88,7 @@ def load_decoder_config(model_path: str | Path) -> DecoderConfig:
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         dtype=dtype,
         eos_token_ids=tuple(eos),
-        moe=moe_config_from_hf(raw) if arch == "qwen3_moe" else None,
+        moe=moe_config_from_hf(raw) if arch in ("qwen3_moe", "qwen2_moe") else None,
     )
 
 

@@ -1,14 +1,19 @@
-"""The sparse mixture-of-experts MLP of Qwen3-MoE: a router picks each token's top-k
-experts, and the experts run grouped: the (token, expert) pairs are sorted by expert id so
-that every active expert is one matmul over all of its tokens (no loop over tokens).
+"""The sparse mixture-of-experts MLP of Qwen3-MoE and Qwen2-MoE: a router picks each
+token's top-k experts, and the experts run grouped: the (token, expert) pairs are sorted
+by expert id so that every active expert is one matmul over all of its tokens (no loop
+over tokens). Qwen2-MoE adds a shared expert, a dense MLP every token goes through,
+scaled by a sigmoid gate of its own: `sigmoid(shared_expert_gate(x)) * shared_expert(x)`,
+added to the routed experts' sum.
 
-The split between the router (`SparseMoeBlock.gate`) and the experts (`ExpertsCompute`)
-is the seam of attention-FFN disaggregation: the router stays with attention, the experts
-may run in another process (splitserve/afd/).
+The split between the router (`SparseMoeBlock.gate`) and the rest (`ExpertsCompute`: the
+routed experts and the shared one, `ExpertLayer` on an FFN daemon) is the seam of
+attention-FFN disaggregation: the router stays with attention, the experts may run in
+another process (splitserve/afd/).
 
-Numerics follow transformers (Qwen3MoeTopKRouter, Qwen3MoeExperts): softmax in float32,
-top-k, optional renormalization, weights cast back to the model dtype; each expert's
-output is scaled by its weight and summed into the token in expert-id order.
+Numerics follow transformers (Qwen3MoeTopKRouter, Qwen3MoeExperts, Qwen2MoeSparseMoeBlock):
+softmax in float32, top-k, optional renormalization, weights cast back to the model
+dtype; each expert's output is scaled by its weight and summed into the token in
+expert-id order; the shared expert's gated output is added last.
 """
 
 from __future__ import annotations
@@ -27,13 +32,14 @@ from splitserve.model.loader import iter_safetensors
 
 # one expert's projection in the per-expert layout save_pretrained writes
 EXPERT_WEIGHT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-# any expert weight, per-expert or fused (`...mlp.experts.gate_up_proj`), "model." or not
-ANY_EXPERT_WEIGHT = re.compile(r"(^|\.)layers\.\d+\.mlp\.experts\.")
+# any expert weight, per-expert or fused (`...mlp.experts.gate_up_proj`), or the shared
+# expert's or its gate's (`...mlp.shared_expert.*`, `...mlp.shared_expert_gate.*`)
+ANY_EXPERT_WEIGHT = re.compile(r"(^|\.)layers\.\d+\.mlp\.(experts\.|shared_expert\.|shared_expert_gate\.)")
 
 
 def is_expert_weight(name: str) -> bool:
-    """Whether a checkpoint tensor is an expert's (what an FFN daemon loads, and an
-    attention engine does not)."""
+    """Whether a checkpoint tensor is an expert's, routed or shared (what an FFN daemon
+    loads, and an attention engine does not)."""
     return ANY_EXPERT_WEIGHT.search(name) is not None
 
 
@@ -76,7 +82,8 @@ def grouped_experts(
 
 
 class ExpertsCompute(Protocol):
-    """What computes a sparse layer's experts: the local `Experts`, or a remote FFN."""
+    """What computes a sparse layer's experts (routed and shared) from the router's
+    choice: the local modules, or a remote FFN."""
 
     def __call__(
         self, x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor
@@ -108,16 +115,79 @@ class Experts(nn.Module):
         return self.gate_up_proj[expert].narrow(0, start, self.intermediate)
 
 
+class SharedExpert(nn.Module):
+    """Qwen2-MoE's shared expert: a SiLU-gated MLP of its own width, weights as
+    transformers names them (unfused: the loaders fill them by name)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def experts_output(
+    x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    expert_weights: torch.Tensor,
+    experts: Experts,
+    shared_expert: SharedExpert | None,
+    shared_expert_gate: Linear | None,
+) -> torch.Tensor:
+    """The routed experts' weighted sum, plus the gated shared expert where there is one:
+    the one computation a collocated layer and an FFN daemon both run."""
+    routed = experts(x, expert_ids, expert_weights)
+    if shared_expert is None or shared_expert_gate is None:
+        return routed
+    return routed + torch.sigmoid(shared_expert_gate(x)) * shared_expert(x)
+
+
+def shared_expert_modules(config: DecoderConfig, moe: MoeConfig) -> tuple[SharedExpert | None, Linear | None]:
+    """A layer's shared expert and its gate, or (None, None) for a model without one."""
+    if moe.shared_expert_intermediate_size <= 0:
+        return None, None
+    shared = SharedExpert(config.hidden_size, moe.shared_expert_intermediate_size)
+    return shared, Linear(config.hidden_size, 1, bias=False)
+
+
+class ExpertLayer(nn.Module):
+    """What an FFN daemon holds of one sparse layer: its experts and (Qwen2-MoE) shared
+    expert, under the names the checkpoint gives them below `layers.i.mlp`."""
+
+    def __init__(self, config: DecoderConfig, moe: MoeConfig) -> None:
+        super().__init__()
+        self.experts = Experts(config, moe)
+        self.shared_expert, self.shared_expert_gate = shared_expert_modules(config, moe)
+
+    def forward(
+        self, x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor
+    ) -> torch.Tensor:
+        return experts_output(
+            x, expert_ids, expert_weights, self.experts, self.shared_expert, self.shared_expert_gate
+        )
+
+
 class SparseMoeBlock(nn.Module):
-    """The router (`gate`, as transformers names it) and the experts it picks."""
+    """The router (`gate`, as transformers names it), the experts it picks and, for
+    Qwen2-MoE, the shared expert (with `shared_expert_gate`)."""
 
     def __init__(self, config: DecoderConfig, moe: MoeConfig) -> None:
         super().__init__()
         self.top_k, self.norm_topk_prob = moe.top_k, moe.norm_topk_prob
         self.gate = Linear(config.hidden_size, moe.num_experts, bias=False)
         self.experts: Experts | None = Experts(config, moe)  # None: an attention engine's
-        # set under attention-FFN disaggregation: the experts run in the FFN process
+        self.shared_expert: SharedExpert | None
+        self.shared_expert_gate: Linear | None
+        self.shared_expert, self.shared_expert_gate = shared_expert_modules(config, moe)
+        # set under attention-FFN disaggregation: the experts (shared too) run in the FFN process
         self.remote_experts: ExpertsCompute | None = None
+
+    def drop_experts(self) -> None:
+        """An attention engine's layer: its experts, shared ones too, are the daemon's."""
+        self.experts = self.shared_expert = self.shared_expert_gate = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The router's (weights [T, k], expert ids [T, k]) for these tokens: what a remote
@@ -129,7 +199,7 @@ class SparseMoeBlock(nn.Module):
         if self.remote_experts is not None:
             return self.remote_experts(x, ids, weights)
         assert self.experts is not None, "an attention engine's sparse layer has no remote experts"
-        return self.experts(x, ids, weights)
+        return experts_output(x, ids, weights, self.experts, self.shared_expert, self.shared_expert_gate)
 
 
 def expert_weight_destination(modules: dict[str, nn.Module], name: str) -> tuple[str, torch.Tensor] | None:
@@ -148,17 +218,25 @@ def expert_weight_destination(modules: dict[str, nn.Module], name: str) -> tuple
 
 def load_experts(
     model_dir: str, config: DecoderConfig, dtype: torch.dtype, device: torch.device
-) -> dict[int, Experts]:
-    """Only the experts, by layer (an FFN daemon's model): no other tensor is read.
-    ValueError for a model without experts, unknown names, wrong shapes, missing ones."""
+) -> dict[int, ExpertLayer]:
+    """Only the experts (routed and shared), by layer (an FFN daemon's model): no other
+    tensor is read. ValueError for a model without experts, unknown names, wrong shapes,
+    missing ones."""
     moe = config.moe
     if moe is None:
         raise ValueError(f"{model_dir} is not a mixture-of-experts model ({config.arch})")
     with torch.device("meta"):
-        layers = {i: Experts(config, moe) for i in range(config.num_layers) if moe.is_sparse_layer(i)}
-    layers = {i: experts.to_empty(device=device).to(dtype).eval() for i, experts in layers.items()}
-    modules: dict[str, nn.Module] = {f"layers.{i}.mlp.experts": e for i, e in layers.items()}
-    params = {f"{path}.{name}": p for path, e in modules.items() for name, p in e.named_parameters()}
+        layers = {i: ExpertLayer(config, moe) for i in range(config.num_layers) if moe.is_sparse_layer(i)}
+    layers = {i: layer.to_empty(device=device).to(dtype).eval() for i, layer in layers.items()}
+    modules: dict[str, nn.Module] = {
+        f"layers.{i}.mlp.{name}": module
+        for i, layer in layers.items()
+        for name, module in layer.named_modules()
+        if name
+    }
+    params = {
+        f"layers.{i}.mlp.{name}": p for i, layer in layers.items() for name, p in layer.named_parameters()
+    }
     loaded = dict.fromkeys(params, 0)
     for name, tensor in iter_safetensors(model_dir, keep=is_expert_weight):
         target = name.removeprefix("model.")
@@ -176,4 +254,8 @@ def load_experts(
     missing = [n for n, p in params.items() if loaded[n] < p.numel()]
     if missing:
         raise ValueError(f"checkpoint lacks expert weights for {missing[:5]}")
+    for layer in layers.values():
+        for module in layer.modules():
+            if isinstance(module, Linear):
+                module.prepack()
     return layers

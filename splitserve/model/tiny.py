@@ -50,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab", type=int, default=defaults.vocab)
     parser.add_argument("--max-position", type=int, default=defaults.max_position)
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=defaults.dtype)
-    experts = parser.add_argument_group("qwen3_moe's experts")
+    experts = parser.add_argument_group("qwen3_moe and qwen2_moe experts")
     experts.add_argument("--experts", type=int, default=defaults.moe.experts)
     experts.add_argument("--experts-per-token", type=int, default=defaults.moe.experts_per_token)
     experts.add_argument("--moe-intermediate", type=int, default=None, help="default: hidden")

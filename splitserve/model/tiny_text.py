@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from splitserve.model.tiny_moe import TinyMoeSpec, moe_config_fields, sparse_layer_weights
+from splitserve.model.tiny_moe import TinyMoeSpec, moe_config_fields, shared_width, sparse_layer_weights
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 # Added but not special, as in Qwen3: they survive skip_special_tokens, so the
@@ -26,7 +26,9 @@ ARCHITECTURES = {
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    "qwen2_moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
 }
+MOE_ARCHS = ("qwen3_moe", "qwen2_moe")
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,7 @@ class TinyModelSpec:
     vocab: int = 2048
     max_position: int = 4096
     dtype: str = "float32"
-    moe: TinyMoeSpec = field(default_factory=TinyMoeSpec)  # qwen3_moe's experts (other archs ignore it)
+    moe: TinyMoeSpec = field(default_factory=TinyMoeSpec)  # a MoE arch's experts (others ignore it)
 
     @property
     def resolved_head_dim(self) -> int:
@@ -194,6 +196,11 @@ def _config(spec: TinyModelSpec, eos_id: int, pad_id: int) -> dict:
         config.update(attention_bias=False, use_sliding_window=False, sliding_window=None)
     if spec.arch == "qwen3_moe":
         config.update(moe_config_fields(spec.moe, spec.hidden))
+    if spec.arch == "qwen2_moe":
+        config.update(moe_config_fields(spec.moe, spec.hidden, spec.arch))
+        config.update(
+            qkv_bias=True, use_sliding_window=False, sliding_window=None, max_window_layers=spec.layers
+        )
     return config
 
 
@@ -218,7 +225,7 @@ def random_weights(spec: TinyModelSpec) -> dict[str, np.ndarray]:
         weights[p + "self_attn.k_proj.weight"] = linear(kv_dim, hidden)
         weights[p + "self_attn.v_proj.weight"] = linear(kv_dim, hidden)
         weights[p + "self_attn.o_proj.weight"] = linear(hidden, q_dim)
-        if spec.arch == "qwen2":
+        if spec.arch in ("qwen2", "qwen2_moe"):
             for name, dim in (("q", q_dim), ("k", kv_dim), ("v", kv_dim)):
                 weights[p + f"self_attn.{name}_proj.bias"] = (0.1 * rng.standard_normal(dim)).astype(
                     np.float32
@@ -227,8 +234,9 @@ def random_weights(spec: TinyModelSpec) -> dict[str, np.ndarray]:
             weights[p + "self_attn.q_norm.weight"] = norm(head_dim)
             weights[p + "self_attn.k_norm.weight"] = norm(head_dim)
         weights[p + "post_attention_layernorm.weight"] = norm(hidden)
-        if spec.arch == "qwen3_moe" and spec.moe.is_sparse_layer(i):
-            weights.update(sparse_layer_weights(spec.moe, p, hidden, linear))
+        if spec.arch in MOE_ARCHS and spec.moe.is_sparse_layer(i):
+            shared = shared_width(spec.moe, spec.arch, hidden)
+            weights.update(sparse_layer_weights(spec.moe, p, hidden, linear, shared))
             continue
         weights[p + "mlp.gate_proj.weight"] = linear(inter, hidden)
         weights[p + "mlp.up_proj.weight"] = linear(inter, hidden)
@@ -249,12 +257,12 @@ def check_spec(spec: TinyModelSpec) -> None:
         raise ValueError(f"unsupported dtype {spec.dtype!r}")
     if spec.vocab < 512:
         raise ValueError("vocab must be at least 512 (256 bytes + specials + merges)")
-    if spec.arch == "qwen3_moe":
+    if spec.arch in MOE_ARCHS:
         spec.moe.check()
 
 
 def write_tiny_text_model(directory: str | os.PathLike[str], spec: TinyModelSpec = TinyModelSpec()) -> Path:
-    """A llama, qwen2, qwen3 or qwen3_moe model directory with random weights."""
+    """A llama, qwen2, qwen3, qwen3_moe or qwen2_moe model directory with random weights."""
     import torch
     from safetensors.torch import save_file
 

@@ -7,7 +7,7 @@ import os
 import time
 from typing import Any
 
-from splitserve.deploy.plan import deployment_secrets
+from splitserve.deploy.plan import FFN_ROLE, deployment_secrets
 from splitserve.ray_serve.config import (
     DEFAULT_TARGETS,
     PLANNED_TIERS,
@@ -65,12 +65,15 @@ def build_app(config: RayDeployConfig, env: dict[str, str]):
     from ray import serve
 
     tiers = {}
-    for name, spec in config.tiers:
+    server = config.server()
+    # the ffn tier first: its handle is bound into the decode tier (attention engines)
+    for name, spec in sorted(config.tiers, key=lambda tier: tier[0] != FFN_ROLE):
         if spec.replicas == 0 and not spec.autoscaling:
             continue
         planned = config.planner is not None and name in PLANNED_TIERS and spec.autoscaling
         deployment = serve.deployment(TierReplica).options(**deployment_options(name, spec, env, planned))
-        tiers[name] = deployment.bind(name, config.server())
+        ffn = tiers.get(FFN_ROLE) if name == "decode" else None
+        tiers[name] = deployment.bind(name, server, ffn) if ffn is not None else deployment.bind(name, server)
     ingress = serve.deployment(serve.ingress()(ProxyIngress)).options(
         name=INGRESS_NAME,
         num_replicas=1,
@@ -135,8 +138,10 @@ def workers(app_name: str) -> list[dict]:
 
 
 def wait_registered(config: RayDeployConfig, timeout_s: float) -> list[dict]:
-    """The registered workers once every tier has its replicas in the router; TimeoutError."""
-    wanted = {name: spec.replicas for name, spec in config.tiers if spec.replicas}
+    """The registered workers once every tier has its replicas in the router; TimeoutError.
+    (FFN daemons do not register: the decode replicas, healthy only once their daemon
+    answered HELLO, stand for them.)"""
+    wanted = {name: spec.replicas for name, spec in config.tiers if spec.replicas and name != FFN_ROLE}
     deadline = time.monotonic() + timeout_s
     while True:
         members = workers(config.app_name)

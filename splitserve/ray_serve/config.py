@@ -11,10 +11,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from splitserve.deploy.plan import TierPlan, engine_flags, render_flags, server_tiers
+from splitserve.deploy.plan import FFN_ROLE, TierPlan, engine_flags, ffn_tier, render_flags, server_tiers
 from splitserve.goodput import SLO, SLO_AVERAGE, SLO_WORST_GAP
 
-TIERS = ("render", "prefill", "decode", "encoder")
+TIERS = ("render", "prefill", "decode", "encoder", "ffn")  # ffn: `--afd`'s FFN daemons
 # The tier each replica's load signal comes from (autoscaling.py, docs/ray.md).
 DEFAULT_TARGETS = {"render": 0.7, "prefill": 2.0, "decode": 0.7, "encoder": 2.0}
 HIDDEN_RESOURCES = ("memory", "object_store_memory")  # not asked for by any tier: left out of messages
@@ -100,6 +100,7 @@ class ServerConfig:
     tiers: tuple[TierPlan, ...]  # each server tier's command line (deploy/plan.py)
     transport: str | None  # "auto": an engine is told its node too
     encoder_cache: bool = False  # an encoder tier runs: engines load embeddings from its cache
+    afd: bool = False  # an ffn tier runs: the decode engines are its attention engines
 
     def tier(self, role: str) -> TierPlan:
         return next(tier for tier in self.tiers if tier.role == role)
@@ -139,8 +140,15 @@ class RayDeployConfig:
             render=self.render_args,
             engine=self.engine_args,
         )
+        afd = self.runs(FFN_ROLE)
+        if afd:
+            tiers = (*tiers, ffn_tier(self.model, self.log_level, self.engine_args))
         return ServerConfig(
-            app_name=self.app_name, tiers=tiers, transport=self.transport, encoder_cache=self.runs("encoder")
+            app_name=self.app_name,
+            tiers=tiers,
+            transport=self.transport,
+            encoder_cache=self.runs("encoder"),
+            afd=afd,
         )
 
     def runs(self, name: str) -> bool:
@@ -290,6 +298,7 @@ def config_from_args(args: argparse.Namespace) -> RayDeployConfig:
         "prefill": {"replicas": args.prefill},
         "decode": {"replicas": args.decode},
         "encoder": {"replicas": args.encoder},
+        "ffn": {"replicas": args.afd[1] if getattr(args, "afd", None) else 0},
     }
     for text in args.ray_tier or ():
         name, settings = parse_tier_flag(text)
@@ -347,6 +356,14 @@ def check(config: RayDeployConfig) -> None:
                 )
         elif spec.min_replicas is not None:
             raise ConfigError(f"{name}: min_replicas needs max_replicas (autoscaling bounds)")
+    if config.tier(FFN_ROLE).autoscaling:
+        raise ConfigError(
+            "ffn: the FFN daemons do not autoscale (no load signal): set replicas, not max_replicas"
+        )
+    if config.runs(FFN_ROLE) and config.runs("encoder"):
+        raise ConfigError(
+            "ffn: attention-FFN disaggregation serves text MoE models, not with an encoder tier"
+        )
     for name in ("render", "decode"):
         if config.tier(name).lowest_replicas < 1:
             raise ConfigError(f"{name}: needs at least 1 replica (got {config.tier(name).lowest_replicas})")

@@ -23,6 +23,12 @@ replica and registered with the ingress.
   its directory on that node (shm) or its server's address elsewhere (tcp). A heartbeat
   answered with another cache (the ingress was replaced) fails the health check, so Serve
   restarts the replica against the new one.
+- `--afd A:F` (an `ffn` tier): an ffn replica runs the FFN daemon (`engine --role ffn`,
+  no HTTP: it is ready, and healthy, while it answers PING) and registers with nobody;
+  each decode replica asks the ffn deployment (a handle bound into it) for a daemon's
+  address before it starts its engine (`--ffn-address`; Serve picks the replica), and
+  fails its health check once that daemon has not answered PING for FFN_GONE_S (dead, or
+  replaced on another address), so Serve restarts it against a live one.
 
 The internal token (and the render tier's state key) reach the server through the
 environment the deployment gives the replica, never its command line.
@@ -41,8 +47,10 @@ import time
 from typing import Any
 
 import httpx
+import zmq
 
-from splitserve.deploy.plan import kv_event_flags
+from splitserve.deploy.liveness import ffn_answers
+from splitserve.deploy.plan import FFN_ROLE, kv_event_flags
 from splitserve.ray_serve.config import ServerConfig
 from splitserve.runtime.access import internal_headers
 from splitserve.runtime.ports import pick_free_port
@@ -55,6 +63,7 @@ LOAD_METRIC = "tier_load"  # the custom autoscaling metric every tier replica re
 PLANNED_METRIC = "planned_replicas"  # --ray-planner's target for the tier, from the ingress
 REGISTER_TIMEOUT_S = 5.0
 STARTUP_TIMEOUT_S = 300.0
+FFN_GONE_S = 30.0  # a decode replica's daemon silent this long: the engine's --ffn-timeout
 
 
 def encoder_cache_flags(node_id: str, home: dict[str, Any] | None) -> list[str]:
@@ -75,14 +84,23 @@ def encoder_cache_path(flags: list[str]) -> str | None:
 
 
 def server_command(
-    config: ServerConfig, role: str, host: str, ports: list[int], node_id: str, ec_flags: list[str]
+    config: ServerConfig,
+    role: str,
+    host: str,
+    ports: list[int],
+    node_id: str,
+    ec_flags: list[str],
+    ffn_address: str | None = None,
 ) -> list[str]:
     """The `splitserve` command line a replica of `role` runs on node `node_id`: the tier's
-    plan, then where this replica is (no secrets on it)."""
+    plan, then where this replica is (no secrets on it), and for an attention engine
+    (decode with an ffn tier) the FFN daemon it calls."""
     tier = config.tier(role)
     command = [*tier.argv, "--host", host, "--port", str(ports[0])]
-    if role == "render":
+    if role in ("render", FFN_ROLE):
         return command
+    if ffn_address is not None:
+        command += ["--ffn-address", ffn_address]
     command += ec_flags
     if tier.moves_kv:
         if config.transport == "auto":  # shm with the engines on this node, tcp with the others
@@ -99,9 +117,10 @@ def cpu_seconds(pid: int) -> float:
 
 
 class TierReplica:
-    """One replica of `role` (render, prefill, decode or encoder); see the module docstring."""
+    """One replica of `role` (render, prefill, decode, encoder or ffn); see the module
+    docstring. `ffn`: the ffn deployment's handle, bound into the decode tier of `--afd`."""
 
-    async def __init__(self, role: str, config: ServerConfig) -> None:
+    async def __init__(self, role: str, config: ServerConfig, ffn: Any = None) -> None:
         import ray
 
         self.role = role
@@ -113,14 +132,18 @@ class TierReplica:
         ports: list[int] = []
         for _ in range(3):
             ports.append(pick_free_port(host, avoid=ports))
-        self.url = f"http://{host}:{ports[0]}"
+        self.url = f"tcp://{host}:{ports[0]}" if role == FFN_ROLE else f"http://{host}:{ports[0]}"
+        self.ffn_address: str | None = None  # the daemon this attention engine calls
+        self.ffn_silent_since: float | None = None
         self.ec_home: dict[str, Any] | None = None
         self.planned_replicas: int | None = None  # the planner's target, with each heartbeat
         if config.encoder_cache and role != "render":  # where the ingress keeps the encoder cache
             self.ec_home = await asyncio.wait_for(self.ingress().encoder_cache.remote(), STARTUP_TIMEOUT_S)
         ec_flags = encoder_cache_flags(self.node_id, self.ec_home)
         self.ec_path = encoder_cache_path(ec_flags)
-        command = server_command(config, role, host, ports, self.node_id, ec_flags)
+        if ffn is not None:  # one of the ffn tier's daemons (Serve picks the replica)
+            self.ffn_address = await asyncio.wait_for(ffn.address.remote(), STARTUP_TIMEOUT_S)
+        command = server_command(config, role, host, ports, self.node_id, ec_flags, self.ffn_address)
         log_fd, self.log_path = tempfile.mkstemp(prefix=f"splitserve-ray-{role}-", suffix=".log")
         with os.fdopen(log_fd, "wb") as log_file:
             # No preexec_fn: a replica has many threads, and a child forked from them could
@@ -142,8 +165,19 @@ class TierReplica:
             raise
         self.deregistered = False
 
+    def address(self) -> str:
+        """An ffn replica's daemon, as an attention engine's --ffn-address (HOST:PORT)."""
+        return self.url.removeprefix("tcp://")
+
     async def wait_healthy(self) -> None:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        if self.role == FFN_ROLE:  # no HTTP: ready once its loop answers PING
+            while not await asyncio.to_thread(self.daemon_answers, self.url):
+                if self.process.poll() is not None:
+                    raise RuntimeError(self.exited())
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"FFN daemon not answering PING after {STARTUP_TIMEOUT_S:.0f}s")
+            return
         async with httpx.AsyncClient(timeout=2.0, headers=internal_headers()) as client:
             while True:
                 if self.process.poll() is not None:
@@ -161,6 +195,11 @@ class TierReplica:
             tail = log_file.read()[-limit:]
         return f"{self.role} server exited ({self.process.returncode}):\n{tail}"
 
+    @staticmethod
+    def daemon_answers(url: str) -> bool:
+        with zmq.Context() as context:
+            return ffn_answers(context, url)
+
     def ingress(self):
         from ray import serve
 
@@ -171,6 +210,10 @@ class TierReplica:
         the ingress knows it (a heartbeat)."""
         if self.process.poll() is not None:
             raise RuntimeError(self.exited())
+        if self.role == FFN_ROLE:
+            return  # the router has no FFN pool: its attention engines find it
+        if self.ffn_address is not None:
+            await self.check_daemon(self.ffn_address)
         try:
             answer = await asyncio.wait_for(
                 self.ingress().register.remote(self.role, self.url, self.node_id, self.replica, self.ec_path),
@@ -183,6 +226,19 @@ class TierReplica:
         home = answer["encoder_cache"]
         if self.ec_home is not None and home != self.ec_home:  # a new ingress keeps a new cache
             raise RuntimeError("the encoder cache moved (the ingress was replaced): restarting against it")
+
+    async def check_daemon(self, address: str) -> None:
+        """An attention engine's daemon answers PING, or has not for under FFN_GONE_S."""
+        if await asyncio.to_thread(self.daemon_answers, f"tcp://{address}"):
+            self.ffn_silent_since = None
+            return
+        now = time.monotonic()
+        self.ffn_silent_since = self.ffn_silent_since or now
+        if now - self.ffn_silent_since > FFN_GONE_S:
+            raise RuntimeError(
+                f"the FFN daemon at {address} has not answered PING for {FFN_GONE_S:.0f}s: "
+                "restarting against a live one"
+            )
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """The tier's own load signal (docs/ray.md): decode, the fraction of KV blocks in

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from splitserve.afd.ffn_client import AfdError
+from splitserve.afd.ffn_connection import AfdError
 from splitserve.config import AfdConfig
 from splitserve.engine.llm import LLM, engine_config_from_kwargs
 from splitserve.protocol.sampling_params import SamplingParams
@@ -73,9 +73,9 @@ def collocated(bf16_moe) -> tuple[list[list[int]], list[list[int]]]:
     return prompts, [r.token_ids for r in LLM(bf16_moe, **ENGINE).generate(prompts, GREEDY)]
 
 
-def attention_llm(model_dir: str, port: int, microbatches: int = 2) -> LLM:
+def attention_llm(model_dir: str, port: int, microbatches: int = 2, transport: str = "auto") -> LLM:
     config = engine_config_from_kwargs(model_dir, **ENGINE)
-    afd = AfdConfig("127.0.0.1", port, timeout_s=60.0, microbatches=microbatches)
+    afd = AfdConfig("127.0.0.1", port, timeout_s=60.0, microbatches=microbatches, transport=transport)
     return LLM(config=dataclasses.replace(config, afd=afd))
 
 
@@ -85,12 +85,13 @@ def test_attention_engine_equals_the_collocated_one(bf16_moe, daemon, collocated
     monkeypatch.setenv(INTERNAL_TOKEN_ENV, TOKEN)
     prompts, expected = collocated
     layers_sent = {}
-    for microbatches in (1, 2):
-        llm = attention_llm(bf16_moe, daemon, microbatches)
+    for microbatches, transport in ((1, "tcp"), (2, "shm")):
+        llm = attention_llm(bf16_moe, daemon, microbatches, transport)
         runner = llm.engine.runner
         assert all(getattr(layer.mlp, "experts", None) is None for layer in runner.model.layers)  # none here
         assert [r.token_ids for r in llm.generate(prompts, GREEDY)] == expected
         assert runner.ffn is not None and runner.ffn.bytes_sent > 0 and runner.ffn.bytes_received > 0
+        assert (runner.ffn.shm_layers > 0) == (transport == "shm")
         assert not runner.ffn.in_flight
         layers_sent[microbatches] = runner.ffn.totals().layers
         llm.engine.shutdown()

@@ -1,11 +1,13 @@
 """`splitserve up MODEL --afd A:F`: the decode side as A attention engines sharing F FFN
 daemons answers `serve`'s greedy tokens, with P/D in front (`--prefill 1`: long prompts
 are prefilled there and handed to an attention engine, short ones prefilled on it) and
-without (`--prefill 0`); two attention engines use one daemon at once; the attention
-engines' /metrics carry the traffic per step; a daemon SIGKILLed mid-stream is started
-again by `up` and the streams go on, equal to the undisturbed run; so does the stream of
-a daemon SIGSTOPped mid-stream (alive, silent), well inside the old 30 s layer timeout.
-The stacks start side by side (their start-ups are most of the time)."""
+without (`--prefill 0`); the tensors through shared memory (`1:1`, up's default) and over
+tcp (`2:1`); two attention engines use one daemon at once; the attention engines'
+/metrics carry the traffic per step, the bytes exactly the tensors' either way; a daemon
+SIGKILLed mid-stream is started again by `up` and the streams go on, equal to the
+undisturbed run, over tcp and over shm; so does the stream of a daemon SIGSTOPped
+mid-stream (alive, silent), well inside the old 30 s layer timeout. The stacks start
+side by side (their start-ups are most of the time)."""
 
 from __future__ import annotations
 
@@ -43,10 +45,13 @@ PD_FLAGS = ["--pd-decision", "threshold", "--min-prefill-tokens", "16", "--routi
 @dataclass
 class Stacks:
     serve: str
-    one_to_one: str  # up --afd 1:1 --prefill 0
+    one_to_one: str  # up --afd 1:1 --prefill 0 (shm, up's default)
     one_to_one_port: int
-    two_to_one: str  # up --afd 2:1 --prefill 1 --afd-microbatches 2
+    two_to_one: str  # up --afd 2:1 --prefill 1 --afd-microbatches 2 --afd-transport tcp
     two_to_one_port: int
+
+    def port_of(self, name: str) -> int:
+        return {"one_to_one": self.one_to_one_port, "two_to_one": self.two_to_one_port}[name]
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +77,8 @@ def stacks(moe) -> Iterator[Stacks]:
                 "1",
                 "--afd-microbatches",
                 "2",
+                "--afd-transport",
+                "tcp",
                 *ENGINE_FLAGS,
                 *PD_FLAGS,
             ],
@@ -104,38 +111,60 @@ def parts(port: int) -> dict[str, tuple[str, int]]:
     return {name: (url, int(pid)) for name, url, pid in found}
 
 
+def assert_step_traffic(text: str, shm: bool) -> None:
+    """An attention engine's /metrics: per step, the tensors each way, exactly (bf16,
+    hidden 64, top-2: a token's routing pair goes out as int32 ids and bf16 weights),
+    whichever path they took."""
+    assert metric(text, "splitserve_afd_step_bytes_sent_count") > 0
+    assert metric(text, "splitserve_afd_step_exposed_communication_seconds_count") > 0
+    routed = sum(metric(text, "splitserve_afd_step_expert_tokens_sum", f'{{expert="{e}"}}') for e in range(8))
+    assert routed > 0
+    received = metric(text, "splitserve_afd_step_bytes_received_sum")
+    sent = metric(text, "splitserve_afd_step_bytes_sent_sum")
+    assert received == routed / 2 * 64 * 2  # the combined output [T, H]
+    if metric(text, "splitserve_afd_layers_resent_total") == 0:  # a layer sent again counts twice
+        assert sent == received + routed * (4 + 2)  # hidden states, then the routing
+    else:
+        assert sent > received + routed * (4 + 2)
+    assert (metric(text, "splitserve_afd_shm_layers_total") > 0) == shm
+
+
+def current_daemon(port: int) -> tuple[int, int]:
+    """The pid of `up`'s ffn-0 now (the latest it started) and how often it was restarted."""
+    log = up_log(port)
+    restarts = re.findall(r"ffn-0 started again \(pid (\d+)\)", log)
+    return (int(restarts[-1]) if restarts else parts(port)["ffn-0"][1]), len(restarts)
+
+
 def test_up_afd_equals_serve_with_and_without_pd(stacks: Stacks):
     prompts = [SHORT, LONG]
     expected = token_ids(stacks.serve, prompts)
-    assert token_ids(stacks.one_to_one, prompts) == expected
+    assert token_ids(stacks.one_to_one, prompts) == expected  # over shm
     # both attention engines at once (round robin), both on the one daemon; the long
     # prompts through the prefill engine, the short ones prefilled on the attention side
-    assert token_ids(stacks.two_to_one, prompts * 2) == expected * 2
+    assert token_ids(stacks.two_to_one, prompts * 2) == expected * 2  # over tcp
+    one = parts(stacks.one_to_one_port)
+    assert_step_traffic(httpx.get(f"{one['decode-0'][0]}/metrics", headers=AUTH, timeout=10).text, shm=True)
     names = parts(stacks.two_to_one_port)
     assert {"ffn-0", "prefill-0", "decode-0", "decode-1"} <= set(names)
     for name in ("decode-0", "decode-1"):
-        text = httpx.get(f"{names[name][0]}/metrics", headers=AUTH, timeout=10).text
-        assert metric(text, "splitserve_afd_step_bytes_sent_count") > 0
-        assert metric(text, "splitserve_afd_step_bytes_sent_sum") > metric(
-            text, "splitserve_afd_step_bytes_received_sum"
-        )  # the routing goes out beside the hidden states
-        assert metric(text, "splitserve_afd_step_exposed_communication_seconds_count") > 0
-        routed = sum(
-            metric(text, "splitserve_afd_step_expert_tokens_sum", f'{{expert="{e}"}}') for e in range(8)
-        )
-        assert routed > 0
+        assert_step_traffic(httpx.get(f"{names[name][0]}/metrics", headers=AUTH, timeout=10).text, shm=False)
     prefill = httpx.get(f"{names['prefill-0'][0]}/metrics", headers=AUTH, timeout=10).text
     assert "splitserve_afd_step_bytes_sent" not in prefill  # the prefill engine holds its experts
     assert metric(prefill, "splitserve_prompt_tokens_total") > 0  # the long prompts went through P/D
 
 
-def test_a_killed_ffn_daemon_is_restarted_and_the_streams_go_on(stacks: Stacks):
-    """Both attention engines are mid-stream on the one daemon when it is SIGKILLed: each
-    sends its layer again to the daemon `up` starts in its place; nothing ends in error."""
+@pytest.mark.parametrize(
+    ("stack", "engines"), [("two_to_one", ("decode-0", "decode-1")), ("one_to_one", ("decode-0",))]
+)
+def test_a_killed_ffn_daemon_is_restarted_and_the_streams_go_on(stacks: Stacks, stack: str, engines):
+    """Every attention engine is mid-stream on the one daemon when it is SIGKILLed: each
+    sends its layer again to the daemon `up` starts in its place (over tcp; over shm, with
+    a new segment the new daemon maps); nothing ends in error."""
     (expected,) = [s.token_ids for s in streamed(stacks.serve, [LONG_STREAM])]
-    port = stacks.two_to_one_port
-    daemon_pid = parts(port)["ffn-0"][1]
-    streams = [Stream(stacks.two_to_one, LONG_STREAM) for _ in range(2)]
+    port = stacks.port_of(stack)
+    daemon_pid, restarts = current_daemon(port)
+    streams = [Stream(getattr(stacks, stack), LONG_STREAM) for _ in engines]
     for stream in streams:
         stream.start()
     assert wait_until(lambda: all(s.token_ids for s in streams), 60)
@@ -145,11 +174,13 @@ def test_a_killed_ffn_daemon_is_restarted_and_the_streams_go_on(stacks: Stacks):
         stream.join()
         assert stream.error is None and stream.finish_reason == "length", stream.error
         assert stream.token_ids == expected
-    assert "ffn-0 started again" in up_log(port)
+    assert current_daemon(port)[1] == restarts + 1
     resent = 0.0
-    for name in ("decode-0", "decode-1"):
+    for name in engines:
         text = httpx.get(f"{parts(port)[name][0]}/metrics", headers=AUTH, timeout=10).text
         resent += metric(text, "splitserve_afd_layers_resent_total")
+        if stack == "one_to_one":  # the layers after the failover went through shm again
+            assert metric(text, "splitserve_afd_shm_layers_total") > 0
     assert resent >= 1
 
 
@@ -160,8 +191,9 @@ def test_a_stopped_ffn_daemon_is_found_and_replaced_and_the_stream_goes_on(stack
     `serve`'s, long before the old 30 s a layer used to wait."""
     (expected,) = [s.token_ids for s in streamed(stacks.serve, [LONG_STREAM])]
     port = stacks.one_to_one_port
-    daemon_pid = parts(port)["ffn-0"][1]
+    daemon_pid, restarts = current_daemon(port)
     decode = parts(port)["decode-0"][0]
+    before = httpx.get(f"{decode}/metrics", headers=AUTH, timeout=10).text  # the kill test's count too
     stream = Stream(stacks.one_to_one, LONG_STREAM)
     stream.start()
     assert wait_until(lambda: stream.token_ids, 60)
@@ -169,7 +201,7 @@ def test_a_stopped_ffn_daemon_is_found_and_replaced_and_the_stream_goes_on(stack
     stopped_at = time.monotonic()
     os.kill(daemon_pid, signal.SIGSTOP)
     try:
-        assert wait_until(lambda: "ffn-0 started again" in up_log(port), timeout_s=25)
+        assert wait_until(lambda: current_daemon(port)[1] > restarts, timeout_s=25)
         stream.join(timeout=60)
         recovered_s = time.monotonic() - stopped_at
         assert stream.error is None and stream.finish_reason == "length", stream.error
@@ -177,8 +209,8 @@ def test_a_stopped_ffn_daemon_is_found_and_replaced_and_the_stream_goes_on(stack
         assert recovered_s < 25, recovered_s
         assert "has not answered PING" in up_log(port)
         text = httpx.get(f"{decode}/metrics", headers=AUTH, timeout=10).text
-        assert metric(text, "splitserve_afd_deadlines_missed_total") >= 1
-        assert metric(text, "splitserve_afd_layers_resent_total") >= 1
+        for name in ("splitserve_afd_deadlines_missed_total", "splitserve_afd_layers_resent_total"):
+            assert metric(text, name) > metric(before, name), name
     finally:
         with contextlib.suppress(ProcessLookupError):  # up SIGKILLed it: gone already
             os.kill(daemon_pid, signal.SIGCONT)
@@ -194,18 +226,22 @@ def test_up_afd_refuses_a_model_without_moe_layers_and_bad_ratios(tiny_model, ca
         assert exited.value.code == 2 and "--afd" in capsys.readouterr().err
     assert main(["up", tiny_model, "--afd", "2:1", "--decode", "3"]) == 2
     assert "not --decode 3" in capsys.readouterr().err
-    assert main(["up", tiny_model, "--afd", "2:1", "--ray"]) == 2
-    assert "not with --ray" in capsys.readouterr().err
+    assert main(["up", tiny_model, "--afd", "2:1", "--ray", "127.0.0.1:1"]) == 2  # checked before Ray
+    assert "--afd needs a mixture-of-experts model" in capsys.readouterr().err
     assert main(["up", tiny_model, "--afd-microbatches", "1"]) == 2
     assert "--afd-microbatches needs --afd" in capsys.readouterr().err
+    assert main(["up", tiny_model, "--afd-transport", "tcp"]) == 2
+    assert "--afd-transport needs --afd" in capsys.readouterr().err
 
 
-def test_up_gives_the_attention_engines_the_micro_batch_setting():
-    args = up_args("--afd", "1:1", "--afd-microbatches", "1")
+def test_up_gives_the_attention_engines_the_micro_batch_and_transport_settings():
+    args = up_args("--afd", "1:1", "--afd-microbatches", "1", "--afd-transport", "tcp")
     assert afd_flag_error(args) is None
     decode = plan_from_args(args, "/models/m", "m").tier("decode").argv
     assert flag_value(decode, "--afd-microbatches") == "1"
-    assert (
-        "--afd-microbatches"
-        not in plan_from_args(up_args("--afd", "1:1"), "/models/m", "m").tier("decode").argv
-    )
+    assert flag_value(decode, "--afd-transport") == "tcp"
+    args = up_args("--afd", "1:1")
+    assert afd_flag_error(args) is None
+    decode = plan_from_args(args, "/models/m", "m").tier("decode").argv
+    assert "--afd-microbatches" not in decode
+    assert flag_value(decode, "--afd-transport") == "shm"  # every part on this host

@@ -1,6 +1,7 @@
 """Qwen3-MoE: greedy token IDs equal transformers' `generate` (float32) through the
 engine API (batched prompts of mixed lengths, chunked prefill, prefix-cache hits) and
-through `serve`."""
+through `serve`; Qwen2-MoE (a gated shared expert beside the routed ones) through the
+engine API."""
 
 from __future__ import annotations
 
@@ -47,6 +48,21 @@ def test_sparse_step_mlp_only_layers_and_unnormalized_top_k(tiny_model_factory):
     prompts = make_prompts(2048, seed=3)[:5]
     expected = oracle_greedy(model_dir, prompts, 8)
     llm = LLM(model_dir, num_blocks=64, max_num_batched_tokens=24)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    assert [r.token_ids for r in llm.generate(prompts, params)] == expected
+
+
+def test_qwen2_moe_with_its_shared_experts_equals_transformers(tiny_model_factory):
+    """Qwen2-MoE: every sparse layer adds a sigmoid-gated shared expert (128 wide) to its
+    routed experts (top-2 of 8, not renormalized); a dense layer of another width (192)
+    between two sparse ones; q/k/v biases. Batched, chunked prefill."""
+    spec = TinyMoeSpec(norm_topk_prob=False, mlp_only_layers=(1,))
+    model_dir = tiny_model_factory(arch="qwen2_moe", layers=3, moe=spec)
+    prompts = make_prompts(2048, seed=4)[:5]
+    expected = oracle_greedy(model_dir, prompts, 8)
+    llm = LLM(model_dir, num_blocks=64, max_num_batched_tokens=24)
+    sparse = [layer.mlp for layer in llm.engine.runner.model.layers if hasattr(layer.mlp, "shared_expert")]
+    assert len(sparse) == 2 and all(mlp.shared_expert is not None for mlp in sparse)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     assert [r.token_ids for r in llm.generate(prompts, params)] == expected
 

@@ -10,8 +10,19 @@ from pathlib import Path
 
 import pytest
 
+from splitserve.deploy.up_afd import afd_flag_error
+from splitserve.ray_serve.app import deployment_options
 from splitserve.ray_serve.cli import ray_address
-from splitserve.ray_serve.config import ConfigError, check, check_cluster, config_from_mapping, load_yaml
+from splitserve.ray_serve.config import (
+    ConfigError,
+    check,
+    check_cluster,
+    config_from_args,
+    config_from_mapping,
+    load_yaml,
+)
+from splitserve.ray_serve.tier import server_command
+from tests.deploy.test_plan import flag_value, up_args
 
 GOOD = """
 model: Qwen/Qwen3-0.6B
@@ -65,12 +76,45 @@ def test_a_yaml_config_reads_and_checks(tmp_path):
         ("tiers: {render: {}, decode: {max_replicas: 2}}\nplanner: {slo: 1}", "planner: unknown key(s) slo"),
         ("tiers: {render: {}, decode: {max_replicas: 2}}\nplanner: [1]", "planner: expected a mapping"),
         ("tiers: {render: {}, decode: {max_replicas: 2}}\nplanner: {target: 2}", "planner.target must be"),
+        ("tiers: {render: {}, decode: {}, ffn: {max_replicas: 2}}", "ffn: the FFN daemons do not autoscale"),
+        ("tiers: {render: {}, decode: {}, ffn: {}, encoder: {}}", "not with an encoder tier"),
     ],
 )
 def test_config_errors_name_what_to_change(tmp_path, text, message):
     with pytest.raises(ConfigError) as error:
         check(load_yaml(write(tmp_path, text)))
     assert message in str(error.value)
+
+
+def test_up_ray_afd_plans_an_ffn_tier_whose_daemons_the_decode_replicas_call():
+    """`up --ray --afd 2:1`: the decode tier is 2 attention engines, the ffn tier 1 FFN
+    daemon (placed like any tier, never autoscaled); a decode replica's engine gets the
+    daemon's address Serve handed it and picks shm or tcp by where that daemon is; the
+    daemon's replica runs `engine --role ffn` on its own address, with no KV flags; the
+    prefill engines keep their experts."""
+    args = up_args(
+        "--ray", "auto", "--afd", "2:1", "--prefill", "1", "--ray-tier", "ffn:num_cpus=2,ffn_node=1"
+    )
+    assert afd_flag_error(args) is None
+    config = config_from_args(args)
+    check(config)
+    assert (config.tier("decode").replicas, config.tier("ffn").replicas) == (2, 1)
+    assert config.tier("ffn").demand() == {"CPU": 2.0, "ffn_node": 1.0}
+    assert deployment_options("ffn", config.tier("ffn"), {})["num_replicas"] == 1
+    server = config.server()
+    assert server.afd and server.tier("ffn").argv[:4] == ("engine", "/models/m", "--role", "ffn")
+    decode = server_command(server, "decode", "10.0.0.2", [8100, 8101, 8102], "node-a", [], "10.0.0.3:9100")
+    assert flag_value(decode, "--ffn-address") == "10.0.0.3:9100"
+    assert flag_value(decode, "--afd-transport") == "auto"  # shm only with a daemon on this host
+    daemon = server_command(server, "ffn", "10.0.0.3", [9100, 9101, 9102], "node-b", [])
+    assert daemon[-4:] == ["--host", "10.0.0.3", "--port", "9100"]
+    assert "--kv-node-id" not in daemon and "--ffn-address" not in daemon
+    prefill = server_command(server, "prefill", "10.0.0.2", [8200, 8201, 8202], "node-a", [])
+    assert "--ffn-address" not in prefill
+    # without --afd: no ffn tier, no daemon
+    plain = config_from_args(up_args("--ray", "auto"))
+    assert plain.tier("ffn").replicas == 0 and not plain.server().afd
+    assert all(tier.role != "ffn" for tier in plain.server().tiers)
 
 
 def test_up_ray_stops_on_a_bad_config_before_connecting(tmp_path):

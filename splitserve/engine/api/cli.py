@@ -92,6 +92,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "one's FFN traffic hidden behind the other's attention; 1 (the default: faster on "
         "shared CPU cores, docs/afd.md) the whole step at once",
     )
+    parser.add_argument(
+        "--afd-transport",
+        choices=["shm", "tcp", "auto"],
+        default="auto",
+        help="with --ffn-address: a layer's tensors through shared memory (the daemon on this "
+        "host), as tcp frames, or auto (the default): shm when the daemon can map it, else tcp",
+    )
     parser.add_argument("--block-size", type=_positive_int, default=cache.block_size)
     parser.add_argument(
         "--kv-cache-memory",
@@ -264,11 +271,11 @@ def afd_config(args: argparse.Namespace) -> AfdConfig | None:
         raise ValueError(f"--role attention needs --ffn-address HOST:PORT, not {args.ffn_address!r}")
     if args.ffn_timeout <= 0:
         raise ValueError(f"--ffn-timeout must be positive, not {args.ffn_timeout}")
-    return AfdConfig(host, int(port), args.ffn_timeout, args.afd_microbatches)
+    return AfdConfig(host, int(port), args.ffn_timeout, args.afd_microbatches, args.afd_transport)
 
 
 def run(args: argparse.Namespace) -> int:
-    from splitserve.afd.ffn_client import AfdError
+    from splitserve.afd.ffn_connection import AfdError
     from splitserve.engine.api.app import create_engine_app
     from splitserve.engine.async_engine import AsyncEngine
     from splitserve.model_files.resolve import resolve_model_or_exit
