@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from splitserve.ray_serve.checks import check, check_cluster
 from splitserve.ray_serve.cli import ray_address
-from splitserve.ray_serve.config import ConfigError, check, check_cluster, config_from_mapping, load_yaml
+from splitserve.ray_serve.config import ConfigError, config_from_mapping, load_yaml
 
 GOOD = """
 model: Qwen/Qwen3-0.6B
