@@ -1,6 +1,6 @@
-"""A tier's Serve replica: the tier's own server (`splitserve render` or `splitserve engine
---role ROLE`) as a child process on the replica's node, on a free port, supervised by the
-replica and registered with the ingress.
+"""A tier's Serve replica: the tier's own server (`splitserve render`, `splitserve engine
+--role ROLE` or `splitserve kvstore`) as a child process on the replica's node, on a free
+port, supervised by the replica and registered with the ingress.
 
 - Up: the replica starts the server, waits for its /health, and Serve's first health
   check registers its URL with the ingress (`ProxyIngress.register`); every later check
