@@ -154,18 +154,22 @@ def proxy_flags(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def store_flags(args: argparse.Namespace) -> tuple[str, ...]:
-    """The KV store tier's flags from `up`'s (local or on Ray); ValueError for sizes it
-    cannot take."""
-    if (args.kv_store_disk is None) != (args.kv_store_disk_gb is None):
+    """The KV store tier's flags from `up`'s; ValueError for sizes it cannot take."""
+    sizes = store_size_flags(args.kv_store_ram_gb, args.kv_store_disk, args.kv_store_disk_gb)
+    return (*sizes, "--drain-timeout", str(args.drain_timeout))
+
+
+def store_size_flags(ram_gb: float, disk: str | None, disk_gb: float | None) -> tuple[str, ...]:
+    """The KV store's RAM and disk tiers as its flags (local or on Ray); ValueError for
+    sizes it cannot take, naming `up`'s flag."""
+    if (disk is None) != (disk_gb is None):
         raise ValueError("--kv-store-disk and --kv-store-disk-gb go together")
-    for name in ("kv_store_ram_gb", "kv_store_disk_gb"):
-        value = getattr(args, name)
+    for flag, value in (("--kv-store-ram-gb", ram_gb), ("--kv-store-disk-gb", disk_gb)):
         if value is not None and not 0 < value < float("inf"):  # also NaN
-            raise ValueError(f"--{name.replace('_', '-')} must be a positive size in GiB, not {value}")
-    flags = ["--kv-store-ram-gb", str(args.kv_store_ram_gb), "--drain-timeout", str(args.drain_timeout)]
-    if args.kv_store_disk is not None:
-        flags += ["--kv-store-disk", os.path.abspath(args.kv_store_disk)]
-        flags += ["--kv-store-disk-gb", str(args.kv_store_disk_gb)]
+            raise ValueError(f"{flag} must be a positive size in GiB, not {value}")
+    flags = ["--kv-store-ram-gb", str(ram_gb)]
+    if disk is not None:
+        flags += ["--kv-store-disk", os.path.abspath(disk), "--kv-store-disk-gb", str(disk_gb)]
     return tuple(flags)
 
 

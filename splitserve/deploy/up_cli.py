@@ -245,9 +245,6 @@ def run(args: argparse.Namespace) -> int:
         if args.cpu_affinity:
             print("splitserve up: --cpu-affinity pins local processes; Ray places --ray's", file=sys.stderr)
             return 2
-        if args.kv_store:  # docs/kv-store.md: a Serve deployment for it is not built yet
-            print("splitserve up: --kv-store runs with the local stack only, not --ray yet", file=sys.stderr)
-            return 2
         from splitserve.ray_serve.cli import run_up
 
         return run_up(args)

@@ -95,6 +95,11 @@ class StoreHealth:
         with self.lock:
             self.cool_down_s = self.base_s
 
+    def reset(self) -> None:
+        """Call the store now (another store: the old one's failures say nothing of it)."""
+        with self.lock:
+            self.cool_down_s, self.until = self.base_s, 0.0
+
 
 class KVStoreClient:
     def __init__(
@@ -151,6 +156,15 @@ class KVStoreClient:
             "shape": [layers, two, block_size, heads, head_dim],
         }
         self.block_info = [None] * num_blocks
+
+    def retarget(self, host: str, port: int) -> None:
+        """Use the store at host:port from now on (the deployment's store was replaced: on
+        Ray it comes back elsewhere). What the old one held is lost to this engine; a
+        request or load in flight finishes against the old one or fails (a miss)."""
+        for client in (self.lookup_client, self.load_client, self.offload_client):
+            client.retarget(host, port)
+        self.address = f"{host}:{port}"
+        self.health.reset()
 
     def set_wakeup(self, wakeup: Callable[[], None]) -> None:
         self.wakeup = wakeup

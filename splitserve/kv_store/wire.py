@@ -135,6 +135,13 @@ class StoreClient:
             self.socket.close()
             self.context.term()
 
+    def retarget(self, host: str, port: int) -> None:
+        """Talk to the store at host:port from the next request on (a replaced store): a
+        fresh socket and session, so nothing of the old store's is taken for the new one's."""
+        with self.lock:
+            self.address = f"tcp://{host}:{port}"
+            self._reset()
+
     # ---- the operations ------------------------------------------------------------
     def put(self, blocks: list[tuple[BlockKey, dict, bytes]]) -> int:
         """Store blocks (key, meta, payload); how many the store kept."""

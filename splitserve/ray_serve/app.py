@@ -187,7 +187,8 @@ def app_builder(args: dict[str, Any]):
     process that builds the app (a Kubernetes Secret), a fresh token when none is set.
     Not checked against the cluster's nodes: there, the autoscaler adds the nodes a tier
     asks for (and the worker pods may still be starting)."""
-    from splitserve.ray_serve.config import check, config_from_mapping, with_transport
+    from splitserve.ray_serve.checks import check
+    from splitserve.ray_serve.config import config_from_mapping, with_transport
 
     config = config_from_mapping(args)
     check(config)

@@ -6,7 +6,9 @@ import argparse
 import os
 import sys
 
-from splitserve.ray_serve.config import ConfigError, RayDeployConfig, check, check_cluster, config_from_args
+from splitserve.deploy.plan import STORE_ROLE
+from splitserve.ray_serve.checks import check, check_cluster
+from splitserve.ray_serve.config import ConfigError, RayDeployConfig, config_from_args
 from splitserve.runtime.access import API_KEY_ENV
 
 DEFAULT_APP_NAME = "splitserve"
@@ -142,7 +144,8 @@ def print_endpoints(config: RayDeployConfig, num_nodes: int, endpoint: str, memb
     print(f"splitserve up --ray: {where}: {counts}; KV over {transport}")
     for member in sorted(members, key=lambda m: (m["role"], m["url"])):
         ec = f", encoder cache over {member['encoder_cache']}" if member.get("encoder_cache") else ""
-        print(f"  {member['role']:<8} {member['url']}  (node {member['node_id'][:12]}{ec})")
+        blocks = f", blocks at {member['kv_store']}" if member["role"] == STORE_ROLE else ""
+        print(f"  {member['role']:<8} {member['url']}  (node {member['node_id'][:12]}{ec}{blocks})")
     if not endpoint.endswith(f":{config.http_port}"):
         print(f"  (Serve already ran on this cluster: its HTTP proxy keeps {endpoint})")
     print(f"OpenAI API: {endpoint}/v1  (`splitserve down --ray` removes it)", flush=True)

@@ -7,17 +7,27 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from splitserve.deploy.plan import FFN_ROLE, TierPlan, engine_flags, ffn_tier, render_flags, server_tiers
+from splitserve.deploy.plan import (
+    FFN_ROLE,
+    STORE_ROLE,
+    TierPlan,
+    engine_flags,
+    ffn_tier,
+    render_flags,
+    server_tiers,
+    store_size_flags,
+    store_tier,
+)
 from splitserve.goodput import SLO, SLO_AVERAGE, SLO_WORST_GAP
 
-TIERS = ("render", "prefill", "decode", "encoder", "ffn")  # ffn: `--afd`'s FFN daemons
+TIERS = ("render", "prefill", "decode", "encoder", FFN_ROLE, STORE_ROLE)  # ffn: `--afd`'s FFN daemons
 # The tier each replica's load signal comes from (autoscaling.py, docs/ray.md).
 DEFAULT_TARGETS = {"render": 0.7, "prefill": 2.0, "decode": 0.7, "encoder": 2.0}
-HIDDEN_RESOURCES = ("memory", "object_store_memory")  # not asked for by any tier: left out of messages
 TIER_KEYS = (
     "replicas", "num_cpus", "num_gpus", "resources",
     "min_replicas", "max_replicas", "target", "upscale_delay_s", "downscale_delay_s",
@@ -25,8 +35,9 @@ TIER_KEYS = (
 TOP_KEYS = (
     "model", "served_model_name", "app_name", "http_host", "http_port", "transport", "mode",
     "min_prefill_tokens", "pd_decision", "log_level", "engine_args", "render_args", "proxy_location",
-    "tiers", "open_health_metrics", "planner",
+    "tiers", "open_health_metrics", "planner", "kv_store_ram_gb", "kv_store_disk", "kv_store_disk_gb",
 )  # fmt: skip
+STORE_KEYS = ("kv_store_ram_gb", "kv_store_disk", "kv_store_disk_gb")  # the KV store tier's sizes
 PLANNER_KEYS = ("interval_s", "slo_ttft", "slo_tpot", "slo_gap", "target", "profile")
 
 
@@ -101,6 +112,7 @@ class ServerConfig:
     transport: str | None  # "auto": an engine is told its node too
     encoder_cache: bool = False  # an encoder tier runs: engines load embeddings from its cache
     afd: bool = False  # an ffn tier runs: the decode engines are its attention engines
+    kv_store: bool = False  # a KV store tier runs: engines offload to it and load from it
 
     def tier(self, role: str) -> TierPlan:
         return next(tier for tier in self.tiers if tier.role == role)
@@ -124,6 +136,10 @@ class RayDeployConfig:
     proxy_location: str = "HeadOnly"  # Serve's HTTP proxy: HeadOnly or EveryNode
     open_health_metrics: bool = False  # the ingress's /health and /metrics answer without the API key
     planner: PlannerSettings | None = None  # None: each tier autoscales on its own load signal
+    # the KV store tier's sizes (`tiers.kvstore` runs it); the disk, a directory its node has
+    kv_store_ram_gb: float = 4.0
+    kv_store_disk: str | None = None
+    kv_store_disk_gb: float | None = None
 
     def tier(self, name: str) -> TierSpec:
         return dict(self.tiers).get(name, TierSpec(replicas=0))
@@ -143,13 +159,20 @@ class RayDeployConfig:
         afd = self.runs(FFN_ROLE)
         if afd:
             tiers = (*tiers, ffn_tier(self.model, self.log_level, self.engine_args))
+        if self.runs(STORE_ROLE):
+            tiers = (*tiers, store_tier(self.log_level, self.store_flags()))
         return ServerConfig(
             app_name=self.app_name,
             tiers=tiers,
             transport=self.transport,
             encoder_cache=self.runs("encoder"),
             afd=afd,
+            kv_store=self.runs(STORE_ROLE),
         )
+
+    def store_flags(self) -> tuple[str, ...]:
+        """The KV store's size flags; ValueError for sizes it cannot take."""
+        return store_size_flags(self.kv_store_ram_gb, self.kv_store_disk, self.kv_store_disk_gb)
 
     def runs(self, name: str) -> bool:
         """Whether the tier has a replica now or may get one (autoscaling)."""
@@ -222,6 +245,9 @@ def config_from_mapping(raw: Mapping[str, Any]) -> RayDeployConfig:
         fields["model"] = None
     if fields.get("planner") is not None:
         fields["planner"] = planner_from_mapping(fields["planner"])
+    for key in ("kv_store_ram_gb", "kv_store_disk_gb"):
+        if fields.get(key) is not None:
+            fields[key] = _number(key, fields[key])
     return RayDeployConfig(
         tiers=tuple((str(name), tier_from_mapping(str(name), spec)) for name, spec in tiers.items()), **fields
     )
@@ -300,10 +326,14 @@ def config_from_args(args: argparse.Namespace) -> RayDeployConfig:
         "encoder": {"replicas": args.encoder},
         "ffn": {"replicas": args.afd[1] if getattr(args, "afd", None) else 0},
     }
+    if args.kv_store:
+        tiers[STORE_ROLE] = {"replicas": 1}
     for text in args.ray_tier or ():
         name, settings = parse_tier_flag(text)
         if name not in TIERS:
             raise ConfigError(f"--ray-tier {text}: unknown tier {name!r} (tiers: {', '.join(TIERS)})")
+        if name not in tiers:
+            raise ConfigError(f"--ray-tier {text}: the {name} tier runs with --kv-store only")
         tiers[name].update(settings)
     return RayDeployConfig(
         model=args.model,
@@ -321,6 +351,9 @@ def config_from_args(args: argparse.Namespace) -> RayDeployConfig:
         engine_args=engine_flags(args),
         render_args=render_flags(args),
         planner=planner_from_args(args),
+        kv_store_ram_gb=args.kv_store_ram_gb,
+        kv_store_disk=args.kv_store_disk and os.path.abspath(args.kv_store_disk),
+        kv_store_disk_gb=args.kv_store_disk_gb,
     )
 
 
@@ -336,77 +369,6 @@ def planner_from_args(args: argparse.Namespace) -> PlannerSettings | None:
     if args.max_num_batched_tokens:
         settings = dataclasses.replace(settings, max_num_batched_tokens=args.max_num_batched_tokens)
     return settings
-
-
-def check(config: RayDeployConfig) -> None:
-    """What can be told without a cluster; ConfigError says what is wrong."""
-    names = [name for name, _ in config.tiers]
-    for name in names:
-        if name not in TIERS:
-            raise ConfigError(f"unknown tier {name!r} (tiers: {', '.join(TIERS)})")
-    if len(set(names)) != len(names):
-        raise ConfigError("a tier is named twice")
-    for name, spec in config.tiers:
-        if spec.autoscaling:
-            low = spec.min_replicas if spec.min_replicas is not None else spec.replicas
-            if spec.max_replicas is not None and not low <= spec.replicas <= spec.max_replicas:
-                raise ConfigError(
-                    f"{name}: replicas {spec.replicas} must lie within min_replicas {low} "
-                    f"and max_replicas {spec.max_replicas}"
-                )
-        elif spec.min_replicas is not None:
-            raise ConfigError(f"{name}: min_replicas needs max_replicas (autoscaling bounds)")
-    if config.tier(FFN_ROLE).autoscaling:
-        raise ConfigError(
-            "ffn: the FFN daemons do not autoscale (no load signal): set replicas, not max_replicas"
-        )
-    if config.runs(FFN_ROLE) and config.runs("encoder"):
-        raise ConfigError(
-            "ffn: attention-FFN disaggregation serves text MoE models, not with an encoder tier"
-        )
-    for name in ("render", "decode"):
-        if config.tier(name).lowest_replicas < 1:
-            raise ConfigError(f"{name}: needs at least 1 replica (got {config.tier(name).lowest_replicas})")
-    if config.mode not in ("push", "pull"):
-        raise ConfigError(f"mode: push or pull, not {config.mode!r}")
-    if config.pd_decision not in ("cost", "threshold"):
-        raise ConfigError(f"pd_decision: cost or threshold, not {config.pd_decision!r}")
-    if config.transport not in (None, "shm", "tcp", "auto"):
-        raise ConfigError(f"transport: shm, tcp, auto or unset (auto), not {config.transport!r}")
-    if config.proxy_location not in ("HeadOnly", "EveryNode"):
-        raise ConfigError(f"proxy_location: HeadOnly or EveryNode, not {config.proxy_location!r}")
-    if config.planner is not None:
-        if not config.tier("decode").autoscaling:
-            raise ConfigError("planner: the decode tier needs autoscaling bounds (max_replicas)")
-        for name in PLANNED_TIERS:
-            spec = config.tier(name)
-            if spec.autoscaling and spec.lowest_replicas < 1:
-                # Serve asks a tier's own replicas for its target: a tier at zero has none
-                raise ConfigError(f"planner: {name} needs min_replicas >= 1 to be planned")
-        if not 0 < config.planner.target <= 1:
-            raise ConfigError(f"planner.target must be in (0, 1], got {config.planner.target:g}")
-
-
-def shown_resource(name: str) -> bool:
-    """Resources a message lists: not memory, nor Ray's per-node labels (node:IP, ...)."""
-    return name not in HIDDEN_RESOURCES and ":" not in name
-
-
-def check_cluster(config: RayDeployConfig, nodes: list[dict[str, float]]) -> None:
-    """Every tier that runs a replica fits on at least one node (`nodes`: each alive node's
-    total resources, as `ray.nodes()` reports them)."""
-    for name, spec in config.tiers:
-        if not config.runs(name):
-            continue
-        demand = spec.demand()
-        if not any(all(node.get(k, 0.0) >= v for k, v in demand.items()) for node in nodes):
-            offered = "; ".join(
-                ", ".join(f"{k}={v:g}" for k, v in sorted(n.items()) if shown_resource(k)) for n in nodes
-            )
-            wanted = ", ".join(f"{k}={v:g}" for k, v in sorted(demand.items()))
-            raise ConfigError(
-                f"{name}: no node in the cluster has {wanted} for one replica (nodes: {offered or 'none'})"
-            )
 
 
 def with_transport(config: RayDeployConfig) -> RayDeployConfig:

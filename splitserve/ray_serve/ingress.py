@@ -5,7 +5,10 @@ Tier replicas call `register` on every Serve health check (a heartbeat) and `der
 when Serve tears them down; a worker whose heartbeats stop (its replica died) leaves
 after `STALE_S`, and a prefill/decode worker that leaves also leaves the KV-event index.
 Encoder replicas join the proxy's encoder pool; with an encoder tier the ingress keeps
-the deployment's encoder cache (`EncoderCacheHome`). The router's own health checks,
+the deployment's encoder cache (`EncoderCacheHome`). The KV store replica registers its
+block address, which the engine replicas ask for before starting and get again with each
+heartbeat, and the router follows its KV events (a replaced store: the old one's blocks
+are forgotten, the new one's followed). The router's own health checks,
 routing, retries and stream migration run unchanged: a dead worker is out of rotation at
 its first failed request or check, long before it is dropped.
 """
@@ -23,6 +26,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from splitserve.deploy.plan import STORE_ROLE
 from splitserve.protocol.errors import error_body
 from splitserve.ray_serve.config import PlannerInputs
 from splitserve.ray_serve.planner_loop import PlannerLoop
@@ -57,6 +61,7 @@ class Member:
     replica: str
     last_seen: float
     encoder_cache: str | None  # how its server reaches the encoder cache: shm, tcp or not at all
+    kv_store: str | None  # the KV store's block address: a store's own, an engine's store
 
 
 class StartingGate:
@@ -133,6 +138,8 @@ class ProxyIngress:
         )
         self.frontend = self.proxy_app.state.service.frontend
         self.members: dict[str, Member] = {}
+        self.store: Member | None = None  # the KV store replica whose events the router follows
+        self.store_watched = False  # its events followed (it answered where they are)
         open_paths = OPEN_WITH_FLAG if open_health_metrics else frozenset()
         self.policy = AccessPolicy(api_keys(os.environ.get(API_KEY_ENV)), open_paths)
         self.planner = None if planner is None else PlannerLoop(planner, self.engine.traffic)
@@ -141,6 +148,11 @@ class ProxyIngress:
         """Where the encoder cache is (node, directory, server address), or None when the
         deployment has no encoder tier; a replica starts its server against it."""
         return None if self.ec_home is None else dict(self.ec_home.address)
+
+    def kv_store(self) -> str | None:
+        """The KV store's block address (HOST:PORT) once its replica has registered; an
+        engine replica starts its server against it."""
+        return None if self.store is None else self.store.kv_store
 
     def __del__(self) -> None:
         if getattr(self, "ec_home", None) is not None:
@@ -153,25 +165,54 @@ class ProxyIngress:
         return self.frontend.base_urls
 
     async def register(
-        self, role: str, url: str, node_id: str, replica: str, encoder_cache: str | None = None
+        self,
+        role: str,
+        url: str,
+        node_id: str,
+        replica: str,
+        encoder_cache: str | None = None,
+        kv_store: str | None = None,
     ) -> dict[str, Any]:
         """A replica's heartbeat; answers where the encoder cache is (a replica whose server
-        was started against another one restarts: the ingress, and its cache, were replaced)
-        and, with `--ray-planner`, its tier's replica target."""
+        was started against another one restarts: the ingress, and its cache, were replaced),
+        where the KV store is (an engine follows a replaced store) and, with `--ray-planner`,
+        its tier's replica target."""
         if self.planner is not None:
             self.planner.ensure_running()
         if url not in self.members:
             logger.warning("%s replica %s registered: %s", role, replica, url)
-        self.members[url] = Member(role, url, node_id, replica, time.monotonic(), encoder_cache)
+        self.members[url] = Member(role, url, node_id, replica, time.monotonic(), encoder_cache, kv_store)
         if role == "render":
             self.sync_render_urls()
+        elif role == STORE_ROLE:
+            await self.follow_store(self.members[url])
         elif role == "encoder":
             if self.encoders is not None:
                 self.encoders.add(url)
         else:
             self.pool.add(url, ENGINE_ROLES[role])
         planned = None if self.planner is None else self.planner.targets().get(role)
-        return {"encoder_cache": self.encoder_cache(), "planned_replicas": planned}
+        return {
+            "encoder_cache": self.encoder_cache(),
+            "kv_store": self.kv_store(),
+            "planned_replicas": planned,
+        }
+
+    async def follow_store(self, store: Member) -> None:
+        """`store` is the deployment's KV store (the latest to register: Serve runs one
+        replica, and a replacement registers before the dead one's heartbeats are missed):
+        the router forgets the previous one's blocks and follows this one's events."""
+        if self.store is not None and self.store.url != store.url:
+            logger.warning("the KV store moved: %s -> %s", self.store.url, store.url)
+            await self.forget_store()
+        self.store = store
+        if not self.store_watched:  # until it answers where its events are
+            self.store_watched = await self.engine.watch.watch_store(store.url)
+
+    async def forget_store(self) -> None:
+        if self.store is not None:
+            await asyncio.to_thread(self.engine.watch.forget_store, self.store.url)
+        self.store, self.store_watched = None, False
 
     async def deregister(self, url: str) -> None:
         member = self.members.get(url)
@@ -183,6 +224,8 @@ class ProxyIngress:
             # it leaves the listing), so cache-aware routing never scores a worker that is
             # gone; a replica registered again under the URL is checked and followed afresh
             await asyncio.to_thread(self.engine.forget_worker, url)
+        if member.role == STORE_ROLE and self.store is not None and self.store.url == url:
+            await self.forget_store()
         if self.members.pop(url, None) is None:
             return  # another call took it out meanwhile
         logger.warning("%s replica %s left: %s", member.role, member.replica, url)
@@ -211,7 +254,7 @@ class ProxyIngress:
 
     async def workers(self) -> list[dict]:
         """Every registered worker: role, URL, node, replica, how it reaches the encoder
-        cache, and the router's view of it."""
+        cache, the KV store's address, and the router's view of it."""
         health = {w["url"]: w for w in self.pool.snapshot()}
         return [
             {
@@ -220,6 +263,7 @@ class ProxyIngress:
                 "node_id": m.node_id,
                 "replica": m.replica,
                 "encoder_cache": m.encoder_cache,
+                "kv_store": m.kv_store,
                 "healthy": health.get(m.url, {}).get("healthy", True),
                 "served": health.get(m.url, {}).get("served", 0),
                 "in_flight": health.get(m.url, {}).get("in_flight", 0),

@@ -1,6 +1,6 @@
-"""A tier's Serve replica: the tier's own server (`splitserve render` or `splitserve engine
---role ROLE`) as a child process on the replica's node, on a free port, supervised by the
-replica and registered with the ingress.
+"""A tier's Serve replica: the tier's own server (`splitserve render`, `splitserve engine
+--role ROLE` or `splitserve kvstore`) as a child process on the replica's node, on a free
+port, supervised by the replica and registered with the ingress.
 
 - Up: the replica starts the server, waits for its /health, and Serve's first health
   check registers its URL with the ingress (`ProxyIngress.register`); every later check
@@ -29,6 +29,12 @@ replica and registered with the ingress.
   address before it starts its engine (`--ffn-address`; Serve picks the replica), and
   fails its health check once that daemon has not answered PING for FFN_GONE_S (dead, or
   replaced on another address), so Serve restarts it against a live one.
+- The KV store tier (`kvstore`, one replica): `splitserve kvstore` on the node's address,
+  its block port and KV-event endpoints registered with the ingress, which follows its
+  events. Every prefill and decode replica waits for the store's registration before
+  starting its server (`--kv-store HOST:PORT`); a heartbeat answered with another address
+  (Serve replaced the store replica) re-points the running server at it, so a store that
+  dies costs only the hits it held.
 
 The internal token (and the render tier's state key) reach the server through the
 environment the deployment gives the replica, never its command line.
@@ -50,7 +56,7 @@ import httpx
 import zmq
 
 from splitserve.deploy.liveness import ffn_answers
-from splitserve.deploy.plan import FFN_ROLE, kv_event_flags
+from splitserve.deploy.plan import FFN_ROLE, STORE_ROLE, kv_event_flags
 from splitserve.ray_serve.config import ServerConfig
 from splitserve.runtime.access import internal_headers
 from splitserve.runtime.ports import pick_free_port
@@ -62,6 +68,7 @@ INGRESS_NAME = "ProxyIngress"
 LOAD_METRIC = "tier_load"  # the custom autoscaling metric every tier replica reports
 PLANNED_METRIC = "planned_replicas"  # --ray-planner's target for the tier, from the ingress
 REGISTER_TIMEOUT_S = 5.0
+STORE_WAIT_S = 0.5  # how often an engine replica asks whether the KV store has registered
 STARTUP_TIMEOUT_S = 300.0
 FFN_GONE_S = 30.0  # a decode replica's daemon silent this long: the engine's --ffn-timeout
 
@@ -83,6 +90,12 @@ def encoder_cache_path(flags: list[str]) -> str | None:
     return "shm" if flags[0] == "--ec-shm-dir" else "tcp"
 
 
+def ports_needed(role: str) -> int:
+    """A replica's server ports: HTTP; an engine's KV events and replay too; the KV
+    store's block port, events and replay."""
+    return 4 if role == STORE_ROLE else 3
+
+
 def server_command(
     config: ServerConfig,
     role: str,
@@ -91,14 +104,17 @@ def server_command(
     node_id: str,
     ec_flags: list[str],
     ffn_address: str | None = None,
+    store_address: str | None = None,
 ) -> list[str]:
     """The `splitserve` command line a replica of `role` runs on node `node_id`: the tier's
-    plan, then where this replica is (no secrets on it), and for an attention engine
-    (decode with an ffn tier) the FFN daemon it calls."""
+    plan, then where this replica is (no secrets on it), for an attention engine (decode
+    with an ffn tier) the FFN daemon it calls, and for an engine where the KV store is."""
     tier = config.tier(role)
     command = [*tier.argv, "--host", host, "--port", str(ports[0])]
     if role in ("render", FFN_ROLE):
         return command
+    if role == STORE_ROLE:
+        return [*command, "--kv-port", str(ports[1]), *kv_event_flags(host, ports[2], ports[3])]
     if ffn_address is not None:
         command += ["--ffn-address", ffn_address]
     command += ec_flags
@@ -106,6 +122,8 @@ def server_command(
         if config.transport == "auto":  # shm with the engines on this node, tcp with the others
             command += ["--kv-node-id", node_id]
         command += kv_event_flags(host, ports[1], ports[2])
+        if store_address is not None:
+            command += ["--kv-store", store_address]
     return command
 
 
@@ -117,8 +135,8 @@ def cpu_seconds(pid: int) -> float:
 
 
 class TierReplica:
-    """One replica of `role` (render, prefill, decode, encoder or ffn); see the module
-    docstring. `ffn`: the ffn deployment's handle, bound into the decode tier of `--afd`."""
+    """One replica of `role` (render, prefill, decode, encoder, ffn or kvstore); see the
+    module docstring. `ffn`: the ffn deployment's handle, bound into the decode tier of `--afd`."""
 
     async def __init__(self, role: str, config: ServerConfig, ffn: Any = None) -> None:
         import ray
@@ -130,11 +148,13 @@ class TierReplica:
         self.replica = context.get_actor_name() or ""
         host = ray.util.get_node_ip_address()
         ports: list[int] = []
-        for _ in range(3):
+        for _ in range(ports_needed(role)):
             ports.append(pick_free_port(host, avoid=ports))
         self.url = f"tcp://{host}:{ports[0]}" if role == FFN_ROLE else f"http://{host}:{ports[0]}"
         self.ffn_address: str | None = None  # the daemon this attention engine calls
         self.ffn_silent_since: float | None = None
+        # the store's block address (a store replica), or the one this engine's server uses
+        self.store_address = f"{host}:{ports[1]}" if role == STORE_ROLE else None
         self.ec_home: dict[str, Any] | None = None
         self.planned_replicas: int | None = None  # the planner's target, with each heartbeat
         if config.encoder_cache and role != "render":  # where the ingress keeps the encoder cache
@@ -143,7 +163,11 @@ class TierReplica:
         self.ec_path = encoder_cache_path(ec_flags)
         if ffn is not None:  # one of the ffn tier's daemons (Serve picks the replica)
             self.ffn_address = await asyncio.wait_for(ffn.address.remote(), STARTUP_TIMEOUT_S)
-        command = server_command(config, role, host, ports, self.node_id, ec_flags, self.ffn_address)
+        if config.kv_store and config.tier(role).moves_kv:
+            self.store_address = await asyncio.wait_for(self.registered_store(), STARTUP_TIMEOUT_S)
+        command = server_command(
+            config, role, host, ports, self.node_id, ec_flags, self.ffn_address, self.store_address
+        )
         log_fd, self.log_path = tempfile.mkstemp(prefix=f"splitserve-ray-{role}-", suffix=".log")
         with os.fdopen(log_fd, "wb") as log_file:
             # No preexec_fn: a replica has many threads, and a child forked from them could
@@ -200,6 +224,15 @@ class TierReplica:
         with zmq.Context() as context:
             return ffn_answers(context, url)
 
+    async def registered_store(self) -> str:
+        """The KV store's block address, once its replica has registered with the ingress
+        (it may start after this one)."""
+        while True:
+            address = await self.ingress().kv_store.remote()
+            if address is not None:
+                return address
+            await asyncio.sleep(STORE_WAIT_S)
+
     def ingress(self):
         from ray import serve
 
@@ -216,7 +249,9 @@ class TierReplica:
             await self.check_daemon(self.ffn_address)
         try:
             answer = await asyncio.wait_for(
-                self.ingress().register.remote(self.role, self.url, self.node_id, self.replica, self.ec_path),
+                self.ingress().register.remote(
+                    self.role, self.url, self.node_id, self.replica, self.ec_path, self.store_address
+                ),
                 REGISTER_TIMEOUT_S,
             )
         except Exception as exc:  # the ingress restarting: the next heartbeat registers again
@@ -226,6 +261,24 @@ class TierReplica:
         home = answer["encoder_cache"]
         if self.ec_home is not None and home != self.ec_home:  # a new ingress keeps a new cache
             raise RuntimeError("the encoder cache moved (the ingress was replaced): restarting against it")
+        store = answer["kv_store"]
+        engine_with_store = self.role != STORE_ROLE and self.store_address is not None
+        if engine_with_store and store not in (None, self.store_address):
+            await self.follow_store(store)
+
+    async def follow_store(self, address: str) -> None:
+        """Serve replaced the KV store replica: point the running server at the new one
+        (its prefix cache and requests stay; only the old store's hits are gone)."""
+        try:
+            async with httpx.AsyncClient(timeout=REGISTER_TIMEOUT_S, headers=internal_headers()) as client:
+                response = await client.post(f"{self.url}/inference/v1/kv/store", json={"address": address})
+        except httpx.HTTPError as exc:  # a busy server: the next heartbeat tries again
+            logger.warning("%s %s: telling it the KV store moved failed: %r", self.role, self.url, exc)
+            return
+        if response.status_code != 200:
+            raise RuntimeError(f"{self.role} server refused the KV store's new address: {response.text}")
+        logger.warning("%s %s: the KV store moved to %s", self.role, self.url, address)
+        self.store_address = address
 
     async def check_daemon(self, address: str) -> None:
         """An attention engine's daemon answers PING, or has not for under FFN_GONE_S."""
@@ -243,7 +296,7 @@ class TierReplica:
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """The tier's own load signal (docs/ray.md): decode, the fraction of KV blocks in
         use; prefill, requests running or queued; render and encoder, CPU seconds per second."""
-        if self.role in ("render", "encoder"):
+        if self.role in ("render", "encoder", STORE_ROLE):
             now, used = time.monotonic(), cpu_seconds(self.process.pid)
             then, used_before = self.cpu_mark
             self.cpu_mark = (now, used)
@@ -262,6 +315,7 @@ class TierReplica:
             "node_id": self.node_id,
             "replica": self.replica,
             "encoder_cache": self.ec_path,
+            "kv_store": self.store_address,
         }
 
     async def __del__(self) -> None:

@@ -79,6 +79,11 @@ class KVBlockIndex:
         with self._lock:
             self._store_media.setdefault(name, {})
 
+    def remove_store(self, name: str) -> None:
+        """`name` is no KV store any more (it was replaced): its blocks are no one's."""
+        with self._lock:
+            self._store_media.pop(name, None)
+
     def apply(self, worker: str, batch: KVEventBatch) -> None:
         with self._lock:
             media = self._store_media.get(worker)

@@ -110,6 +110,13 @@ class WorkerWatch:
         )
         return True
 
+    def forget_store(self, url: str) -> None:
+        """The KV store at `url` is gone for good (replaced by another): its events are
+        no longer followed and the routing index credits none of its blocks. Blocks on the
+        feed's thread briefly."""
+        self.kv_feed.unwatch(url)
+        self.kv_feed.index.remove_store(url)
+
     async def _watch_kv_events(self, worker: Worker) -> None:
         """Follow the worker's KV events when it publishes them (engines started with
         --kv-events-endpoint answer /inference/v1/kv/events)."""

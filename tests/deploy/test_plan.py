@@ -147,6 +147,36 @@ def test_a_ray_replica_adds_its_placement_to_the_plan():
     )
 
 
+def test_a_ray_kv_store_replica_and_its_engines_get_their_addresses(tmp_path, monkeypatch):
+    flags = ("--kv-store", "--kv-store-ram-gb", "0.5", "--kv-store-disk", "kv", "--kv-store-disk-gb", "2")
+    monkeypatch.chdir(tmp_path)  # a relative disk directory is made absolute where `up` runs
+    args = up_args(*flags)
+    server = with_transport(config_from_args(args)).server()
+    local = plan_from_args(args, args.model, args.served_model_name).tier("kvstore")
+    store = server.tier("kvstore")
+    # the sizes `up` gives its store (which also gets up's drain timeout)
+    assert store.argv == local.argv[: local.argv.index("--drain-timeout")]
+    assert flag_value(store.argv, "--kv-store-disk") == str(tmp_path / "kv")
+    assert store.secret_names == (INTERNAL_TOKEN_ENV,) and server.kv_store
+    command = server_command(server, "kvstore", "10.0.0.3", [9000, 9001, 9002, 9003], "node-b", [])
+    assert command[len(store.argv) :] == [
+        "--host", "10.0.0.3", "--port", "9000", "--kv-port", "9001",
+        "--kv-events-endpoint", "tcp://10.0.0.3:9002", "--kv-events-replay-endpoint", "tcp://10.0.0.3:9003",
+    ]  # fmt: skip
+    ports = [8001, 8002, 8003]
+    for role in ("prefill", "decode"):
+        engine = server_command(server, role, "10.0.0.1", ports, "node-a", [], store_address="10.0.0.3:9001")
+        assert flag_value(tuple(engine), "--kv-store") == "10.0.0.3:9001"
+    encoder = server_command(
+        server, "encoder", "10.0.0.1", ports, "node-a", [], store_address="10.0.0.3:9001"
+    )
+    assert "--kv-store" not in encoder
+    without = with_transport(config_from_args(up_args())).server()
+    assert not without.kv_store and "--kv-store" not in server_command(
+        without, "decode", "10.0.0.1", ports, "node-a", []
+    )
+
+
 def test_secrets_go_by_name_to_the_tiers_that_need_them():
     tiers = plan()
     values = deployment_secrets("key-1,key-2")

@@ -155,3 +155,39 @@ def test_kv_store_flag_errors_are_clear(tiny_model):
         timeout=120,
     )
     assert finished.returncode == 2 and "--kv-store needs HOST:PORT" in finished.stderr
+
+
+def test_an_engine_follows_its_store_to_a_new_address(tiny_model, expected):
+    """A deployment whose store came back elsewhere (Ray) re-points the running engine:
+    `POST /inference/v1/kv/store` (no restart, no cool-down left from the old address)."""
+    servers, store_kv, _ = store_and(tiny_model, "engine")
+    (store, store_http), (engine, port) = servers
+    gone = f"127.0.0.1:{free_port()}"  # the old store's address: nothing answers there
+    engine[engine.index("--kv-store") + 1] = gone
+    with running_servers([(store, store_http), (engine, port)], env=open_env()) as (_, url):
+
+        def generate(tokens: list[int]) -> dict:
+            body = {
+                "token_ids": tokens,
+                "sampling_params": {"max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True},
+            }
+            response = httpx.post(f"{url}/inference/v1/generate", json=body, timeout=60)
+            assert response.status_code == 200, response.text
+            return response.json()
+
+        assert generate(SESSION_A)["choices"][0]["token_ids"] == expected[0]  # its lookup fails
+        assert httpx.get(f"{url}/inference/v1/kv/store").json() == {"address": gone}
+        for bad in ({"address": "nowhere"}, {"address": 7}, ["127.0.0.1:1"]):
+            answer = httpx.post(f"{url}/inference/v1/kv/store", json=bad)
+            assert answer.status_code == 400 and "error" in answer.json(), answer.text
+        moved = httpx.post(f"{url}/inference/v1/kv/store", json={"address": f"127.0.0.1:{store_kv}"})
+        assert moved.status_code == 200 and moved.json() == {"address": f"127.0.0.1:{store_kv}"}
+        # the others evict SESSION_A's blocks: offloaded to the new address at once
+        assert [generate(p)["choices"][0]["token_ids"] for p in OTHERS] == expected[1:]
+        wait_offloaded(store_kv, SESSION_A)
+        again = generate(SESSION_A)
+        assert again["choices"][0]["token_ids"] == expected[0]
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 80
+        engine_metrics = metric_values(httpx.get(f"{url}/metrics").text)
+    assert engine_metrics["splitserve_kv_store_client_lookup_errors_total"] == 1
+    assert engine_metrics["splitserve_kv_store_client_loaded_blocks_total"] == 5

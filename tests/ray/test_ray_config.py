@@ -12,15 +12,9 @@ import pytest
 
 from splitserve.deploy.up_afd import afd_flag_error
 from splitserve.ray_serve.app import deployment_options
+from splitserve.ray_serve.checks import check, check_cluster
 from splitserve.ray_serve.cli import ray_address
-from splitserve.ray_serve.config import (
-    ConfigError,
-    check,
-    check_cluster,
-    config_from_args,
-    config_from_mapping,
-    load_yaml,
-)
+from splitserve.ray_serve.config import ConfigError, config_from_args, config_from_mapping, load_yaml
 from splitserve.ray_serve.tier import server_command
 from tests.deploy.test_plan import flag_value, up_args
 
@@ -78,6 +72,25 @@ def test_a_yaml_config_reads_and_checks(tmp_path):
         ("tiers: {render: {}, decode: {max_replicas: 2}}\nplanner: {target: 2}", "planner.target must be"),
         ("tiers: {render: {}, decode: {}, ffn: {max_replicas: 2}}", "ffn: the FFN daemons do not autoscale"),
         ("tiers: {render: {}, decode: {}, ffn: {}, encoder: {}}", "not with an encoder tier"),
+        ("tiers: {render: {}, decode: {}, kvstore: {replicas: 2}}", "kvstore: one replica"),
+        ("tiers: {render: {}, decode: {}, kvstore: {max_replicas: 2}}", "kvstore: one replica"),
+        (
+            "tiers: {render: {}, decode: {}}\nkv_store_ram_gb: 8",
+            "need the KV store (--kv-store; tiers.kvstore)",
+        ),
+        (
+            "tiers: {render: {}, decode: {}, kvstore: {}}\nkv_store_ram_gb: 0",
+            "--kv-store-ram-gb must be a positive",
+        ),
+        (
+            "tiers: {render: {}, decode: {}, kvstore: {}}\nkv_store_ram_gb: lots",
+            "kv_store_ram_gb: expected a number",
+        ),
+        ("tiers: {render: {}, decode: {}, kvstore: {}}\nkv_store_disk: /d", "--kv-store-disk-gb go together"),
+        (
+            "tiers: {render: {}, decode: {}, kvstore: {}}\nkv_store_disk: kv\nkv_store_disk_gb: 1",
+            "kv_store_disk: an absolute path on the store's node, not 'kv'",
+        ),
     ],
 )
 def test_config_errors_name_what_to_change(tmp_path, text, message):
@@ -103,7 +116,9 @@ def test_up_ray_afd_plans_an_ffn_tier_whose_daemons_the_decode_replicas_call():
     assert deployment_options("ffn", config.tier("ffn"), {})["num_replicas"] == 1
     server = config.server()
     assert server.afd and server.tier("ffn").argv[:4] == ("engine", "/models/m", "--role", "ffn")
-    decode = server_command(server, "decode", "10.0.0.2", [8100, 8101, 8102], "node-a", [], "10.0.0.3:9100")
+    decode = server_command(
+        server, "decode", "10.0.0.2", [8100, 8101, 8102], "node-a", [], ffn_address="10.0.0.3:9100"
+    )
     assert flag_value(decode, "--ffn-address") == "10.0.0.3:9100"
     assert flag_value(decode, "--afd-transport") == "auto"  # shm only with a daemon on this host
     daemon = server_command(server, "ffn", "10.0.0.3", [9100, 9101, 9102], "node-b", [])
@@ -140,6 +155,9 @@ def test_up_ray_stops_on_a_bad_config_before_connecting(tmp_path):
             "no such file",
         ),
         (["--lengths", "256/64"], "--lengths: only with --plan"),
+        (["--ray-tier", "kvstore:num_cpus=1"], "the kvstore tier runs with --kv-store only"),
+        (["--kv-store", "--kv-store-disk-gb", "2"], "--kv-store-disk and --kv-store-disk-gb go together"),
+        (["--kv-store", "--ray-tier", "kvstore:max_replicas=2"], "kvstore: one replica"),
     ):
         done = subprocess.run(
             [sys.executable, "-m", "splitserve.cli", "up", "--ray", "127.0.0.1:1", *args],
@@ -148,6 +166,23 @@ def test_up_ray_stops_on_a_bad_config_before_connecting(tmp_path):
             timeout=60,
         )
         assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_a_yaml_kv_store_tier_reads_and_gets_its_sizes(tmp_path):
+    text = "tiers: {render: {}, decode: {}, kvstore: {num_cpus: 0.5, resources: {cpu_node: 1}}}\n"
+    text += "kv_store_ram_gb: 8\nkv_store_disk: /var/kv\nkv_store_disk_gb: 100\n"
+    config = load_yaml(write(tmp_path, text))
+    check(config)
+    assert config.tier("kvstore").demand() == {"CPU": 0.5, "cpu_node": 1.0}
+    server = config.server()
+    assert server.kv_store and server.tier("kvstore").argv == (
+        "kvstore", "--log-level", "warning",
+        "--kv-store-ram-gb", "8.0", "--kv-store-disk", "/var/kv", "--kv-store-disk-gb", "100.0",
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match=r"kvstore: no node in the cluster has CPU=0.5, cpu_node=1"):
+        check_cluster(config, [{"CPU": 16.0}])
+    plain = load_yaml(write(tmp_path, "tiers: {render: {}, decode: {}}"))
+    assert not plain.server().kv_store and "kvstore" not in [t.role for t in plain.server().tiers]
 
 
 def test_a_yaml_planner_reads_its_slos_and_interval(tmp_path):

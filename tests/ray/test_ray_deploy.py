@@ -39,6 +39,7 @@ from tests.ray.ray_helpers import (
     wait_for,
     workers,
 )
+from tests.ray.ray_store_checks import check_a_killed_store_costs_only_hits, check_the_kv_store
 from tests.router.test_pd_proxy import chat_token_ids, chats, metric
 from tests.service.image_requests import PICTURES, counter, image_chat_body
 
@@ -83,12 +84,13 @@ def tiny_model() -> Iterator[str]:
 def up_args(address: str, model: str, port: int) -> list[str]:
     """Prefill on the head node, the encoder on the other, one decode slot on each: decode
     autoscales 1 -> 2 on its load signal (KV blocks in use), at a target any request
-    exceeds, and then runs one replica on each node."""
+    exceeds, and then runs one replica on each node; a KV store replica wherever it fits."""
     return [
         "up", model, "--ray", address, "--ray-app-name", APP, "--port", str(port),
         "--num-blocks", "512", "--max-model-len", "1024",
         "--min-prefill-tokens", "16", "--pd-decision", "threshold",
-        "--open-health-metrics", "--encoder", "1",
+        "--open-health-metrics", "--encoder", "1", "--kv-store", "--kv-store-ram-gb", "0.25",
+        "--ray-tier", "kvstore:num_cpus=0.25",
         "--ray-tier", "render:num_cpus=0.5", "--ray-tier", "prefill:num_cpus=0.5,prefill_node=1",
         "--ray-tier", "encoder:num_cpus=0.5,encoder_node=1",
         "--ray-tier", "decode:num_cpus=0.5,decode_node=1,max_replicas=2,target=0.0001,upscale_delay_s=0",
@@ -183,7 +185,8 @@ def check_the_deployment(base: str, collocated: str, stdout: str, secrets_env: d
     # placement: prefill on the head node, the encoder on the other; the secrets never on a command line
     members = workers()
     nodes = {m["role"]: m["node_id"] for m in members}
-    assert set(nodes) == {"render", "prefill", "decode", "encoder"} and nodes["prefill"] != nodes["encoder"]
+    assert set(nodes) == {"render", "prefill", "decode", "encoder", "kvstore"}
+    assert nodes["prefill"] != nodes["encoder"]
     token = secrets_env["SPLITSERVE_INTERNAL_TOKEN"]
     for pid in os.listdir("/proc"):
         if pid.isdigit():
@@ -208,6 +211,7 @@ def check_the_deployment(base: str, collocated: str, stdout: str, secrets_env: d
     url = {m["role"]: m["url"] for m in members}
     assert httpx.get(f"{url['decode']}/health").status_code == 401  # the token guards the engines
     check_images(base, collocated, members, auth)
+    check_the_kv_store(base, collocated, members, auth)
 
     # decode scales 1 -> 2 live on its load (the other tiers keep running): the router uses both
     with steady_load(base, messages[0]):
@@ -269,6 +273,7 @@ def check_the_deployment(base: str, collocated: str, stdout: str, secrets_env: d
     # the dropped worker left the router's KV-event index too (it held blocks before)
     index = httpx.get(f"{base}/workers", headers=AUTH).json()["kv_index_blocks"]
     assert victim["url"] not in index and any(index.get(m["url"]) for m in workers()), index
+    check_a_killed_store_costs_only_hits(base, collocated, auth)
 
 
 def check_images(base: str, collocated: str, members: list[dict], auth: dict[str, str]) -> None:

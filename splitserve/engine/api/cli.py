@@ -310,7 +310,7 @@ def run(args: argparse.Namespace) -> int:
     app = create_engine_app(engine, manage_engine=True, max_pixel_bytes=args.max_pixel_bytes)
     if pd_connector is not None:
         kv_routes.install_kv_routes(app, pd_connector)
-    kv_store_setup.install_kv_store_metrics(app, kv_store)
+    kv_store_setup.install_kv_store(app, kv_store)
     if config.kv_events is not None:
         from splitserve.engine.api.kv_events_route import install_kv_events_route
 

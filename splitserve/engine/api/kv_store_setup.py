@@ -4,11 +4,16 @@ tier (engine/kv_store_client.py) and its counters on the engine's /metrics."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from fastapi import Request
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from splitserve.protocol.errors import APIError
+from splitserve.runtime.http_edge import read_json_body
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -42,6 +47,7 @@ def add_kv_store_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def parse_address(text: str) -> tuple[str, int]:
+    """HOST:PORT (an IPv6 host in brackets) -> (host, port); ValueError naming --kv-store."""
     host, _, port = text.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"--kv-store needs HOST:PORT, not {text!r}")
@@ -127,8 +133,30 @@ class KVStoreClientCollector(Collector):
         )
 
 
-def install_kv_store_metrics(app: FastAPI, client: KVStoreClient | None) -> None:
-    """The store client's counters on the app's /metrics (when there is a client)."""
+def install_kv_store(app: FastAPI, client: KVStoreClient | None) -> None:
+    """With a store client: its counters on the app's /metrics, and
+    `/inference/v1/kv/store`, where the store is (GET) and, for a deployment whose store
+    was replaced elsewhere (Ray), where it is now (POST `{"address": "HOST:PORT"}`; an
+    internal endpoint, like every engine route)."""
+    if client is None:
+        return
     metrics = getattr(app.state, "metrics", None)
-    if client is not None and metrics is not None:
+    if metrics is not None:
         metrics.registry.register(KVStoreClientCollector(client))
+
+    @app.get("/inference/v1/kv/store")
+    async def store_address() -> dict:
+        return {"address": client.address}
+
+    @app.post("/inference/v1/kv/store")
+    async def move_store(raw: Request) -> dict:
+        body = await read_json_body(raw, 4096)
+        address = body.get("address") if isinstance(body, dict) else None
+        if not isinstance(address, str):
+            raise APIError(400, 'expected {"address": "HOST:PORT"}', param="address")
+        try:
+            host, port = parse_address(address)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="address") from None
+        await asyncio.to_thread(client.retarget, host, port)  # waits for a call in flight
+        return {"address": client.address}
