@@ -12,7 +12,7 @@ from splitserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerC
 from splitserve.engine.llm import LLM
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.state_pool import MambaStatePool
-from splitserve.model.nemotron_h import load_nemotron_h_config
+from splitserve.model.nemotron_h_config import load_nemotron_h_config
 from splitserve.protocol.sampling_params import SamplingParams
 from tests.conftest import free_port, running_server
 from tests.engine.helpers import make_prompts, oracle_greedy

@@ -14,7 +14,7 @@ from splitserve.cli import main
 from splitserve.engine.state_pool import MambaStatePool
 from splitserve.engine.state_snapshots import SnapshotKey, StateSnapshots
 from splitserve.model.mamba2 import MambaShape, chunk_scan, recurrence_step
-from splitserve.model.nemotron_h import load_nemotron_h_config
+from splitserve.model.nemotron_h_config import load_nemotron_h_config
 
 HEADS, HEAD_DIM, STATE, GROUPS = 4, 3, 5, 2
 SHAPE = MambaShape(HEADS, HEAD_DIM, STATE, GROUPS, 4, 8, 0.001, True, False, 1e-5)
