@@ -24,15 +24,16 @@ from splitserve.runtime.process_lifetime import child_command
 
 @pytest.fixture(scope="session")
 def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory):
-    """Build (once per session) a tiny model for a given spec; returns its directory."""
-    built: dict[TinyModelSpec, str] = {}
+    """Build (once per session) a tiny model for a given spec (and, for nemotron_h, layer
+    pattern); returns its directory."""
+    built: dict[tuple[TinyModelSpec, str | None], str] = {}
 
-    def make(**spec_fields) -> str:
+    def make(pattern: str | None = None, **spec_fields) -> str:
         spec = TinyModelSpec(**spec_fields)
-        if spec not in built:
+        if (spec, pattern) not in built:
             directory = tmp_path_factory.mktemp(f"tiny-{spec.arch}")
-            built[spec] = str(write_tiny_model(directory, spec))
-        return built[spec]
+            built[spec, pattern] = str(write_tiny_model(directory, spec, pattern=pattern))
+        return built[spec, pattern]
 
     return make
 

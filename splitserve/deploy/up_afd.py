@@ -82,6 +82,8 @@ def afd_model_error(model_path: str) -> str | None:
         return f"--afd: cannot read the model's config: {exc}"
     if not spec.is_moe:
         return "--afd needs a mixture-of-experts model (e.g. qwen3_moe); this one has no MoE layers"
+    if spec.is_hybrid:  # the attention engine refuses it too (engine/model_runner.py)
+        return "--afd does not split hybrid (Mamba) models yet: serve this one without --afd"
     return None
 
 

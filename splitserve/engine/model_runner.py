@@ -25,7 +25,8 @@ from splitserve.model.decoder_config import DecoderConfig
 from splitserve.model.gguf_loader import quantization_plan
 from splitserve.model.loader import load_decoder_config
 from splitserve.model.native import load_cpu_ops
-from splitserve.model.nemotron_h import NemotronHModel, load_nemotron_h, load_nemotron_h_config
+from splitserve.model.nemotron_h import NemotronHModel, load_nemotron_h
+from splitserve.model.nemotron_h_config import load_nemotron_h_config
 from splitserve.model.qwen2_vl import Qwen2VLModel, is_qwen2_vl, load_qwen2_vl, load_qwen2_vl_config
 from splitserve.model.sampler import Sampler, SeededDraw
 from splitserve.model_files.architectures import is_hybrid_model

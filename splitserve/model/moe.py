@@ -1,24 +1,29 @@
-"""The sparse mixture-of-experts MLP of Qwen3-MoE and Qwen2-MoE: a router picks each
-token's top-k experts, and the experts run grouped: the (token, expert) pairs are sorted
-by expert id so that every active expert is one matmul over all of its tokens (no loop
-over tokens). Qwen2-MoE adds a shared expert, a dense MLP every token goes through,
-scaled by a sigmoid gate of its own: `sigmoid(shared_expert_gate(x)) * shared_expert(x)`,
-added to the routed experts' sum.
+"""The sparse mixture-of-experts MLP of Qwen3-MoE and Qwen2-MoE, and the router and
+experts of Nemotron-H's MoE layers: a router picks each token's top-k experts, and the
+experts run grouped: the (token, expert) pairs are sorted by expert id so that every
+active expert is one matmul over all of its tokens (no loop over tokens). Qwen2-MoE adds
+a shared expert, a dense MLP every token goes through, scaled by a sigmoid gate of its
+own: `sigmoid(shared_expert_gate(x)) * shared_expert(x)`, added to the routed experts' sum.
+Nemotron-H's experts are not gated (up, ReLU², down: `NonGatedExperts`) and its router
+scores with a sigmoid over groups of experts (`route_grouped_sigmoid`); its layer itself
+is assembled in nemotron_h.py.
 
 The split between the router (`SparseMoeBlock.gate`) and the rest (`ExpertsCompute`: the
 routed experts and the shared one, `ExpertLayer` on an FFN daemon) is the seam of
 attention-FFN disaggregation: the router stays with attention, the experts may run in
 another process (splitserve/afd/).
 
-Numerics follow transformers (Qwen3MoeTopKRouter, Qwen3MoeExperts, Qwen2MoeSparseMoeBlock):
-softmax in float32, top-k, optional renormalization, weights cast back to the model
-dtype; each expert's output is scaled by its weight and summed into the token in
-expert-id order; the shared expert's gated output is added last.
+Numerics follow transformers (Qwen3MoeTopKRouter, Qwen3MoeExperts, Qwen2MoeSparseMoeBlock,
+NemotronHTopkRouter, NemotronHExperts): softmax in float32, top-k, optional
+renormalization, weights cast back to the model dtype (Nemotron-H's stay float32); each
+expert's output is scaled by its weight and summed into the token in expert-id order;
+the shared expert's gated output is added last.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -30,8 +35,11 @@ from splitserve.model.decoder_config import DecoderConfig, MoeConfig
 from splitserve.model.linear import Linear
 from splitserve.model.loader import iter_safetensors
 
-# one expert's projection in the per-expert layout save_pretrained writes
-EXPERT_WEIGHT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+# one expert's projection in the per-expert layout save_pretrained writes (`mlp.experts`
+# in Qwen-MoE, `mixer.experts` in Nemotron-H)
+EXPERT_WEIGHT = re.compile(
+    r"^(layers\.\d+\.(?:mlp|mixer)\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$"
+)
 # any expert weight, per-expert or fused (`...mlp.experts.gate_up_proj`), or the shared
 # expert's or its gate's (`...mlp.shared_expert.*`, `...mlp.shared_expert_gate.*`)
 ANY_EXPERT_WEIGHT = re.compile(r"(^|\.)layers\.\d+\.mlp\.(experts\.|shared_expert\.|shared_expert_gate\.)")
@@ -52,20 +60,56 @@ def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tupl
     return weights.to(router_logits.dtype), ids
 
 
+def route_grouped_sigmoid(
+    router_logits: torch.Tensor,  # [T, E] float32
+    score_correction_bias: torch.Tensor,  # [E] float32: added to the scores to choose, not to weigh
+    num_groups: int,
+    top_groups: int,
+    top_k: int,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Nemotron-H's router (transformers' NemotronHTopkRouter, DeepSeek-V3's): sigmoid
+    scores; the experts come in `num_groups` groups, each scored by the sum of its two best
+    biased scores, and a token's top-k experts are chosen among the `top_groups` best
+    groups only; their weights are the unbiased scores (renormalized when
+    `norm_topk_prob`) times `routed_scaling_factor`. -> (weights [T, k] float32, ids [T, k])."""
+    num_experts = router_logits.shape[-1]
+    scores = router_logits.sigmoid()
+    scores_for_choice = scores + score_correction_bias
+    group_scores = (
+        scores_for_choice.view(-1, num_groups, num_experts // num_groups).topk(2, dim=-1)[0].sum(dim=-1)
+    )
+    group_idx = torch.topk(group_scores, k=top_groups, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores)
+    group_mask.scatter_(1, group_idx, 1)
+    score_mask = (
+        group_mask.unsqueeze(-1).expand(-1, num_groups, num_experts // num_groups).reshape(-1, num_experts)
+    )
+    scores_for_choice = scores_for_choice.masked_fill(~score_mask.bool(), float("-inf"))
+    ids = torch.topk(scores_for_choice, k=top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * routed_scaling_factor, ids
+
+
 def grouped_experts(
     x: torch.Tensor,  # [T, H]
     expert_ids: torch.Tensor,  # [T, k]
     expert_weights: torch.Tensor,  # [T, k]
-    gate_up_proj: torch.Tensor,  # [E, 2I, H]: gate rows, then up rows
+    in_proj: torch.Tensor,  # [E, 2I, H]: gate rows, then up rows; not gated: [E, I, H], up rows
     down_proj: torch.Tensor,  # [E, H, I]
+    activation: Callable[[torch.Tensor], torch.Tensor] = ops.silu_and_mul,  # in_proj's output -> [rows, I]
 ) -> torch.Tensor:
-    """sum_j weight[t, j] * expert_{id[t, j]}(x[t]) for every token t: [T, H]."""
+    """sum_j weight[t, j] * expert_{id[t, j]}(x[t]) for every token t: [T, H], where an
+    expert is down(activation(in_proj(x)))."""
     top_k = expert_ids.shape[1]
     flat_ids = expert_ids.reshape(-1)
     # stable: within an expert, pairs keep token order; per token, experts come in id order
     order = torch.argsort(flat_ids, stable=True)
     token_of_pair = order // top_k
-    counts = torch.bincount(flat_ids, minlength=gate_up_proj.shape[0]).tolist()
+    counts = torch.bincount(flat_ids, minlength=in_proj.shape[0]).tolist()
     inputs = x[token_of_pair]
     outputs = torch.empty_like(inputs)
     start = 0
@@ -73,7 +117,7 @@ def grouped_experts(
         if count == 0:
             continue
         rows = slice(start, start + count)
-        hidden = ops.silu_and_mul(F.linear(inputs[rows], gate_up_proj[expert]))
+        hidden = activation(F.linear(inputs[rows], in_proj[expert]))
         outputs[rows] = F.linear(hidden, down_proj[expert])
         start += count
     outputs *= expert_weights.reshape(-1)[order].unsqueeze(-1)
@@ -105,14 +149,50 @@ class Experts(nn.Module):
     ) -> torch.Tensor:
         return grouped_experts(x, expert_ids, expert_weights, self.gate_up_proj, self.down_proj)
 
-    def expert_weight_view(self, expert: int, projection: str) -> torch.Tensor:
-        """Where one expert's `gate_proj`, `up_proj` or `down_proj` weight goes."""
-        if not 0 <= expert < self.gate_up_proj.shape[0]:
-            raise ValueError(f"expert {expert} out of range (the model has {self.gate_up_proj.shape[0]})")
+    def expert_weight_view(self, expert: int, projection: str) -> tuple[str, torch.Tensor]:
+        """(the fused parameter's name, the view of it) that one expert's `gate_proj`,
+        `up_proj` or `down_proj` weight fills."""
+        check_expert_index(expert, self.gate_up_proj.shape[0])
         if projection == "down_proj":
-            return self.down_proj[expert]
+            return "down_proj", self.down_proj[expert]
         start = 0 if projection == "gate_proj" else self.intermediate
-        return self.gate_up_proj[expert].narrow(0, start, self.intermediate)
+        return "gate_up_proj", self.gate_up_proj[expert].narrow(0, start, self.intermediate)
+
+
+class NonGatedExperts(nn.Module):
+    """One layer's experts of the form down(activation(up(x))) (Nemotron-H's, ReLU²), fused
+    as transformers holds them: `up_proj` [E, I, W], `down_proj` [E, W, I], W the width
+    they read and write (the hidden size, or the layer's latent size)."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        width: int,
+        intermediate: int,
+        activation: Callable[[torch.Tensor], torch.Tensor],
+    ) -> None:
+        super().__init__()
+        self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate, width))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, width, intermediate))
+        self.activation = activation
+
+    def forward(
+        self, x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor
+    ) -> torch.Tensor:
+        return grouped_experts(x, expert_ids, expert_weights, self.up_proj, self.down_proj, self.activation)
+
+    def expert_weight_view(self, expert: int, projection: str) -> tuple[str, torch.Tensor]:
+        """(the fused parameter's name, the view of it) that one expert's `up_proj` or
+        `down_proj` weight fills."""
+        check_expert_index(expert, self.up_proj.shape[0])
+        if projection == "gate_proj":
+            raise ValueError("these experts are not gated: they have no gate_proj")
+        return projection, getattr(self, projection)[expert]
+
+
+def check_expert_index(expert: int, num_experts: int) -> None:
+    if not 0 <= expert < num_experts:
+        raise ValueError(f"expert {expert} out of range (the model has {num_experts})")
 
 
 class SharedExpert(nn.Module):
@@ -210,10 +290,10 @@ def expert_weight_destination(modules: dict[str, nn.Module], name: str) -> tuple
         return None
     experts_path, expert, projection = match.group(1), int(match.group(2)), match.group(3)
     experts = modules.get(experts_path)
-    if not isinstance(experts, Experts):
+    if not isinstance(experts, Experts | NonGatedExperts):
         raise ValueError(f"unexpected weight {name!r}: layer has no experts")
-    param_name = f"{experts_path}.{'down_proj' if projection == 'down_proj' else 'gate_up_proj'}"
-    return param_name, experts.expert_weight_view(expert, projection)
+    param_name, view = experts.expert_weight_view(expert, projection)
+    return f"{experts_path}.{param_name}", view
 
 
 def load_experts(

@@ -2,10 +2,11 @@
 
 Each layer is one mixer behind an RMSNorm with a residual add; `hybrid_override_pattern`
 (or transformers 5's `layers_block_type`) says which: `M` Mamba2 (mamba2.py), `*` attention
-(no positional embedding: the Mamba layers carry order), `-` an MLP (up, ReLU², down).
-Only the attention layers have KV: the engine's paged cache holds one KV layer per `*`,
-and the Mamba layers' state lives in per-request slots (splitserve/engine/state_pool.py).
-MoE layers (`E`) and multi-token-prediction heads are not supported.
+(no positional embedding: the Mamba layers carry order), `-` an MLP (up, ReLU², down), `E`
+a mixture of experts (`MoE`: moe.py's grouped experts behind a sigmoid router, plus a
+shared expert). Only the attention layers have KV: the engine's paged cache holds one KV
+layer per `*`, and the Mamba layers' state lives in per-request slots
+(splitserve/engine/state_pool.py). Multi-token-prediction heads are not supported.
 
 Numerics follow transformers (RMSNorm weight multiplied in float32, logits in the model
 dtype) so that float32 greedy outputs match its `generate`.
@@ -13,110 +14,23 @@ dtype) so that float32 greedy outputs match its `generate`.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from splitserve.model import ops
 from splitserve.model.attention import AttentionMetadata, paged_attention
 from splitserve.model.decoder_config import DecoderConfig
 from splitserve.model.linear import Linear
 from splitserve.model.loader import iter_safetensors
-from splitserve.model.mamba2 import Mamba2Mixer, MambaMetadata, MambaShape
-
-PATTERN_LAYERS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
-BLOCK_TYPE_LAYERS = {"linear_attention": "mamba", "full_attention": "attention", "mlp": "mlp", "moe": "moe"}
+from splitserve.model.mamba2 import Mamba2Mixer, MambaMetadata
+from splitserve.model.moe import NonGatedExperts, expert_weight_destination, route_grouped_sigmoid
+from splitserve.model.nemotron_h_config import PATTERN_LAYERS, NemotronHConfig, NemotronHMoeConfig
 
 # Called after attention layer i's KV is written: (kv_layer_idx, kv_layer) -> None.
 KVLayerHook = Callable[[int, torch.Tensor], None]
-
-
-@dataclass(frozen=True)
-class NemotronHConfig:
-    text: DecoderConfig  # vocabulary, attention shape; num_layers = attention layers (KV layers)
-    layer_types: tuple[str, ...]  # "mamba" | "attention" | "mlp", one per layer
-    mamba: MambaShape
-    mlp_bias: bool
-
-    @property
-    def num_mamba_layers(self) -> int:
-        return self.layer_types.count("mamba")
-
-
-def _token_ids(value: object) -> list[int]:
-    if value is None:
-        return []
-    return [int(value)] if isinstance(value, int) else [int(v) for v in value]  # type: ignore[union-attr]
-
-
-def _layer_types(raw: dict) -> tuple[str, ...]:
-    if raw.get("layers_block_type"):
-        names = [BLOCK_TYPE_LAYERS.get(t) for t in raw["layers_block_type"]]
-    else:
-        names = [PATTERN_LAYERS.get(c) for c in raw.get("hybrid_override_pattern") or ""]
-    if not names or None in names:
-        raise ValueError("Nemotron-H config needs hybrid_override_pattern (M, *, -) or layers_block_type")
-    if "moe" in names:
-        raise ValueError("Nemotron-H MoE layers ('E') are not supported")
-    if (raw.get("num_nextn_predict_layers") or 0) > 0:
-        raise ValueError("Nemotron-H multi-token prediction layers are not supported")
-    if raw.get("mlp_hidden_act", "relu2") != "relu2" or raw.get("mamba_hidden_act", "silu") != "silu":
-        raise ValueError("Nemotron-H activations other than relu2 (MLP) and silu (Mamba) are not supported")
-    return tuple(n for n in names if n is not None)
-
-
-def load_nemotron_h_config(model_dir: str | Path) -> NemotronHConfig:
-    """From config.json, with the field names of both NVIDIA's checkpoints and transformers 5."""
-    model_dir = Path(model_dir)
-    raw = json.loads((model_dir / "config.json").read_text())
-    layer_types = _layer_types(raw)
-    heads, hidden = int(raw["num_attention_heads"]), int(raw["hidden_size"])
-    eps = float(raw.get("layer_norm_epsilon", 1e-5))
-    eos = _token_ids(raw.get("eos_token_id"))
-    generation_path = model_dir / "generation_config.json"
-    if generation_path.is_file():
-        generation = json.loads(generation_path.read_text())
-        eos += [t for t in _token_ids(generation.get("eos_token_id")) if t not in eos]
-    text = DecoderConfig(
-        arch="nemotron_h",
-        vocab_size=int(raw["vocab_size"]),
-        hidden_size=hidden,
-        intermediate_size=int(raw["intermediate_size"]),
-        num_layers=layer_types.count("attention"),
-        num_heads=heads,
-        num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-        head_dim=int(raw.get("head_dim") or hidden // heads),
-        rms_norm_eps=eps,
-        rope_theta=10000.0,  # unused: no positional embedding
-        rope_scaling=None,
-        max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
-        attention_bias=bool(raw.get("attention_bias", False)),
-        qk_norm=False,
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
-        eos_token_ids=tuple(eos),
-    )
-    if text.num_layers == 0:
-        raise ValueError("a Nemotron-H without attention layers is not supported")
-    mamba = MambaShape(
-        num_heads=int(raw["mamba_num_heads"]),
-        head_dim=int(raw["mamba_head_dim"]),
-        state_size=int(raw["ssm_state_size"]),
-        n_groups=int(raw.get("n_groups", raw.get("mamba_n_groups", 8))),
-        conv_kernel=int(raw.get("conv_kernel", raw.get("mamba_d_conv", 4))),
-        chunk_size=int(raw.get("chunk_size", raw.get("mamba_chunk_size", 128))),
-        time_step_min=float(raw.get("time_step_min", raw.get("mamba_dt_min", 0.001))),
-        use_conv_bias=bool(raw.get("use_conv_bias", raw.get("mamba_conv_bias", True))),
-        use_bias=bool(raw.get("use_bias", False)),
-        norm_eps=eps,
-    )
-    if mamba.conv_kernel < 2 or mamba.num_heads % mamba.n_groups:
-        raise ValueError("Nemotron-H needs conv_kernel >= 2 and mamba_num_heads divisible by n_groups")
-    return NemotronHConfig(text, layer_types, mamba, bool(raw.get("mlp_bias", False)))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -165,7 +79,61 @@ class MLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(torch.square(F.relu(self.up_proj(x))))
+        return self.down_proj(ops.relu_squared(self.up_proj(x)))
+
+
+class TopkRouter(nn.Module):
+    """transformers' NemotronHTopkRouter: its weight and score bias stay float32 whatever
+    the model's dtype (transformers keeps them so), and the logits are float32."""
+
+    def __init__(self, hidden: int, moe: NemotronHMoeConfig) -> None:
+        super().__init__()
+        self.moe = moe
+        self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden))
+        self.e_score_correction_bias = nn.Parameter(torch.empty(moe.num_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] float32, expert ids [T, k])."""
+        moe = self.moe
+        logits = F.linear(x.float(), self.weight.float())
+        return route_grouped_sigmoid(
+            logits,
+            self.e_score_correction_bias.float(),
+            moe.num_groups,
+            moe.top_groups,
+            moe.top_k,
+            moe.norm_topk_prob,
+            moe.routed_scaling_factor,
+        )
+
+
+class MoE(nn.Module):
+    """transformers' NemotronHMoE: the routed experts' weighted sum (computed in the latent
+    width when the layer has `fc1_latent_proj`/`fc2_latent_proj`) plus the shared expert
+    on the layer's input. Names as the checkpoint's, below `layers.i.mixer`."""
+
+    def __init__(self, hidden: int, moe: NemotronHMoeConfig, mlp_bias: bool) -> None:
+        super().__init__()
+        self.gate = TopkRouter(hidden, moe)
+        width = moe.latent_size or hidden
+        self.experts = NonGatedExperts(moe.num_experts, width, moe.intermediate_size, ops.relu_squared)
+        self.shared_experts = MLP(hidden, moe.shared_intermediate_size, mlp_bias)
+        self.fc1_latent_proj: Linear | None = None
+        self.fc2_latent_proj: Linear | None = None
+        if moe.latent_size is not None:
+            self.fc1_latent_proj = Linear(hidden, moe.latent_size, bias=mlp_bias)
+            self.fc2_latent_proj = Linear(moe.latent_size, hidden, bias=mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        routed_input = x if self.fc1_latent_proj is None else self.fc1_latent_proj(x)
+        routed = self.experts(routed_input, ids, weights)
+        if self.fc2_latent_proj is not None:
+            routed = self.fc2_latent_proj(routed)
+        return routed + self.shared_experts(x)
+
+    def keep_router_in_float32(self) -> None:
+        self.gate.float()
 
 
 class Block(nn.Module):
@@ -180,6 +148,9 @@ class Block(nn.Module):
             self.mixer = Mamba2Mixer(c.hidden_size, config.mamba, kind_index)
         elif kind == "attention":
             self.mixer = Attention(c)
+        elif kind == "moe":
+            assert config.moe is not None, "a Nemotron-H config with MoE layers carries their shape"
+            self.mixer = MoE(c.hidden_size, config.moe, config.mlp_bias)
         else:
             self.mixer = MLP(c.hidden_size, c.intermediate_size, config.mlp_bias)
 
@@ -237,36 +208,44 @@ class NemotronHModel(nn.Module):
                 module.prepack()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Fill from HF names (`model.*` or NVIDIA's `backbone.*`), fusing q/k/v.
-        Raises ValueError for unknown names, wrong shapes and missing weights."""
+        """Fill from HF names (`model.*` or NVIDIA's `backbone.*`), fusing q/k/v and each
+        MoE layer's per-expert weights (`mixer.experts.{e}.up_proj.weight`, as the Hub
+        files and transformers' save_pretrained write them; transformers' fused
+        `mixer.experts.up_proj` loads as it is). Raises ValueError for unknown names,
+        wrong shapes and missing weights."""
         params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
         c = self.config.text
         q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         fused = {"q_proj": (0, q), "k_proj": (q, kv), "v_proj": (q + kv, kv)}
-        rows_loaded = dict.fromkeys(params, 0)
+        loaded = dict.fromkeys(params, 0)  # elements filled
         for name, tensor in weights:
             target = name.removeprefix("model.").removeprefix("backbone.")
             if target.startswith("mtp."):
                 continue  # multi-token prediction heads: not used
+            expert = expert_weight_destination(modules, target)
             start, size = 0, None
             for part, (offset, length) in fused.items():
-                if f".{part}." in target:
+                if expert is None and f".{part}." in target:
                     target, start, size = target.replace(part, "qkv_proj"), offset, length
                     break
-            if target not in params:
+            if expert is not None:
+                target, destination = expert
+            elif target not in params:
                 raise ValueError(f"unexpected weight {name!r}")
-            destination = params[target] if size is None else params[target].narrow(0, start, size)
+            else:
+                destination = params[target] if size is None else params[target].narrow(0, start, size)
             if destination.shape != tensor.shape:
                 raise ValueError(
                     f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(destination.shape)}"
                 )
             with torch.no_grad():
                 destination.copy_(tensor)
-            rows_loaded[target] += destination.shape[0]
-        if c.tie_word_embeddings or rows_loaded["lm_head.weight"] == 0:
+            loaded[target] += destination.numel()
+        if c.tie_word_embeddings or loaded["lm_head.weight"] == 0:
             self.lm_head.weight = self.embeddings.weight
-            rows_loaded["lm_head.weight"] = c.vocab_size
-        missing = [n for n, p in params.items() if rows_loaded[n] < p.shape[0]]
+            loaded["lm_head.weight"] = self.lm_head.weight.numel()
+        missing = [n for n, p in params.items() if loaded[n] < p.numel()]
         if missing:
             raise ValueError(f"checkpoint lacks weights for {missing[:5]}")
 
@@ -277,5 +256,8 @@ def load_nemotron_h(
     with torch.device("meta"):
         model = NemotronHModel(config)
     model = model.to_empty(device=device).to(dtype)
+    for module in model.modules():
+        if isinstance(module, MoE):
+            module.keep_router_in_float32()
     model.load_weights(iter_safetensors(model_dir))
     return model.eval()

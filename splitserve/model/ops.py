@@ -56,6 +56,11 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def relu_squared(x: torch.Tensor) -> torch.Tensor:
+    """transformers' `relu2` (ReLUSquaredActivation): Nemotron-H's MLP and expert activation."""
+    return torch.square(F.relu(x))
+
+
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """x [rows, n] -> int64 [rows]: torch.argmax(x, dim=-1) (first maximum; NaN wins)."""
     if use_cpu_ops(x) and x.stride(-1) == 1 and x.shape[-1] > 0:

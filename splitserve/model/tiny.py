@@ -25,7 +25,7 @@ def write_tiny_model(
     directory: str | os.PathLike[str],
     spec: TinyModelSpec = TinyModelSpec(),
     vision: TinyVisionSpec | None = None,  # qwen2_vl's vision tower; None: TinyVisionSpec()
-    pattern: str | None = None,  # nemotron_h's layers (M, *, -); None: DEFAULT_PATTERN
+    pattern: str | None = None,  # nemotron_h's layers (M, *, -, E); None: DEFAULT_PATTERN
 ) -> Path:
     """The model directory for `spec`: a text decoder, Qwen2-VL for arch "qwen2_vl", or
     Nemotron-H for arch "nemotron_h" (its layers from `pattern`, not spec.layers)."""
@@ -57,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--pattern",
         default=None,
-        help=f"nemotron_h's layers: M Mamba2, * attention, - MLP (default {DEFAULT_PATTERN}; "
+        help=f"nemotron_h's layers: M Mamba2, * attention, - MLP, E experts (default {DEFAULT_PATTERN}; "
         "replaces --layers)",
     )
     vision = parser.add_argument_group("qwen2_vl's vision tower")

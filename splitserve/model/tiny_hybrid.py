@@ -1,11 +1,14 @@
 """The random-weight Nemotron-H that `splitserve tiny-model --arch nemotron_h` writes: the
 text model's tokenizer and chat template (tiny_text.py) and a hybrid decoder whose layers
-follow `pattern` (`M` Mamba2, `*` attention, `-` MLP), with NVIDIA's config.json fields."""
+follow `pattern` (`M` Mamba2, `*` attention, `-` MLP, `E` mixture of experts), with
+NVIDIA's config.json fields and, for `E` layers, the per-expert weight names NVIDIA's
+checkpoints and transformers' save_pretrained write."""
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -33,11 +36,26 @@ MAMBA = {
     "chunk_size": 8,
 }
 TIME_STEP_MIN, TIME_STEP_MAX = 0.001, 0.1
+# the MoE layers (E) of the tiny model: 8 experts of width hidden / 2 in 2 groups, each
+# token's top 2 from the best group, a shared expert as wide as the hidden size; the
+# router's scores are scaled up and its weights by 2.5 (as Nemotron-3-Nano's) so that
+# the experts' choice and weight matter to the tokens
+MOE = {
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "n_group": 2,
+    "topk_group": 1,
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5,
+    "moe_latent_size": None,
+}
 
 
 def check_pattern(pattern: str) -> None:
-    if not pattern or set(pattern) - set("M*-"):
-        raise ValueError(f"pattern {pattern!r} must be made of M (Mamba2), * (attention) and - (MLP)")
+    if not pattern or set(pattern) - set("M*-E"):
+        raise ValueError(
+            f"pattern {pattern!r} must be made of M (Mamba2), * (attention), - (MLP) and E (experts)"
+        )
     if "*" not in pattern:
         raise ValueError("pattern needs at least one attention layer (*)")
 
@@ -72,7 +90,12 @@ def _config(spec: TinyModelSpec, pattern: str, eos_id: int, pad_id: int) -> dict
         "pad_token_id": pad_id,
         "torch_dtype": spec.dtype,
         "use_cache": True,
+        **(moe_config_fields(spec.hidden) if "E" in pattern else {}),
     }
+
+
+def moe_config_fields(hidden: int) -> dict:
+    return {**MOE, "moe_intermediate_size": hidden // 2, "moe_shared_expert_intermediate_size": hidden}
 
 
 def random_weights(spec: TinyModelSpec, pattern: str) -> dict[str, np.ndarray]:
@@ -113,11 +136,31 @@ def random_weights(spec: TinyModelSpec, pattern: str) -> dict[str, np.ndarray]:
             weights[p + "mixer.k_proj.weight"] = linear(kv_dim, hidden)
             weights[p + "mixer.v_proj.weight"] = linear(kv_dim, hidden)
             weights[p + "mixer.o_proj.weight"] = linear(hidden, q_dim)
+        elif kind == "E":
+            weights.update(moe_layer_weights(p + "mixer.", hidden, linear, rng))
         else:
             weights[p + "mixer.up_proj.weight"] = linear(inter, hidden)
             weights[p + "mixer.down_proj.weight"] = linear(hidden, inter) / 2
     weights["model.norm_f.weight"] = norm(hidden)
     weights["lm_head.weight"] = linear(spec.vocab, hidden) * 4.0
+    return weights
+
+
+def moe_layer_weights(
+    prefix: str, hidden: int, linear: Callable[[int, int], np.ndarray], rng: np.random.Generator
+) -> dict[str, np.ndarray]:
+    """An `E` layer's router (with a score correction bias that moves choices), its
+    experts one by one, and its shared expert."""
+    experts, inter = MOE["n_routed_experts"], hidden // 2
+    weights = {
+        prefix + "gate.weight": linear(experts, hidden) * 3.0,
+        prefix + "gate.e_score_correction_bias": (0.2 * rng.standard_normal(experts)).astype(np.float32),
+    }
+    for e in range(experts):
+        weights[prefix + f"experts.{e}.up_proj.weight"] = linear(inter, hidden)
+        weights[prefix + f"experts.{e}.down_proj.weight"] = linear(hidden, inter) / 2
+    weights[prefix + "shared_experts.up_proj.weight"] = linear(hidden, hidden)
+    weights[prefix + "shared_experts.down_proj.weight"] = linear(hidden, hidden) / 2
     return weights
 
 

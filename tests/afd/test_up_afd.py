@@ -234,6 +234,13 @@ def test_up_afd_refuses_a_model_without_moe_layers_and_bad_ratios(tiny_model, ca
     assert "--afd-transport needs --afd" in capsys.readouterr().err
 
 
+def test_up_afd_refuses_a_hybrid_model_with_moe_layers(tiny_model_factory, capsys):
+    """Nemotron-H's MoE layers run in the engine; the FFN daemon serves Qwen-MoE only."""
+    model = tiny_model_factory(arch="nemotron_h", pattern="M-ME*E")
+    assert main(["up", model, "--afd", "1:1"]) == 2
+    assert "--afd does not split hybrid (Mamba) models yet" in capsys.readouterr().err
+
+
 def test_up_gives_the_attention_engines_the_micro_batch_and_transport_settings():
     args = up_args("--afd", "1:1", "--afd-microbatches", "1", "--afd-transport", "tcp")
     assert afd_flag_error(args) is None

@@ -1,6 +1,7 @@
-"""The tiny Nemotron-H (Mamba2 + attention + MLP layers): greedy tokens equal
-transformers' `generate` through the engine API in every scheduling mode, and through
-`serve`'s OpenAI API; the Mamba state slots are taken and given back with the requests."""
+"""The tiny Nemotron-H (Mamba2 + attention + MLP layers, and one with MoE layers too):
+greedy tokens equal transformers' `generate` through the engine API in every scheduling
+mode, and through `serve`'s OpenAI API; the Mamba state slots are taken and given back
+with the requests."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from splitserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerC
 from splitserve.engine.llm import LLM
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.state_pool import MambaStatePool
-from splitserve.model.nemotron_h import load_nemotron_h_config
+from splitserve.model.nemotron_h_config import load_nemotron_h_config
 from splitserve.protocol.sampling_params import SamplingParams
 from tests.conftest import free_port, running_server
 from tests.engine.helpers import make_prompts, oracle_greedy
@@ -31,9 +32,17 @@ MODES = {
 }
 
 
-@pytest.fixture(scope="module")
-def hybrid_case(tiny_model_factory) -> tuple[str, list[list[int]], list[list[int]]]:
-    model_dir = tiny_model_factory(arch="nemotron_h")
+# the tiny model's default layers, and one with two MoE layers (E: a sigmoid router over
+# grouped experts, non-gated experts and a shared one) among Mamba, attention and MLP layers
+PATTERNS = {"dense": "M-M*-M-", "moe": "M-ME*E"}
+
+
+@pytest.fixture(scope="module", params=sorted(PATTERNS))
+def hybrid_case(request, tiny_model_factory) -> tuple[str, list[list[int]], list[list[int]]]:
+    pattern = PATTERNS[request.param]
+    model_dir = tiny_model_factory(arch="nemotron_h", pattern=pattern)
+    moe = load_nemotron_h_config(model_dir).moe
+    assert (moe is not None) == ("E" in pattern)
     prompts = make_prompts(2048, seed=1)
     return model_dir, prompts, oracle_greedy(model_dir, prompts, MAX_TOKENS)
 

@@ -2,7 +2,8 @@
 AsyncEngine (threads of this process, over real shm and tcp transports) hand over the
 attention KV layer by layer and each Mamba layer's state as of position n - 1, whole; the
 tokens are the collocated engine's. A state that arrives short, or never, makes decode
-recompute the prompt (the tokens stay the collocated ones)."""
+recompute the prompt (the tokens stay the collocated ones). A hybrid with MoE layers needs
+nothing more: its experts carry no per-request state."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from splitserve.kv.transport.nixl import NixlTransport
 from splitserve.kv.transport.shm import ShmTransport
 from splitserve.kv.transport.tcp import TcpTransport
 from splitserve.kv.transport.types import PeerInfo
+from tests.engine.test_hybrid_oracle import PATTERNS
 from tests.generate_requests import generate_request
 from tests.kv.test_pd_connector import GREEDY, collect, pd_generate, prompt
 
@@ -51,8 +53,9 @@ def make_engine(model: str, role: str, connector=None, budget: int = 2048) -> As
 
 
 @pytest.fixture(scope="module")
-def hybrid_model(tiny_model_factory) -> str:
-    return tiny_model_factory(arch="nemotron_h")
+def hybrid_model(request, tiny_model_factory) -> str:
+    """The tiny Nemotron-H; a test may name another of PATTERNS (indirect parameter)."""
+    return tiny_model_factory(arch="nemotron_h", pattern=PATTERNS[getattr(request, "param", "dense")])
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +97,11 @@ def sample(connector, name: str, labels: dict[str, str] | None = None) -> float:
     return connector.metrics.registry.get_sample_value(name, labels or {}) or 0.0
 
 
-@pytest.mark.parametrize("kind", ["shm", "tcp", "nixl"])
+@pytest.mark.parametrize(
+    ("hybrid_model", "kind"),
+    [("dense", "shm"), ("dense", "tcp"), ("dense", "nixl"), ("moe", "shm")],
+    indirect=["hybrid_model"],
+)
 def test_hybrid_pd_hands_over_the_state_whole_and_equals_collocated(hybrid_model, expected, kind):
     transfer = TransferConfig(transport=kind, timeout_s=10, reservation_ttl_s=30)
     prefill_connector = make_pd_connector("prefill", transfer)

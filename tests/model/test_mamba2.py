@@ -14,7 +14,7 @@ from splitserve.cli import main
 from splitserve.engine.state_pool import MambaStatePool
 from splitserve.engine.state_snapshots import SnapshotKey, StateSnapshots
 from splitserve.model.mamba2 import MambaShape, chunk_scan, recurrence_step
-from splitserve.model.nemotron_h import load_nemotron_h_config
+from splitserve.model.nemotron_h_config import load_nemotron_h_config
 
 HEADS, HEAD_DIM, STATE, GROUPS = 4, 3, 5, 2
 SHAPE = MambaShape(HEADS, HEAD_DIM, STATE, GROUPS, 4, 8, 0.001, True, False, 1e-5)
@@ -106,12 +106,15 @@ def test_transformers_loads_the_tiny_model(tiny_model_factory):
 def test_cli_pattern_and_bad_patterns(tmp_path):
     assert (
         main(
-            ["tiny-model", str(tmp_path / "m"), "--arch", "nemotron_h", "--pattern", "MM*-", "--vocab", "512"]
+            ["tiny-model", str(tmp_path / "m"), "--arch", "nemotron_h", "--pattern", "ME*-", "--vocab", "512"]
         )
         == 0
     )
     raw = json.loads((tmp_path / "m" / "config.json").read_text())
-    assert raw["hybrid_override_pattern"] == "MM*-" and raw["architectures"] == ["NemotronHForCausalLM"]
+    assert raw["hybrid_override_pattern"] == "ME*-" and raw["architectures"] == ["NemotronHForCausalLM"]
+    assert (raw["n_routed_experts"], raw["num_experts_per_tok"], raw["n_group"]) == (8, 2, 2)
+    moe = load_nemotron_h_config(tmp_path / "m").moe
+    assert moe is not None and moe.shared_intermediate_size == raw["hidden_size"]
     for pattern in ("MM-", "MX*"):
         with pytest.raises(SystemExit, match="pattern"):
             main(["tiny-model", str(tmp_path / "bad"), "--arch", "nemotron_h", "--pattern", pattern])
