@@ -15,7 +15,7 @@ With L layers streamed while the next computes, about 1/L should remain (the see
 
 Part 1b, a hybrid model beside a dense one (`--hybrid-prompt-tokens`, default 256, 1k, 8k):
 the bench model and a Nemotron-H of its width and depth (4 Mamba2, 2 attention, 2 MLP
-layers), push over shm and tcp: the bytes handed over, KV and Mamba state apart, and the
+layers), push over shm, tcp (and nixl): the bytes handed over, KV and Mamba state apart, and the
 exposed handoff, beside the simulator's prediction of the bytes (sim/specs.py: the KV of
 the prompt's n - 1 tokens, and every Mamba layer's state, whole, whatever the length).
 
@@ -241,7 +241,7 @@ def part_hybrid(dense: Path, lengths: list[int], repeats: int) -> None:
         f"{'sim state':>9} {'exposed handoff ms':>18}"
     )
     for seed, ((name, model), transport) in enumerate(
-        itertools.product((("dense", dense), ("hybrid", hybrid)), ("shm", "tcp")), start=10
+        itertools.product((("dense", dense), ("hybrid", hybrid)), handoff_transports()), start=10
     ):
         spec = load_sim_model(str(model))
         engines = [
