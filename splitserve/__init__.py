@@ -11,3 +11,10 @@ __version__ = "0.1.0"
 # passive). Read by libgomp when torch loads, so it must be set before torch is
 # imported; an explicit OMP_WAIT_POLICY in the environment wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# ...but first they spin briefly: 20,000 rounds (0.1-0.2 ms of a core after a region)
+# bridge the microseconds between a step's back-to-back regions, where waking each worker
+# from sleep cost more than the matmul (batch-1 decode of SmolLM2-135M, two threads: 30.8
+# -> 19.2 ms a step), and end long before another process would miss the core. Only
+# honoured while libgomp manages no more threads than there are CPUs: one team, the
+# engine thread's (engine/async_engine.py).
+os.environ.setdefault("GOMP_SPINCOUNT", "20000")

@@ -17,12 +17,13 @@ class ModelConfig:
     quantization: Literal["auto", "gguf", "none"] = "auto"
     device: str | None = None  # None: cuda when present, else cpu
     seed: int = 0
-    # CPU: a step of at most this many tokens (a small decode batch: memory bound, short
-    # ops) runs on one thread, larger ones on all of torch's. Waking the other OpenMP
-    # worker for each of a step's few hundred short ops cost more than it gave, and the
-    # server's event loop keeps a core (measured on 2 cores, batch-1 ITL through
-    # `serve`: 5.9 -> 4.4 ms). 0: every step on all threads.
-    serial_step_tokens: int = 8
+    # CPU: a step of at most this many tokens runs on one thread, larger ones on all of
+    # torch's (0, the default: every step on all). One thread paid while each of a step's
+    # few hundred parallel regions woke its workers from sleep; with one OpenMP team that
+    # spins briefly between regions (splitserve/__init__.py, engine/async_engine.py) a
+    # batch-1 decode step reads the weights faster on every core (2 cores, through
+    # `serve`: SmolLM2-135M bf16 32.7 -> 20.0 ms, the bench model 8.8 -> 5.1 ms).
+    serial_step_tokens: int = 0
 
 
 @dataclass(frozen=True)

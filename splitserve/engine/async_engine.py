@@ -3,6 +3,13 @@
 The thread sleeps on an Event while there is nothing to compute (no busy polling);
 `generate` enqueues a request and wakes it. Outputs are handed to each caller's event
 loop with call_soon_threadsafe, one batch per loop per step.
+
+The same thread builds the engine (loads the model, prepacks its weights) before it runs
+the loop, so all of torch's parallel work happens on that one thread. OpenMP keeps a team
+of workers per thread that ever ran a parallel region, and libgomp stops its workers from
+spinning between regions once it manages more threads than there are CPUs: a model loaded
+on the caller's thread left a second team behind, and every parallel region of a decode
+step then woke its workers from sleep (batch-1 steps ~1.5x slower on two cores).
 """
 
 from __future__ import annotations
@@ -61,15 +68,38 @@ class AsyncEngine:
         ec_connector: ECConnector | None = None,  # visual embeddings from encoder workers
         kv_store: KVStoreClient | None = None,  # the KV store tier (engine/kv_store_client.py)
     ) -> None:
-        self.engine = LLMEngine(config, connector, kv_cache_allocator, ec_connector, kv_store)
-        self.model_info = self.engine.model_info
         self._lock = threading.Lock()
         self._wake = threading.Event()
+        self._go = threading.Event()  # start() or shutdown(): the loop may run (or end)
         self._commands: list[_AddCommand | str] = []  # a str is a request ID to abort
         self._streams: dict[str, _Stream] = {}
         self._listeners: list[StepListener] = []
-        self._thread: threading.Thread | None = None
         self._stopping = False
+        built = threading.Event()
+        failure: list[BaseException] = []
+
+        def build_then_run() -> None:
+            try:
+                self.engine = LLMEngine(config, connector, kv_cache_allocator, ec_connector, kv_store)
+            except BaseException as exc:  # re-raised on the constructing thread
+                failure.append(exc)
+                return
+            finally:
+                built.set()
+            self._go.wait()
+            if not self._stopping:
+                self._run()
+
+        self._thread: threading.Thread | None = threading.Thread(
+            target=build_then_run, name="splitserve-engine", daemon=True
+        )
+        self._thread.start()
+        built.wait()
+        if failure:
+            self._thread.join()
+            self._thread = None
+            raise failure[0]
+        self.model_info = self.engine.model_info
         self._stats = self.engine.stats()
         if connector is not None:
             connector.set_wakeup(self._wake.set)
@@ -82,13 +112,13 @@ class AsyncEngine:
     # ---- lifecycle ----------------------------------------------------------------
     def start(self) -> AsyncEngine:
         if self._thread is None:
-            self._stopping = False
-            self._thread = threading.Thread(target=self._run, name="splitserve-engine", daemon=True)
-            self._thread.start()
+            raise RuntimeError("AsyncEngine was shut down; build a new one")
+        self._go.set()
         return self
 
     def shutdown(self) -> None:
         self._stopping = True
+        self._go.set()
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
@@ -103,7 +133,8 @@ class AsyncEngine:
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        thread = self._thread
+        return self._go.is_set() and not self._stopping and thread is not None and thread.is_alive()
 
     def __enter__(self) -> AsyncEngine:
         return self.start()
