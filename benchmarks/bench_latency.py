@@ -178,12 +178,19 @@ def run_engine(
 
 
 def llama_cpp(args: argparse.Namespace, *command: str) -> dict:
-    """Run benchmarks/llama_cpp_peer.py under the peer's interpreter; its JSON answer."""
+    """Run benchmarks/llama_cpp_peer.py under the peer's interpreter; its JSON answer. A
+    decode that llama.cpp crashes in (its repacked AMX buffers segfault on a Q4_1 file on
+    one Sapphire Rapids seen) is run again without repacking, and says so."""
     script = Path(__file__).with_name("llama_cpp_peer.py")
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
     done = subprocess.run([args.llama_python, str(script), *command], capture_output=True, text=True, env=env)
+    if done.returncode < 0 and command[0] == "decode":
+        print(
+            f"  llama.cpp died ({done.returncode}) with repacked weights; again without repacking", flush=True
+        )
+        return llama_cpp(args, *command, "--no-repack")
     if done.returncode != 0:
-        raise RuntimeError(f"llama.cpp peer {command[0]} failed:\n{done.stderr[-3000:]}")
+        raise RuntimeError(f"llama.cpp peer {command[0]} failed ({done.returncode}):\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -233,7 +240,8 @@ def run_llama_cpp_peer(args: argparse.Namespace) -> int:
         for length in args.prompt_lens:
             figure = peer[length]
             print(f"  prompt {length:5d}: TTFT {figure.ttft_ms:7.1f} ms, ITL {figure.itl_ms:6.2f} ms")
-        rows.append((name, ours.latency, peer, theirs["version"]))
+        version = theirs["version"] + ("" if theirs["repack"] else ", no repack")
+        rows.append((name, ours.latency, peer, version))
 
     print(f"\nISA {cpu_isa_flags()}; splitserve bf16 file served as {dtype}; llama.cpp {threads} threads")
     columns = ("splitserve TTFT", "llama.cpp TTFT", "splitserve ITL", "llama.cpp ITL")

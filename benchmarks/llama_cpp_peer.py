@@ -39,9 +39,22 @@ def quantize(source: str, target: str, file_type: str) -> dict:
     return {"file": target, "bytes": os.path.getsize(target)}
 
 
-def decode(path: str, contexts: list[int], output_len: int, repeats: int, threads: int, seed: int) -> dict:
+def decode(
+    path: str, contexts: list[int], output_len: int, repeats: int, threads: int, seed: int, repack: bool
+) -> dict:
     import llama_cpp
     import numpy as np
+
+    if not repack:  # llama.cpp's repacked (AMX, ...) weight buffers off: the plain CPU kernels
+        bindings = llama_cpp.llama_cpp  # the module Llama() takes its default parameters from
+        defaults = bindings.llama_model_default_params
+
+        def without_extra_buffers():  # type: ignore[no-untyped-def]
+            params = defaults()
+            params.use_extra_bufts = False
+            return params
+
+        bindings.llama_model_default_params = without_extra_buffers
 
     n_ctx = max(contexts) + output_len + 16
     llm = llama_cpp.Llama(
@@ -77,7 +90,7 @@ def decode(path: str, contexts: list[int], output_len: int, repeats: int, thread
             "ttft_ms": statistics.median(r[0] for r in runs) * 1e3,
             "itl_ms": statistics.median(r[1] for r in runs) * 1e3,
         }
-    return {"version": llama_cpp.__version__, "threads": threads, "latency": figures}
+    return {"version": llama_cpp.__version__, "threads": threads, "repack": repack, "latency": figures}
 
 
 def main() -> int:
@@ -94,11 +107,20 @@ def main() -> int:
     d.add_argument("--repeats", type=int, default=3)
     d.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--no-repack", action="store_true", help="no repacked weight buffers (use_extra_bufts)")
     args = parser.parse_args()
     if args.command == "quantize":
         result = quantize(args.source, args.target, args.file_type)
     else:
-        result = decode(args.model, args.contexts, args.output_len, args.repeats, args.threads, args.seed)
+        result = decode(
+            args.model,
+            args.contexts,
+            args.output_len,
+            args.repeats,
+            args.threads,
+            args.seed,
+            not args.no_repack,
+        )
     print(json.dumps(result))
     return 0
 
