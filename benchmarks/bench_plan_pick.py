@@ -11,7 +11,9 @@ run, beside the planner's pick at that rate from a profile calibrated in the sam
 3. Measure: each candidate layout (`sim/host_planner.host_layouts` of this host's CPUs,
    as `--plan` enumerates them) started as `up --prefill P --decode D --cpu-affinity ..`,
    and `splitserve bench` at each rate (Poisson arrivals, `--num-requests`, the same SLO
-   as the plan). Its goodput at R is R x the fraction of requests meeting the SLO.
+   as the plan), after one unmeasured run at the highest rate (a fresh stack's first burst
+   builds its kernels for each new batch shape). Its goodput at R is R x the fraction of
+   requests meeting the SLO.
 
 Last: per rate, the pick's measured goodput against the best measured layout's, and
 whether it is within 10% (the planner issue's must-hold). The peer is the measured best
@@ -146,6 +148,9 @@ def measure_layout(
     print(f"\n{layout.label()}: {' '.join(command[3:])}", flush=True)
     figures = {}
     with served(command, port, "up-layout") as base:
+        # not measured: a stack's first burst builds its kernels for each new batch shape
+        # (oneDNN primitives), which made the first rate measured up to 1 s slower to TTFT
+        bench(args, base, model, max(args.rates), folder / "warm-up.json")
         for rate in args.rates:
             figures[rate] = bench(
                 args, base, model, rate, folder / f"{layout.prefill}-{layout.decode}-{rate:g}.json"
