@@ -106,6 +106,10 @@ def stop_draining(parts: list[Part], drain_timeout_s: float, at_once: list[int])
     stop_parts([p for p in parts if p.name != "proxy"], drain_timeout_s + 15, at_once)
 
 
+ENGINE_ROLES = ("prefill", "decode", "encoder")
+SHARED_CORES_SERIAL_STEP_TOKENS = 8  # steps of at most this many tokens on one thread
+
+
 class LocalStack:
     """The parts of one `up`, started from `plan` (`start`), watched (`supervise`) and
     stopped (`stop`); `request_stop` is its signal handler (Ctrl-C twice: at once)."""
@@ -179,7 +183,8 @@ class LocalStack:
             self.cleanup.append(ec_dir)
             ec_flags = ["--ec-shm-dir", ec_dir]
         lending = self.lending_flags()
-        engines = [self.plan.tier(role) for role in ("prefill", "decode", "encoder")]
+        threads = self.thread_flags()
+        engines = [self.plan.tier(role) for role in ENGINE_ROLES]
         # Every P/D engine's KV socket is known up front, and each engine may dial only
         # those: a request naming any other host or port is refused (egress allow-list).
         kv_ports = [
@@ -192,6 +197,7 @@ class LocalStack:
                 port = self.free_port()
                 name = next(names)
                 argv = ["--host", host, "--port", str(port), *ec_flags, *lending.get(name, [])]
+                argv += threads.get(name, [])
                 if tier.moves_kv:
                     argv += ["--kv-port", str(ports[index]), "--kv-peers", *kv_peers, *store_flags]
                     argv += kv_event_flags(host, self.free_port(), self.free_port())
@@ -211,6 +217,17 @@ class LocalStack:
         url = f"http://{self.proxy_host}:{self.proxy_port}"
         self.start_part(next(names), self.plan.tier("proxy"), proxy, url, health_key)
         return wait_healthy(self.parts[-1:], timeout_s)
+
+    def thread_flags(self) -> dict[str, list[str]]:
+        """Engines that share the host's cores (more than one engine, not pinned) run small
+        steps on one thread: each engine's OpenMP workers on every core would stall on
+        each other's barriers whenever another engine computes (a migration test's stack
+        took 2-4x as long). A lone or pinned engine keeps every step on all its threads."""
+        engines = [name for name in self.plan.part_names() if name.split("-")[0] in ENGINE_ROLES]
+        if len(engines) < 2:
+            return {}
+        return {name: ["--serial-step-tokens", str(SHARED_CORES_SERIAL_STEP_TOKENS)]
+                for name in engines if name not in self.pinned}  # fmt: skip
 
     def lending_flags(self) -> dict[str, list[str]]:
         """Each lending decode part's and borrowing prefill part's flags: one lock file per

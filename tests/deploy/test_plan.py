@@ -210,3 +210,20 @@ def test_up_lends_each_pinned_decode_to_the_pinned_prefill_unless_told_not_to():
             os.rmdir(path)
     off = LocalStack(plan("--prefill", "1", "--decode", "2"), secrets, pinned, "127.0.0.1", 8000, False)
     assert off.lending_flags() == {} and off.cleanup == []
+
+
+def test_engines_sharing_the_cores_run_small_steps_on_one_thread():
+    from splitserve.deploy.cpu_affinity import parse_cpu_affinity
+    from splitserve.deploy.local_stack import LocalStack
+    from splitserve.deploy.plan import part_names, up_replicas
+
+    secrets = deployment_secrets(None)
+    shared = LocalStack(plan("--prefill", "1", "--decode", "2"), secrets, {}, "127.0.0.1", 8000, False)
+    serial = ["--serial-step-tokens", "8"]
+    assert shared.thread_flags() == {"prefill-0": serial, "decode-0": serial, "decode-1": serial}
+    alone = LocalStack(plan("--prefill", "0", "--decode", "1"), secrets, {}, "127.0.0.1", 8000, False)
+    assert alone.thread_flags() == {}  # a serve-like stack: every step on all threads
+    args = up_args("--prefill", "1", "--decode", "1", "--cpu-affinity", "prefill=0")
+    pinned = parse_cpu_affinity(args.cpu_affinity, part_names(up_replicas(args)), available=frozenset({0, 1}))
+    partly = LocalStack(plan("--prefill", "1", "--decode", "1"), secrets, pinned, "127.0.0.1", 8000, False)
+    assert partly.thread_flags() == {"decode-0": serial}  # the pinned engine has its core
