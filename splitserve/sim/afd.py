@@ -22,6 +22,14 @@ side's work run while the other half computes. Per MoE layer:
 
 Routing is uniform (as the plugin's forced balancing), a token's k experts land on
 F (1 - (1 - 1/F)^k) distinct chips, activations cross in the model's dtype (bf16).
+
+Memory sets each role's batch: a chip holds its weights and, in what is left, the KV of
+whole sequences at the run's context. An EP chip holds every weight but the routed experts,
+plus experts / N of them. An attention chip holds, under `split` (the default), only what it
+runs: attention, router, dense layers, embeddings and head (the routed and the shared
+experts live on the FFN chips, which compute them), so more of its memory is KV; under
+`ep`, what an EP chip of the baseline holds (the batch of the EP baseline in every layout).
+An FFN chip holds experts / F routed experts and the shared ones, and no KV.
 """
 
 from __future__ import annotations
@@ -34,13 +42,15 @@ from splitserve.sim.roofline import Efficiency
 from splitserve.sim.specs import GPUSpec, ModelSpec
 
 TRANSFER_LATENCY_S = 20e-6  # fixed cost of one transfer between chips (launch, sync)
+# what an attention chip holds: only the weights it runs, or an EP chip's share (see above)
+ATTENTION_WEIGHTS = ("split", "ep")
 
 
 @dataclass(frozen=True)
 class AFDRun:
     """What is being run: each decode sequence's context, the batch per attention chip (None:
-    what KV memory allows on an expert-parallel chip of the baseline, the same for every
-    layout, as the plugin's benchmark keeps full weights on both roles), overlap, the link."""
+    what KV memory allows beside each role's weights), what an attention chip holds (`split`
+    or `ep`, see the module's docstring), overlap, the link."""
 
     context: int = 16384
     batch: int | None = None
@@ -48,14 +58,31 @@ class AFDRun:
     link_bw: float | None = None  # bytes/s per chip each way (None: the chip's link_bw)
     mem_util: float = 0.9
     weight_bytes: int | None = None  # bytes per weight (1: FP8/INT8 weights; None: the model's dtype)
+    attention_weights: str = "split"
 
     def __post_init__(self) -> None:
         if self.context < 1 or (self.batch is not None and self.batch < 1):
             raise ValueError("context and batch must be >= 1")
+        if self.attention_weights not in ATTENTION_WEIGHTS:
+            raise ValueError(f"attention weights must be one of {', '.join(ATTENTION_WEIGHTS)}")
         if self.link_bw is not None and self.link_bw <= 0:
             raise ValueError("link bandwidth must be > 0")
         if self.weight_bytes is not None and self.weight_bytes < 1:
             raise ValueError("weight bytes must be >= 1")
+
+
+class ChipMemory(NamedTuple):
+    """What one chip of a layout holds: the attention chip's (the EP chip's) weights and the
+    KV of its batch, and an FFN chip's weights (0 under EP)."""
+
+    attention_weight_bytes: float
+    kv_bytes_per_sequence: float
+    batch: int  # sequences per attention chip (the run's --batch, or what the KV room holds)
+    ffn_weight_bytes: float
+
+    @property
+    def attention_kv_bytes(self) -> float:
+        return self.batch * self.kv_bytes_per_sequence
 
 
 class Layout(NamedTuple):
@@ -164,23 +191,60 @@ class AFDModel:
             parts = {"round trip": chain}
         return {**parts, "layer_s": max(parts.values()), "ffn_s": (2 if self.run.overlap else 1) * ffn}
 
-    # ---- one decode step --------------------------------------------------------------
-    def ep_batch(self, chips: int) -> int:
-        """Sequences of `context` tokens whose KV fits on one expert-parallel chip of `chips`."""
+    # ---- memory per role --------------------------------------------------------------
+    def kv_bytes_per_sequence(self) -> float:
+        """One decode sequence's KV at the run's context, all attention layers."""
+        return self.model.cache_bytes(self.run.context)
+
+    def routed_params(self) -> int:
         m = self.model
-        experts = math.ceil(m.experts / chips) * m.expert_params * m.moe_layers
-        routed_all = m.experts * m.expert_params * m.moe_layers
-        resident = (m.total_params - routed_all + experts) * self.wbytes
-        room = self.gpu.mem_bytes * self.run.mem_util - resident
+        return m.experts * m.expert_params * m.moe_layers
+
+    def ep_weight_bytes(self, chips: int) -> float:
+        """An expert-parallel chip of `chips`: every weight but the routed experts, and its
+        share of those."""
+        m = self.model
+        held = math.ceil(m.experts / chips) * m.expert_params * m.moe_layers
+        return (m.total_params - self.routed_params() + held) * self.wbytes
+
+    def split_attention_weight_bytes(self) -> float:
+        """An attention chip that holds only what it runs: attention, router, dense layers,
+        embeddings and head (the routed and shared experts are on the FFN chips)."""
+        m = self.model
+        shared = m.shared_experts * m.expert_params * m.moe_layers
+        return (m.total_params - self.routed_params() - shared) * self.wbytes
+
+    def ffn_weight_bytes(self, ffn: int) -> float:
+        """An FFN chip of `ffn`: experts / ffn routed experts and the shared ones."""
+        m = self.model
+        return (math.ceil(m.experts / ffn) + m.shared_experts) * m.expert_params * m.moe_layers * self.wbytes
+
+    def kv_batch(self, weight_bytes: float) -> int:
+        """Sequences of the run's context whose KV fits beside `weight_bytes` on one chip."""
+        room = self.gpu.mem_bytes * self.run.mem_util - weight_bytes
         if room <= 0:
-            raise ValueError(f"{m.name}'s share of weights does not fit on one {self.gpu.name} at EP{chips}")
-        return int(room // (m.kv_bytes_per_token * self.run.context))
+            weights = f"{weight_bytes / 1e9:,.1f} GB of {self.model.name}'s weights"
+            raise ValueError(f"{weights} do not fit on one {self.gpu.name}")
+        return int(room // self.kv_bytes_per_sequence())
+
+    def memory(self, layout: Layout, baseline_chips: int) -> ChipMemory:
+        """What each role of `layout` holds and so its batch per attention chip (the run's
+        --batch pins it); `baseline_chips` is the EP chip an `ep` attention chip copies."""
+        a, f = layout
+        if f == 0:
+            weights = self.ep_weight_bytes(a)
+        elif self.run.attention_weights == "ep":
+            weights = self.ep_weight_bytes(baseline_chips)
+        else:
+            weights = self.split_attention_weight_bytes()
+        batch = self.run.batch or self.kv_batch(weights)
+        ffn = self.ffn_weight_bytes(f) if f else 0.0
+        return ChipMemory(weights, self.kv_bytes_per_sequence(), batch, ffn)
 
     def ffn_fits(self, layout: Layout) -> bool:
-        m = self.model
-        held = math.ceil(m.experts / layout.ffn) + m.shared_experts
-        return held * m.expert_params * m.moe_layers * self.wbytes <= self.gpu.mem_bytes * self.run.mem_util
+        return self.ffn_weight_bytes(layout.ffn) <= self.gpu.mem_bytes * self.run.mem_util
 
+    # ---- one decode step --------------------------------------------------------------
     def step(self, layout: Layout, batch: int) -> dict:
         """A decode step of `layout`, `batch` sequences per attention chip: its time, output
         tokens per second per chip, tokens per expert and what bounds it."""
@@ -206,21 +270,36 @@ class AFDModel:
 
 
 def compare(afd: AFDModel, baseline_chips: int, layouts: list[Layout]) -> dict:
-    """Each layout's step against expert parallelism over `baseline_chips`, all at the same
-    batch per attention chip (the run's, or what fits at the baseline)."""
-    batch = afd.run.batch or afd.ep_batch(baseline_chips)
-    if batch < 1:
-        raise ValueError(f"no sequence of {afd.run.context:,} tokens fits beside the weights")
-    base = afd.step(Layout(baseline_chips, 0), batch)
+    """Each layout's step against expert parallelism over `baseline_chips`, each at the batch
+    per attention chip its memory allows (or the run's --batch for all)."""
     rows = []
-    for layout in layouts:
-        row = afd.step(layout, batch)
+    for layout in [Layout(baseline_chips, 0), *layouts]:
+        memory = afd.memory(layout, baseline_chips)
+        if memory.batch < 1:
+            raise ValueError(
+                f"{layout.label()}: no sequence of {afd.run.context:,} tokens fits beside the weights"
+            )
+        row = afd.step(layout, memory.batch)
+        row["memory"] = {
+            "attention_weight_bytes": memory.attention_weight_bytes,
+            "kv_bytes_per_sequence": memory.kv_bytes_per_sequence,
+            "attention_kv_bytes": memory.attention_kv_bytes,
+            "ffn_weight_bytes": memory.ffn_weight_bytes,
+        }
+        rows.append(row)
+    base, rows = rows[0], rows[1:]
+    for row, layout in zip(rows, layouts, strict=True):
         row["vs_baseline"] = row["tokens_per_s_per_chip"] / base["tokens_per_s_per_chip"] - 1
         row["fits"] = not layout.ffn or afd.ffn_fits(layout)  # the FFN chips hold their experts
-        rows.append(row)
     fitting = [r for r in rows if r["fits"]]
     best = max(fitting, key=lambda r: r["tokens_per_s_per_chip"])["layout"] if fitting else None
-    return {"batch": batch, "baseline": base, "layouts": rows, "best": best}
+    return {
+        "batch": base["batch_per_attention_chip"],
+        "attention_weights": afd.run.attention_weights,
+        "baseline": base,
+        "layouts": rows,
+        "best": best,
+    }
 
 
 def ratio_layouts(chips: int, experts: int) -> list[Layout]:

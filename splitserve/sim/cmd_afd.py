@@ -9,9 +9,14 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from splitserve.sim.afd import AFDModel, AFDRun, compare, parse_layouts, ratio_layouts
+from splitserve.sim.afd import ATTENTION_WEIGHTS, AFDModel, AFDRun, compare, parse_layouts, ratio_layouts
 from splitserve.sim.cmd_common import efficiency, emit, require_positive
 from splitserve.sim.specs import load_gpu, load_model
+
+ATTENTION_HOLDS = {
+    "split": "attention chips hold their own weights",
+    "ep": "attention chips hold an EP chip's weights",
+}
 
 
 def add_afd_arguments(p: argparse.ArgumentParser) -> None:
@@ -30,7 +35,14 @@ def add_afd_arguments(p: argparse.ArgumentParser) -> None:
         "--batch",
         type=int,
         default=None,
-        help="decode sequences per attention chip (default: what KV memory allows on a baseline chip)",
+        help="decode sequences per attention chip in every layout (default: what each chip's KV room holds)",
+    )
+    p.add_argument(
+        "--attention-weights",
+        choices=ATTENTION_WEIGHTS,
+        default="split",
+        help="what an attention chip holds: split = attention, dense layers, embeddings and head only "
+        "(the experts are on the FFN chips); ep = what an EP chip of the baseline holds (its batch)",
     )
     p.add_argument("--no-overlap", action="store_true", help="no dual micro-batch overlap")
     p.add_argument("--link-gbps", type=float, default=None, help="attention<->FFN link per chip (the chip's)")
@@ -53,6 +65,7 @@ def cmd_afd(args: argparse.Namespace) -> int:
         overlap=not args.no_overlap,
         link_bw=None if args.link_gbps is None else args.link_gbps * 1e9 / 8,
         weight_bytes=args.weight_bytes,
+        attention_weights=args.attention_weights,
     )
     afd = AFDModel(model, gpu, efficiency(args), run)
     layouts = parse_layouts(args.layouts) if args.layouts else ratio_layouts(args.chips, model.experts)
@@ -63,8 +76,10 @@ def cmd_afd(args: argparse.Namespace) -> int:
         return emit(args, {"model": model.name, "gpu": gpu.name, "context": args.context, **result}, [])
     base = result["baseline"]
     table = Table(
-        title=f"{model.name} decode on {gpu.name}: {result['batch']} sequences of {args.context:,} tokens "
-        f"per attention chip, {'dual micro-batch overlap' if run.overlap else 'no overlap'}",
+        title=f"{model.name} decode on {gpu.name}: sequences of {args.context:,} tokens "
+        f"({base['memory']['kv_bytes_per_sequence'] / 1e9:.2f} GB of KV each), "
+        f"{ATTENTION_HOLDS[run.attention_weights]}, "
+        f"{'dual micro-batch overlap' if run.overlap else 'no overlap'}",
         box=box.SIMPLE_HEAVY,
     )
     for col in (
@@ -75,6 +90,8 @@ def cmd_afd(args: argparse.Namespace) -> int:
         "ITL",
         "tokens/expert",
         "FFN busy",
+        "batch",
+        "GB: weights + KV | FFN",
     ):
         table.add_column(col, justify="left" if col == "layout" else "right")
     table.add_column("bound by")
@@ -89,12 +106,21 @@ def cmd_afd(args: argparse.Namespace) -> int:
             f"{r['step_s'] * 1e3:.1f} ms",
             f"{r['tokens_per_expert']:,.0f}",
             busy,
+            str(r["batch_per_attention_chip"]),
+            memory_split(r["memory"]),
             r["bound"],
         )
-    console = Console(width=140)
+    console = Console(width=170)
     console.print(table)
     console.print(
         f"baseline {base['layout']}: {base['tokens_per_s_per_chip']:,.0f} tok/s per chip, ITL "
-        f"{base['step_s'] * 1e3:.1f} ms; best: {result['best']}"
+        f"{base['step_s'] * 1e3:.1f} ms, {base['batch_per_attention_chip']} sequences per chip "
+        f"({memory_split(base['memory'])} GB); best: {result['best']}"
     )
     return 0
+
+
+def memory_split(memory: dict) -> str:
+    """`17.1 + 97.9 | 14.3`: an attention (or EP) chip's weights and KV, an FFN chip's weights."""
+    ffn = f" | {memory['ffn_weight_bytes'] / 1e9:.1f}" if memory["ffn_weight_bytes"] else ""
+    return f"{memory['attention_weight_bytes'] / 1e9:.1f} + {memory['attention_kv_bytes'] / 1e9:.1f}{ffn}"
