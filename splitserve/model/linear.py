@@ -8,7 +8,7 @@ without bias; with a bias, some ISAs round before adding it, one bf16 step apart
 (tests/model/test_ops.py).
 
 bf16 on a CPU with AVX512-BF16 (and the compiled kernels) also keeps the plain row-major
-weight: an input of at most GEMV_MAX_ROWS rows (a decode step of a few sequences) runs
+weight: an input of at most GEMV_MAX_ROWS rows (a decode step of up to 3 sequences) runs
 csrc/gemv_bf16.cpp on it, which streams the weight at ~90% of the memory bandwidth where
 oneDNN reaches ~70% at batch 1. Larger inputs run oneDNN on the packed copy: without it
 (F.linear on the plain weight) a matmul of 4 to 64 rows (decode batches, prefill chunks)
@@ -28,13 +28,14 @@ from torch import nn
 
 from splitserve.model.native import load_cpu_ops
 
-# rows of x up to which the GEMV kernel runs. Measured (bench_gemv_bf16.py, 2 cores): at
-# M 1-3 it is faster than oneDNN's packed path (gate_up 3072 x 576: 117 / 129 / 139 us
-# vs 154 / 160 / 161), at 4 even (156 vs 158), at 8 slower (289 vs 162: VDPBF16PS runs
-# ~0.5 per cycle here, so more rows make it compute-bound). 4, not 3: a row's result does
-# not depend on how many rows run with it, so a decode step of up to 4 sequences gives
-# each one the same logits as alone (tests/afd compares micro-batched halves to whole).
-GEMV_MAX_ROWS = 4
+# rows of x up to which the GEMV kernel runs. Measured (bench_gemv_bf16.py, 2 cores, rough;
+# us, GEMV vs oneDNN's packed path): M 1: gate_up 3072 x 576 136 vs 165, down 576 x 1536
+# 64 vs 100, lm_head 49152 x 576 2,169 vs 2,315; M 3: gate_up 164 vs 165, down 71 vs 99,
+# o 35 vs 50, lm_head ~2,660 vs ~2,360 (10th percentiles, under load): ~1.4 ms less a
+# step over 30 layers and the head; M 4: gate_up 183 vs 165, lm_head 3,170 vs 2,286, more
+# in total. VDPBF16PS runs ~0.5 per cycle here, so each added row costs compute that
+# oneDNN's AMX path does not (the lm_head alone is already even at 2 rows).
+GEMV_MAX_ROWS = 3
 
 
 def can_prepack(weight: torch.Tensor) -> bool:
