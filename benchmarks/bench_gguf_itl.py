@@ -8,6 +8,7 @@ length (the first step, the prefill, left out). Only the engine's step is measur
 bench_latency.py adds the HTTP path.
 
     .venv/bin/python benchmarks/bench_gguf_itl.py [FILE.gguf] [--contexts 64 1024]
+        [--settings "bf16 dequantized"]
 """
 
 from __future__ import annotations
@@ -77,11 +78,15 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[64, 1024])
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS), help="which ways to serve it"
+    )
     args = parser.parse_args()
     path = args.model or str(ensure_demo_model())
     print(f"model {path}; ISA {cpu_isa_flags()}; {torch.get_num_threads()} threads", flush=True)
     rng = random.Random(0)
-    for name, settings in SETTINGS.items():
+    for name in args.settings:
+        settings = SETTINGS[name]
         llm = LLM(
             path,
             num_blocks=(max(args.contexts) + args.output_len) // 16 + 8,
