@@ -70,6 +70,7 @@ PLANNED_METRIC = "planned_replicas"  # --ray-planner's target for the tier, from
 REGISTER_TIMEOUT_S = 5.0
 STORE_WAIT_S = 0.5  # how often an engine replica asks whether the KV store has registered
 STARTUP_TIMEOUT_S = 300.0
+PORT_ATTEMPTS = 3  # a server whose port was taken before it bound it starts again on new ones
 FFN_GONE_S = 30.0  # a decode replica's daemon silent this long: the engine's --ffn-timeout
 
 
@@ -147,14 +148,11 @@ class TierReplica:
         self.node_id = context.get_node_id()
         self.replica = context.get_actor_name() or ""
         host = ray.util.get_node_ip_address()
-        ports: list[int] = []
-        for _ in range(ports_needed(role)):
-            ports.append(pick_free_port(host, avoid=ports))
-        self.url = f"tcp://{host}:{ports[0]}" if role == FFN_ROLE else f"http://{host}:{ports[0]}"
+        self.url = ""
         self.ffn_address: str | None = None  # the daemon this attention engine calls
         self.ffn_silent_since: float | None = None
         # the store's block address (a store replica), or the one this engine's server uses
-        self.store_address = f"{host}:{ports[1]}" if role == STORE_ROLE else None
+        self.store_address: str | None = None
         self.ec_home: dict[str, Any] | None = None
         self.planned_replicas: int | None = None  # the planner's target, with each heartbeat
         if config.encoder_cache and role != "render":  # where the ingress keeps the encoder cache
@@ -165,10 +163,35 @@ class TierReplica:
             self.ffn_address = await asyncio.wait_for(ffn.address.remote(), STARTUP_TIMEOUT_S)
         if config.kv_store and config.tier(role).moves_kv:
             self.store_address = await asyncio.wait_for(self.registered_store(), STARTUP_TIMEOUT_S)
-        command = server_command(
-            config, role, host, ports, self.node_id, ec_flags, self.ffn_address, self.store_address
-        )
-        log_fd, self.log_path = tempfile.mkstemp(prefix=f"splitserve-ray-{role}-", suffix=".log")
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            # A port found free may be taken before the server binds it (another replica
+            # on this node picking at the same moment): then new ports, up to PORT_ATTEMPTS.
+            ports: list[int] = []
+            for _ in range(ports_needed(role)):
+                ports.append(pick_free_port(host, avoid=ports))
+            self.url = f"tcp://{host}:{ports[0]}" if role == FFN_ROLE else f"http://{host}:{ports[0]}"
+            if role == STORE_ROLE:
+                self.store_address = f"{host}:{ports[1]}"
+            command = server_command(
+                config, role, host, ports, self.node_id, ec_flags, self.ffn_address, self.store_address
+            )
+            self.start_server(command)
+            try:
+                await self.wait_healthy()
+                break
+            except BaseException:  # Serve retries with a new replica: leave nothing behind
+                self.process.kill()
+                self.process.wait()
+                taken = "Address already in use" in self.exited()
+                with contextlib.suppress(OSError):
+                    os.unlink(self.log_path)
+                if not taken or attempt == PORT_ATTEMPTS:
+                    raise
+                logger.warning("%s server: a port was taken before it bound it; new ports", role)
+        self.deregistered = False
+
+    def start_server(self, command: list[str]) -> None:
+        log_fd, self.log_path = tempfile.mkstemp(prefix=f"splitserve-ray-{self.role}-", suffix=".log")
         with os.fdopen(log_fd, "wb") as log_file:
             # No preexec_fn: a replica has many threads, and a child forked from them could
             # hang before its exec (process_lifetime.py says why); the launcher does the prctl.
@@ -179,15 +202,6 @@ class TierReplica:
                 env=dict(os.environ),  # the deployment's token (and state key) are in here
             )
         self.cpu_mark = (time.monotonic(), 0.0)
-        try:
-            await self.wait_healthy()
-        except BaseException:  # Serve retries with a new replica: leave nothing behind
-            self.process.kill()
-            self.process.wait()
-            with contextlib.suppress(OSError):
-                os.unlink(self.log_path)
-            raise
-        self.deregistered = False
 
     def address(self) -> str:
         """An ffn replica's daemon, as an attention engine's --ffn-address (HOST:PORT)."""
