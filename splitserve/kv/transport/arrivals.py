@@ -60,6 +60,14 @@ class _Expectation:
     def complete(self) -> bool:
         return self.arrived >= self.expected and (self.state_bytes == 0 or self.state is not None)
 
+    def stamp_arrival(self, now_wall: float, now: float, ready_at: float | None) -> None:
+        """Something of this transfer landed: the timings the handoff report is made of."""
+        self.first_arrival = self.first_arrival or now_wall
+        self.last_arrival = now_wall
+        self.last_progress = now
+        if ready_at is not None:
+            self.sender_ready_at = max(self.sender_ready_at or 0.0, ready_at)
+
 
 class ArrivalTracker:
     def __init__(self, timeout_s: float, default_ttl_s: float):
@@ -150,11 +158,7 @@ class ArrivalTracker:
                     expectation.seen.add(key)
                     expectation.arrived += 1
             expectation.num_bytes += num_bytes
-            expectation.first_arrival = expectation.first_arrival or now_wall
-            expectation.last_arrival = now_wall
-            expectation.last_progress = now
-            if ready_at is not None:
-                expectation.sender_ready_at = max(expectation.sender_ready_at or 0.0, ready_at)
+            expectation.stamp_arrival(now_wall, now, ready_at)
             complete = expectation.complete()
         if complete:
             self.finish(transfer_id, None)
@@ -187,11 +191,7 @@ class ArrivalTracker:
             if not short:
                 self.state_bytes_received += len(state)
                 expectation.state = state
-                expectation.first_arrival = expectation.first_arrival or now_wall
-                expectation.last_arrival = now_wall
-                expectation.last_progress = now
-                if ready_at is not None:
-                    expectation.sender_ready_at = max(expectation.sender_ready_at or 0.0, ready_at)
+                expectation.stamp_arrival(now_wall, now, ready_at)
             complete = expectation.complete()
             wanted = expectation.state_bytes
         if short:
