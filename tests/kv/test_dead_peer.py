@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import multiprocessing
 import os
 import signal
@@ -157,6 +158,7 @@ def test_an_idle_lane_ends_and_a_fresh_one_takes_the_next_job(kind):
         receiver.allocate_pool(SHAPE, torch.float32)
         live = receiver.start()
         segment = segment_path(os.getpid(), "live")
+        gc.collect()  # an earlier test's pool of the same name may still be mapped until collected
         mapped_by_receiver = mappings_of(segment)
         lanes = SendLanes(sender, context, {zmq.LINGER: 0}, 8, config.timeout_s)
         lanes.idle_lane_s = 0.2
@@ -171,7 +173,8 @@ def test_an_idle_lane_ends_and_a_fresh_one_takes_the_next_job(kind):
             while any(thread.name == lane_name for thread in threading.enumerate()):
                 assert time.monotonic() < deadline, "the idle lane's thread did not end"
                 time.sleep(0.05)
-            assert mappings_of(segment) == mapped_by_receiver
+            if kind == "shm":
+                assert mappings_of(segment) == mapped_by_receiver
         assert lanes.close(5)
     finally:
         context.term()
