@@ -20,6 +20,7 @@ from splitserve.model.attention import AttentionMetadata, paged_attention
 from splitserve.model.decoder_config import DecoderConfig
 from splitserve.model.linear import Linear
 from splitserve.model.loader import iter_checkpoint_weights, iter_safetensors
+from splitserve.model.materialize import materialize
 from splitserve.model.moe import SparseMoeBlock, expert_weight_destination, is_expert_weight
 from splitserve.model.quant_linear import (
     MixedQuantLinear,
@@ -298,7 +299,7 @@ def load_model(
             if isinstance(layer.mlp, SparseMoeBlock):
                 layer.mlp.drop_experts()
         weights = iter_safetensors(model_dir, keep=lambda name: not is_expert_weight(name))
-    model = model.to_empty(device=device).to(dtype)
+    model = materialize(model, device).to(dtype)
     model.inv_freq = rope_inv_freq(config).to(device)
     model.rope_cos = model.rope_sin = torch.empty(0, device=device)
     model.load_weights(weights)

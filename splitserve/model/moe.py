@@ -34,6 +34,7 @@ from splitserve.model import ops
 from splitserve.model.decoder_config import DecoderConfig, MoeConfig
 from splitserve.model.linear import Linear
 from splitserve.model.loader import iter_safetensors
+from splitserve.model.materialize import materialize
 
 # one expert's projection in the per-expert layout save_pretrained writes (`mlp.experts`
 # in Qwen-MoE, `mixer.experts` in Nemotron-H)
@@ -307,7 +308,7 @@ def load_experts(
         raise ValueError(f"{model_dir} is not a mixture-of-experts model ({config.arch})")
     with torch.device("meta"):
         layers = {i: ExpertLayer(config, moe) for i in range(config.num_layers) if moe.is_sparse_layer(i)}
-    layers = {i: layer.to_empty(device=device).to(dtype).eval() for i, layer in layers.items()}
+    layers = {i: materialize(layer, device).to(dtype).eval() for i, layer in layers.items()}
     modules: dict[str, nn.Module] = {
         f"layers.{i}.mlp.{name}": module
         for i, layer in layers.items()

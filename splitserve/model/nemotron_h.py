@@ -26,6 +26,7 @@ from splitserve.model.decoder_config import DecoderConfig
 from splitserve.model.linear import Linear
 from splitserve.model.loader import iter_safetensors
 from splitserve.model.mamba2 import Mamba2Mixer, MambaMetadata
+from splitserve.model.materialize import materialize
 from splitserve.model.moe import NonGatedExperts, expert_weight_destination, route_grouped_sigmoid
 from splitserve.model.nemotron_h_config import PATTERN_LAYERS, NemotronHConfig, NemotronHMoeConfig
 
@@ -255,7 +256,7 @@ def load_nemotron_h(
 ) -> NemotronHModel:
     with torch.device("meta"):
         model = NemotronHModel(config)
-    model = model.to_empty(device=device).to(dtype)
+    model = materialize(model, device).to(dtype)
     for module in model.modules():
         if isinstance(module, MoE):
             module.keep_router_in_float32()

@@ -26,6 +26,7 @@ from torch import nn
 from splitserve.model.decoder import DecoderModel, rope_inv_freq
 from splitserve.model.decoder_config import DecoderConfig
 from splitserve.model.loader import iter_safetensors
+from splitserve.model.materialize import materialize
 from splitserve.model.vision import VisionConfig, VisionTransformer
 
 QWEN2_VL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration",)
@@ -213,7 +214,7 @@ def load_qwen2_vl(
 ) -> Qwen2VLModel:
     with torch.device("meta"):
         model = Qwen2VLModel(config)
-    model = model.to_empty(device=device).to(dtype)
+    model = materialize(model, device).to(dtype)
     text = model.language_model
     text.inv_freq = rope_inv_freq(config.text).to(device)
     text.rope_cos = text.rope_sin = torch.empty(0, device=device)
@@ -229,7 +230,7 @@ def load_vision_tower(
     are never read."""
     with torch.device("meta"):
         tower = VisionTransformer(config.vision)
-    tower = tower.to_empty(device=device).to(dtype)
+    tower = materialize(tower, device).to(dtype)
     weights = iter_safetensors(model_dir, keep=lambda name: hub_weight_name(name).startswith("visual."))
     tower.load_weights((hub_weight_name(name).removeprefix("visual."), tensor) for name, tensor in weights)
     return tower.eval()

@@ -22,7 +22,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from splitserve.model.native import BUILD_TIMEOUT_ENV, BUILDER_FLOCK, builder_alive, library_path
+from splitserve.model.native import (
+    BUILD_TIMEOUT_ENV,
+    BUILDER_FLOCK,
+    builder_alive,
+    extensions_root,
+    library_path,
+)
 from tests.conftest import free_port, running_server
 
 BUILD_STARTUP_S = 600  # a fresh build on 2 shared cores, with a serve's start-up around it
@@ -233,3 +239,17 @@ def test_bad_time_limit_is_a_clear_cli_error(tiny_model, tmp_path):
     assert result.returncode == 2
     assert f"{BUILD_TIMEOUT_ENV} must be a positive number of seconds, not 'soon'" in result.stderr
     assert not list(tmp_path.iterdir())  # nothing was built
+
+
+@pytest.mark.parametrize("cache_home", [None, "xdg-cache"])
+def test_the_default_extensions_folder_is_torchs(monkeypatch, tmp_path, cache_home):
+    """Without TORCH_EXTENSIONS_DIR the kernels live where torch's own builds do."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    if cache_home:
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / cache_home))
+    else:
+        monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    assert extensions_root().parent == Path(get_default_build_root())
+    assert extensions_root().name == f"py{sys.version_info.major}{sys.version_info.minor}_cpu"
