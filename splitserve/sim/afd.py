@@ -369,6 +369,8 @@ class AFDModel:
             "tokens_per_expert": a * batch * self.model.experts_per_token / self.model.experts,
             "ffn_busy": moe * layer["ffn_s"] / step_s if f else None,
             "bound": bound,
+            # the dispatch and combine latency among the EP chips, or among the FFN chips
+            "all_to_all_latency_s": self.latency_s(f or a)._asdict(),
         }
 
 
@@ -396,9 +398,18 @@ def compare(afd: AFDModel, baseline_chips: int, layouts: list[Layout]) -> dict:
         row["fits"] = not layout.ffn or afd.ffn_fits(layout)  # the FFN chips hold their experts
     fitting = [r for r in rows if r["fits"]]
     best = max(fitting, key=lambda r: r["tokens_per_s_per_chip"])["layout"] if fitting else None
+    flops, cache_bytes = afd.attention_pair_costs()
     return {
         "batch": base["batch_per_attention_chip"],
         "attention_weights": afd.run.attention_weights,
+        "all_to_all_latency": afd.run.all_to_all_latency,
+        # one sequence's decode attention in one layer (DSA: the indexer over every cached
+        # token and MLA over the top-k)
+        "attention_per_sequence_layer": {
+            "attended_tokens": afd.model.attended_tokens(afd.run.context),
+            "flops": flops,
+            "cache_bytes": cache_bytes,
+        },
         "baseline": base,
         "layouts": rows,
         "best": best,
