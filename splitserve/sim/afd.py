@@ -20,6 +20,12 @@ side's work run while the other half computes. Per MoE layer:
   the last is the chain one half must close before its next layer; without DBO, that
   chain at B.
 
+Each dispatch/combine (EP) and send/receive (AFD) pays a fixed latency and its bytes over the
+link: the latency of an all-to-all among the EP chips (or the F FFN chips), from DeepEP's
+published low-latency figures (see all_to_all_latency_s). DeepSeek-V3.2's sparse attention
+(DSA) scores every cached token with its indexer and attends only the top-k (see
+attention_pair_costs).
+
 Routing is uniform (as the plugin's forced balancing), a token's k experts land on
 F (1 - (1 - 1/F)^k) distinct chips, activations cross in the model's dtype (bf16).
 
@@ -115,7 +121,8 @@ def all_to_all_latency_s(ranks: int) -> AllToAllLatency:
 class AFDRun:
     """What is being run: each decode sequence's context, the batch per attention chip (None:
     what KV memory allows beside each role's weights), what an attention chip holds (`split`
-    or `ep`, see the module's docstring), overlap, the link."""
+    or `ep`, see the module's docstring), overlap, the link, and the all-to-all latency
+    (`deepep`: DeepEP's measured, by rank count; `fixed`: TRANSFER_LATENCY_S)."""
 
     context: int = 16384
     batch: int | None = None
