@@ -447,6 +447,10 @@ def model_from_hf_config(config: dict, name: str = "model") -> ModelSpec:
     }
     if experts:
         shared = int(cfg.get("n_shared_experts") or 0)
+        if not (cfg.get("moe_intermediate_size") or cfg.get("intermediate_size")):
+            raise SpecError(
+                "config.json: a mixture-of-experts model needs moe_intermediate_size (its experts' width)"
+            )
         moe_ff = int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size"))
         if cfg.get("moe_shared_expert_intermediate_size"):  # Nemotron-H: shared experts of their own width
             shared = round(max(shared, 1) * int(cfg["moe_shared_expert_intermediate_size"]) / moe_ff)
