@@ -20,6 +20,12 @@ side's work run while the other half computes. Per MoE layer:
   the last is the chain one half must close before its next layer; without DBO, that
   chain at B.
 
+Each dispatch/combine (EP) and send/receive (AFD) pays a fixed latency and its bytes over the
+link: the latency of an all-to-all among the EP chips (or the F FFN chips), from DeepEP's
+published low-latency figures (see all_to_all_latency_s). DeepSeek-V3.2's sparse attention
+(DSA) scores every cached token with its indexer and attends only the top-k (see
+attention_pair_costs).
+
 Routing is uniform (as the plugin's forced balancing), a token's k experts land on
 F (1 - (1 - 1/F)^k) distinct chips, activations cross in the model's dtype (bf16).
 
@@ -34,6 +40,7 @@ An FFN chip holds experts / F routed experts and the shared ones, and no KV.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -44,13 +51,78 @@ from splitserve.sim.specs import GPUSpec, ModelSpec
 TRANSFER_LATENCY_S = 20e-6  # fixed cost of one transfer between chips (launch, sync)
 # what an attention chip holds: only the weights it runs, or an EP chip's share (see above)
 ATTENTION_WEIGHTS = ("split", "ep")
+# the latency of one dispatch or combine: DeepEP's measured (see all_to_all_latency_s), or
+# the fixed TRANSFER_LATENCY_S whatever the number of ranks (the model before it)
+ALL_TO_ALL_LATENCY = ("deepep", "fixed")
+
+
+class AllToAllPoint(NamedTuple):
+    """One row of a published dispatch/combine benchmark: ranks and the time of each."""
+
+    ranks: int
+    dispatch_s: float
+    combine_s: float
+
+
+# DeepEP's low-latency kernels (deepseek-ai/DeepEP, docs/legacy.md, "Low-latency kernels with
+# pure RDMA"): H800, one CX7 400 Gb/s NIC each (~50 GB/s), 128 tokens per rank, hidden 7168,
+# top-8 experts, FP8 dispatch, BF16 combine.
+DEEPEP_LOW_LATENCY = (
+    AllToAllPoint(8, 77e-6, 114e-6),
+    AllToAllPoint(16, 118e-6, 195e-6),
+    AllToAllPoint(32, 155e-6, 273e-6),
+    AllToAllPoint(64, 173e-6, 314e-6),
+    AllToAllPoint(128, 192e-6, 369e-6),
+    AllToAllPoint(256, 194e-6, 360e-6),
+)
+DEEPEP_NIC_BW = 50e9  # bytes/s, the README's "~50 GB/s maximum bandwidth" of a CX7
+DEEPEP_TOKENS, DEEPEP_HIDDEN, DEEPEP_TOPK = 128, 7168, 8
+# what one token copy carries: FP8 values and one fp32 scale per 128 (dispatch), bf16 (combine)
+DEEPEP_DISPATCH_BYTES = DEEPEP_HIDDEN + 4 * DEEPEP_HIDDEN // 128
+DEEPEP_COMBINE_BYTES = 2 * DEEPEP_HIDDEN
+
+
+class AllToAllLatency(NamedTuple):
+    dispatch_s: float
+    combine_s: float
+
+
+def deepep_fixed_latency(point: AllToAllPoint) -> AllToAllLatency:
+    """What a DeepEP low-latency dispatch and combine take beyond their bytes at the NIC's
+    bandwidth (each rank sends every token to its top-8 experts' ranks): the part that does not
+    shrink with a faster link. Below 64 ranks the measured time is under the NIC time (part of
+    the traffic stays on the rank or its node), so there is nothing left: 0."""
+    copies = DEEPEP_TOKENS * DEEPEP_TOPK
+    return AllToAllLatency(
+        max(0.0, point.dispatch_s - copies * DEEPEP_DISPATCH_BYTES / DEEPEP_NIC_BW),
+        max(0.0, point.combine_s - copies * DEEPEP_COMBINE_BYTES / DEEPEP_NIC_BW),
+    )
+
+
+def all_to_all_latency_s(ranks: int) -> AllToAllLatency:
+    """The fixed latency of one dispatch and one combine over `ranks` ranks: DeepEP's (see
+    deepep_fixed_latency), interpolated in log2 of the ranks and held beyond the table's ends,
+    and never under TRANSFER_LATENCY_S (a transfer's launch and sync). At 64 ranks that is
+    21 and 20 us: about what TRANSFER_LATENCY_S already charges; at 128-256, 40-75 us."""
+    points = [(math.log2(p.ranks), deepep_fixed_latency(p)) for p in DEEPEP_LOW_LATENCY]
+    x = math.log2(max(ranks, 1))
+    if x <= points[0][0]:
+        lat = points[0][1]
+    elif x >= points[-1][0]:
+        lat = points[-1][1]
+    else:
+        (x0, a), (x1, b) = next((p, q) for p, q in itertools.pairwise(points) if x <= q[0])
+        w = (x - x0) / (x1 - x0)
+        lat = AllToAllLatency(*(u + w * (v - u) for u, v in zip(a, b, strict=True)))
+    return AllToAllLatency(*(max(TRANSFER_LATENCY_S, t) for t in lat))
 
 
 @dataclass(frozen=True)
 class AFDRun:
     """What is being run: each decode sequence's context, the batch per attention chip (None:
     what KV memory allows beside each role's weights), what an attention chip holds (`split`
-    or `ep`, see the module's docstring), overlap, the link."""
+    or `ep`, see the module's docstring), overlap, the link, and the all-to-all latency
+    (`deepep`: DeepEP's measured, by rank count; `fixed`: TRANSFER_LATENCY_S)."""
 
     context: int = 16384
     batch: int | None = None
@@ -59,12 +131,15 @@ class AFDRun:
     mem_util: float = 0.9
     weight_bytes: int | None = None  # bytes per weight (1: FP8/INT8 weights; None: the model's dtype)
     attention_weights: str = "split"
+    all_to_all_latency: str = "deepep"
 
     def __post_init__(self) -> None:
         if self.context < 1 or (self.batch is not None and self.batch < 1):
             raise ValueError("context and batch must be >= 1")
         if self.attention_weights not in ATTENTION_WEIGHTS:
             raise ValueError(f"attention weights must be one of {', '.join(ATTENTION_WEIGHTS)}")
+        if self.all_to_all_latency not in ALL_TO_ALL_LATENCY:
+            raise ValueError(f"all-to-all latency must be one of {', '.join(ALL_TO_ALL_LATENCY)}")
         if self.link_bw is not None and self.link_bw <= 0:
             raise ValueError("link bandwidth must be > 0")
         if self.weight_bytes is not None and self.weight_bytes < 1:
@@ -126,12 +201,27 @@ class AFDModel:
             return 2 * m.heads * (2 * m.kv_lora_rank + m.qk_rope_dim)
         return m.attn_flops_per_pair / m.attention_layers
 
+    def attention_pair_costs(self) -> tuple[float, float]:
+        """FLOPs and cache bytes of one layer's decode attention for one sequence at the run's
+        context. Dense: every cached token is scored and summed. DSA (DeepSeek-V3.2): the
+        lightning indexer scores every cached token against its own 132-byte key, then MLA
+        reads and attends only the top-k (2,048) latents, so at 16K the main attention
+        touches an eighth of the cache. The indexer runs in FP8 on GPUs; it is counted at the
+        chip's dense rate here (the spec has no FP8 peak), which overstates it a little."""
+        m, ctx = self.model, self.run.context
+        if not m.is_sparse_attention:
+            return self.pair_flops() * ctx, m.kv_bytes_per_token / m.attention_layers * ctx
+        attended = m.attended_tokens(ctx)
+        flops = self.pair_flops() * attended + m.indexer_flops_per_pair * ctx
+        num_bytes = m.mla_bytes_per_token_layer * attended + m.index_key_bytes_per_token_layer * ctx
+        return flops, num_bytes
+
     def _attention(self, seqs: float) -> tuple[float, float]:
         """FLOPs and bytes of one layer's attention for `seqs` sequences on one chip."""
-        m, ctx = self.model, self.run.context
-        flops = 2 * m.attn_params_per_layer * seqs + self.pair_flops() * seqs * ctx
-        kv = m.kv_bytes_per_token / m.attention_layers * seqs * ctx
-        return flops, m.attn_params_per_layer * self.wbytes + kv
+        m = self.model
+        pair_flops, cache_bytes = self.attention_pair_costs()
+        flops = 2 * m.attn_params_per_layer * seqs + pair_flops * seqs
+        return flops, m.attn_params_per_layer * self.wbytes + cache_bytes * seqs
 
     def attention_s(self, seqs: float) -> float:
         """One MoE layer's attention and router on one chip for `seqs` sequences."""
@@ -163,8 +253,16 @@ class AFDModel:
         """Distinct chips a token's top-k experts live on."""
         return chips * (1.0 - (1.0 - 1.0 / chips) ** self.model.experts_per_token)
 
-    def transfer_s(self, tokens: float) -> float:
-        return tokens * self.model.hidden * self.model.dtype_bytes / self.link_bw + TRANSFER_LATENCY_S
+    def latency_s(self, ranks: int) -> AllToAllLatency:
+        """The fixed latency of a dispatch (tokens out) and a combine (sums back) among
+        `ranks` chips: DeepEP's measured, or TRANSFER_LATENCY_S under `fixed`."""
+        if self.run.all_to_all_latency == "fixed":
+            return AllToAllLatency(TRANSFER_LATENCY_S, TRANSFER_LATENCY_S)
+        return all_to_all_latency_s(ranks)
+
+    def transfer_s(self, tokens: float, latency_s: float = TRANSFER_LATENCY_S) -> float:
+        """`tokens` hidden states over the link, in the model's dtype, after `latency_s`."""
+        return tokens * self.model.hidden * self.model.dtype_bytes / self.link_bw + latency_s
 
     # ---- one MoE layer ----------------------------------------------------------------
     def layer_s(self, layout: Layout, batch: int) -> dict[str, float]:
@@ -173,7 +271,8 @@ class AFDModel:
         a, f = layout
         if f == 0:
             compute = self.attention_s(micro) + self.experts_s(a * micro, a, micro)
-            comm = 2 * self.transfer_s(micro * self.copies_per_token(a))
+            copies, lat = micro * self.copies_per_token(a), self.latency_s(a)
+            comm = self.transfer_s(copies, lat.dispatch_s) + self.transfer_s(copies, lat.combine_s)
             if self.run.overlap:
                 parts = {"compute": 2 * compute, "all-to-all": 2 * comm}
             else:
@@ -182,11 +281,22 @@ class AFDModel:
         attn = self.attention_s(micro)
         ffn = self.experts_s(a * micro, f, a * micro / f)
         copies = micro * self.copies_per_token(f)
-        # each direction: the attention chip's copies out, or an FFN chip's copies in
-        link = self.transfer_s(max(copies, a * copies / f))
-        chain = attn + link + ffn + link
+        # each direction: the attention chip's copies out, or an FFN chip's copies in; a
+        # token's copies fan out to its experts' FFN chips, so the latency is that of an
+        # all-to-all among the F FFN chips
+        lat = self.latency_s(f)
+        send = self.transfer_s(max(copies, a * copies / f), lat.dispatch_s)
+        receive = self.transfer_s(max(copies, a * copies / f), lat.combine_s)
+        chain = attn + send + ffn + receive
         if self.run.overlap:
-            parts = {"attention": 2 * attn, "FFN": 2 * ffn, "link": 2 * link, "round trip": chain}
+            # the link is full duplex: the two halves' sends share one direction, their
+            # receives the other
+            parts = {
+                "attention": 2 * attn,
+                "FFN": 2 * ffn,
+                "link": 2 * max(send, receive),
+                "round trip": chain,
+            }
         else:
             parts = {"round trip": chain}
         return {**parts, "layer_s": max(parts.values()), "ffn_s": (2 if self.run.overlap else 1) * ffn}
@@ -266,6 +376,8 @@ class AFDModel:
             "tokens_per_expert": a * batch * self.model.experts_per_token / self.model.experts,
             "ffn_busy": moe * layer["ffn_s"] / step_s if f else None,
             "bound": bound,
+            # the dispatch and combine latency among the EP chips, or among the FFN chips
+            "all_to_all_latency_s": self.latency_s(f or a)._asdict(),
         }
 
 
@@ -293,9 +405,18 @@ def compare(afd: AFDModel, baseline_chips: int, layouts: list[Layout]) -> dict:
         row["fits"] = not layout.ffn or afd.ffn_fits(layout)  # the FFN chips hold their experts
     fitting = [r for r in rows if r["fits"]]
     best = max(fitting, key=lambda r: r["tokens_per_s_per_chip"])["layout"] if fitting else None
+    flops, cache_bytes = afd.attention_pair_costs()
     return {
         "batch": base["batch_per_attention_chip"],
         "attention_weights": afd.run.attention_weights,
+        "all_to_all_latency": afd.run.all_to_all_latency,
+        # one sequence's decode attention in one layer (DSA: the indexer over every cached
+        # token and MLA over the top-k)
+        "attention_per_sequence_layer": {
+            "attended_tokens": afd.model.attended_tokens(afd.run.context),
+            "flops": flops,
+            "cache_bytes": cache_bytes,
+        },
         "baseline": base,
         "layouts": rows,
         "best": best,

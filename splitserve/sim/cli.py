@@ -258,7 +258,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p = sub.add_parser(
         "afd", help="attention-FFN disaggregation vs expert parallelism; the attention:FFN ratio"
     )
-    _common(p, model="DeepSeek-V3", gpu="Ascend-910C")
+    # the plugin's published benchmark ran DeepSeek-V3.2 (DSA); --model DeepSeek-V3 is dense MLA
+    _common(p, model="DeepSeek-V3.2", gpu="Ascend-910C")
     cmd_afd.add_afd_arguments(p)
 
     p = sub.add_parser("plan", help="the cheapest layouts that meet the SLO at a request rate")

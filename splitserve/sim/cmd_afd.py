@@ -9,7 +9,15 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from splitserve.sim.afd import ATTENTION_WEIGHTS, AFDModel, AFDRun, compare, parse_layouts, ratio_layouts
+from splitserve.sim.afd import (
+    ALL_TO_ALL_LATENCY,
+    ATTENTION_WEIGHTS,
+    AFDModel,
+    AFDRun,
+    compare,
+    parse_layouts,
+    ratio_layouts,
+)
 from splitserve.sim.cmd_common import efficiency, emit, require_positive
 from splitserve.sim.specs import load_gpu, load_model
 
@@ -44,6 +52,13 @@ def add_afd_arguments(p: argparse.ArgumentParser) -> None:
         help="what an attention chip holds: split = attention, dense layers, embeddings and head only "
         "(the experts are on the FFN chips); ep = what an EP chip of the baseline holds (its batch)",
     )
+    p.add_argument(
+        "--all-to-all-latency",
+        choices=ALL_TO_ALL_LATENCY,
+        default="deepep",
+        help="fixed latency of a dispatch/combine: deepep = DeepEP's measured low-latency kernels beyond "
+        "their bytes, by rank count; fixed = 20 us whatever the ranks",
+    )
     p.add_argument("--no-overlap", action="store_true", help="no dual micro-batch overlap")
     p.add_argument("--link-gbps", type=float, default=None, help="attention<->FFN link per chip (the chip's)")
     p.add_argument(
@@ -66,6 +81,7 @@ def cmd_afd(args: argparse.Namespace) -> int:
         link_bw=None if args.link_gbps is None else args.link_gbps * 1e9 / 8,
         weight_bytes=args.weight_bytes,
         attention_weights=args.attention_weights,
+        all_to_all_latency=args.all_to_all_latency,
     )
     afd = AFDModel(model, gpu, efficiency(args), run)
     layouts = parse_layouts(args.layouts) if args.layouts else ratio_layouts(args.chips, model.experts)
@@ -75,8 +91,13 @@ def cmd_afd(args: argparse.Namespace) -> int:
     if args.json:
         return emit(args, {"model": model.name, "gpu": gpu.name, "context": args.context, **result}, [])
     base = result["baseline"]
+    sparse = (
+        f", sparse attention over the top {model.attended_tokens(args.context):,}"
+        if model.is_sparse_attention
+        else ""
+    )
     table = Table(
-        title=f"{model.name} decode on {gpu.name}: sequences of {args.context:,} tokens "
+        title=f"{model.name} decode on {gpu.name}: sequences of {args.context:,} tokens{sparse} "
         f"({base['memory']['kv_bytes_per_sequence'] / 1e9:.2f} GB of KV each), "
         f"{ATTENTION_HOLDS[run.attention_weights]}, "
         f"{'dual micro-batch overlap' if run.overlap else 'no overlap'}",

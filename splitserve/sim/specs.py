@@ -74,6 +74,12 @@ class ModelSpec:
     qk_rope_dim: int = 0
     qk_nope_dim: int = 0
     v_head_dim: int = 0
+    # DeepSeek sparse attention (DSA, DeepSeek-V3.2): a lightning indexer of index_heads heads of
+    # index_head_dim scores every cached token from an FP8 key of its own, and the MLA
+    # attention reads only the index_topk best (index_topk = 0: dense attention)
+    index_heads: int = 0
+    index_head_dim: int = 0
+    index_topk: int = 0
     # hybrid (Nemotron-H): one character per layer, M Mamba2, * attention, - MLP, E MoE
     # ("" = every layer attention + MLP/MoE); each layer is one mixer
     pattern: str = ""
@@ -98,6 +104,10 @@ class ModelSpec:
     @property
     def is_mla(self) -> bool:
         return self.kv_lora_rank > 0
+
+    @property
+    def is_sparse_attention(self) -> bool:
+        return self.index_topk > 0
 
     @property
     def is_hybrid(self) -> bool:
@@ -155,9 +165,19 @@ class ModelSpec:
             q = d * self.q_lora_rank + self.q_lora_rank * h * qk if self.q_lora_rank else d * h * qk
             kv = d * (self.kv_lora_rank + self.qk_rope_dim)
             kv += self.kv_lora_rank * h * (self.qk_nope_dim + self.v_head_dim)
-            return q + kv + h * self.v_head_dim * d
+            return q + kv + h * self.v_head_dim * d + self.indexer_params_per_layer
         hd = self.head_dim
         return d * h * hd + 2 * d * self.kv_heads * hd + h * hd * d
+
+    @property
+    def indexer_params_per_layer(self) -> int:
+        """DSA's lightning indexer: its query from the compressed query (wq_b), one key head
+        from the hidden state (wk) and a weight per head (weights_proj), as DeepSeek-V3.2-Exp's
+        inference/model.py builds them."""
+        if not self.is_sparse_attention:
+            return 0
+        hi, di = self.index_heads, self.index_head_dim
+        return (self.q_lora_rank or self.hidden) * hi * di + self.hidden * di + self.hidden * hi
 
     @property
     def dense_mlp_params(self) -> int:
@@ -214,9 +234,33 @@ class ModelSpec:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        if self.is_mla:  # one compressed latent + the shared rope key per layer
-            return self.attention_layers * (self.kv_lora_rank + self.qk_rope_dim) * self.dtype_bytes
+        if self.is_mla:  # one compressed latent + the shared rope key per layer (+ DSA's index key)
+            latent = self.attention_layers * self.mla_bytes_per_token_layer
+            return latent + self.attention_layers * self.index_key_bytes_per_token_layer
         return self.attention_layers * self.kv_bytes_per_token_layer()
+
+    @property
+    def mla_bytes_per_token_layer(self) -> int:
+        """One MLA layer's cache per token: the compressed latent and the shared rope key."""
+        return (self.kv_lora_rank + self.qk_rope_dim) * self.dtype_bytes
+
+    @property
+    def index_key_bytes_per_token_layer(self) -> int:
+        """DSA's indexer key per token and layer: FP8 values and one fp32 scale per block of
+        128 (DeepSeek-V3.2-Exp's k_cache and k_scale_cache): 128 + 4 bytes."""
+        if not self.is_sparse_attention:
+            return 0
+        return self.index_head_dim + 4 * -(-self.index_head_dim // 128)
+
+    @property
+    def indexer_flops_per_pair(self) -> int:
+        """DSA's indexer per (query, cached token) pair and layer: one dot product of
+        index_head_dim per index head."""
+        return 2 * self.index_heads * self.index_head_dim if self.is_sparse_attention else 0
+
+    def attended_tokens(self, context: int) -> int:
+        """Cached tokens a decode query's main attention reads: all of them, or DSA's top-k."""
+        return min(self.index_topk, context) if self.is_sparse_attention else context
 
     def kv_bytes_per_token_layer(self, tp: int = 1) -> int:
         """One attention layer's K and V for one token on one of `tp` ranks (GQA: the KV heads
@@ -299,7 +343,13 @@ NEMOTRON_SEED_EXAMPLE = replace(
     kv_heads=8,
     mamba=MambaSpec(heads=96, head_dim=64, state=128, groups=0),
 )
-MODELS.update({m.name: m for m in (NEMOTRON_3_NANO, NEMOTRON_SEED_EXAMPLE)})
+# DeepSeek-V3.2 (-Exp): DeepSeek-V3's shapes plus DSA, whose indexer has 64 heads of 128 and
+# keeps the top 2048 tokens (config.json's index_n_heads, index_head_dim, index_topk; the
+# inference code's ModelArgs defaults). The plugin's published AFD benchmark ran it.
+DEEPSEEK_V3_2 = replace(
+    MODELS["DeepSeek-V3"], name="DeepSeek-V3.2", index_heads=64, index_head_dim=128, index_topk=2048
+)
+MODELS.update({m.name: m for m in (NEMOTRON_3_NANO, NEMOTRON_SEED_EXAMPLE, DEEPSEEK_V3_2)})
 
 
 def _lookup(table: dict, name: str, what: str):
@@ -397,6 +447,10 @@ def model_from_hf_config(config: dict, name: str = "model") -> ModelSpec:
     }
     if experts:
         shared = int(cfg.get("n_shared_experts") or 0)
+        if not (cfg.get("moe_intermediate_size") or cfg.get("intermediate_size")):
+            raise SpecError(
+                "config.json: a mixture-of-experts model needs moe_intermediate_size (its experts' width)"
+            )
         moe_ff = int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size"))
         if cfg.get("moe_shared_expert_intermediate_size"):  # Nemotron-H: shared experts of their own width
             shared = round(max(shared, 1) * int(cfg["moe_shared_expert_intermediate_size"]) / moe_ff)
@@ -416,6 +470,12 @@ def model_from_hf_config(config: dict, name: str = "model") -> ModelSpec:
             qk_rope_dim=int(cfg.get("qk_rope_head_dim") or 0),
             qk_nope_dim=int(cfg.get("qk_nope_head_dim") or 0),
             v_head_dim=int(cfg.get("v_head_dim") or head_dim),
+        )
+    if cfg.get("index_topk"):  # DeepSeek sparse attention (deepseek_v32)
+        fields.update(
+            index_heads=int(cfg.get("index_n_heads") or 0),
+            index_head_dim=int(cfg.get("index_head_dim") or 0),
+            index_topk=int(cfg["index_topk"]),
         )
     if min(layers, hidden, heads, kv_heads, head_dim, vocab) <= 0:
         raise SpecError("config.json: sizes must be positive")

@@ -161,9 +161,10 @@ def sim(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_sim_afd_answers_the_ratio():
-    """`sim afd --chips 80`: every split with its per-chip output; the splits whose FFN chips
-    cannot hold the experts are marked; the best is named; 64+16 is the best AFD split."""
-    proc = sim("--chips", "80", "--json")
+    """`sim afd --model DeepSeek-V3 --chips 80` (dense MLA): every split with its per-chip
+    output; the splits whose FFN chips cannot hold the experts are marked; the best is named;
+    64+16 is the best AFD split."""
+    proc = sim("--model", "DeepSeek-V3", "--chips", "80", "--json")
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
     assert data["attention_weights"] == "split" and data["batch"] == 76  # EP80's
@@ -177,12 +178,16 @@ def test_sim_afd_answers_the_ratio():
     assert data["best"] == max(fitting, key=lambda r: r["tokens_per_s_per_chip"])["layout"]
     afd_only = [r for r in fitting if r["ffn_chips"]]
     assert max(afd_only, key=lambda r: r["tokens_per_s_per_chip"])["layout"] == "64A+16F"
-    table = sim("--layouts", "48:16,64:16", "--baseline", "64")
+    table = sim("--model", "DeepSeek-V3", "--layouts", "48:16,64:16", "--baseline", "64")
     assert table.returncode == 0 and "64A+16F" in table.stdout and "vs EP64" in table.stdout
     assert "14.6 + 100.2 | 43.4" in table.stdout  # an attention chip's weights + KV, an FFN chip's
-    as_ep = sim("--layouts", "48:16,64:16", "--baseline", "64", "--attention-weights", "ep")
+    as_ep = sim(
+        "--model", "DeepSeek-V3", "--layouts", "48:16,64:16", "--baseline", "64", "--attention-weights", "ep"
+    )
     assert as_ep.returncode == 0 and "-13.2%" in as_ep.stdout and "-7.4%" in as_ep.stdout
-    pinned = sim("--layouts", "48:16,64:16", "--baseline", "64", "--batch", "76", "--json")
+    pinned = sim(
+        "--model", "DeepSeek-V3", "--layouts", "48:16,64:16", "--baseline", "64", "--batch", "76", "--json"
+    )
     assert {r["batch_per_attention_chip"] for r in json.loads(pinned.stdout)["layouts"]} == {76}
     bad = sim("--layouts", "48-16")
     assert bad.returncode == 2 and "ATTENTION:FFN" in bad.stderr

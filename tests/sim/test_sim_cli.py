@@ -286,3 +286,10 @@ def test_cli_calibrate_bad_file(capsys, tmp_path):
     with pytest.raises(SystemExit) as exc:
         main(["sim", "goodput", "--rates", "a,b"])
     assert exc.value.code != 0
+
+
+def test_a_moe_config_without_the_experts_width_is_a_clear_error(capsys, tmp_path):
+    config = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 100}
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_experts": 8, "num_experts_per_tok": 2}))
+    assert main(["sim", "kv", "--model", str(tmp_path / "config.json"), "--json"]) == 2
+    assert "moe_intermediate_size" in capsys.readouterr().err
