@@ -15,7 +15,8 @@ first use, and F.linear runs: the same weight, without the activation rounding.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -52,6 +53,10 @@ class RowTypes(NamedTuple):
 
 # what a Linear stays quantized as: one type for all its rows, or one per fused part
 QuantLayout = GGMLQuantizationType | RowTypes
+
+
+# x dtypes the compiled kernels take
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def type_names() -> str:
@@ -93,13 +98,16 @@ def quant_linear(
         raise RuntimeError("the compiled CPU kernels are unavailable")
     flat = x.reshape(-1, x.shape[-1]).contiguous()
     out = torch.empty(flat.shape[0], blocks.shape[0], dtype=x.dtype)
-    kernel = (
-        torch.ops.splitserve_cpu.quant_linear_k
-        if qtype in K_QUANT_TYPES
-        else torch.ops.splitserve_cpu.quant_linear
-    )
-    kernel(out, flat, blocks, int(qtype), bias, isa)
+    kernel_for(qtype)(out, flat, blocks, int(qtype), bias, isa)
     return out.view(*x.shape[:-1], blocks.shape[0])
+
+
+@functools.lru_cache(maxsize=len(BLOCK_BYTES))
+def kernel_for(qtype: GGMLQuantizationType) -> Callable[..., None]:
+    """The compiled op that multiplies this type (looked up once: a decode step calls it
+    ~120 times, and each torch.ops lookup costs about a microsecond)."""
+    ops = torch.ops.splitserve_cpu
+    return ops.quant_linear_k if qtype in K_QUANT_TYPES else ops.quant_linear
 
 
 class QuantLinear(nn.Module):
@@ -121,6 +129,8 @@ class QuantLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.rows_loaded = 0
         self.dequantized: torch.Tensor | None = None  # the fallback's weight, made on first use
+        self.qtype_number = int(qtype)  # what the kernel takes, converted once
+        self.kernel_bias: torch.Tensor | None = None  # the bias as the kernel takes it, made on first use
 
     def load_rows(self, start: int, weight: QuantizedTensor) -> None:
         if weight.qtype != self.qtype or weight.shape[1] != self.in_features:
@@ -132,9 +142,15 @@ class QuantLinear(nn.Module):
         self.rows_loaded += weight.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype in (torch.float32, torch.bfloat16) and use_cpu_ops(x):
-            bias = None if self.bias is None else self.bias.detach().float().contiguous()
-            return quant_linear(x, self.blocks, self.qtype, bias)
+        if x.dtype in KERNEL_DTYPES and use_cpu_ops(x):
+            # the kernel call without quant_linear()'s reshapes and lookups: at batch 1 a
+            # matvec takes 20-200 us, and that wrapper cost ~8 of them (~1 ms a step)
+            if self.bias is not None and self.kernel_bias is None:
+                self.kernel_bias = self.bias.detach().float().contiguous()
+            flat = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
+            out = flat.new_empty(flat.shape[0], self.out_features)
+            kernel_for(self.qtype)(out, flat, self.blocks, self.qtype_number, self.kernel_bias, BEST_ISA)
+            return out if flat is x else out.view(*x.shape[:-1], self.out_features)
         if self.dequantized is None or self.dequantized.dtype != x.dtype:
             weight = dequantize_blocks(self.blocks.cpu(), self.qtype, self.in_features)
             self.dequantized = weight.to(device=x.device, dtype=x.dtype)

@@ -50,7 +50,11 @@ def kernel_paths() -> list[int]:
 @needs_kernels
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize(("tokens", "cols", "rows"), [(1, 96, 37), (1, 576, 1), (5, 160, 67), (40, 64, 33)])
+@pytest.mark.parametrize(
+    ("tokens", "cols", "rows"),
+    # rows: whole 4-row groups, groups and a tail of 1-3, a tail alone; K one block to 48
+    [(1, 96, 37), (1, 576, 1), (1, 32, 3), (1, 1536, 6), (2, 64, 9), (5, 160, 67), (40, 64, 33)],
+)
 def test_quant_linear_within_the_activation_rounding_of_float64(qtype, dtype, tokens, cols, rows):
     weight = quantized_weight(rows, cols, qtype, seed=tokens + cols)
     dequantized = weight.dequantize()
@@ -82,6 +86,58 @@ def test_quant_linear_is_not_the_dequantized_matmul():
     error = (quant_linear(x, weight.blocks, weight.qtype).double() - reference).abs()
     bound = activation_rounding_bound(x, weight.dequantize())
     assert 0.01 < float((error / bound).max()) <= 1.0
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("tokens", [1, 3, 33])
+def test_each_output_row_is_the_same_alone_as_in_a_group_of_rows(qtype, dtype, tokens):
+    """The SIMD paths multiply 4 weight rows at a time (and a tail of 1-3 alone); each
+    row keeps its own chain in block order, so its result is bit for bit the one it has
+    multiplied alone: the row-group split (which depends on N and on the thread's share
+    of rows) never changes an output (a greedy answer can hang on one rounding)."""
+    rows, cols = 23, 160
+    weight = quantized_weight(rows, cols, qtype, seed=11)
+    x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(12)).to(dtype)
+    bias = torch.randn(rows, generator=torch.Generator().manual_seed(13))
+    for isa in kernel_paths():
+        together = quant_linear(x, weight.blocks, qtype, bias, isa)
+        alone = torch.cat(
+            [quant_linear(x, weight.blocks[i : i + 1], qtype, bias[i : i + 1], isa) for i in range(rows)],
+            dim=1,
+        )
+        shifted = torch.cat(  # the groups start one row later: rows 1-4, 5-8, ...
+            [
+                quant_linear(x, weight.blocks[:1], qtype, bias[:1], isa),
+                quant_linear(x, weight.blocks[1:], qtype, bias[1:], isa),
+            ],
+            dim=1,
+        )
+        assert torch.equal(together, alone) and torch.equal(together, shifted), f"path {isa}"
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_quant_linear_module_takes_strided_and_batched_inputs(dtype):
+    """QuantLinear calls the kernel directly on a 2-D contiguous x and reshapes anything
+    else: a column slice (row stride != K) and a 3-D input give the same rows."""
+    weight = quantized_weight(13, 96, GGMLQuantizationType.Q4_1, seed=21)
+    layer = QuantLinear(96, 13, GGMLQuantizationType.Q4_1)
+    layer.load_rows(0, weight)
+    wide = torch.randn(5, 200, generator=torch.Generator().manual_seed(22)).to(dtype)
+    x = wide[:, 7:103]  # stride 200
+    assert not x.is_contiguous()
+    expected = quant_linear(x.contiguous(), weight.blocks, weight.qtype)
+    assert torch.equal(layer(x), expected)
+    assert torch.equal(layer(x.contiguous().view(1, 5, 96)), expected.view(1, 5, 13))
+    reference = x.double() @ weight.dequantize().double().T
+    bound = activation_rounding_bound(x, weight.dequantize()) + 1e-5 * (
+        x.double().abs() @ weight.dequantize().double().abs().T
+    )
+    if dtype == torch.bfloat16:
+        bound += reference.abs() * 2**-8
+    assert ((layer(x).double() - reference).abs() <= bound).all()
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)

@@ -124,32 +124,100 @@ inline float horizontal_sum(__m256 v) {
   return _mm_cvtss_f32(sum);
 }
 
-// One FMA chain per row, in block order. Four independent accumulators (with the F16C
-// conversion, on a loaded machine: the lm_head shape 3.8 -> 1.3 ms) changed the summation
-// order and with it the demo model's greedy answer to the README's question, a 0.09-logit
-// tie (docs/engine-kernels.md): left for when that test asks no coin-flip question.
-template <int64_t Isa>
-float row_dot_simd(int64_t qtype, const uint8_t* w, const int8_t* xq, const float* xd, const float* xs,
-                   int64_t blocks) {
-  const int64_t stride = block_bytes(qtype);
-  __m256 acc = _mm256_setzero_ps();
-  float offset_sum = 0.0f;  // Q4_0's -8 d_w and Q4_1's m_w, times d_x sum(q_x)
-  for (int64_t b = 0; b < blocks; ++b, w += stride) {
-    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kBlock));
-    const float dw = half_to_float(w);
-    __m256i products;
-    if (qtype == kQ8_0) {
-      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 2));
-      // u8 x s8 instructions: |x| times w with x's sign moved onto it
-      products = dot_u8_s8<Isa>(_mm256_sign_epi8(x, x), _mm256_sign_epi8(wv, x));
-    } else {
-      const uint8_t* nibbles = w + (qtype == kQ4_1 ? 4 : 2);
-      products = dot_u8_s8<Isa>(unpack_nibbles(nibbles), x);
-      offset_sum += (qtype == kQ4_1 ? half_to_float(w + 2) : -8.0f * dw) * xs[b];
-    }
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(dw * xd[b]), _mm256_cvtepi32_ps(products), acc);
+template <int64_t Q>
+constexpr int64_t kStride = Q == kQ8_0 ? 34 : (Q == kQ4_0 ? 18 : 20);  // block_bytes(Q), at compile time
+
+// R weight rows (row_bytes apart) against one row of x. One FMA chain per row, in block
+// order: four independent accumulators within a row (with the F16C conversion, on a
+// loaded machine: the lm_head shape 3.8 -> 1.3 ms) changed the summation order and with
+// it the demo model's greedy answer to the README's question, a 0.09-logit tie
+// (docs/engine-kernels.md). Several rows at once give the core independent chains to
+// overlap without touching any row's order: each row's result is the one-row loop's,
+// bit for bit. x's block (and Q8_0's |x|) is loaded once for all R rows. `prefetch`, if
+// set, is the next group's first byte: its lines are requested as this group is read,
+// R * stride bytes a block (the group's rows are contiguous, so the next one is too).
+template <int64_t Isa, int64_t Q, int R>
+inline void rows_dot_simd(const uint8_t* w, int64_t row_bytes, const int8_t* xq, const float* xd,
+                          const float* xs, int64_t blocks, const uint8_t* prefetch, float* out) {
+  constexpr int64_t stride = kStride<Q>;
+  __m256 acc[R];
+  float offset_sum[R];  // Q4_0's -8 d_w and Q4_1's m_w, times d_x sum(q_x)
+  for (int r = 0; r < R; ++r) {
+    acc[r] = _mm256_setzero_ps();
+    offset_sum[r] = 0.0f;
   }
-  return horizontal_sum(acc) + offset_sum;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kBlock));
+    const float x_scale = xd[b];
+    if (prefetch != nullptr) {
+      for (int64_t offset = 0; offset < R * stride; offset += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(prefetch + b * R * stride + offset), _MM_HINT_T0);
+      }
+    }
+    [[maybe_unused]] __m256i x_abs;
+    if constexpr (Q == kQ8_0) x_abs = _mm256_sign_epi8(x, x);
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* block = w + r * row_bytes + b * stride;
+      const float dw = half_to_float(block);
+      __m256i products;
+      if constexpr (Q == kQ8_0) {
+        const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
+        // u8 x s8 instructions: |x| times w with x's sign moved onto it
+        products = dot_u8_s8<Isa>(x_abs, _mm256_sign_epi8(wv, x));
+      } else {
+        products = dot_u8_s8<Isa>(unpack_nibbles(block + (Q == kQ4_1 ? 4 : 2)), x);
+        offset_sum[r] = std::fma(Q == kQ4_1 ? half_to_float(block + 2) : -8.0f * dw, xs[b], offset_sum[r]);
+      }
+      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * x_scale), _mm256_cvtepi32_ps(products), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = horizontal_sum(acc[r]) + offset_sum[r];
+}
+
+constexpr int kGroupRows = 4;  // weight rows per group: 4 chains hide the FMA latency
+
+// The SIMD paths over one thread's output columns [begin, end): groups of kGroupRows
+// weight rows, each multiplied by a tile of x's rows (from L1 after the first row), the
+// first tile prefetching the next group.
+template <typename T, int64_t Isa, int64_t Q>
+void quant_columns_simd(T* y, const uint8_t* w, int64_t row_bytes, const QuantizedRows& xq, int64_t rows,
+                        int64_t n, int64_t k, const float* bias, int64_t begin, int64_t end) {
+  const int64_t blocks = k / kBlock;
+  float dots[kGroupRows];
+  for (int64_t tile = 0; tile < rows; tile += kTokenTile) {
+    const int64_t tile_end = std::min(rows, tile + kTokenTile);
+    int64_t col = begin;
+    for (; col + kGroupRows <= end; col += kGroupRows) {
+      const uint8_t* group = w + col * row_bytes;
+      const bool has_next = col + 2 * kGroupRows <= end;
+      for (int64_t r = tile; r < tile_end; ++r) {
+        const uint8_t* prefetch = r == 0 && has_next ? group + kGroupRows * row_bytes : nullptr;
+        rows_dot_simd<Isa, Q, kGroupRows>(group, row_bytes, xq.q.data() + r * k, xq.scale.data() + r * blocks,
+                                          xq.scaled_sum.data() + r * blocks, blocks, prefetch, dots);
+        for (int j = 0; j < kGroupRows; ++j) {
+          y[r * n + col + j] = static_cast<T>(dots[j] + (bias ? bias[col + j] : 0.0f));
+        }
+      }
+    }
+    for (; col < end; ++col) {
+      for (int64_t r = tile; r < tile_end; ++r) {
+        rows_dot_simd<Isa, Q, 1>(w + col * row_bytes, row_bytes, xq.q.data() + r * k,
+                                 xq.scale.data() + r * blocks, xq.scaled_sum.data() + r * blocks, blocks,
+                                 nullptr, dots);
+        y[r * n + col] = static_cast<T>(dots[0] + (bias ? bias[col] : 0.0f));
+      }
+    }
+  }
+}
+
+template <typename T, int64_t Isa>
+void quant_columns_simd(int64_t qtype, T* y, const uint8_t* w, int64_t row_bytes, const QuantizedRows& xq,
+                        int64_t rows, int64_t n, int64_t k, const float* bias, int64_t begin, int64_t end) {
+  switch (qtype) {
+    case kQ8_0: return quant_columns_simd<T, Isa, kQ8_0>(y, w, row_bytes, xq, rows, n, k, bias, begin, end);
+    case kQ4_0: return quant_columns_simd<T, Isa, kQ4_0>(y, w, row_bytes, xq, rows, n, k, bias, begin, end);
+    default: return quant_columns_simd<T, Isa, kQ4_1>(y, w, row_bytes, xq, rows, n, k, bias, begin, end);
+  }
 }
 #endif
 
@@ -168,15 +236,6 @@ float row_dot_scalar(int64_t qtype, const uint8_t* w, const int8_t* xq, const fl
   return sum;
 }
 
-float row_dot(int64_t isa, int64_t qtype, const uint8_t* w, const int8_t* xq, const float* xd,
-              const float* xs, int64_t blocks) {
-#if defined(__AVX2__)
-  if (isa == kVnni) return row_dot_simd<kVnni>(qtype, w, xq, xd, xs, blocks);
-  if (isa == kAvx2) return row_dot_simd<kAvx2>(qtype, w, xq, xd, xs, blocks);
-#endif
-  return row_dot_scalar(qtype, w, xq, xd, xs, blocks);
-}
-
 template <typename T>
 void quant_linear_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, int64_t qtype,
                        const std::optional<at::Tensor>& bias, int64_t isa) {
@@ -187,16 +246,22 @@ void quant_linear_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& w
   const uint8_t* w = weight.data_ptr<uint8_t>();
   const float* bias_values = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   T* y = out.data_ptr<T>();
-  // a weight row (a few hundred bytes) is read once per tile of x's rows, from L1 after the first
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+#if defined(__AVX2__)
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    if (isa == kVnni) return quant_columns_simd<T, kVnni>(qtype, y, w, row_bytes, xq, rows, n, k, bias_values, begin, end);
+#endif
+    if (isa == kAvx2) return quant_columns_simd<T, kAvx2>(qtype, y, w, row_bytes, xq, rows, n, k, bias_values, begin, end);
+#endif
+    // a weight row (a few hundred bytes) is read once per tile of x's rows, from L1 after the first
     for (int64_t tile = 0; tile < rows; tile += kTokenTile) {
       const int64_t tile_end = std::min(rows, tile + kTokenTile);
       for (int64_t col = begin; col < end; ++col) {
         const uint8_t* w_row = w + col * row_bytes;
         const float add = bias_values ? bias_values[col] : 0.0f;
         for (int64_t r = tile; r < tile_end; ++r) {
-          const float dot = row_dot(isa, qtype, w_row, xq.q.data() + r * k, xq.scale.data() + r * blocks,
-                                    xq.scaled_sum.data() + r * blocks, blocks);
+          const float dot = row_dot_scalar(qtype, w_row, xq.q.data() + r * k, xq.scale.data() + r * blocks,
+                                           xq.scaled_sum.data() + r * blocks, blocks);
           y[r * n + col] = static_cast<T>(dot + add);
         }
       }
