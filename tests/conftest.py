@@ -133,7 +133,7 @@ def running_servers(
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"{command} server did not become healthy:\n{log.read_text()[-4000:]}")
             if pending:
-                time.sleep(0.2)
+                time.sleep(0.05)
         yield bases
     finally:
         _stop_servers(procs)

@@ -24,7 +24,7 @@ from splitserve.runtime.access import API_KEY_ENV, INTERNAL_TOKEN_ENV, api_keys
 from splitserve.runtime.ports import pick_free_port
 from splitserve.runtime.process_lifetime import owned_directory, remove_dead_owners
 
-POLL_S = 0.2
+POLL_S = 0.05  # start-up, stop and supervision: a part is seen healthy or gone within this
 INTERNAL_HOST = "127.0.0.1"  # internal parts: only the proxy is exposed (--host)
 
 EC_DIRECTORY_PREFIX = "splitserve-ec-up-"
