@@ -68,17 +68,20 @@ def make_workload(num_seqs: int, min_len: int, max_len: int, vocab: int, seed: i
 # -- splitserve --------------------------------------------------------------------------
 
 
-def run_splitserve(model: Path, workload: Workload, args: argparse.Namespace) -> Result:
+def run_splitserve(
+    model: Path, workload: Workload, args: argparse.Namespace, name: str = "splitserve", gguf: bool = False
+) -> Result:
     from splitserve.engine.llm import LLM
     from splitserve.protocol.sampling_params import SamplingParams
 
     # The checkpoint is bf16; where this CPU only emulates bf16 matmul, splitserve is told
     # to compute in float32 over the same weights (vLLM-CPU keeps bf16 with its own kernels).
-    dtype = compute_dtype()
-    print(f"splitserve computes in {dtype}", flush=True)
+    # A GGUF file runs as a user gets it: its own defaults (quantized weights kept so).
+    dtype = None if gguf else compute_dtype()
+    print(f"{name} computes in {dtype or 'the GGUF default'}", flush=True)
     llm = LLM(
         str(model),
-        dtype=dtype,
+        **({"dtype": dtype} if dtype else {}),
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         kv_cache_memory_bytes=args.kv_cache_memory_mib * 1024 * 1024,
@@ -90,7 +93,7 @@ def run_splitserve(model: Path, workload: Workload, args: argparse.Namespace) ->
     outputs = llm.generate(workload.prompts, params)
     elapsed = time.perf_counter() - start
     token_ids = [list(_token_ids(o)) for o in outputs]
-    result = Result("splitserve", elapsed, sum(len(t) for t in token_ids), token_ids)
+    result = Result(name, elapsed, sum(len(t) for t in token_ids), token_ids)
     if args.profile_decode:
         profile_decode_step(llm, workload)
     return result
@@ -264,6 +267,10 @@ def main() -> int:
         help="dtype(s) vLLM runs in (repeatable; default bfloat16, as PEERS.md)",
     )  # fmt: skip
     parser.add_argument("--profile-decode", action="store_true", help="profile one splitserve decode step")
+    parser.add_argument(
+        "--gguf", default=None, metavar="FILE",
+        help="also splitserve on this GGUF file of the same model, served by default ('demo': the demo Q4_1)",
+    )  # fmt: skip
     args = parser.parse_args()
 
     model = resolve_bench_model(args.model)
@@ -278,6 +285,12 @@ def main() -> int:
 
     results = [run_splitserve(model, workload, args)]
     report(results[-1])
+    if args.gguf:
+        from splitserve.model_files.demo import ensure_demo_model
+
+        gguf = ensure_demo_model() if args.gguf == "demo" else Path(args.gguf)
+        beside = run_splitserve(gguf, workload, args, name=f"splitserve {gguf.name}", gguf=True)
+        report(beside)
     if not args.skip_hf:
         results.append(run_transformers(model, workload, args.hf_batch_size))
         report(results[-1])
@@ -292,6 +305,13 @@ def main() -> int:
         agree = leading_agreement(ours.outputs, peer.outputs)
         print(f"greedy agreement with {peer.name}: {agree:.1f} leading tokens per sequence on average")
     print()
+    if args.gguf:
+        print(
+            f"greedy agreement of {beside.name} with splitserve: "
+            f"{leading_agreement(beside.outputs, ours.outputs):.1f} leading tokens per sequence on average"
+        )
+        for peer in results[1:]:
+            print(f"ratio {beside.name} / {peer.name}: {beside.tokens_per_s / peer.tokens_per_s:.2f}x")
     for peer in results[1:]:
         print(f"ratio splitserve / {peer.name}: {ours.tokens_per_s / peer.tokens_per_s:.2f}x")
     return 0
