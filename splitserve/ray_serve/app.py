@@ -150,7 +150,7 @@ def wait_registered(config: RayDeployConfig, timeout_s: float) -> list[dict]:
             return members
         if time.monotonic() > deadline:
             raise TimeoutError(f"not every replica registered after {timeout_s:.0f}s: {counts} of {wanted}")
-        time.sleep(0.5)
+        time.sleep(0.1)
 
 
 def deployment_errors(app_name: str) -> list[str]:

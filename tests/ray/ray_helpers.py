@@ -40,7 +40,7 @@ def wait_for(condition, timeout_s: float = 90, what: str = "") -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.5)
+        time.sleep(0.1)
 
 
 def planner_profile(path: Path) -> str:

@@ -125,7 +125,9 @@ def test_calibrate_a_live_engine_predicts_held_out_steps(tiny_model: str, tmp_pa
     assert decode_measured / 10 < decode_predicted < decode_measured * 10
     assert steps.prefill_s(1024) > steps.prefill_s(128) > 0
     assert list(steps.decode_base_s) == sorted(steps.decode_base_s)
-    assert profile.cpu is not None and profile.cpu.render_s_per_request > 0
+    # what rendering a request costs (the fit's intercept alone may be pinned at 0 by noise:
+    # a fixed part too small against the per-token slope to show)
+    assert profile.cpu is not None and profile.cpu.delay_s(320) > 0
     # the same file is the proxy's --pd-cost-profile: it pins the measured prefill cost
     pd = load_cost_profile(str(out))
     assert pd.pinned == {"prefill_s_per_token", "decode_prefill_s_per_token"}
