@@ -96,10 +96,12 @@ def quant_linear(
     through the compiled kernel (`isa` forces a lower path: the tests run each one)."""
     if not load_cpu_ops():
         raise RuntimeError("the compiled CPU kernels are unavailable")
-    flat = x.reshape(-1, x.shape[-1]).contiguous()
-    out = torch.empty(flat.shape[0], blocks.shape[0], dtype=x.dtype)
-    kernel_for(qtype)(out, flat, blocks, int(qtype), bias, isa)
-    return out.view(*x.shape[:-1], blocks.shape[0])
+    # at batch 1 a matvec takes 20-200 us: a 2-D contiguous x (the decoder's) goes to the
+    # kernel without reshapes or views
+    flat = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
+    out = flat.new_empty(flat.shape[0], blocks.shape[0])
+    kernel_for(qtype)(out, flat, blocks, qtype.value, bias, isa)
+    return out if flat is x else out.view(*x.shape[:-1], blocks.shape[0])
 
 
 @functools.lru_cache(maxsize=len(BLOCK_BYTES))
@@ -129,7 +131,6 @@ class QuantLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.rows_loaded = 0
         self.dequantized: torch.Tensor | None = None  # the fallback's weight, made on first use
-        self.qtype_number = int(qtype)  # what the kernel takes, converted once
         self.kernel_bias: torch.Tensor | None = None  # the bias as the kernel takes it, made on first use
 
     def load_rows(self, start: int, weight: QuantizedTensor) -> None:
@@ -143,14 +144,9 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype in KERNEL_DTYPES and use_cpu_ops(x):
-            # the kernel call without quant_linear()'s reshapes and lookups: at batch 1 a
-            # matvec takes 20-200 us, and that wrapper cost ~8 of them (~1 ms a step)
             if self.bias is not None and self.kernel_bias is None:
                 self.kernel_bias = self.bias.detach().float().contiguous()
-            flat = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
-            out = flat.new_empty(flat.shape[0], self.out_features)
-            kernel_for(self.qtype)(out, flat, self.blocks, self.qtype_number, self.kernel_bias, BEST_ISA)
-            return out if flat is x else out.view(*x.shape[:-1], self.out_features)
+            return quant_linear(x, self.blocks, self.qtype, self.kernel_bias)
         if self.dequantized is None or self.dequantized.dtype != x.dtype:
             weight = dequantize_blocks(self.blocks.cpu(), self.qtype, self.in_features)
             self.dequantized = weight.to(device=x.device, dtype=x.dtype)
