@@ -262,8 +262,9 @@ class LLMEngine:
             last_step_time_s=self.last_step_time_s,
             last_step_tokens=self.last_step_tokens,
             num_waiting_prefill_tokens=sum(
-                r.num_tokens - r.num_computed_tokens for r in [*sched.waiting, *prefilling]
-            ),
+                r.num_tokens - max(r.num_computed_tokens, r.num_cached_on_arrival) for r in sched.waiting
+            )
+            + sum(r.num_tokens - r.num_computed_tokens for r in prefilling),
             num_running_decode_blocks=sum(len(r.block_ids) for r in decoding),
             num_borrowed_cpu_steps=self.runner.step_threads.borrowed_steps,
             last_step_borrowed=bool(self.runner.step_threads.borrowed),

@@ -53,7 +53,8 @@ class EngineStats(NamedTuple):
     last_step_time_s: float
     last_step_tokens: int
     # the router's load terms: prompt tokens still to compute (waiting and prefilling
-    # requests; not those waiting for remote KV) and blocks held by decoding requests
+    # requests, past the prefix-cache hit; not those waiting for remote KV) and blocks
+    # held by decoding requests
     num_waiting_prefill_tokens: int
     num_running_decode_blocks: int
     num_borrowed_cpu_steps: int = 0  # steps run on an idle lender's CPUs too (cpu_lending.py)

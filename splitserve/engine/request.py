@@ -53,6 +53,9 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache + remote hits at first scheduling
+        # the prefix-cache hit when added: until scheduled, the load report counts only the
+        # tokens past it, as the router counts what it sends
+        self.num_cached_on_arrival = 0
         self.block_ids: list[int] = []
         self.block_hashes: list[BlockHash] = []
         self.finish_reason: str | None = None

@@ -71,6 +71,8 @@ class Scheduler:
         self.prefix_hit_tokens = 0
 
     def add(self, request: Request) -> None:
+        bm = self.block_manager
+        request.num_cached_on_arrival = len(bm.get_computed_blocks(request)) * bm.block_size
         self.requests[request.request_id] = request
         self.waiting.append(request)
 

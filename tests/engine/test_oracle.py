@@ -127,3 +127,24 @@ def test_long_prefill_threshold_chunks_prompts_only_beside_decodes(tiny_model):
     assert max(steps[2:]) <= 48 + 2
     assert sum(1 for n in steps[2:] if n > 2) >= -(-len(long) // 48)
     assert [tokens["short"], tokens["long"], tokens["alone"]] == [*expected, expected[1]]
+
+
+def test_the_load_report_counts_a_waiting_prompt_past_its_cached_prefix(tiny_model):
+    """A waiting request counts only the tokens past its prefix-cache hit, as the router
+    counts what it sends: a finished request the router subtracts leaves no phantom load."""
+    from splitserve.config import CacheConfig, EngineConfig, ModelConfig
+    from splitserve.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(ModelConfig(tiny_model), CacheConfig(num_blocks=64)))
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    prompt = list(range(10, 110))
+    engine.add_request(generate_request("first", prompt, params))
+    assert engine.stats().num_waiting_prefill_tokens == len(prompt)  # nothing cached yet
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.stats().num_waiting_prefill_tokens == 0
+    engine.add_request(generate_request("again", [*prompt[:96], 7, 8, 9], params))
+    assert engine.stats().num_waiting_prefill_tokens == 99 - 96  # six 16-token blocks hit
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.check_integrity()
