@@ -40,93 +40,41 @@ An FFN chip holds experts / F routed experts and the shared ones, and no KV.
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from splitserve.sim.afd_latency import (
+    ALL_TO_ALL_LATENCY,
+    TRANSFER_LATENCY_S,
+    AllToAllLatency,
+    all_to_all_latency_s,
+)
 from splitserve.sim.roofline import Efficiency
 from splitserve.sim.specs import GPUSpec, ModelSpec
 
-TRANSFER_LATENCY_S = 20e-6  # fixed cost of one transfer between chips (launch, sync)
 # what an attention chip holds: only the weights it runs, or an EP chip's share (see above)
 ATTENTION_WEIGHTS = ("split", "ep")
-# the latency of one dispatch or combine: DeepEP's measured (see all_to_all_latency_s), or
-# the fixed TRANSFER_LATENCY_S whatever the number of ranks (the model before it)
-ALL_TO_ALL_LATENCY = ("deepep", "fixed")
-
-
-class AllToAllPoint(NamedTuple):
-    """One row of a published dispatch/combine benchmark: ranks and the time of each."""
-
-    ranks: int
-    dispatch_s: float
-    combine_s: float
-
-
-# DeepEP's low-latency kernels (deepseek-ai/DeepEP, docs/legacy.md, "Low-latency kernels with
-# pure RDMA"): H800, one CX7 400 Gb/s NIC each (~50 GB/s), 128 tokens per rank, hidden 7168,
-# top-8 experts, FP8 dispatch, BF16 combine.
-DEEPEP_LOW_LATENCY = (
-    AllToAllPoint(8, 77e-6, 114e-6),
-    AllToAllPoint(16, 118e-6, 195e-6),
-    AllToAllPoint(32, 155e-6, 273e-6),
-    AllToAllPoint(64, 173e-6, 314e-6),
-    AllToAllPoint(128, 192e-6, 369e-6),
-    AllToAllPoint(256, 194e-6, 360e-6),
-)
-DEEPEP_NIC_BW = 50e9  # bytes/s, the README's "~50 GB/s maximum bandwidth" of a CX7
-DEEPEP_TOKENS, DEEPEP_HIDDEN, DEEPEP_TOPK = 128, 7168, 8
-# what one token copy carries: FP8 values and one fp32 scale per 128 (dispatch), bf16 (combine)
-DEEPEP_DISPATCH_BYTES = DEEPEP_HIDDEN + 4 * DEEPEP_HIDDEN // 128
-DEEPEP_COMBINE_BYTES = 2 * DEEPEP_HIDDEN
-
-
-class AllToAllLatency(NamedTuple):
-    dispatch_s: float
-    combine_s: float
-
-
-def deepep_fixed_latency(point: AllToAllPoint) -> AllToAllLatency:
-    """What a DeepEP low-latency dispatch and combine take beyond their bytes at the NIC's
-    bandwidth (each rank sends every token to its top-8 experts' ranks): the part that does not
-    shrink with a faster link. Below 64 ranks the measured time is under the NIC time (part of
-    the traffic stays on the rank or its node), so there is nothing left: 0."""
-    copies = DEEPEP_TOKENS * DEEPEP_TOPK
-    return AllToAllLatency(
-        max(0.0, point.dispatch_s - copies * DEEPEP_DISPATCH_BYTES / DEEPEP_NIC_BW),
-        max(0.0, point.combine_s - copies * DEEPEP_COMBINE_BYTES / DEEPEP_NIC_BW),
-    )
-
-
-def all_to_all_latency_s(ranks: int) -> AllToAllLatency:
-    """The fixed latency of one dispatch and one combine over `ranks` ranks: DeepEP's (see
-    deepep_fixed_latency), interpolated in log2 of the ranks and held beyond the table's ends,
-    and never under TRANSFER_LATENCY_S (a transfer's launch and sync). At 64 ranks that is
-    21 and 20 us: about what TRANSFER_LATENCY_S already charges; at 128-256, 40-75 us."""
-    points = [(math.log2(p.ranks), deepep_fixed_latency(p)) for p in DEEPEP_LOW_LATENCY]
-    x = math.log2(max(ranks, 1))
-    if x <= points[0][0]:
-        lat = points[0][1]
-    elif x >= points[-1][0]:
-        lat = points[-1][1]
-    else:
-        (x0, a), (x1, b) = next((p, q) for p, q in itertools.pairwise(points) if x <= q[0])
-        w = (x - x0) / (x1 - x0)
-        lat = AllToAllLatency(*(u + w * (v - u) for u, v in zip(a, b, strict=True)))
-    return AllToAllLatency(*(max(TRANSFER_LATENCY_S, t) for t in lat))
 
 
 @dataclass(frozen=True)
 class AFDRun:
-    """What is being run: each decode sequence's context, the batch per attention chip (None:
-    what KV memory allows beside each role's weights), what an attention chip holds (`split`
-    or `ep`, see the module's docstring), overlap, the link, and the all-to-all latency
-    (`deepep`: DeepEP's measured, by rank count; `fixed`: TRANSFER_LATENCY_S)."""
+    """What is being run: each decode sequence's context; the batch per attention chip (None:
+    what KV memory allows beside each role's weights), per EP chip if `ep_batch` is given, or
+    `concurrency` sequences over the whole deployment split evenly across its attention chips
+    (an EP chip is one); what an attention chip holds (`split` or `ep`, see the module's
+    docstring); overlap (`ep_overlap` False: EP layouts without it, AFD's with it); the link;
+    the all-to-all latency (`deepep`, `ascend`: published kernels', by rank count, see
+    afd_latency; `fixed`: TRANSFER_LATENCY_S); and `experts_per_rank`, forced expert balancing
+    (every EP or FFN rank computes only that many of its experts, all tokens routed to them)."""
 
     context: int = 16384
     batch: int | None = None
+    ep_batch: int | None = None
+    concurrency: int | None = None
     overlap: bool = True
+    ep_overlap: bool = True
+    experts_per_rank: int | None = None
     link_bw: float | None = None  # bytes/s per chip each way (None: the chip's link_bw)
     mem_util: float = 0.9
     weight_bytes: int | None = None  # bytes per weight (1: FP8/INT8 weights; None: the model's dtype)
@@ -134,8 +82,12 @@ class AFDRun:
     all_to_all_latency: str = "deepep"
 
     def __post_init__(self) -> None:
-        if self.context < 1 or (self.batch is not None and self.batch < 1):
+        if self.context < 1 or any(n is not None and n < 1 for n in (self.batch, self.ep_batch)):
             raise ValueError("context and batch must be >= 1")
+        if self.concurrency is not None and (self.concurrency < 1 or self.batch or self.ep_batch):
+            raise ValueError("concurrency must be >= 1, and not given with a batch")
+        if self.experts_per_rank is not None and self.experts_per_rank < 1:
+            raise ValueError("experts per rank must be >= 1")
         if self.attention_weights not in ATTENTION_WEIGHTS:
             raise ValueError(f"attention weights must be one of {', '.join(ATTENTION_WEIGHTS)}")
         if self.all_to_all_latency not in ALL_TO_ALL_LATENCY:
@@ -152,7 +104,9 @@ class ChipMemory(NamedTuple):
 
     attention_weight_bytes: float
     kv_bytes_per_sequence: float
-    batch: int  # sequences per attention chip (the run's --batch, or what the KV room holds)
+    # sequences per attention chip: the run's --batch, what the KV room holds, or the run's
+    # concurrency over the attention chips (then a fraction where they do not divide it)
+    batch: float
     ffn_weight_bytes: float
 
     @property
@@ -242,12 +196,22 @@ class AFDModel:
         """One MoE layer's experts on one of `chips` chips sharing the routed experts, when
         `tokens` tokens are routed over all of them; `shared_tokens` pass its shared experts."""
         m = self.model
-        held = math.ceil(m.experts / chips)
-        touched = held * (1.0 - (1.0 - m.experts_per_token / m.experts) ** tokens)
+        held = math.ceil(m.experts / chips)  # the most a chip holds (all of them get tokens)
+        if self.run.experts_per_rank:  # forced balancing: only this many of them do
+            held = min(held, self.run.experts_per_rank)
+        touched = held * (1.0 - (1.0 - m.experts_per_token / self.routed_pool(chips)) ** tokens)
         routed = tokens * m.experts_per_token / chips
         shared = m.shared_experts * m.expert_params
         flops = 2 * m.expert_params * routed + 2 * shared * shared_tokens
         return self._time(flops, (touched * m.expert_params + shared) * self.wbytes)
+
+    def routed_pool(self, chips: int) -> int:
+        """The experts tokens are routed over when `chips` chips share them: all, or under
+        forced balancing `experts_per_rank` of each chip's."""
+        held = math.ceil(self.model.experts / chips)
+        if self.run.experts_per_rank:
+            held = min(held, self.run.experts_per_rank)
+        return min(self.model.experts, held * chips)
 
     def copies_per_token(self, chips: int) -> float:
         """Distinct chips a token's top-k experts live on."""
@@ -258,7 +222,7 @@ class AFDModel:
         `ranks` chips: DeepEP's measured, or TRANSFER_LATENCY_S under `fixed`."""
         if self.run.all_to_all_latency == "fixed":
             return AllToAllLatency(TRANSFER_LATENCY_S, TRANSFER_LATENCY_S)
-        return all_to_all_latency_s(ranks)
+        return all_to_all_latency_s(ranks, self.run.all_to_all_latency)
 
     def transfer_s(self, tokens: float, latency_s: float = TRANSFER_LATENCY_S) -> float:
         """`tokens` hidden states over the link, in the model's dtype, after `latency_s`."""
@@ -267,13 +231,14 @@ class AFDModel:
     # ---- one MoE layer ----------------------------------------------------------------
     def layer_s(self, layout: Layout, batch: int) -> dict[str, float]:
         """The time of one MoE layer per decode step and the parts that set it."""
-        micro = batch / 2 if self.run.overlap else float(batch)
         a, f = layout
+        overlap = self.run.overlap and (f > 0 or self.run.ep_overlap)
+        micro = batch / 2 if overlap else float(batch)
         if f == 0:
             compute = self.attention_s(micro) + self.experts_s(a * micro, a, micro)
             copies, lat = micro * self.copies_per_token(a), self.latency_s(a)
             comm = self.transfer_s(copies, lat.dispatch_s) + self.transfer_s(copies, lat.combine_s)
-            if self.run.overlap:
+            if overlap:
                 parts = {"compute": 2 * compute, "all-to-all": 2 * comm}
             else:
                 parts = {"compute + all-to-all": compute + comm}
@@ -288,7 +253,7 @@ class AFDModel:
         send = self.transfer_s(max(copies, a * copies / f), lat.dispatch_s)
         receive = self.transfer_s(max(copies, a * copies / f), lat.combine_s)
         chain = attn + send + ffn + receive
-        if self.run.overlap:
+        if overlap:
             # the link is full duplex: the two halves' sends share one direction, their
             # receives the other
             parts = {
@@ -299,7 +264,7 @@ class AFDModel:
             }
         else:
             parts = {"round trip": chain}
-        return {**parts, "layer_s": max(parts.values()), "ffn_s": (2 if self.run.overlap else 1) * ffn}
+        return {**parts, "layer_s": max(parts.values()), "ffn_s": (2 if overlap else 1) * ffn}
 
     # ---- memory per role --------------------------------------------------------------
     def kv_bytes_per_sequence(self) -> float:
@@ -339,7 +304,8 @@ class AFDModel:
 
     def memory(self, layout: Layout, baseline_chips: int) -> ChipMemory:
         """What each role of `layout` holds and so its batch per attention chip (the run's
-        --batch pins it); `baseline_chips` is the EP chip an `ep` attention chip copies."""
+        --batch or --ep-batch pins it; its concurrency splits evenly over the attention chips,
+        which must hold that KV); `baseline_chips` is the EP chip an `ep` attention chip copies."""
         a, f = layout
         if f == 0:
             weights = self.ep_weight_bytes(a)
@@ -347,15 +313,35 @@ class AFDModel:
             weights = self.ep_weight_bytes(baseline_chips)
         else:
             weights = self.split_attention_weight_bytes()
-        batch = self.run.batch or self.kv_batch(weights)
+        pinned = self.run.ep_batch if f == 0 and self.run.ep_batch else self.run.batch
+        batch: float = pinned or self.kv_batch(weights)
+        if self.run.concurrency:
+            batch = self.concurrency_batch(layout, weights)
         ffn = self.ffn_weight_bytes(f) if f else 0.0
         return ChipMemory(weights, self.kv_bytes_per_sequence(), batch, ffn)
+
+    def concurrency_batch(self, layout: Layout, weight_bytes: float) -> float:
+        """The run's concurrency split evenly over `layout`'s attention chips, refused where they
+        would be idle (fewer sequences than chips) or their KV does not fit beside
+        `weight_bytes`."""
+        n, a = self.run.concurrency or 0, layout.attention
+        if n < a:
+            raise ValueError(
+                f"--concurrency {n:,}: {layout.label()} has {a} attention chips, one sequence each at least"
+            )
+        room = self.kv_batch(weight_bytes)
+        if n / a > room:
+            raise ValueError(
+                f"--concurrency {n:,}: {layout.label()}'s {a} attention chips hold {room} sequences of "
+                f"{self.run.context:,} tokens each ({room * a:,} in all), not {n / a:,.1f}"
+            )
+        return n / a
 
     def ffn_fits(self, layout: Layout) -> bool:
         return self.ffn_weight_bytes(layout.ffn) <= self.gpu.mem_bytes * self.run.mem_util
 
     # ---- one decode step --------------------------------------------------------------
-    def step(self, layout: Layout, batch: int) -> dict:
+    def step(self, layout: Layout, batch: float) -> dict:
         """A decode step of `layout`, `batch` sequences per attention chip: its time, output
         tokens per second per chip, tokens per expert and what bounds it."""
         a, f = layout
@@ -363,7 +349,10 @@ class AFDModel:
             raise ValueError("a layout needs >= 1 attention chip and >= 0 FFN chips")
         layer = self.layer_s(layout, batch)
         moe = self.model.moe_layers
-        step_s = moe * layer["layer_s"] + self.dense_s(batch) + self.eff.overhead_s
+        # the per-step and per-sequence overheads (scheduling, launch, sampling) of the roofline's
+        # efficiencies, as every other `sim` command charges them
+        overhead = self.eff.overhead_s + self.eff.per_seq_overhead_s * batch
+        step_s = moe * layer["layer_s"] + self.dense_s(batch) + overhead
         bound = max((k for k in layer if k not in ("layer_s", "ffn_s")), key=lambda k: layer[k])
         return {
             "layout": layout.label(),
@@ -373,7 +362,7 @@ class AFDModel:
             "batch_per_attention_chip": batch,
             "step_s": step_s,
             "tokens_per_s_per_chip": a * batch / step_s / layout.chips,
-            "tokens_per_expert": a * batch * self.model.experts_per_token / self.model.experts,
+            "tokens_per_expert": a * batch * self.model.experts_per_token / self.routed_pool(f or a),
             "ffn_busy": moe * layer["ffn_s"] / step_s if f else None,
             "bound": bound,
             # the dispatch and combine latency among the EP chips, or among the FFN chips
@@ -408,8 +397,10 @@ def compare(afd: AFDModel, baseline_chips: int, layouts: list[Layout]) -> dict:
     flops, cache_bytes = afd.attention_pair_costs()
     return {
         "batch": base["batch_per_attention_chip"],
+        "concurrency": afd.run.concurrency,
         "attention_weights": afd.run.attention_weights,
         "all_to_all_latency": afd.run.all_to_all_latency,
+        "experts_per_rank": afd.run.experts_per_rank,
         # one sequence's decode attention in one layer (DSA: the indexer over every cached
         # token and MLA over the top-k)
         "attention_per_sequence_layer": {

@@ -39,6 +39,12 @@ GPUS: dict[str, GPUSpec] = {
         # Huawei's two-die NPU as commonly reported (about 750 TFLOP/s BF16, 128 GB at
         # 3.2 TB/s, HCCS between chips): approximate, the plugin's AFD benchmark ran on it
         GPUSpec("Ascend-910C", 752e12, 3.2e12, 128e9, 196e9, 25e9),
+        # one of its two dies, half of each figure: what vLLM-Ascend runs as one rank (an
+        # Atlas A3 node is "64G x 16", 16 dies of 64 GB), and what the AFD plugin's
+        # DeepSeek-V3.2 recipe counts ("tokens/s/die", 64 dies for EP64). Its 98 GB/s link is
+        # near the 103-107 GB/s DeepEP-Ascend's normal kernels reach among 16 ranks
+        # (sgl-project/sgl-kernel-npu README)
+        GPUSpec("Ascend-910C-die", 376e12, 1.6e12, 64e9, 98e9, 12.5e9),
     )
 }
 

@@ -12,14 +12,11 @@ import sys
 import pytest
 
 from splitserve.sim import Efficiency, load_gpu, load_model
-from splitserve.sim.afd import (
+from splitserve.sim.afd import AFDModel, AFDRun, Layout, compare
+from splitserve.sim.afd_latency import (
     DEEPEP_LOW_LATENCY,
     TRANSFER_LATENCY_S,
-    AFDModel,
-    AFDRun,
-    Layout,
     all_to_all_latency_s,
-    compare,
     deepep_fixed_latency,
 )
 from splitserve.sim.specs import model_from_hf_config
