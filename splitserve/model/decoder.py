@@ -17,11 +17,19 @@ from torch import nn
 
 from splitserve.model import ops
 from splitserve.model.attention import AttentionMetadata, paged_attention
+from splitserve.model.decode_layers import (
+    DecodeLayersPlan,
+    DecodeShape,
+    LayerParts,
+    plan_decode_layers,
+    run_decode_layers,
+)
 from splitserve.model.decoder_config import DecoderConfig
 from splitserve.model.linear import Linear
 from splitserve.model.loader import iter_checkpoint_weights, iter_safetensors
 from splitserve.model.materialize import materialize
 from splitserve.model.moe import SparseMoeBlock, expert_weight_destination, is_expert_weight
+from splitserve.model.native import use_cpu_ops
 from splitserve.model.quant_linear import (
     MixedQuantLinear,
     QuantizedTensor,
@@ -164,6 +172,9 @@ class DecoderModel(nn.Module):
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
         self.rope_cos = self.rope_sin = torch.empty(0)
+        # per activation dtype: the compiled decode step's fixed arguments (None: it does not
+        # apply), made on the first decode step after the weights are loaded
+        self.decode_plans: dict[torch.dtype, DecodeLayersPlan | None] = {}
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, head_dim] (the same for every head), from a table grown on demand."""
@@ -196,6 +207,33 @@ class DecoderModel(nn.Module):
         residual = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         cos, sin = self.rope(positions, residual.dtype)
         normed = self.layers[0].input_layernorm(residual)
+        hooked = before_layer is not None or after_layer is not None
+        plan = None if hooked else self.decode_plan(residual, positions, kv_cache, meta)
+        if plan is not None:
+            mlp_out = run_decode_layers(plan, self.decode_shape(), residual, normed, kv_cache, cos, sin, meta)
+        else:
+            mlp_out = self.layers_forward(
+                residual, normed, cos, sin, kv_cache, meta, before_layer, after_layer
+            )
+        # only the sampled rows go through the last residual add, the norm and the head
+        last = ops.add_rms_norm(
+            residual[logits_indices], mlp_out[logits_indices], self.norm.weight, self.norm.eps
+        )
+        return self.lm_head(last)
+
+    def layers_forward(
+        self,
+        residual: torch.Tensor,
+        normed: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        before_layer: Callable[[int], None] | None,
+        after_layer: LayerHook | None,
+    ) -> torch.Tensor:
+        """Every layer, module by module; the last layer's MLP output (not yet added into
+        the residual, which is updated in place)."""
         for i, layer in enumerate(self.layers):
             if before_layer is not None:
                 before_layer(i)
@@ -207,14 +245,69 @@ class DecoderModel(nn.Module):
             if i + 1 < len(self.layers):
                 next_norm = self.layers[i + 1].input_layernorm
                 normed = ops.add_rms_norm(residual, mlp_out, next_norm.weight, next_norm.eps)
-        # only the sampled rows go through the last residual add, the norm and the head
-        last = ops.add_rms_norm(
-            residual[logits_indices], mlp_out[logits_indices], self.norm.weight, self.norm.eps
+        return mlp_out
+
+    def decode_plan(
+        self, residual: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> DecodeLayersPlan | None:
+        """The compiled decode step's plan where this step can take it (decode only, one
+        position row, compiled kernels, every layer dense with kernels for its matmuls)."""
+        tokens = residual.shape[0]
+        if meta.prefills or meta.num_decode_tokens != tokens or positions.dim() != 1:
+            return None
+        if not isinstance(kv_cache, torch.Tensor) or not use_cpu_ops(residual):
+            return None
+        dtype = residual.dtype
+        if dtype not in self.decode_plans:
+            parts = self.decode_layer_parts()
+            self.decode_plans[dtype] = None if parts is None else plan_decode_layers(parts, dtype)
+        plan = self.decode_plans[dtype]
+        return plan if plan is not None and tokens <= plan.max_tokens else None
+
+    def decode_layer_parts(self) -> list[LayerParts] | None:
+        """Each layer's parts for the compiled decode step; None where a layer is not plain
+        attention + MLP or the norms differ in eps (the op takes one)."""
+        layers = list(self.layers)
+        if not all(type(layer.self_attn) is Attention and type(layer.mlp) is MLP for layer in layers):
+            return None
+        norms = [layer.post_attention_layernorm for layer in layers]
+        norms += [layer.input_layernorm for layer in layers]
+        if len({norm.eps for norm in norms}) != 1:
+            return None
+        parts = []
+        for i, layer in enumerate(layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            assert isinstance(attn, Attention) and isinstance(mlp, MLP)
+            if attn.q_norm is not None and attn.k_norm is not None and attn.q_norm.eps != attn.k_norm.eps:
+                return None
+            next_norm = layers[i + 1].input_layernorm.weight.detach() if i + 1 < len(layers) else None
+            parts.append(
+                LayerParts(
+                    attn.qkv_proj,
+                    attn.qk_norm_weight() if attn.q_norm is not None else None,
+                    attn.o_proj,
+                    layer.post_attention_layernorm.weight.detach(),
+                    mlp.gate_up_proj,
+                    mlp.down_proj,
+                    next_norm,
+                )
+            )
+        return parts
+
+    def decode_shape(self) -> DecodeShape:
+        attn = self.layers[0].self_attn
+        q_norm = attn.q_norm
+        return DecodeShape(
+            attn.num_heads,
+            attn.num_kv_heads,
+            self.layers[0].post_attention_layernorm.eps,
+            q_norm.eps if q_norm is not None else 0.0,
+            attn.scale,
         )
-        return self.lm_head(last)
 
     def prepare_for_inference(self) -> None:
         """After the weights are loaded (from any format): prepack the matmul weights."""
+        self.decode_plans.clear()
         for module in self.modules():
             if isinstance(module, Linear):
                 module.prepack()
@@ -224,6 +317,7 @@ class DecoderModel(nn.Module):
         (and each expert's into its layer's fused expert tensors; a QuantizedTensor into
         its QuantLinear's rows). Raises ValueError for unknown names, wrong shapes and
         missing weights."""
+        self.decode_plans.clear()
         params = dict(self.named_parameters())
         modules = dict(self.named_modules())
         c = self.config

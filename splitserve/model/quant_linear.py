@@ -142,11 +142,15 @@ class QuantLinear(nn.Module):
         self.blocks[start : start + weight.shape[0]].copy_(weight.blocks)
         self.rows_loaded += weight.shape[0]
 
+    def bias_for_kernel(self) -> torch.Tensor | None:
+        """The bias as the compiled kernel takes it: float32, contiguous (made once)."""
+        if self.bias is not None and self.kernel_bias is None:
+            self.kernel_bias = self.bias.detach().float().contiguous()
+        return self.kernel_bias
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype in KERNEL_DTYPES and use_cpu_ops(x):
-            if self.bias is not None and self.kernel_bias is None:
-                self.kernel_bias = self.bias.detach().float().contiguous()
-            return quant_linear(x, self.blocks, self.qtype, self.kernel_bias)
+            return quant_linear(x, self.blocks, self.qtype, self.bias_for_kernel())
         if self.dequantized is None or self.dequantized.dtype != x.dtype:
             weight = dequantize_blocks(self.blocks.cpu(), self.qtype, self.in_features)
             self.dequantized = weight.to(device=x.device, dtype=x.dtype)
