@@ -17,15 +17,15 @@ from torch import nn
 
 from splitserve.model import ops
 from splitserve.model.attention import AttentionMetadata, paged_attention
-from splitserve.model.decode_layers import (
-    DecodeLayersPlan,
-    DecodeShape,
+from splitserve.model.compiled_layers import (
     LayerParts,
-    plan_decode_layers,
-    run_decode_layers,
+    LayersPlan,
+    LayersShape,
+    plan_layers,
+    run_compiled_layers,
 )
 from splitserve.model.decoder_config import DecoderConfig
-from splitserve.model.linear import Linear
+from splitserve.model.linear import GEMV_MAX_ROWS, Linear
 from splitserve.model.loader import iter_checkpoint_weights, iter_safetensors
 from splitserve.model.materialize import materialize
 from splitserve.model.moe import SparseMoeBlock, expert_weight_destination, is_expert_weight
@@ -172,9 +172,9 @@ class DecoderModel(nn.Module):
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
         self.rope_cos = self.rope_sin = torch.empty(0)
-        # per activation dtype: the compiled decode step's fixed arguments (None: it does not
-        # apply), made on the first decode step after the weights are loaded
-        self.decode_plans: dict[torch.dtype, DecodeLayersPlan | None] = {}
+        # per (activation dtype, at most GEMV_MAX_ROWS tokens): the compiled layers' fixed
+        # arguments (None: the op does not apply), made on first use after a load
+        self.layer_plans: dict[tuple[torch.dtype, bool], LayersPlan | None] = {}
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, head_dim] (the same for every head), from a table grown on demand."""
@@ -208,11 +208,12 @@ class DecoderModel(nn.Module):
         cos, sin = self.rope(positions, residual.dtype)
         normed = self.layers[0].input_layernorm(residual)
         hooked = before_layer is not None or after_layer is not None
-        plan = None if hooked else self.decode_plan(residual, positions, kv_cache, meta)
+        plan = None if hooked else self.compiled_plan(residual, positions, kv_cache, meta)
         if plan is not None:
-            mlp_out = run_decode_layers(plan, self.decode_shape(), residual, normed, kv_cache, cos, sin, meta)
+            shape = self.layers_shape()
+            mlp_out = run_compiled_layers(plan, shape, residual, normed, kv_cache, cos, sin, meta)
         else:
-            mlp_out = self.layers_forward(
+            mlp_out = self.layers_module_by_module(
                 residual, normed, cos, sin, kv_cache, meta, before_layer, after_layer
             )
         # only the sampled rows go through the last residual add, the norm and the head
@@ -221,7 +222,7 @@ class DecoderModel(nn.Module):
         )
         return self.lm_head(last)
 
-    def layers_forward(
+    def layers_module_by_module(
         self,
         residual: torch.Tensor,
         normed: torch.Tensor,
@@ -247,25 +248,27 @@ class DecoderModel(nn.Module):
                 normed = ops.add_rms_norm(residual, mlp_out, next_norm.weight, next_norm.eps)
         return mlp_out
 
-    def decode_plan(
+    def compiled_plan(
         self, residual: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
-    ) -> DecodeLayersPlan | None:
-        """The compiled decode step's plan where this step can take it (decode only, one
-        position row, compiled kernels, every layer dense with kernels for its matmuls)."""
-        tokens = residual.shape[0]
-        if meta.prefills or meta.num_decode_tokens != tokens or positions.dim() != 1:
-            return None
-        if not isinstance(kv_cache, torch.Tensor) or not use_cpu_ops(residual):
+    ) -> LayersPlan | None:
+        """The compiled layers' plan where this step can take it: one row of positions,
+        compiled kernels, every layer dense with a kernel for each matmul, and each prefill
+        chunk's attention the compiled bf16 kernel (as ops.prefill_attention decides)."""
+        if positions.dim() != 1 or not isinstance(kv_cache, torch.Tensor) or not use_cpu_ops(residual):
             return None
         dtype = residual.dtype
-        if dtype not in self.decode_plans:
-            parts = self.decode_layer_parts()
-            self.decode_plans[dtype] = None if parts is None else plan_decode_layers(parts, dtype)
-        plan = self.decode_plans[dtype]
-        return plan if plan is not None and tokens <= plan.max_tokens else None
+        if meta.prefills and not (
+            dtype == torch.bfloat16 and ops.bf16_prefill_kernel_supports(self.config.head_dim)
+        ):
+            return None
+        key = (dtype, residual.shape[0] <= GEMV_MAX_ROWS)
+        if key not in self.layer_plans:
+            parts = self.layer_parts()
+            self.layer_plans[key] = None if parts is None else plan_layers(parts, *key)
+        return self.layer_plans[key]
 
-    def decode_layer_parts(self) -> list[LayerParts] | None:
-        """Each layer's parts for the compiled decode step; None where a layer is not plain
+    def layer_parts(self) -> list[LayerParts] | None:
+        """Each layer's parts for the compiled layers; None where a layer is not plain
         attention + MLP or the norms differ in eps (the op takes one)."""
         layers = list(self.layers)
         if not all(type(layer.self_attn) is Attention and type(layer.mlp) is MLP for layer in layers):
@@ -294,10 +297,10 @@ class DecoderModel(nn.Module):
             )
         return parts
 
-    def decode_shape(self) -> DecodeShape:
+    def layers_shape(self) -> LayersShape:
         attn = self.layers[0].self_attn
         q_norm = attn.q_norm
-        return DecodeShape(
+        return LayersShape(
             attn.num_heads,
             attn.num_kv_heads,
             self.layers[0].post_attention_layernorm.eps,
@@ -307,7 +310,7 @@ class DecoderModel(nn.Module):
 
     def prepare_for_inference(self) -> None:
         """After the weights are loaded (from any format): prepack the matmul weights."""
-        self.decode_plans.clear()
+        self.layer_plans.clear()
         for module in self.modules():
             if isinstance(module, Linear):
                 module.prepack()
@@ -317,7 +320,7 @@ class DecoderModel(nn.Module):
         (and each expert's into its layer's fused expert tensors; a QuantizedTensor into
         its QuantLinear's rows). Raises ValueError for unknown names, wrong shapes and
         missing weights."""
-        self.decode_plans.clear()
+        self.layer_plans.clear()
         params = dict(self.named_parameters())
         modules = dict(self.named_modules())
         c = self.config

@@ -49,11 +49,11 @@ SOURCES = (
     CSRC / "quant_matmul.cpp",
     CSRC / "quant_matmul_k.cpp",
     CSRC / "gemv_bf16.cpp",
-    CSRC / "decode_layers.cpp",
+    CSRC / "compiled_layers.cpp",
 )
 HEADERS = (CSRC / "quant_common.h",)  # included by the sources: part of what the library depends on
 # registered by each source: the library is whole
-OPS = ("argmax_rows", "prefill_attention", "quant_linear", "quant_linear_k", "gemv_bf16", "decode_layers")
+OPS = ("argmax_rows", "prefill_attention", "quant_linear", "quant_linear_k", "gemv_bf16", "compiled_layers")
 DISABLE_ENV = "SPLITSERVE_NATIVE_OPS"
 BUILD_TIMEOUT_ENV = "SPLITSERVE_NATIVE_BUILD_TIMEOUT_S"
 DEFAULT_BUILD_TIMEOUT_S = 600.0  # a fresh build took 108 s on 2 cores under a load of 6
