@@ -346,11 +346,12 @@ class KVTransport(ABC):
         except (KeyError, TypeError, ValueError) as exc:
             raise TransferError(f"KV peer {peer.engine_id} answered a malformed HELLO") from exc
         mine = self.layout()
-        if (
-            layout.shape[0] != mine.shape[0]
-            or layout.shape[3:] != mine.shape[3:]
-            or layout.dtype != mine.dtype
-        ):
+        if layout.dtype != mine.dtype:  # bytes of one dtype read as another: garbage, never an error
+            raise TransferError(
+                f"KV pool layouts differ: KV cache dtypes differ, ours {mine.dtype}, peer "
+                f"{peer.engine_id} {layout.dtype}: start both with the same --kv-cache-dtype"
+            )
+        if layout.shape[0] != mine.shape[0] or layout.shape[3:] != mine.shape[3:]:
             raise TransferError(f"KV pool layouts differ: ours {mine.shape} {mine.dtype}, peer {layout}")
         if reply.get("state_bytes", 0) != self.state_bytes:
             raise TransferError(f"Mamba state sizes differ: ours {self.state_bytes}, peer {reply}")
