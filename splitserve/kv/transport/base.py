@@ -346,11 +346,9 @@ class KVTransport(ABC):
         except (KeyError, TypeError, ValueError) as exc:
             raise TransferError(f"KV peer {peer.engine_id} answered a malformed HELLO") from exc
         mine = self.layout()
-        if layout.dtype != mine.dtype:  # bytes of one dtype read as another: garbage, never an error
-            raise TransferError(
-                f"KV pool layouts differ: KV cache dtypes differ, ours {mine.dtype}, peer "
-                f"{peer.engine_id} {layout.dtype}: start both with the same --kv-cache-dtype"
-            )
+        if layout.dtype != mine.dtype:  # one dtype's bytes read as another's: garbage, no error
+            why = f"KV cache dtypes differ, ours {mine.dtype}, peer {peer.engine_id} {layout.dtype}"
+            raise TransferError(f"KV pool layouts differ: {why}: start both with the same --kv-cache-dtype")
         if layout.shape[0] != mine.shape[0] or layout.shape[3:] != mine.shape[3:]:
             raise TransferError(f"KV pool layouts differ: ours {mine.shape} {mine.dtype}, peer {layout}")
         if reply.get("state_bytes", 0) != self.state_bytes:
