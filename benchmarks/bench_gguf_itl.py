@@ -29,6 +29,7 @@ from splitserve.protocol.sampling_params import SamplingParams
 
 SETTINGS = {
     "gguf (Q4_1 blocks)": {"quantization": "gguf"},
+    "gguf, float16 KV cache": {"quantization": "gguf", "kv_cache_dtype": "float16"},
     "bf16 dequantized": {"quantization": "none", "dtype": "bfloat16"},
     "float32 dequantized": {"quantization": "none", "dtype": "float32"},
 }

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 EngineRole = Literal["both", "prefill", "decode", "encoder"]  # encoder: the vision tower only
+KVCacheDtype = Literal["auto", "float32", "bfloat16", "float16"]
+KV_CACHE_DTYPES: tuple[str, ...] = get_args(KVCacheDtype)
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,10 @@ class CacheConfig:
     # KV budget in bytes; the number of blocks is derived from it and the model shape.
     kv_cache_memory_bytes: int = 512 * 1024 * 1024
     num_blocks: int | None = None  # overrides the budget when set (tests)
+    # the KV cache's element type (vLLM's --kv-cache-dtype). auto: the compute dtype; under
+    # float32 activations (a quantized GGUF model's) bfloat16 or float16 may be asked for:
+    # half the bytes decode attention reads, as llama.cpp's f16 cache (engine/device.py)
+    kv_cache_dtype: KVCacheDtype = "auto"
     enable_prefix_caching: bool = True
     # how long a finished request's cached blocks stay prefix hits (None: until reused)
     retention_ttl_s: float | None = None
@@ -42,6 +48,12 @@ class CacheConfig:
     # and no prefix caching for them)
     state_cache_bytes: int = 512 * 1024 * 1024
     state_snapshot_bytes: int = 64 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {self.kv_cache_dtype!r}"
+            )
 
 
 @dataclass(frozen=True)

@@ -110,6 +110,7 @@ def engine_flags(args: argparse.Namespace) -> tuple[str, ...]:
         ("--max-num-batched-tokens", args.max_num_batched_tokens),
         ("--long-prefill-token-threshold", args.long_prefill_token_threshold),
         ("--dtype", args.dtype),
+        ("--kv-cache-dtype", args.kv_cache_dtype),
         ("--quantization", args.quantization),
         ("--kv-timeout", args.kv_timeout),
         ("--kv-reservation-ttl", args.kv_reservation_ttl),

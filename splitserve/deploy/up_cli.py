@@ -20,6 +20,7 @@ import sys
 
 from rich.console import Console
 
+from splitserve.config import KV_CACHE_DTYPES
 from splitserve.deploy.cpu_affinity import parse_cpu_affinity
 from splitserve.deploy.local_stack import LocalStack, remove_stale_directories
 from splitserve.deploy.plan import deployment_secrets, part_names, plan_from_args, up_replicas
@@ -162,6 +163,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype", choices=["float32", "bfloat16", "float16"], default=None,
         help="engines' compute dtype (default: the one config.json names)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
+        help="engines' KV cache element type (default auto: the compute dtype; float16 under "
+        "float32 activations, a quantized GGUF file's, halves the bytes decode attention reads)",
     )  # fmt: skip
     parser.add_argument(
         "--quantization", choices=["auto", "gguf", "none"], default=None,

@@ -48,6 +48,28 @@ def choose_dtype(requested: str | None, config_dtype: str, device: torch.device)
     return dtype
 
 
+def choose_kv_cache_dtype(requested: str, compute_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's dtype: the one asked for, or for `auto` the compute dtype. A 16-bit
+    cache under float32 activations (a quantized GGUF model's: half the bytes decode
+    attention reads, as llama.cpp's f16 cache) is asked for, not the default: it flips the
+    demo model's coin-flip answer to "What is the capital of France?" (docs/engine-kernels.md).
+    A cache is the compute dtype or, under float32 activations, 16-bit: the attention
+    kernels read nothing else (ValueError)."""
+    if requested == "auto":
+        return compute_dtype
+    dtype = resolve_dtype(requested)
+    if dtype != compute_dtype and compute_dtype != torch.float32:
+        raise ValueError(
+            f"--kv-cache-dtype {requested} under {dtype_name(compute_dtype)} activations: the KV cache "
+            "is the compute dtype, or bfloat16/float16 under float32 activations"
+        )
+    return dtype
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def default_device() -> torch.device:
     """cuda when present, else cpu (ModelConfig.device None)."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")

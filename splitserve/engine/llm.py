@@ -20,6 +20,7 @@ _CACHE_KEYS = (
     "block_size",
     "kv_cache_memory_bytes",
     "num_blocks",
+    "kv_cache_dtype",
     "enable_prefix_caching",
     "encoder_cache_bytes",
     "state_cache_bytes",

@@ -12,7 +12,7 @@ from splitserve.afd.microbatch import overlapped_forward, splits
 from splitserve.config import EngineConfig
 from splitserve.encoder_cache.connector import ECConnector
 from splitserve.engine.cpu_lending import IdleCpuBorrower, StepThreads
-from splitserve.engine.device import choose_dtype, default_device
+from splitserve.engine.device import choose_dtype, choose_kv_cache_dtype, default_device, dtype_name
 from splitserve.engine.multimodal import EncoderCache, MultiModalRunner
 from splitserve.engine.outputs import ModelRunnerOutput, SampledToken
 from splitserve.engine.request import ScheduledRequest
@@ -50,6 +50,7 @@ class ModelInfo(NamedTuple):
     block_size: int
     dtype: str
     device: str
+    kv_cache_dtype: str
 
 
 class ModelRunner:
@@ -82,6 +83,7 @@ class ModelRunner:
         quantized = quantization_plan(config.model.model, config.model.quantization, config.model.dtype)
         requested_dtype = config.model.dtype or ("float32" if quantized else None)
         self.dtype = choose_dtype(requested_dtype, dc.dtype, self.device)
+        self.kv_cache_dtype = choose_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)
         if self.device.type == "cpu":
             # built and loaded here, before any part says it is healthy: never on a request
             load_cpu_ops()
@@ -89,7 +91,7 @@ class ModelRunner:
         if block_size <= 0:
             raise ValueError("block_size must be positive")
         self.num_blocks = config.cache.num_blocks or (
-            config.cache.kv_cache_memory_bytes // kv_block_bytes(dc, block_size, self.dtype)
+            config.cache.kv_cache_memory_bytes // kv_block_bytes(dc, block_size, self.kv_cache_dtype)
         )
         if self.num_blocks < 1:
             raise ValueError("the KV cache budget holds no block")
@@ -102,8 +104,9 @@ class ModelRunner:
             eos_token_ids=dc.eos_token_ids,
             num_layers=dc.num_layers,
             block_size=block_size,
-            dtype=str(self.dtype).removeprefix("torch."),
+            dtype=dtype_name(self.dtype),
             device=str(self.device),
+            kv_cache_dtype=dtype_name(self.kv_cache_dtype),
         )
         self.model: DecoderModel | Qwen2VLModel | NemotronHModel
         self.multimodal: MultiModalRunner | None = None  # for a vision-language model
@@ -154,7 +157,7 @@ class ModelRunner:
             kv_cache_allocator or (connector.kv_cache_allocator() if connector else None) or torch.zeros
         )
         self.kv_cache = self.kv_cache_allocator(
-            kv_cache_shape(dc, self.num_blocks, block_size), dtype=self.dtype, device=self.device
+            kv_cache_shape(dc, self.num_blocks, block_size), dtype=self.kv_cache_dtype, device=self.device
         )
         self.sampler = Sampler(self.device, config.model.seed)
         self.connector = connector

@@ -66,8 +66,9 @@ class Attention(nn.Module):
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         kv_shape = (-1, self.num_kv_heads, self.head_dim)
-        kv_layer[0].view(kv_shape).index_copy_(0, meta.slot_mapping, k.reshape(kv_shape))
-        kv_layer[1].view(kv_shape).index_copy_(0, meta.slot_mapping, v.reshape(kv_shape))
+        # rounded to the cache's dtype (16-bit under float32 activations, --kv-cache-dtype)
+        kv_layer[0].view(kv_shape).index_copy_(0, meta.slot_mapping, k.reshape(kv_shape).to(kv_layer.dtype))
+        kv_layer[1].view(kv_shape).index_copy_(0, meta.slot_mapping, v.reshape(kv_shape).to(kv_layer.dtype))
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         out = paged_attention(q, kv_layer, meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))

@@ -1,6 +1,10 @@
 """The decoder's fused memory-bound ops: a compiled CPU kernel where one is built
 (native.py), else the PyTorch reference below (CUDA, or no compiler).
 
+The KV cache is the activations' dtype, or 16-bit under float32 activations (a quantized
+GGUF model's, engine/device.py choose_kv_cache_dtype): K and V are rounded to the cache's
+dtype as they are written, and attention reads them back as float32 and computes in it.
+
 Each reference is written the way transformers computes the same step (RMSNorm in
 float32 then cast, RoPE and SiLU rounding to the model dtype after every op), so
 float32 greedy outputs match transformers' `generate`; the kernels round at the same
@@ -76,7 +80,7 @@ def rope_and_cache(
     sin: torch.Tensor,  # [tokens, head_dim], rotate_half's sign folded into the first half
     qk_norm_weight: torch.Tensor | None,  # [heads + kv_heads, head_dim] (Qwen3) or None
     eps: float,
-    kv_layer: torch.Tensor,  # [2, blocks, block_size, kv_heads, head_dim]
+    kv_layer: torch.Tensor,  # [2, blocks, block_size, kv_heads, head_dim], qkv's dtype or 16-bit
     slot_mapping: torch.Tensor,  # int64 [tokens]
     num_heads: int,
     num_kv_heads: int,
@@ -112,8 +116,8 @@ def rope_and_cache_reference(
     qkv[:, :rotated] = (qk * cos[:, None] + qk.roll(head_dim // 2, dims=-1) * sin[:, None]).view(tokens, -1)
     k = qkv[:, num_heads * head_dim : rotated].view(tokens, num_kv_heads, head_dim)
     v = qkv[:, rotated:].view(tokens, num_kv_heads, head_dim)
-    kv_layer[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    kv_layer[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    kv_layer[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(kv_layer.dtype))
+    kv_layer[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(kv_layer.dtype))
 
 
 def paged_decode_attention(
@@ -144,8 +148,8 @@ def paged_decode_attention_reference(
     _, _, block_size, num_kv_heads, _ = kv_layer.shape
     tables = block_tables.long()
     width = tables.shape[1] * block_size
-    keys = kv_layer[0][tables].view(seqs, width, num_kv_heads, head_dim).transpose(1, 2)
-    values = kv_layer[1][tables].view(seqs, width, num_kv_heads, head_dim).transpose(1, 2)
+    keys = kv_layer[0][tables].view(seqs, width, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
+    values = kv_layer[1][tables].view(seqs, width, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
     mask = torch.arange(width, device=q.device)[None, :] < context_lens[:, None]
     attn = F.scaled_dot_product_attention(
         q[:, :, None, :],
@@ -168,7 +172,11 @@ def prefill_attention(
 ) -> None:
     """Causal attention of a chunk's queries over every key of their sequence up to their
     own position, read from the cache."""
-    if use_cpu_ops(q) and q.dtype == torch.bfloat16 and bf16_prefill_kernel_supports(q.shape[-1]):
+    if (
+        use_cpu_ops(q)
+        and q.dtype == kv_layer.dtype == torch.bfloat16
+        and bf16_prefill_kernel_supports(q.shape[-1])
+    ):
         torch.ops.splitserve_cpu.prefill_attention(out, q, kv_layer, block_table, position_start, scale)
         return
     prefill_attention_reference(out, q, kv_layer, block_table, position_start, scale)
@@ -195,8 +203,8 @@ def prefill_attention_reference(
     num_kv_heads = kv_layer.shape[3]
     context = position_start + tokens
     blocks = block_table.long()
-    keys = kv_layer[0, blocks].reshape(-1, num_kv_heads, head_dim)[:context]
-    values = kv_layer[1, blocks].reshape(-1, num_kv_heads, head_dim)[:context]
+    keys = kv_layer[0, blocks].reshape(-1, num_kv_heads, head_dim)[:context].to(q.dtype)
+    values = kv_layer[1, blocks].reshape(-1, num_kv_heads, head_dim)[:context].to(q.dtype)
     if position_start == 0:
         mask, causal = None, True
     else:

@@ -346,11 +346,10 @@ class KVTransport(ABC):
         except (KeyError, TypeError, ValueError) as exc:
             raise TransferError(f"KV peer {peer.engine_id} answered a malformed HELLO") from exc
         mine = self.layout()
-        if (
-            layout.shape[0] != mine.shape[0]
-            or layout.shape[3:] != mine.shape[3:]
-            or layout.dtype != mine.dtype
-        ):
+        if layout.dtype != mine.dtype:  # one dtype's bytes read as another's: garbage, no error
+            why = f"KV cache dtypes differ, ours {mine.dtype}, peer {peer.engine_id} {layout.dtype}"
+            raise TransferError(f"KV pool layouts differ: {why}: start both with the same --kv-cache-dtype")
+        if layout.shape[0] != mine.shape[0] or layout.shape[3:] != mine.shape[3:]:
             raise TransferError(f"KV pool layouts differ: ours {mine.shape} {mine.dtype}, peer {layout}")
         if reply.get("state_bytes", 0) != self.state_bytes:
             raise TransferError(f"Mamba state sizes differ: ours {self.state_bytes}, peer {reply}")

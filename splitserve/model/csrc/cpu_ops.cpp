@@ -53,10 +53,35 @@ inline void load_row<c10::BFloat16>(float* dst, const c10::BFloat16* src, int64_
   for (int64_t i = 0; i < n; ++i) dst[i] = bf16_bits_to_float(bits[i]);
 }
 
+#if defined(__AVX512F__)
+// float16 <-> float32 16 lanes at a time (VCVTPH2PS / VCVTPS2PH, round to nearest even as
+// c10's conversion): c10's scalar conversion is bit arithmetic the compiler leaves scalar.
+template <>
+inline void load_row<c10::Half>(float* dst, const c10::Half* src, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+  }
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+#endif
+
 template <typename T>
 inline void store_row(T* dst, const float* src, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
 }
+
+#if defined(__AVX512F__)
+template <>
+inline void store_row<c10::Half>(c10::Half* dst, const float* src, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256i half = _mm512_cvtps_ph(_mm512_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), half);
+  }
+  for (; i < n; ++i) dst[i] = static_cast<c10::Half>(src[i]);
+}
+#endif
 
 template <>
 inline void store_row<c10::BFloat16>(c10::BFloat16* dst, const float* src, int64_t n) {
@@ -229,8 +254,10 @@ void argmax_rows_impl(at::Tensor& out, const at::Tensor& x) {
 
 // In place on each row of qkv = [q heads | k heads | v heads]: optional per-head RMSNorm
 // of q and k, rotary embedding of q and k (x * cos + roll(x, D/2) * sin, the sign of
-// rotate_half folded into sin's first half), then k and v written to the cache slot.
-template <typename T>
+// rotate_half folded into sin's first half), then k and v written to the cache slot, as
+// the cache's element type C (float32 activations into a 16-bit cache: rounded to nearest
+// even, as torch's conversion; the same type: copied).
+template <typename T, typename C>
 void rope_and_cache_impl(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                          const std::optional<at::Tensor>& qk_norm_weight, double eps,
                          at::Tensor& kv_layer, const at::Tensor& slot_mapping, int64_t num_heads,
@@ -247,11 +274,12 @@ void rope_and_cache_impl(at::Tensor& qkv, const at::Tensor& cos, const at::Tenso
     norm_weight.resize(rotated_heads * head_dim);
     load_row(norm_weight.data(), qk_norm_weight->const_data_ptr<T>(), rotated_heads * head_dim);
   }
-  T* key_cache = kv_layer.mutable_data_ptr<T>();
-  T* value_cache = key_cache + kv_layer.stride(0);
+  C* key_cache = kv_layer.mutable_data_ptr<C>();
+  C* value_cache = key_cache + kv_layer.stride(0);
   const int64_t* slots = slot_mapping.const_data_ptr<int64_t>();
   at::parallel_for(0, tokens, 4, [&](int64_t begin, int64_t end) {
     std::vector<float> head(head_dim), rolled(head_dim), c(head_dim), s(head_dim);
+    std::vector<float> converted(std::is_same_v<T, C> ? 0 : slot_numel);
     for (int64_t t = begin; t < end; ++t) {
       T* row = qkv_ptr + t * qkv_stride;
       load_row(c.data(), cos_ptr + t * head_dim, head_dim);
@@ -276,8 +304,15 @@ void rope_and_cache_impl(at::Tensor& qkv, const at::Tensor& cos, const at::Tenso
         store_row(x, head.data(), head_dim);
       }
       const int64_t slot = slots[t];
-      std::copy_n(row + num_heads * head_dim, slot_numel, key_cache + slot * slot_numel);
-      std::copy_n(row + rotated_heads * head_dim, slot_numel, value_cache + slot * slot_numel);
+      if constexpr (std::is_same_v<T, C>) {
+        std::copy_n(row + num_heads * head_dim, slot_numel, key_cache + slot * slot_numel);
+        std::copy_n(row + rotated_heads * head_dim, slot_numel, value_cache + slot * slot_numel);
+      } else {
+        load_row(converted.data(), row + num_heads * head_dim, slot_numel);
+        store_row(key_cache + slot * slot_numel, converted.data(), slot_numel);
+        load_row(converted.data(), row + rotated_heads * head_dim, slot_numel);
+        store_row(value_cache + slot * slot_numel, converted.data(), slot_numel);
+      }
     }
   });
 }
@@ -434,7 +469,9 @@ void attend_partition_dispatch(const PartitionKV<T>& kv, PartitionScratch& s, in
   attend_partition(kv, s, num_heads, group, head_dim);
 }
 
-template <typename T>
+// T: q and out; C: the cache (T, or a 16-bit type under float32 q: every product and sum
+// is float32 either way, only the bytes read from the cache shrink).
+template <typename T, typename C>
 void paged_decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_layer,
                                  const at::Tensor& block_tables, const at::Tensor& context_lens,
                                  double scale) {
@@ -445,8 +482,8 @@ void paged_decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at:
   const int64_t q_stride = q.stride(0), out_stride = out.stride(0);
   const int64_t table_stride = block_tables.stride(0);
   const T* q_ptr = q.const_data_ptr<T>();
-  const T* key_cache = kv_layer.const_data_ptr<T>();
-  const T* value_cache = key_cache + kv_layer.stride(0);
+  const C* key_cache = kv_layer.const_data_ptr<C>();
+  const C* value_cache = key_cache + kv_layer.stride(0);
   const int32_t* tables = block_tables.const_data_ptr<int32_t>();
   const int32_t* lens = context_lens.const_data_ptr<int32_t>();
   T* out_ptr = out.mutable_data_ptr<T>();
@@ -474,7 +511,7 @@ void paged_decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at:
       const WorkItem item = items[i];
       load_row(s.query.data(), q_ptr + item.seq * q_stride, num_heads * head_dim);
       for (float& v : s.query) v *= static_cast<float>(scale);
-      const PartitionKV<T> kv{key_cache,    value_cache, tables + item.seq * table_stride,
+      const PartitionKV<C> kv{key_cache,    value_cache, tables + item.seq * table_stride,
                               block_size,   token_stride, item.start,
                               item.end};
       attend_partition_dispatch(kv, s, num_heads, group, head_dim);
@@ -522,6 +559,15 @@ void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be 2-D with contiguous rows");
 }
 
+// A cache of another dtype than the activations: only float32 activations over a 16-bit
+// cache (engine/device.py choose_kv_cache_dtype allows no other mix).
+void check_mixed_cache(const at::Tensor& activations, const at::Tensor& kv_layer, const char* op) {
+  TORCH_CHECK(activations.scalar_type() == at::kFloat &&
+                  (kv_layer.scalar_type() == at::kBFloat16 || kv_layer.scalar_type() == at::kHalf),
+              op, ": a KV cache of another dtype than the activations must be bfloat16 or float16 "
+              "under float32 activations, not ", kv_layer.scalar_type(), " under ", activations.scalar_type());
+}
+
 void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_rows(x, "x");
   check_rows(out, "out");
@@ -565,10 +611,21 @@ void rope_and_cache(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin
   TORCH_CHECK(kv_layer.is_contiguous() && kv_layer.dim() == 5, "kv_layer must be [2, blocks, block, heads, dim]");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(), "slot_mapping: int64");
   TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * kv_layer.size(-1), "qkv width");
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_and_cache", [&] {
-    rope_and_cache_impl<scalar_t>(qkv, cos, sin, qk_norm_weight, eps, kv_layer, slot_mapping, num_heads,
-                                  num_kv_heads);
-  });
+  if (kv_layer.scalar_type() == qkv.scalar_type()) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_and_cache", [&] {
+      rope_and_cache_impl<scalar_t, scalar_t>(qkv, cos, sin, qk_norm_weight, eps, kv_layer, slot_mapping,
+                                              num_heads, num_kv_heads);
+    });
+    return;
+  }
+  check_mixed_cache(qkv, kv_layer, "rope_and_cache");
+  if (kv_layer.scalar_type() == at::kBFloat16) {
+    rope_and_cache_impl<float, c10::BFloat16>(qkv, cos, sin, qk_norm_weight, eps, kv_layer, slot_mapping,
+                                              num_heads, num_kv_heads);
+  } else {
+    rope_and_cache_impl<float, c10::Half>(qkv, cos, sin, qk_norm_weight, eps, kv_layer, slot_mapping,
+                                          num_heads, num_kv_heads);
+  }
 }
 
 void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& kv_layer,
@@ -579,9 +636,19 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
   TORCH_CHECK(q.size(1) % kv_layer.size(3) == 0, "heads must be a multiple of kv heads");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.stride(1) == 1, "block_tables: int32 rows");
   TORCH_CHECK(context_lens.scalar_type() == at::kInt && context_lens.is_contiguous(), "context_lens: int32");
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
-    paged_decode_attention_impl<scalar_t>(out, q, kv_layer, block_tables, context_lens, scale);
-  });
+  TORCH_CHECK(out.scalar_type() == q.scalar_type(), "out must have q's dtype");
+  if (kv_layer.scalar_type() == q.scalar_type()) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
+      paged_decode_attention_impl<scalar_t, scalar_t>(out, q, kv_layer, block_tables, context_lens, scale);
+    });
+    return;
+  }
+  check_mixed_cache(q, kv_layer, "paged_decode_attention");
+  if (kv_layer.scalar_type() == at::kBFloat16) {
+    paged_decode_attention_impl<float, c10::BFloat16>(out, q, kv_layer, block_tables, context_lens, scale);
+  } else {
+    paged_decode_attention_impl<float, c10::Half>(out, q, kv_layer, block_tables, context_lens, scale);
+  }
 }
 
 }  // namespace
