@@ -86,18 +86,20 @@ def test_bf16_weights_on_the_gemv_and_packed_paths(tiny_model_factory, arch):
 
 
 @pytest.mark.parametrize(
-    ("arch", "qtype", "dtype"),
+    ("arch", "qtype", "options"),
     [
-        ("llama", "Q4_1", None),  # float32 activations, as a GGUF file is served by default
-        ("qwen2", "Q8_0", None),  # QKV bias
-        ("qwen3", "Q4_K", None),  # per-head q/k norms; a K-quant kernel
-        ("llama", "Q6_K", "bfloat16"),
+        ("llama", "Q4_1", {}),  # float32 activations, as a GGUF file is served by default
+        ("llama", "Q4_1", {"kv_cache_dtype": "float16"}),  # a 16-bit cache under them
+        ("qwen2", "Q8_0", {}),  # QKV bias
+        ("qwen3", "Q4_K", {}),  # per-head q/k norms; a K-quant kernel
+        ("llama", "Q6_K", {"dtype": "bfloat16"}),
     ],
 )
-def test_gguf_blocks_under_float32_and_bf16_activations(tmp_path, arch, qtype, dtype):
+def test_gguf_blocks_under_float32_and_bf16_activations(tmp_path, arch, qtype, options):
     path = write_tiny_gguf(tmp_path / f"{arch}-{qtype}.gguf", GGUF_SPEC[arch], qtype)
-    llm = LLM(str(path), num_blocks=64, **({"dtype": dtype} if dtype else {}))
-    prefills = ((2, (13,)),) if dtype == "bfloat16" else ()  # float32 prefills run the reference
+    llm = LLM(str(path), num_blocks=64, **options)
+    # float32 prefills run the reference attention, module by module
+    prefills = ((2, (13,)),) if options.get("dtype") == "bfloat16" else ()
     assert_compiled_equals_modules(llm, (*DECODES, (8, ()), *prefills))
 
 
