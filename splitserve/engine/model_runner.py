@@ -239,10 +239,11 @@ class ModelRunner:
             )
             connector, info = self.connector, step_info
             connector.start_load_kv(info)
-            before_layer = connector.wait_for_layer_load
+            if connector.uses_layer_hooks(info):
+                before_layer = connector.wait_for_layer_load
 
-            def after_layer(i: int, kv_layer: torch.Tensor) -> None:
-                connector.save_kv_layer(i, kv_layer, info)
+                def after_layer(i: int, kv_layer: torch.Tensor) -> None:
+                    connector.save_kv_layer(i, kv_layer, info)
 
         input_ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         positions_t = torch.tensor(positions, dtype=torch.long, device=self.device)

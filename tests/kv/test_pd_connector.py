@@ -9,10 +9,12 @@ import time
 from collections.abc import Iterator
 
 import pytest
+import torch
 
 from splitserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, TransferConfig
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.kv.connector.pd_connector import make_pd_connector
+from splitserve.model.linear import gemv_kernel_available
 from splitserve.protocol.kv_transfer import KVTransferParams
 from splitserve.protocol.sampling_params import SamplingParams
 from tests.generate_requests import generate_request
@@ -28,9 +30,15 @@ def prompt(seed: int, length: int) -> list[int]:
     return [rng.randrange(3, VOCAB) for _ in range(length)]
 
 
-def make_engine(model: str, role: str, transfer: TransferConfig | None = None, budget: int = 2048):
+def make_engine(
+    model: str,
+    role: str,
+    transfer: TransferConfig | None = None,
+    budget: int = 2048,
+    dtype: str | None = None,
+):
     config = EngineConfig(
-        model=ModelConfig(model=model),
+        model=ModelConfig(model=model, dtype=dtype),
         cache=CacheConfig(num_blocks=96, block_size=BLOCK),
         scheduler=SchedulerConfig(max_model_len=1024, max_num_batched_tokens=budget),
         role=role,
@@ -270,3 +278,30 @@ def test_a_reservation_that_never_receives_kv_is_released_after_the_ttl(tiny_mod
         assert decode[0].engine.block_manager.num_free_blocks == 96
     finally:
         decode[0].shutdown()
+
+
+@pytest.mark.skipif(not gemv_kernel_available(), reason="the compiled bf16 decode needs AVX512-BF16")
+def test_a_bf16_decode_worker_runs_its_layers_compiled_and_equals_collocated(tiny_model):
+    """A decode worker's connector has no per-layer work, so its steps run the compiled
+    layers (model/compiled_layers.py), and the pushed KV still gives collocated tokens."""
+    transfer = TransferConfig(transport="shm", mode="push", timeout_s=10, reservation_ttl_s=30)
+    collocated, _ = make_engine(tiny_model, "both", dtype="bfloat16")
+    prefill = make_engine(tiny_model, "prefill", transfer, budget=64, dtype="bfloat16")
+    decode = make_engine(tiny_model, "decode", transfer, dtype="bfloat16")
+    try:
+
+        async def run() -> None:
+            for name, tokens in PROMPTS.items():
+                expected, _ = await collect(
+                    collocated.generate(generate_request(f"ref-bf16-{name}", tokens, GREEDY))
+                )
+                out, final, _ = await pd_generate(prefill, decode, f"bf16-{name}", tokens, "push")
+                assert out == expected, name
+                assert final.kv_transfer_params["handoff"]["transferred"], name
+
+        asyncio.run(run())
+        plans = decode[0].engine.model.layer_plans
+        assert plans[torch.bfloat16, True] is not None  # its decode steps took the compiled layers
+    finally:
+        for engine in (collocated, prefill[0], decode[0]):
+            engine.shutdown()

@@ -158,6 +158,13 @@ class KVConnector(ABC):
         return None
 
     # ---- worker half --------------------------------------------------------------
+    def uses_layer_hooks(self, step: StepKVInfo) -> bool:
+        """Whether this step's forward must call wait_for_layer_load and save_kv_layer per
+        layer (a query, no side effects). A step without them runs its layers in one
+        compiled call (model/compiled_layers.py), so a connector whose hooks do nothing
+        says False."""
+        return True
+
     def start_load_kv(self, step: StepKVInfo) -> None:  # noqa: B027
         """Begin this step's synchronous loads."""
 

@@ -15,7 +15,7 @@ import time
 from typing import ClassVar
 
 from splitserve.config import EngineRole, TransferConfig
-from splitserve.kv.connector.base import ConnectorRequest
+from splitserve.kv.connector.base import ConnectorRequest, StepKVInfo
 from splitserve.kv.connector.load_table import Arrival
 from splitserve.kv.connector.pd_base import PDConnector
 from splitserve.kv.connector.pd_loads import Load, handoff_report, wall_to_monotonic
@@ -53,6 +53,11 @@ class DecodeConnector(PDConnector):
 
     def is_held(self, transfer_id: str, block_ids: list[int], block_hashes: list[str]) -> bool:
         return self.lends.is_held(transfer_id, block_ids, block_hashes)
+
+    def uses_layer_hooks(self, step: StepKVInfo) -> bool:
+        # pushed and pulled KV lands whole before its request is scheduled (it waits for
+        # remote KV until then), and a decode worker sends nothing layer by layer
+        return False
 
     def release_transfer(self, transfer_id: str) -> None:
         self.lends.release(transfer_id)
