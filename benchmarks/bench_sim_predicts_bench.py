@@ -11,6 +11,16 @@ measured in that bench run.
     python benchmarks/bench_sim_predicts_bench.py run.json DIR host.json --profile profile.json
     python benchmarks/bench_sim_predicts_bench.py up.json DIR host.json --profile profile.json --pd 1:1
 
+One run, everything measured here (`--measure`): a profile is calibrated as
+bench_plan_pick.py does (an `engine`, a `render`, a `serve` and a pinned `up --prefill 1
+--decode 1`, probed by `sim calibrate`), then `splitserve serve` and `up --prefill 1
+--decode 1` pinned as the planner would start it are each measured by `splitserve bench`
+at the given rates (one unmeasured run first), and each run is predicted as the planner
+sees that layout (sim/host_planner.py: the profile's steps on the layout's cores):
+
+    python benchmarks/bench_sim_predicts_bench.py --measure [--model bench|smollm2|DIR] \
+        [--rates 2 8 14] [--input-len 256] [--output-len 32]
+
 `--profile` (a `sim calibrate --out` file): the fitted step times, the render tier's cost
 per request and token, and (with `--pd`) the P/D decision on the profile's costs, as the
 proxy's `--pd-decision cost`. `--fit` (a `sim calibrate --json` roofline fit) instead: the
@@ -24,7 +34,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import tempfile
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 
@@ -89,21 +103,9 @@ def workload_of(level: dict) -> Workload:
     return Workload.open_loop(arrival, prompts, outputs)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("bench_json")
-    p.add_argument("model")
-    p.add_argument("gpu")
-    how = p.add_mutually_exclusive_group(required=True)
-    how.add_argument("--profile", help="a `sim calibrate --engine URL --out FILE` profile")
-    how.add_argument("--fit", help="a `sim calibrate --json` roofline fit")
-    p.add_argument("--replicas", type=int, default=1)
-    p.add_argument("--budget", type=int, default=SchedulerConfig().max_num_batched_tokens)
-    p.add_argument("--pd", default=None, metavar="P:D", help="model `splitserve up` with P prefill, D decode")
-    args = p.parse_args()
-    with open(args.bench_json) as f:
-        run = json.load(f)
-    dep = deployment(args)
+def compare(run: dict, dep: Deployment) -> tuple[list[str], list[float]]:
+    """Each level of a saved bench run predicted by simulating `dep` on its arrivals: one
+    printable row per figure, and the relative error of every figure measured non-zero."""
     slos = [SLO.parse(s) for s in run["slos"]]
     rows, errors = [], []
     att_pred: dict[str, list[float]] = {s.name: [] for s in slos}
@@ -138,10 +140,110 @@ def main() -> None:
         if meas:
             errors.append(abs(pred / meas - 1))
         rows.append(f"goodput {slo.name:28s} sim {pred:g} req/s  bench {meas:g} req/s")
-    print("\n".join(rows))
+    return rows, errors
+
+
+def print_verdict(errors: list[float]) -> None:
     within = sum(e <= 0.10 for e in errors)
     median = np.median(errors)
     print(f"predictions within 10% (measured non-zero): {within}/{len(errors)}; median |error| {median:.1%}")
+
+
+def measure(args: argparse.Namespace) -> None:
+    """Calibrate, measure `serve` and a pinned 1P+1D `up` with `splitserve bench`, and
+    predict both as the planner sees them."""
+    from bench_model import compute_dtype, cpu_isa_flags, resolve_bench_model
+    from bench_plan_pick import calibrate, splitserve
+    from bench_render import free_port, served
+
+    from splitserve.sim.host_planner import HostLayout, host_deployment, layout_deployment
+    from splitserve.sim.specs import load_model as load_model_spec
+
+    model, dtype = resolve_bench_model(args.model), compute_dtype()
+    cpus = sorted(os.sched_getaffinity(0))
+    print(f"model {model}; ISA {cpu_isa_flags()}; dtype {dtype}; CPUs {cpus}", flush=True)
+    folder = Path(tempfile.mkdtemp(prefix="bench-sim-predicts-"))
+    profile_path = folder / "profile.json"
+    calibrate(args, model, dtype, profile_path)
+    profile = load_profile(str(profile_path))
+    base = host_deployment(load_model_spec(str(model)), profile, args.budget)
+    flags = ["--dtype", dtype, "--max-model-len", str(args.max_model_len), "--log-level", "warning"]
+    half = len(cpus) // 2
+    layouts = {
+        "serve": (["serve"], HostLayout(0, 1, (tuple(cpus),))),
+        "up 1P+1D": (
+            ["up", "--prefill", "1", "--decode", "1"],
+            HostLayout(1, 1, (tuple(cpus[:half]), tuple(cpus[half:]))),
+        ),
+    }
+    slo = f"ttft={args.slo_ttft_ms}ms,gap={args.slo_gap_ms}ms"
+    all_errors: list[float] = []
+    for name, (command, layout) in layouts.items():
+        port = free_port()
+        argv = splitserve(command[0], str(model), *command[1:], "--port", str(port), *flags)
+        for entry in layout.cpu_affinity(cpus) if command[0] == "up" else []:
+            argv += ["--cpu-affinity", entry]
+        results = folder / f"{name.replace(' ', '-')}.json"
+        with served(argv, port, name) as url:
+            for rates, out in (
+                (f"{max(args.rates):g}", folder / "warm-up.json"),
+                (",".join(map(str, args.rates)), results),
+            ):
+                bench = splitserve(
+                    "bench", "--url", url, "--tokenizer", str(model), "--endpoint", "completions",
+                    "--rate", rates, "--num-requests", str(args.num_requests), "--warmup", str(args.warmup),
+                    "--input-len", str(args.input_len), "--output-len", str(args.output_len), "--slo", slo,
+                    "--attainment", str(args.target), "--seed", str(args.seed), "--json", str(out), "--quiet",
+                )  # fmt: skip
+                subprocess.run(bench, check=True, stdout=subprocess.DEVNULL)
+        dep = layout_deployment(base, layout, len(cpus))
+        rows, errors = compare(json.loads(results.read_text()), dep)
+        print(f"\n{name} ({' '.join(argv[3:])})")
+        print("\n".join(rows))
+        print_verdict(errors)
+        all_errors += errors
+    print(f"\nmodel {model.name}, {dtype}, ISA {cpu_isa_flags()}, {len(cpus)} CPUs; both layouts:")
+    print_verdict(all_errors)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("bench_json", nargs="?")
+    p.add_argument("model", nargs="?")
+    p.add_argument("gpu", nargs="?")
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--profile", help="a `sim calibrate --engine URL --out FILE` profile")
+    how.add_argument("--fit", help="a `sim calibrate --json` roofline fit")
+    how.add_argument("--measure", action="store_true", help="calibrate, measure serve and up, predict both")
+    p.add_argument("--replicas", type=int, default=1)
+    p.add_argument("--budget", type=int, default=SchedulerConfig().max_num_batched_tokens)
+    p.add_argument("--pd", default=None, metavar="P:D", help="model `splitserve up` with P prefill, D decode")
+    m = p.add_argument_group("--measure")
+    m.add_argument(
+        "--model", dest="bench_model", default="bench", help="bench, smollm2, or a model directory"
+    )
+    m.add_argument("--rates", type=float, nargs="+", default=[2.0, 8.0, 14.0])
+    m.add_argument("--input-len", type=int, default=256)
+    m.add_argument("--output-len", type=int, default=32)
+    m.add_argument("--slo-ttft-ms", type=int, default=500)
+    m.add_argument("--slo-gap-ms", type=int, default=100)
+    m.add_argument("--target", type=float, default=0.9)
+    m.add_argument("--num-requests", type=int, default=60)
+    m.add_argument("--warmup", type=int, default=4)
+    m.add_argument("--max-model-len", type=int, default=4096)
+    m.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    if args.measure:
+        args.model = args.bench_model
+        measure(args)
+        return
+    if not (args.bench_json and args.model and args.gpu and (args.profile or args.fit)):
+        p.error("give BENCH_JSON MODEL GPU with --profile or --fit, or --measure")
+    with open(args.bench_json) as f:
+        run = json.load(f)
+    rows, errors = compare(run, deployment(args))
+    print("\n".join(rows))
+    print_verdict(errors)
 
 
 if __name__ == "__main__":
