@@ -73,9 +73,13 @@ class Engine:
         sched: InstanceConfig,
         prompt: np.ndarray,
         output: np.ndarray,
+        serving_s_per_token: float = 0.0,
     ) -> None:
         self.index, self.role, self.roofline, self.sched = index, role, roofline, sched
         self._prompt, self._output = prompt, output
+        # the serving path's CPU time per token this engine streams, taken from its cores
+        self.serving_s_per_token = serving_s_per_token if role != "prefill" else 0.0
+        self.cpu_debt_s = 0.0  # the tiers' CPU time (rendering) since its last step began
         self.step_chunks: list[np.ndarray] = []  # step end times, appended in order
         self.n_steps = 0
         self.waiting: deque[list] = deque()  # [rid, tokens done, prompt tokens, reserved?]
@@ -101,6 +105,11 @@ class Engine:
 
     def enqueue_prefill(self, rid: int, cached: int) -> None:
         self.waiting.append([rid, cached, int(self._prompt[rid]), False])
+
+    def charge_cpu(self, seconds: float) -> None:
+        """CPU time the tiers around the engine spent on its cores (a request's rendering):
+        its next step takes that much longer."""
+        self.cpu_debt_s += seconds
 
     def cut_run(self, now: float) -> float | None:
         """New work arrived at `now` during a decode-only run: end the run at the first step
@@ -160,16 +169,23 @@ class Engine:
             self.busy_until = None
             return None
         ctx = float(sum(self.run_ctx))
+        # the tiers share the engine's cores: each streamed token's serving-path time, and
+        # what they spent since the last step began, lengthen its steps
+        debt, self.cpu_debt_s = self.cpu_debt_s, 0.0
+        per_token = self.serving_s_per_token
         if self._chunks:
             cost: Cost = self.roofline.decode(batch, ctx) if batch else ZERO
-            for _, n, past in self._chunks:
+            first_tokens = 0
+            for rid, n, past in self._chunks:
                 cost = cost + self.roofline.prefill(n, past=past)
-            end = now + self.roofline.step_s(cost)
+                first_tokens += past + n >= int(self._prompt[rid])
+            end = now + self.roofline.step_s(cost) + debt + per_token * (batch + first_tokens)
         else:
             steps = min(self.run_left)
             if self.sched.max_run_steps is not None:
                 steps = min(steps, self.sched.max_run_steps)
-            durations = self.roofline.decode_times(batch, ctx + batch * np.arange(steps))
+            durations = self.roofline.decode_times(batch, ctx + batch * np.arange(steps)) + per_token * batch
+            durations[0] += debt
             self._run_times = now + np.cumsum(durations)
             end = float(self._run_times[-1])
         self.busy_s += self._in_window(now, end)

@@ -40,7 +40,7 @@ class CpuCosts:
     render_s_per_request: float = 0.0
     render_s_per_token: float = 0.0  # per prompt token
     proxy_s_per_request: float = 0.0  # beyond the render tier's, on the way in
-    proxy_s_per_token: float = 0.0  # per output token, one shared server (serving_path.py)
+    proxy_s_per_token: float = 0.0  # per streamed token, taken from the engine's cores (engine.py)
 
     def delay_s(self, prompt_tokens: int) -> float:
         return self.render_s_per_request + self.render_s_per_token * prompt_tokens + self.proxy_s_per_request

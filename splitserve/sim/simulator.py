@@ -21,7 +21,6 @@ from splitserve.sim.engine import Engine, InstanceConfig
 from splitserve.sim.kv import exposed_transfer_s, handoff_bytes, transfer_s
 from splitserve.sim.profile import CpuCosts
 from splitserve.sim.roofline import Efficiency, Roofline
-from splitserve.sim.serving_path import through_serving_path
 from splitserve.sim.specs import GPUSpec, ModelSpec
 from splitserve.sim.step_model import ProfiledRoofline, StepModel
 from splitserve.sim.workload import Workload
@@ -199,8 +198,9 @@ class _Sim:
         if self.dep.kv_limit and sched.kv_capacity_tokens is None and role != "prefill":
             cap, slot = rl.kv_capacity_tokens(self.dep.mem_util), rl.state_slot_tokens()
             sched = replace(sched, kv_capacity_tokens=cap, state_tokens_per_request=slot)
+        per_token = self.dep.cpu.proxy_s_per_token if self.dep.cpu is not None else 0.0
         made = [
-            Engine(len(self.engines) + i, role, rl, sched, self.wl.prompt, self.wl.output)
+            Engine(len(self.engines) + i, role, rl, sched, self.wl.prompt, self.wl.output, per_token)
             for i in range(count)
         ]
         self.engines.extend(made)
@@ -270,7 +270,7 @@ class _Sim:
             sticky = fresh and self.engine_of[prev] >= 0
             e = self.engines[int(self.engine_of[prev])] if sticky else self.pick(self.front)
             cached = int(wl.prefix[rid]) if sticky else 0
-            e.enqueue_prefill(rid, min(cached, prompt - 1))
+            self.enqueue_prefill(e, rid, min(cached, prompt - 1))
             self.wake(e, t)
             return
         sticky = fresh and self.prefill_of[prev] >= 0
@@ -291,8 +291,15 @@ class _Sim:
         if pull_s > 0:
             self.push(t + pull_s, _ENQ_PREFILL, e.index, rid)
         else:
-            e.enqueue_prefill(rid, int(self.cached[rid]))
+            self.enqueue_prefill(e, rid, int(self.cached[rid]))
             self.wake(e, t)
+
+    def enqueue_prefill(self, e: Engine, rid: int, cached: int) -> None:
+        """`rid`'s prompt onto `e`. The tiers share the host's cores: a busy engine lost the
+        time its prompt took to render (an idle one lost nothing)."""
+        if self.dep.cpu is not None and e.busy_until is not None:
+            e.charge_cpu(self.dep.cpu.delay_s(int(self.wl.prompt[rid])))
+        e.enqueue_prefill(rid, cached)
 
     def prefill_locally(self, rid: int, t: float) -> bool:
         """Conditional disaggregation: the decode worker the request would go to prefills
@@ -306,7 +313,7 @@ class _Sim:
         if decide(inputs, self.dep.pd_costs).remote:
             return False
         self.local[rid] = True
-        d.enqueue_prefill(rid, 0)
+        self.enqueue_prefill(d, rid, 0)
         self.wake(d, t)
         return True
 
@@ -369,7 +376,7 @@ class _Sim:
                 self.wake(self.engines[a], t)
             else:  # _ENQ_PREFILL
                 e = self.engines[a]
-                e.enqueue_prefill(b, int(self.cached[b]))
+                self.enqueue_prefill(e, b, int(self.cached[b]))
                 self.wake(e, t)
         return self._collect()
 
@@ -396,8 +403,6 @@ class _Sim:
                 tokens[e.index] += o
                 served.append(int(rid))
                 token_times.append(times[s : s + o])
-        if self.dep.cpu is not None:
-            token_times = through_serving_path(token_times, self.dep.cpu.proxy_s_per_token)
         for rid, times in zip(served, token_times, strict=True):
             o = len(times)
             first, last = times[0], times[-1]

@@ -8,10 +8,10 @@ their public HTTP APIs (standard library only):
 - `--proxy URL`: the serving path around the engine (`splitserve serve`, or `up`'s proxy):
   OpenAI /v1/completions. Per request: the client's time to a one-token answer of a short
   prompt beyond its prefill step (the step model's) and the render tier's cost. Per
-  streamed token: the service time of the one shared server serving_path.py models; a
-  stream alone shows at most what its mean gap adds to the engine's step, 8 concurrent
-  streams where their gap exceeds the batch-8 step (gap = 8c); the larger of the two, 0
-  where the engine's steps set the pace.
+  streamed token: the CPU time the serving path takes from the engine's cores for each
+  token (sim/engine.py adds it to every step, per token the step streams): what a stream
+  alone adds to its step's time, and what 8 concurrent ones add per token beyond the
+  batch-8 step (gap = step + 8c); the larger of the two, 0 where the steps set the pace.
 - `--pd URL`: a P/D proxy's handoff. Requests of several prompt lengths go through its
   /v1/completions (one output token each; short ones first, which stay on decode); the
   proxy times every first token on both paths and keeps what the remote path spends
@@ -143,15 +143,11 @@ def measure_serving_path(
         together = min(together, sorted(gaps)[len(gaps) // 2])
     step_alone = float(steps.decode_s(1, context))
     step_together = float(steps.decode_s(batch, batch * context))
-    # A stream alone cannot tell a shared server from a per-step cost that is not in the
-    # step model (the gap is the step plus a little either way); taking its whole gap as
-    # the server's time capped every stack at one stream's rate (a serve that streamed
-    # 20 req/s x 32 tokens was planned at 4.7). Only what it adds beyond the step counts
-    # from it; the batch's gap above its step is the shared server's time per token.
-    per_token = max(
-        alone - step_alone if alone > step_alone else 0.0,
-        together / batch if together > step_together else 0.0,
-    )
+    # The tiers share the engine's cores (sim/engine.py): what the serving path spends on
+    # each streamed token is taken from the engine, so a stream's gap is its step plus that
+    # for every token of the batch, gap(B) = step(B) + B c. One stream and `batch`
+    # concurrent ones each give c; the larger is kept, 0 where the steps set the pace.
+    per_token = max(0.0, alone - step_alone, (together - step_together) / batch)
     return per_request, per_token
 
 
