@@ -25,8 +25,13 @@ def write_profile(args: argparse.Namespace, model: ModelSpec, gpu: GPUSpec, samp
     if args.proxy:
         from splitserve.sim.tier_probe import measure_serving_path
 
-        per_request, per_token = measure_serving_path(args.proxy, fit_step_model(samples), cpu, args.repeats)
-        cpu = replace(cpu or CpuCosts(), proxy_s_per_request=per_request, proxy_s_per_token=per_token)
+        path = measure_serving_path(args.proxy, fit_step_model(samples), cpu, args.repeats)
+        cpu = replace(
+            cpu or CpuCosts(),
+            proxy_s_per_request=path.per_request_s,
+            proxy_s_per_step=path.per_step_s,
+            proxy_s_per_token=path.per_token_s,
+        )
     if args.pd:
         from splitserve.sim.tier_probe import measure_handoff
 
@@ -54,7 +59,7 @@ def write_profile(args: argparse.Namespace, model: ModelSpec, gpu: GPUSpec, samp
             f"  render   {cpu.render_s_per_request * 1e3:.2f} ms/request"
             f" + {cpu.render_s_per_token * 1e6:.2f} us/token; serving path "
             f"{cpu.proxy_s_per_request * 1e3:.2f} ms/request"
-            f" + {cpu.proxy_s_per_token * 1e3:.3f} ms/output token"
+            f" + {cpu.proxy_s_per_step * 1e3:.3f} ms/step + {cpu.proxy_s_per_token * 1e3:.3f} ms/output token"
         )
     if handoff is not None:
         lines.append(f"  handoff  {handoff[0] * 1e3:.2f} ms + {handoff[1] * 1e12:.2f} ps/byte")

@@ -73,12 +73,16 @@ class Engine:
         sched: InstanceConfig,
         prompt: np.ndarray,
         output: np.ndarray,
+        serving_s_per_step: float = 0.0,
         serving_s_per_token: float = 0.0,
     ) -> None:
         self.index, self.role, self.roofline, self.sched = index, role, roofline, sched
         self._prompt, self._output = prompt, output
-        # the serving path's CPU time per token this engine streams, taken from its cores
-        self.serving_s_per_token = serving_s_per_token if role != "prefill" else 0.0
+        # the serving path's CPU time, taken from this engine's cores, per step that streams
+        # tokens and per token (a prefill worker streams none)
+        streams = role != "prefill"
+        self.serving_s_per_step = serving_s_per_step if streams else 0.0
+        self.serving_s_per_token = serving_s_per_token if streams else 0.0
         self.cpu_debt_s = 0.0  # the tiers' CPU time (rendering) since its last step began
         self.step_chunks: list[np.ndarray] = []  # step end times, appended in order
         self.n_steps = 0
@@ -172,19 +176,22 @@ class Engine:
         # the tiers share the engine's cores: each streamed token's serving-path time, and
         # what they spent since the last step began, lengthen its steps
         debt, self.cpu_debt_s = self.cpu_debt_s, 0.0
-        per_token = self.serving_s_per_token
+        per_step, per_token = self.serving_s_per_step, self.serving_s_per_token
         if self._chunks:
             cost: Cost = self.roofline.decode(batch, ctx) if batch else ZERO
             first_tokens = 0
             for rid, n, past in self._chunks:
                 cost = cost + self.roofline.prefill(n, past=past)
                 first_tokens += past + n >= int(self._prompt[rid])
-            end = now + self.roofline.step_s(cost) + debt + per_token * (batch + first_tokens)
+            streamed = batch + first_tokens
+            serving = per_step + per_token * streamed if streamed else 0.0
+            end = now + self.roofline.step_s(cost) + debt + serving
         else:
             steps = min(self.run_left)
             if self.sched.max_run_steps is not None:
                 steps = min(steps, self.sched.max_run_steps)
-            durations = self.roofline.decode_times(batch, ctx + batch * np.arange(steps)) + per_token * batch
+            durations = self.roofline.decode_times(batch, ctx + batch * np.arange(steps))
+            durations += per_step + per_token * batch
             durations[0] += debt
             self._run_times = now + np.cumsum(durations)
             end = float(self._run_times[-1])

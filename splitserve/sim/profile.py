@@ -40,7 +40,10 @@ class CpuCosts:
     render_s_per_request: float = 0.0
     render_s_per_token: float = 0.0  # per prompt token
     proxy_s_per_request: float = 0.0  # beyond the render tier's, on the way in
-    proxy_s_per_token: float = 0.0  # per streamed token, taken from the engine's cores (engine.py)
+    # taken from the engine's cores (engine.py), per step that streams tokens (the serving
+    # path's wakeup and batch handling) and per token it streams
+    proxy_s_per_step: float = 0.0
+    proxy_s_per_token: float = 0.0
 
     def delay_s(self, prompt_tokens: int) -> float:
         return self.render_s_per_request + self.render_s_per_token * prompt_tokens + self.proxy_s_per_request

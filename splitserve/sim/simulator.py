@@ -198,9 +198,10 @@ class _Sim:
         if self.dep.kv_limit and sched.kv_capacity_tokens is None and role != "prefill":
             cap, slot = rl.kv_capacity_tokens(self.dep.mem_util), rl.state_slot_tokens()
             sched = replace(sched, kv_capacity_tokens=cap, state_tokens_per_request=slot)
-        per_token = self.dep.cpu.proxy_s_per_token if self.dep.cpu is not None else 0.0
+        cpu = self.dep.cpu or CpuCosts()
+        serving = (cpu.proxy_s_per_step, cpu.proxy_s_per_token)
         made = [
-            Engine(len(self.engines) + i, role, rl, sched, self.wl.prompt, self.wl.output, per_token)
+            Engine(len(self.engines) + i, role, rl, sched, self.wl.prompt, self.wl.output, *serving)
             for i in range(count)
         ]
         self.engines.extend(made)

@@ -29,6 +29,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -105,6 +106,12 @@ def _stream_gap_s(url: str, prompt: list[int], max_tokens: int, timeout_s: float
     return (times[-1] - times[0]) / (max_tokens - 1)
 
 
+class ServingPathCosts(NamedTuple):
+    per_request_s: float
+    per_step_s: float
+    per_token_s: float
+
+
 def measure_serving_path(
     url: str,
     steps: StepModel,
@@ -114,8 +121,8 @@ def measure_serving_path(
     stream_tokens: int = 48,
     batch: int = 8,
     timeout_s: float = 120.0,
-) -> tuple[float, float]:
-    """(seconds per request, seconds per streamed token) of the path around the engine."""
+) -> ServingPathCosts:
+    """What the path around the engine costs per request, per step and per streamed token."""
     base = url.rstrip("/") + "/v1/completions"
     rng = random.Random(2)
 
@@ -143,12 +150,16 @@ def measure_serving_path(
         together = min(together, sorted(gaps)[len(gaps) // 2])
     step_alone = float(steps.decode_s(1, context))
     step_together = float(steps.decode_s(batch, batch * context))
-    # The tiers share the engine's cores (sim/engine.py): what the serving path spends on
-    # each streamed token is taken from the engine, so a stream's gap is its step plus that
-    # for every token of the batch, gap(B) = step(B) + B c. One stream and `batch`
-    # concurrent ones each give c; the larger is kept, 0 where the steps set the pace.
-    per_token = max(0.0, alone - step_alone, (together - step_together) / batch)
-    return per_request, per_token
+    # The tiers share the engine's cores (sim/engine.py): what the serving path spends on a
+    # step's tokens is taken from the engine, so a stream's gap is its step plus that time,
+    # gap(B) = step(B) + s + B c: a cost per step that streams (the path's wakeup, the
+    # batch's hops) and one per token. One stream and `batch` concurrent ones give the two
+    # points; at B = 1 the whole excess is s + c (one stream's whole gap taken as the
+    # per-token cost once priced every token of a big batch at a lone stream's).
+    excess_alone = max(0.0, alone - step_alone)
+    excess_together = max(0.0, together - step_together)
+    per_token = max(0.0, (excess_together - excess_alone) / (batch - 1))
+    return ServingPathCosts(per_request, max(0.0, excess_alone - per_token), per_token)
 
 
 def measure_handoff(

@@ -143,10 +143,20 @@ STEPS = {
 }
 
 
-def profile_doc(steps: dict, render_ms: float = 0.0, path_ms_per_token: float = 0.0, **costs: float) -> dict:
+def profile_doc(
+    steps: dict,
+    render_ms: float = 0.0,
+    path_ms_per_token: float = 0.0,
+    path_ms_per_step: float = 0.0,
+    **costs: float,
+) -> dict:
     sim: dict = {"version": 1, "steps": steps}
-    if render_ms or path_ms_per_token:
-        sim["cpu"] = {"render_s_per_request": render_ms / 1e3, "proxy_s_per_token": path_ms_per_token / 1e3}
+    if render_ms or path_ms_per_token or path_ms_per_step:
+        sim["cpu"] = {
+            "render_s_per_request": render_ms / 1e3,
+            "proxy_s_per_token": path_ms_per_token / 1e3,
+            "proxy_s_per_step": path_ms_per_step / 1e3,
+        }
     return {"model": "tiny", "gpu": "cpu-host", **costs, "sim": sim}
 
 
@@ -192,13 +202,17 @@ def test_a_serving_path_slower_than_the_tokens_queues_them(tiny_model: str, tmp_
     host = write(tmp_path / "host.json", HOST)
     files = [write(tmp_path / "base.json", profile_doc(STEPS))]
     files.append(write(tmp_path / "path.json", profile_doc(STEPS, path_ms_per_token=10)))
+    # the same 10 ms charged per step that streams instead: a batch pays it once, so the
+    # engine keeps up with the streams sharing its steps
+    files.append(write(tmp_path / "step.json", profile_doc(STEPS, path_ms_per_step=10)))
     procs = [
         simulate_json(f, host, tiny_model, "--prompt", "200", "--output", "32", "--rates", "5") for f in files
     ]
-    alone, queued = (finished(p)["rows"][0] for p in procs)
+    alone, queued, per_step = (finished(p)["rows"][0] for p in procs)
     assert alone["ttft_p99_s"] < 0.1 and alone["itl_p50_s"] < 0.01
     assert queued["ttft_p99_s"] > 10 * alone["ttft_p99_s"]
     assert queued["tpot_median_s"] > 0.0105  # above the 10 ms alone: streams share the path
+    assert per_step["ttft_p99_s"] < 0.2 and 0.014 < per_step["itl_p50_s"] < 0.03
 
 
 def test_a_bad_profile_is_refused_with_a_clear_error(tiny_model: str, tmp_path: Path, capsys):
