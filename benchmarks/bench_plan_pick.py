@@ -41,6 +41,7 @@ from bench_render import free_port, served
 from splitserve.sim.host_planner import HostLayout, host_layouts
 
 WITHIN = 0.10
+WARM_UP_SEED = 1000  # added to --seed for the unmeasured run: prompts no measured run sends
 
 
 class Measured(NamedTuple):
@@ -119,13 +120,18 @@ def plan(args: argparse.Namespace, model: Path, dtype: str, profile: Path, rate:
     return picked[0] if picked else ""
 
 
-def bench(args: argparse.Namespace, base: str, model: Path, rate: float, results: Path) -> Measured:
+def bench(
+    args: argparse.Namespace, base: str, model: Path, rate: float, results: Path, seed: int
+) -> Measured:
+    """One `splitserve bench` run. Each run of a stack gets its own `seed`: the same seed
+    sends the same prompts, which the engines then answer from their prefix caches (a
+    warm-up with the measured run's seed once made every measured prompt a cache hit)."""
     slo = f"ttft={args.slo_ttft_ms}ms,gap={args.slo_gap_ms}ms"
     command = splitserve(
         "bench", "--url", base, "--tokenizer", str(model), "--endpoint", "completions", "--rate", f"{rate:g}",
         "--num-requests", str(args.num_requests), "--warmup", str(args.warmup), "--input-len",
         str(args.input_len), "--output-len", str(args.output_len), "--slo", slo, "--attainment",
-        str(args.target), "--seed", str(args.seed), "--json", str(results), "--quiet",
+        str(args.target), "--seed", str(seed), "--json", str(results), "--quiet",
     )  # fmt: skip
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
     summary = json.loads(results.read_text())["levels"][0]["summary"]
@@ -150,11 +156,10 @@ def measure_layout(
     with served(command, port, "up-layout") as base:
         # not measured: a stack's first burst builds its kernels for each new batch shape
         # (oneDNN primitives), which made the first rate measured up to 1 s slower to TTFT
-        bench(args, base, model, max(args.rates), folder / "warm-up.json")
-        for rate in args.rates:
-            figures[rate] = bench(
-                args, base, model, rate, folder / f"{layout.prefill}-{layout.decode}-{rate:g}.json"
-            )
+        bench(args, base, model, max(args.rates), folder / "warm-up.json", args.seed + WARM_UP_SEED)
+        for index, rate in enumerate(args.rates):
+            results = folder / f"{layout.prefill}-{layout.decode}-{rate:g}.json"
+            figures[rate] = bench(args, base, model, rate, results, args.seed + index)
             m = figures[rate]
             print(
                 f"  {rate:g} req/s: attainment {m.attainment:.0%}, goodput {m.goodput:.2f} req/s, "

@@ -153,7 +153,7 @@ def measure(args: argparse.Namespace) -> None:
     """Calibrate, measure `serve` and a pinned 1P+1D `up` with `splitserve bench`, and
     predict both as the planner sees them."""
     from bench_model import compute_dtype, cpu_isa_flags, resolve_bench_model
-    from bench_plan_pick import calibrate, splitserve
+    from bench_plan_pick import WARM_UP_SEED, calibrate, splitserve
     from bench_render import free_port, served
 
     from splitserve.sim.host_planner import HostLayout, host_deployment, layout_deployment
@@ -185,15 +185,17 @@ def measure(args: argparse.Namespace) -> None:
             argv += ["--cpu-affinity", entry]
         results = folder / f"{name.replace(' ', '-')}.json"
         with served(argv, port, name) as url:
-            for rates, out in (
-                (f"{max(args.rates):g}", folder / "warm-up.json"),
-                (",".join(map(str, args.rates)), results),
-            ):
+            # first an unmeasured run (a fresh stack's first burst builds its kernels per batch
+            # shape) with prompts of its own: one the measured run sent again would be a
+            # prefix-cache hit there
+            warm_up = (f"{max(args.rates):g}", folder / "warm-up.json", args.seed + WARM_UP_SEED)
+            measured = (",".join(f"{r:g}" for r in args.rates), results, args.seed)
+            for rates, out, seed in (warm_up, measured):
                 bench = splitserve(
                     "bench", "--url", url, "--tokenizer", str(model), "--endpoint", "completions",
                     "--rate", rates, "--num-requests", str(args.num_requests), "--warmup", str(args.warmup),
                     "--input-len", str(args.input_len), "--output-len", str(args.output_len), "--slo", slo,
-                    "--attainment", str(args.target), "--seed", str(args.seed), "--json", str(out), "--quiet",
+                    "--attainment", str(args.target), "--seed", str(seed), "--json", str(out), "--quiet",
                 )  # fmt: skip
                 subprocess.run(bench, check=True, stdout=subprocess.DEVNULL)
         dep = layout_deployment(base, layout, len(cpus))
