@@ -2,10 +2,11 @@
 cores allow is started and measured with `splitserve bench` at each of two rates, in one
 run, beside the planner's pick at that rate from a profile calibrated in the same run.
 
-1. Calibrate (unless `--profile FILE` is given): an `engine`, a `render` tier, a `serve`
-   and a pinned `up --prefill 1 --decode 1` on the model, side by side and idle, while
-   `splitserve sim calibrate --engine --render --proxy --pd` probes them one at a time;
-   the profile is written to `--out-profile`.
+1. Calibrate (unless `--profile FILE` is given): an `engine`, a `render` tier and a
+   pinned `up --prefill 1 --decode 1` on the model, side by side and idle, while
+   `splitserve sim calibrate --engine --render --proxy --pd` probes them one at a time
+   (the `up` stack is both the proxy whose and whose render tier's CPU is measured and the
+   P/D handoff timed); the profile is written to `--out-profile`.
 2. Plan: `splitserve up MODEL --plan --rate R --profile P --lengths I/O --slo-ttft ..
    --slo-gap .. --dry-run` at each rate; its table and its pick are printed.
 3. Measure: each candidate layout (`sim/host_planner.host_layouts` of this host's CPUs,
@@ -29,6 +30,7 @@ import contextlib
 import json
 import os
 import re
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -38,6 +40,7 @@ from typing import NamedTuple
 from bench_model import compute_dtype, cpu_isa_flags, resolve_bench_model
 from bench_render import free_port, served
 
+from splitserve.runtime.access import INTERNAL_TOKEN_ENV
 from splitserve.sim.host_planner import HostLayout, host_layouts
 
 WITHIN = 0.10
@@ -61,9 +64,11 @@ def engine_flags(args: argparse.Namespace, dtype: str) -> list[str]:
 
 def calibrate(args: argparse.Namespace, model: Path, dtype: str, out: Path) -> None:
     flags = engine_flags(args, dtype)
-    ports = [free_port() for _ in range(4)]
+    ports = [free_port() for _ in range(3)]
     cpus = sorted(os.sched_getaffinity(0))
     pinned = f"prefill={cpus[0]},decode={cpus[-1]},render={cpus[0]},proxy={cpus[0]}"
+    # the probe reads the stack's engines' and render tier's /metrics (their CPU, steps)
+    env = {INTERNAL_TOKEN_ENV: secrets.token_hex(16)}
     with contextlib.ExitStack() as stack:
         engine = stack.enter_context(
             served(splitserve("engine", str(model), "--port", str(ports[0]), *flags), ports[0], "engine")
@@ -75,34 +80,17 @@ def calibrate(args: argparse.Namespace, model: Path, dtype: str, out: Path) -> N
                 "render",
             )
         )
-        serve = stack.enter_context(
-            served(splitserve("serve", str(model), "--port", str(ports[2]), *flags), ports[2], "serve")
-        )
-        pd = stack.enter_context(
-            served(
-                splitserve(
-                    "up",
-                    str(model),
-                    "--port",
-                    str(ports[3]),
-                    "--prefill",
-                    "1",
-                    "--decode",
-                    "1",
-                    "--cpu-affinity",
-                    pinned,
-                    *flags,
-                ),
-                ports[3],
-                "up-pd",
-            )
-        )
+        up = splitserve(
+            "up", str(model), "--port", str(ports[2]), "--prefill", "1", "--decode", "1",
+            "--cpu-affinity", pinned, *flags,
+        )  # fmt: skip
+        pd = stack.enter_context(served(up, ports[2], "up-pd", env))
         command = splitserve(
-            "sim", "calibrate", "--engine", engine, "--render", render, "--proxy", serve, "--pd", pd,
+            "sim", "calibrate", "--engine", engine, "--render", render, "--proxy", pd, "--pd", pd,
             "--model", str(model), "--out", str(out),
         )  # fmt: skip
         print(f"calibrating: {' '.join(command[3:])}", flush=True)
-        subprocess.run(command, check=True)
+        subprocess.run(command, check=True, env={**os.environ, **env})
 
 
 def plan(args: argparse.Namespace, model: Path, dtype: str, profile: Path, rate: float) -> str:
@@ -121,15 +109,15 @@ def plan(args: argparse.Namespace, model: Path, dtype: str, profile: Path, rate:
 
 
 def bench(
-    args: argparse.Namespace, base: str, model: Path, rate: float, results: Path, seed: int
+    args: argparse.Namespace, base: str, model: Path, rate: float, results: Path, seed: int, requests: int
 ) -> Measured:
-    """One `splitserve bench` run. Each run of a stack gets its own `seed`: the same seed
-    sends the same prompts, which the engines then answer from their prefix caches (a
-    warm-up with the measured run's seed once made every measured prompt a cache hit)."""
+    """One `splitserve bench` run of `requests`. Each run of a stack gets its own `seed`: the
+    same seed sends the same prompts, which the engines then answer from their prefix caches
+    (a warm-up with the measured run's seed once made every measured prompt a cache hit)."""
     slo = f"ttft={args.slo_ttft_ms}ms,gap={args.slo_gap_ms}ms"
     command = splitserve(
         "bench", "--url", base, "--tokenizer", str(model), "--endpoint", "completions", "--rate", f"{rate:g}",
-        "--num-requests", str(args.num_requests), "--warmup", str(args.warmup), "--input-len",
+        "--num-requests", str(requests), "--warmup", str(args.warmup), "--input-len",
         str(args.input_len), "--output-len", str(args.output_len), "--slo", slo, "--attainment",
         str(args.target), "--seed", str(seed), "--json", str(results), "--quiet",
     )  # fmt: skip
@@ -156,10 +144,15 @@ def measure_layout(
     with served(command, port, "up-layout") as base:
         # not measured: a stack's first burst builds its kernels for each new batch shape
         # (oneDNN primitives), which made the first rate measured up to 1 s slower to TTFT
-        bench(args, base, model, max(args.rates), folder / "warm-up.json", args.seed + WARM_UP_SEED)
+        warm_up = folder / "warm-up.json"
+        bench(args, base, model, max(args.rates), warm_up, args.seed + WARM_UP_SEED, args.num_requests)
         for index, rate in enumerate(args.rates):
             results = folder / f"{layout.prefill}-{layout.decode}-{rate:g}.json"
-            figures[rate] = bench(args, base, model, rate, results, args.seed + index)
+            # the planner predicts the steady state: a run of a few seconds near capacity
+            # measures the transient before its queue builds (at 20 req/s, 1P+1D met the
+            # SLO for 91% of 100 requests and 39% of 400)
+            requests = max(args.num_requests, round(rate * args.duration_s))
+            figures[rate] = bench(args, base, model, rate, results, args.seed + index, requests)
             m = figures[rate]
             print(
                 f"  {rate:g} req/s: attainment {m.attainment:.0%}, goodput {m.goodput:.2f} req/s, "
@@ -178,7 +171,8 @@ def main() -> int:
     parser.add_argument("--slo-ttft-ms", type=int, default=500)
     parser.add_argument("--slo-gap-ms", type=int, default=100)
     parser.add_argument("--target", type=float, default=0.9)
-    parser.add_argument("--num-requests", type=int, default=60)
+    parser.add_argument("--num-requests", type=int, default=60, help="the fewest per run (and the warm-up's)")
+    parser.add_argument("--duration-s", type=float, default=20.0, help="each measured run's arrivals span")
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--max-engines", type=int, default=4, help="as up --plan-max-engines")

@@ -12,9 +12,9 @@ measured in that bench run.
     python benchmarks/bench_sim_predicts_bench.py up.json DIR host.json --profile profile.json --pd 1:1
 
 One run, everything measured here (`--measure`): a profile is calibrated as
-bench_plan_pick.py does (an `engine`, a `render`, a `serve` and a pinned `up --prefill 1
---decode 1`, probed by `sim calibrate`), then `splitserve serve` and `up --prefill 1
---decode 1` pinned as the planner would start it are each measured by `splitserve bench`
+bench_plan_pick.py does (an `engine`, a `render` and a pinned `up --prefill 1 --decode 1`,
+probed by `sim calibrate`), then `up --prefill 0 --decode 1` (serve-like) and `up
+--prefill 1 --decode 1` as the planner would start them are each measured by `splitserve bench`
 at the given rates (one unmeasured run first), and each run is predicted as the planner
 sees that layout (sim/host_planner.py: the profile's steps on the layout's cores):
 
@@ -150,8 +150,8 @@ def print_verdict(errors: list[float]) -> None:
 
 
 def measure(args: argparse.Namespace) -> None:
-    """Calibrate, measure `serve` and a pinned 1P+1D `up` with `splitserve bench`, and
-    predict both as the planner sees them."""
+    """Calibrate, measure a serve-like `up` and a pinned 1P+1D `up` with `splitserve
+    bench`, and predict both as the planner sees them."""
     from bench_model import compute_dtype, cpu_isa_flags, resolve_bench_model
     from bench_plan_pick import WARM_UP_SEED, calibrate, splitserve
     from bench_render import free_port, served
@@ -169,8 +169,10 @@ def measure(args: argparse.Namespace) -> None:
     base = host_deployment(load_model_spec(str(model)), profile, args.budget)
     flags = ["--dtype", dtype, "--max-model-len", str(args.max_model_len), "--log-level", "warning"]
     half = len(cpus) // 2
+    # `up --plan`'s layouts (its proxy and render tier are what the profile's CPU figures
+    # measure; `serve` answers in one process and has neither)
     layouts = {
-        "serve": (["serve"], HostLayout(0, 1, (tuple(cpus),))),
+        "up serve-like": (["up", "--prefill", "0", "--decode", "1"], HostLayout(0, 1, (tuple(cpus),))),
         "up 1P+1D": (
             ["up", "--prefill", "1", "--decode", "1"],
             HostLayout(1, 1, (tuple(cpus[:half]), tuple(cpus[half:]))),
@@ -181,7 +183,7 @@ def measure(args: argparse.Namespace) -> None:
     for name, (command, layout) in layouts.items():
         port = free_port()
         argv = splitserve(command[0], str(model), *command[1:], "--port", str(port), *flags)
-        for entry in layout.cpu_affinity(cpus) if command[0] == "up" else []:
+        for entry in layout.cpu_affinity(cpus):
             argv += ["--cpu-affinity", entry]
         results = folder / f"{name.replace(' ', '-')}.json"
         with served(argv, port, name) as url:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -53,4 +53,5 @@ class ImageStats(Collector):
     def render(self) -> bytes:
         registry = CollectorRegistry()
         registry.register(self)
+        ProcessCollector(registry=registry)  # the render tier's CPU (`sim calibrate --proxy` reads it)
         return generate_latest(registry)

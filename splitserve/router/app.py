@@ -58,7 +58,8 @@ def create_proxy_app(
         encoder_pool = EncoderPool(encoder_urls, engine.metrics.registry)
     if encoder_pool is not None:
         service_engine = EncoderPoolEngineClient(engine, encoder_pool)
-    frontend: FrontendClient = HTTPFrontendClient(render_url)
+    render_tier = HTTPFrontendClient(render_url)
+    frontend: FrontendClient = render_tier
     if engine.router.policy is RoutingPolicy.TEXT_PREFIX:  # it routes on the client's text
         frontend = PromptTextFrontend(frontend)
     app = create_openai_app(
@@ -77,6 +78,7 @@ def create_proxy_app(
         return JSONResponse(
             {
                 "workers": engine.pool.snapshot(),
+                "render": render_tier.base_urls,
                 "policy": engine.policy.__dict__,
                 "routing": str(engine.router.policy),
                 "kv_index_blocks": engine.kv_index.num_blocks(),

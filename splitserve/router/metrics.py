@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
 
 PREFIX = "splitserve_proxy"
 _SECONDS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -16,6 +16,7 @@ class ProxyMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        ProcessCollector(registry=r)  # the proxy's own CPU (`sim calibrate --proxy` reads it)
         self.requests = Counter(f"{PREFIX}_requests", "Requests routed, by path.", ["path"], registry=r)
         self.retries = Counter(f"{PREFIX}_retries", "Requests retried on another decode worker.", registry=r)
         self.prefill_failures = Counter(

@@ -327,8 +327,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--proxy",
         default=None,
         metavar="URL",
-        help="with --engine: the OpenAI server in front of it (`serve`, `up`) whose cost per "
-        "request and per streamed token to time",
+        help="with --engine: `up`'s proxy, whose delay per request and whose and its render "
+        "tier's CPU per request, remote request, step and streamed token to measure (their "
+        "/metrics; engines' and render's with $SPLITSERVE_INTERNAL_TOKEN)",
     )
     p.add_argument(
         "--pd",

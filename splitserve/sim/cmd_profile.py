@@ -23,14 +23,16 @@ def write_profile(args: argparse.Namespace, model: ModelSpec, gpu: GPUSpec, samp
 
         cpu = measure_render(args.render, repeats=args.repeats)
     if args.proxy:
-        from splitserve.sim.tier_probe import measure_serving_path
+        from splitserve.sim.tier_probe import measure_tiers
 
-        path = measure_serving_path(args.proxy, fit_step_model(samples), cpu, args.repeats)
+        tiers = measure_tiers(args.proxy, fit_step_model(samples), cpu)
         cpu = replace(
             cpu or CpuCosts(),
-            proxy_s_per_request=path.per_request_s,
-            proxy_s_per_step=path.per_step_s,
-            proxy_s_per_token=path.per_token_s,
+            proxy_s_per_request=tiers.delay_s,
+            cpu_s_per_request=tiers.cpu_s_per_request,
+            cpu_s_per_remote_request=tiers.cpu_s_per_remote_request,
+            cpu_s_per_step=tiers.cpu_s_per_step,
+            cpu_s_per_token=tiers.cpu_s_per_token,
         )
     if args.pd:
         from splitserve.sim.tier_probe import measure_handoff
@@ -57,9 +59,13 @@ def write_profile(args: argparse.Namespace, model: ModelSpec, gpu: GPUSpec, samp
     if cpu is not None:
         lines.append(
             f"  render   {cpu.render_s_per_request * 1e3:.2f} ms/request"
-            f" + {cpu.render_s_per_token * 1e6:.2f} us/token; serving path "
-            f"{cpu.proxy_s_per_request * 1e3:.2f} ms/request"
-            f" + {cpu.proxy_s_per_step * 1e3:.3f} ms/step + {cpu.proxy_s_per_token * 1e3:.3f} ms/output token"
+            f" + {cpu.render_s_per_token * 1e6:.2f} us/token; "
+            f"proxy {cpu.proxy_s_per_request * 1e3:.2f} ms/request"
+        )
+        lines.append(
+            f"  tiers' CPU {cpu.cpu_s_per_request * 1e3:.2f} ms/request"
+            f" (+ {cpu.cpu_s_per_remote_request * 1e3:.2f} through a prefill worker)"
+            f" + {cpu.cpu_s_per_step * 1e3:.3f} ms/step + {cpu.cpu_s_per_token * 1e3:.3f} ms/output token"
         )
     if handoff is not None:
         lines.append(f"  handoff  {handoff[0] * 1e3:.2f} ms + {handoff[1] * 1e12:.2f} ps/byte")

@@ -26,6 +26,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
 
+from splitserve.runtime.access import INTERNAL_TOKEN_ENV, internal_headers
 from splitserve.sim.calibrate import CalibrationError, Sample
 
 _METRIC = re.compile(r"^(splitserve_step_time_seconds_(?:sum|count)|splitserve_step_tokens_total)\s+(\S+)$")
@@ -40,15 +41,14 @@ class EngineProbe:
 
     def _call(self, path: str, body: dict | None = None) -> bytes:
         data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(
-            self.url + path, data=data, headers={"Content-Type": "application/json"} if data else {}
-        )
+        # an engine of a deployment answers its internal token only ($SPLITSERVE_INTERNAL_TOKEN)
+        headers = {**internal_headers(), **({"Content-Type": "application/json"} if data else {})}
+        req = urllib.request.Request(self.url + path, data=data, headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
                 return resp.read()
         except urllib.error.HTTPError as exc:
-            detail = exc.read().decode(errors="replace")[:200]
-            raise CalibrationError(f"{self.url}{path}: HTTP {exc.code}: {detail}") from None
+            raise http_error(self.url + path, exc) from None
         except (urllib.error.URLError, OSError) as exc:
             raise CalibrationError(f"{self.url}{path}: cannot reach the engine ({exc})") from None
 
@@ -129,6 +129,13 @@ def measure(
     if len(samples) < 3:
         raise CalibrationError("fewer than 3 usable step shapes (prompts larger than the engine's budget?)")
     return samples
+
+
+def http_error(url: str, exc: urllib.error.HTTPError) -> CalibrationError:
+    """A probe's HTTP error, saying where a refused credential comes from."""
+    detail = exc.read().decode(errors="replace")[:200]
+    hint = f" (set ${INTERNAL_TOKEN_ENV} to the deployment's token)" if exc.code in (401, 403) else ""
+    return CalibrationError(f"{url}: HTTP {exc.code}{hint}: {detail}")
 
 
 def run_together(task: Callable[[], None], copies: int) -> None:

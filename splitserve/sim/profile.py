@@ -8,7 +8,9 @@ FILE`) and the proxy (`splitserve proxy --pd-cost-profile FILE`) read.
      "sim": {"version": 1,
              "steps": {...step_model.py's fitted prefill and decode step times...},
              "cpu": {"render_s_per_request": ..., "render_s_per_token": ...,
-                     "proxy_s_per_request": ..., "proxy_s_per_token": ...},
+                     "proxy_s_per_request": ..., "cpu_s_per_request": ...,
+                     "cpu_s_per_remote_request": ..., "cpu_s_per_step": ...,
+                     "cpu_s_per_token": ...},
              "handoff": {"fixed_s": ..., "s_per_byte": ...},
              "fit": {"rms_rel_error": ..., "max_rel_error": ..., "samples": N}}}
 
@@ -33,17 +35,19 @@ PROFILE_VERSION = 1
 
 @dataclass(frozen=True)
 class CpuCosts:
-    """The tiers around the engine: what the render tier spends on a request before the
-    engine sees it, and what the rest of the serving path (the OpenAI server or the proxy,
-    its hops, the stream back) spends per request and per streamed token."""
+    """The tiers around the engine. Delays: what the render tier spends on a request before
+    the engine sees it, and what the proxy adds on the way in. CPU: what the proxy and the
+    render tier take from the engines' cores (sim/engine.py), per request (charged to the
+    engine its prompt goes to), per request sent through a prefill worker, per step that
+    streams tokens and per streamed token (both charged to the streaming engine)."""
 
     render_s_per_request: float = 0.0
     render_s_per_token: float = 0.0  # per prompt token
     proxy_s_per_request: float = 0.0  # beyond the render tier's, on the way in
-    # taken from the engine's cores (engine.py), per step that streams tokens (the serving
-    # path's wakeup and batch handling) and per token it streams
-    proxy_s_per_step: float = 0.0
-    proxy_s_per_token: float = 0.0
+    cpu_s_per_request: float = 0.0
+    cpu_s_per_remote_request: float = 0.0  # beyond cpu_s_per_request
+    cpu_s_per_step: float = 0.0
+    cpu_s_per_token: float = 0.0
 
     def delay_s(self, prompt_tokens: int) -> float:
         return self.render_s_per_request + self.render_s_per_token * prompt_tokens + self.proxy_s_per_request

@@ -199,7 +199,7 @@ class _Sim:
             cap, slot = rl.kv_capacity_tokens(self.dep.mem_util), rl.state_slot_tokens()
             sched = replace(sched, kv_capacity_tokens=cap, state_tokens_per_request=slot)
         cpu = self.dep.cpu or CpuCosts()
-        serving = (cpu.proxy_s_per_step, cpu.proxy_s_per_token)
+        serving = (cpu.cpu_s_per_step, cpu.cpu_s_per_token)
         made = [
             Engine(len(self.engines) + i, role, rl, sched, self.wl.prompt, self.wl.output, *serving)
             for i in range(count)
@@ -296,10 +296,13 @@ class _Sim:
             self.wake(e, t)
 
     def enqueue_prefill(self, e: Engine, rid: int, cached: int) -> None:
-        """`rid`'s prompt onto `e`. The tiers share the host's cores: a busy engine lost the
-        time its prompt took to render (an idle one lost nothing)."""
-        if self.dep.cpu is not None and e.busy_until is not None:
-            e.charge_cpu(self.dep.cpu.delay_s(int(self.wl.prompt[rid])))
+        """`rid`'s prompt onto `e`. The tiers share the host's cores: a busy engine loses the
+        CPU the proxy and render tier spend on the request (more on the P/D path, whose
+        prompts go to prefill workers); an idle one lost nothing."""
+        cpu = self.dep.cpu
+        if cpu is not None and e.busy_until is not None:
+            remote = cpu.cpu_s_per_remote_request if e.role == "prefill" else 0.0
+            e.charge_cpu(cpu.cpu_s_per_request + remote)
         e.enqueue_prefill(rid, cached)
 
     def prefill_locally(self, rid: int, t: float) -> bool:

@@ -5,13 +5,13 @@ their public HTTP APIs (standard library only):
   /v1/completions/render of prompts of several lengths, wall time on the client (HTTP
   included: the proxy pays the same hop), the fastest of `repeats` kept; a line fitted to
   (prompt tokens, seconds) gives the cost per request and per prompt token.
-- `--proxy URL`: the serving path around the engine (`splitserve serve`, or `up`'s proxy):
-  OpenAI /v1/completions. Per request: the client's time to a one-token answer of a short
-  prompt beyond its prefill step (the step model's) and the render tier's cost. Per
-  streamed token: the CPU time the serving path takes from the engine's cores for each
-  token (sim/engine.py adds it to every step, per token the step streams): what a stream
-  alone adds to its step's time, and what 8 concurrent ones add per token beyond the
-  batch-8 step (gap = step + 8c); the larger of the two, 0 where the steps set the pace.
+- `--proxy URL`: `up`'s proxy and its render tier, which share the engines' cores. The
+  delay: the client's time to a one-token answer of a short prompt beyond its prefill
+  step (the step model's) and the render tier's time. The CPU: both tiers'
+  `process_cpu_seconds_total` (their /metrics) around four loads of known shape (short
+  prompts of one token and of 48 at 8 concurrent and at 1, and long prompts that a
+  prefill worker takes where there is one), less their idle background, fitted to
+  requests, remote requests, the decode workers' steps (their step counts) and tokens.
 - `--pd URL`: a P/D proxy's handoff. Requests of several prompt lengths go through its
   /v1/completions (one output token each; short ones first, which stay on decode); the
   proxy times every first token on both paths and keeps what the remote path spends
@@ -34,7 +34,7 @@ from typing import NamedTuple
 import numpy as np
 
 from splitserve.sim.calibrate import CalibrationError
-from splitserve.sim.engine_probe import run_together
+from splitserve.sim.engine_probe import http_error, run_together
 from splitserve.sim.profile import CpuCosts
 from splitserve.sim.step_model import StepModel
 
@@ -86,80 +86,130 @@ def measure_render(
     return CpuCosts(per_request, per_token)
 
 
-def _stream_gap_s(url: str, prompt: list[int], max_tokens: int, timeout_s: float) -> float:
-    """A streamed completion's mean gap between its first and last events, per token."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
-    req = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    times: list[float] = []
+class TierCosts(NamedTuple):
+    """The serving path around the engines (`up`'s proxy and render tier)."""
+
+    delay_s: float  # a request's wait in the proxy beyond the render call, before the engine
+    cpu_s_per_request: float  # proxy + render CPU per request on the local path
+    cpu_s_per_remote_request: float  # more per request sent through a prefill worker
+    cpu_s_per_step: float  # per decode-worker step that streams
+    cpu_s_per_token: float  # per streamed token
+
+
+class _Load(NamedTuple):
+    prompt_tokens: int
+    max_tokens: int
+    requests: int
+    concurrency: int
+
+
+class _Reading(NamedTuple):
+    cpu_s: float  # proxy + render tiers
+    decode_steps: float  # steps of the workers that stream (decode role)
+    remote: float  # requests through a prefill worker
+    at: float  # perf_counter
+
+
+# Short prompts stay on the decode worker; long ones go through a prefill worker where one
+# exists. One token each prices a request; 48 at 8 and at 1 concurrent price a token and a
+# step (a lone stream pays a step per token, eight share one).
+_LOADS = (_Load(16, 1, 48, 8), _Load(16, 48, 24, 8), _Load(16, 48, 12, 1), _Load(256, 1, 48, 8))
+
+
+def _get_text(url: str, headers: dict[str, str], timeout_s: float) -> str:
+    req = urllib.request.Request(url, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            for raw in resp:
-                line = raw.decode(errors="replace").strip()
-                if line.startswith("data:") and line != "data: [DONE]":
-                    times.append(time.perf_counter())
+            return resp.read().decode(errors="replace")
+    except urllib.error.HTTPError as exc:
+        raise http_error(url, exc) from None
     except (urllib.error.URLError, OSError) as exc:
-        raise CalibrationError(f"{url}: cannot stream from it ({exc})") from None
-    if len(times) < 2:
-        raise CalibrationError(f"{url}: a {max_tokens}-token stream came in fewer than two events")
-    return (times[-1] - times[0]) / (max_tokens - 1)
+        raise CalibrationError(f"{url}: cannot reach it ({exc})") from None
 
 
-class ServingPathCosts(NamedTuple):
-    per_request_s: float
-    per_step_s: float
-    per_token_s: float
+def _metric(text: str, name: str, labels: str = "") -> float:
+    """The sum of a Prometheus sample's values (every label set unless `labels` narrows it)."""
+    total = 0.0
+    for line in text.splitlines():
+        key, _, value = line.rpartition(" ")
+        if key.split("{")[0] == name and labels in key:
+            total += float(value)
+    return total
 
 
-def measure_serving_path(
-    url: str,
-    steps: StepModel,
-    render: CpuCosts | None,
-    repeats: int = 3,
-    prompt_tokens: int = 32,
-    stream_tokens: int = 48,
-    batch: int = 8,
-    timeout_s: float = 120.0,
-) -> ServingPathCosts:
-    """What the path around the engine costs per request, per step and per streamed token."""
-    base = url.rstrip("/") + "/v1/completions"
+def measure_tiers(url: str, steps: StepModel, render: CpuCosts | None, timeout_s: float = 120.0) -> TierCosts:
+    """What `up`'s proxy and render tier cost: the delay a request meets before the engine,
+    and the CPU they take per request, per remote request, per streaming step and per token,
+    read from their `process_cpu_seconds_total` around loads of known shape."""
+    from splitserve.runtime.access import internal_headers
+
+    base = url.rstrip("/")
+    state = _post(base + "/workers", None, timeout_s)
+    if not isinstance(state, dict) or "render" not in state:
+        raise CalibrationError(f"{base}: --proxy must be `up`'s proxy (its /workers lists the render tier)")
+    workers = state.get("workers") or []
+    streaming = [w["url"] for w in workers if w.get("role") == "decode"]
+    has_prefill = any(w.get("role") == "prefill" for w in workers)
+    internal = internal_headers()
+
+    def read() -> _Reading:
+        proxy = _get_text(base + "/metrics", {}, timeout_s)
+        cpu = _metric(proxy, "process_cpu_seconds_total")
+        cpu += sum(
+            _metric(_get_text(r + "/metrics", internal, timeout_s), "process_cpu_seconds_total")
+            for r in state["render"]
+        )
+        steps_done = sum(
+            _metric(_get_text(w + "/metrics", internal, timeout_s), "splitserve_step_time_seconds_count")
+            for w in streaming
+        )
+        remote = _metric(proxy, "splitserve_proxy_requests_total", 'path="pd_')
+        return _Reading(cpu, steps_done, remote, time.perf_counter())
+
     rng = random.Random(2)
+    completions = base + "/v1/completions"
 
-    def prompt() -> list[int]:
-        return [rng.randrange(10, 250) for _ in range(prompt_tokens)]
+    def one(prompt_tokens: int, max_tokens: int) -> None:
+        body = {
+            "prompt": [rng.randrange(10, 250) for _ in range(prompt_tokens)],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        _post(completions, body, timeout_s)
 
-    _post(base, {"prompt": prompt(), "max_tokens": 2}, timeout_s)  # warm-up
-    best = float("inf")
-    for _ in range(repeats):
+    one(16, 2)  # warm-up
+    delay = float("inf")
+    for _ in range(3):
         start = time.perf_counter()
-        _post(base, {"prompt": prompt(), "max_tokens": 1, "temperature": 0}, timeout_s)
-        best = min(best, time.perf_counter() - start)
-    before_engine = render.delay_s(prompt_tokens) if render is not None else 0.0
-    per_request = max(0.0, best - steps.prefill_s(prompt_tokens) - before_engine)
-    context = prompt_tokens + stream_tokens // 2
-    alone = min(_stream_gap_s(base, prompt(), stream_tokens, timeout_s) for _ in range(repeats))
-    together = float("inf")
-    for _ in range(repeats):
-        gaps: list[float] = []
+        one(16, 1)
+        delay = min(delay, time.perf_counter() - start)
+    before_engine = render.delay_s(16) if render is not None else 0.0
+    delay = max(0.0, delay - steps.prefill_s(16) - before_engine)
 
-        def one(gaps: list[float] = gaps) -> None:
-            gaps.append(_stream_gap_s(base, prompt(), stream_tokens, timeout_s))
-
-        run_together(one, batch)
-        together = min(together, sorted(gaps)[len(gaps) // 2])
-    step_alone = float(steps.decode_s(1, context))
-    step_together = float(steps.decode_s(batch, batch * context))
-    # The tiers share the engine's cores (sim/engine.py): what the serving path spends on a
-    # step's tokens is taken from the engine, so a stream's gap is its step plus that time,
-    # gap(B) = step(B) + s + B c: a cost per step that streams (the path's wakeup, the
-    # batch's hops) and one per token. One stream and `batch` concurrent ones give the two
-    # points; at B = 1 the whole excess is s + c (one stream's whole gap taken as the
-    # per-token cost once priced every token of a big batch at a lone stream's).
-    excess_alone = max(0.0, alone - step_alone)
-    excess_together = max(0.0, together - step_together)
-    per_token = max(0.0, (excess_together - excess_alone) / (batch - 1))
-    return ServingPathCosts(per_request, max(0.0, excess_alone - per_token), per_token)
+    idle = read()
+    time.sleep(1.0)  # the tiers' background (health checks, event feeds) per second
+    after_idle = read()
+    background = (after_idle.cpu_s - idle.cpu_s) / (after_idle.at - idle.at)
+    rows, cpu = [], []
+    for load in _LOADS:
+        if load.prompt_tokens > 16 and not has_prefill:
+            continue
+        before = read()
+        rounds, extra = divmod(load.requests, load.concurrency)
+        for copies in [load.concurrency] * rounds + ([extra] if extra else []):
+            run_together(lambda load=load: one(load.prompt_tokens, load.max_tokens), copies)
+        after = read()
+        remote = after.remote - before.remote
+        steps_done = after.decode_steps - before.decode_steps
+        rows.append([load.requests - remote, remote, steps_done, load.requests * load.max_tokens])
+        cpu.append(after.cpu_s - before.cpu_s - background * (after.at - before.at))
+    matrix = np.array(rows, dtype=float)
+    used = [0, 2, 3] + ([1] if matrix[:, 1].any() else [])
+    fitted, *_ = np.linalg.lstsq(matrix[:, used], np.array(cpu), rcond=None)
+    per = dict(zip(used, (max(0.0, float(v)) for v in fitted), strict=True))
+    local = per[0]
+    return TierCosts(delay, local, max(0.0, per.get(1, local) - local), per[2], per[3])
 
 
 def measure_handoff(

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -97,6 +97,8 @@ class EngineMetrics:
     def __init__(self, stats: Callable[[], Any], registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
         self.registry.register(_EngineStatsCollector(stats))
+        # process_cpu_seconds_total and friends: `sim calibrate` reads the tiers' CPU from them
+        ProcessCollector(registry=self.registry)
         r = self.registry
         self.step_time = Histogram(
             f"{PREFIX}_step_time_seconds",
