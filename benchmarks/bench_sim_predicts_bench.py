@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import tempfile
 from dataclasses import replace
@@ -193,6 +194,7 @@ def measure(args: argparse.Namespace) -> None:
             warm_up = (f"{max(args.rates):g}", folder / "warm-up.json", args.seed + WARM_UP_SEED)
             measured = (",".join(f"{r:g}" for r in args.rates), results, args.seed)
             for rates, out, seed in (warm_up, measured):
+                before = resource.getrusage(resource.RUSAGE_CHILDREN)
                 bench = splitserve(
                     "bench", "--url", url, "--tokenizer", str(model), "--endpoint", "completions",
                     "--rate", rates, "--num-requests", str(args.num_requests), "--warmup", str(args.warmup),
@@ -200,8 +202,17 @@ def measure(args: argparse.Namespace) -> None:
                     "--attainment", str(args.target), "--seed", str(seed), "--json", str(out), "--quiet",
                 )  # fmt: skip
                 subprocess.run(bench, check=True, stdout=subprocess.DEVNULL)
+                after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        run = json.loads(results.read_text())
+        # the load generator shares the cores it measures: its CPU per request (the measured
+        # run's) is charged like the tiers' (in production the clients run elsewhere)
+        sent = sum(len(level["requests"]) for level in run["levels"])
+        client_s = (after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime) / sent
+        print(f"\n{name}: the bench client spent {client_s * 1e3:.1f} ms of CPU per request", flush=True)
         dep = layout_deployment(base, layout, len(cpus))
-        rows, errors = compare(json.loads(results.read_text()), dep)
+        if dep.cpu is not None:
+            dep = replace(dep, cpu=replace(dep.cpu, cpu_s_per_request=dep.cpu.cpu_s_per_request + client_s))
+        rows, errors = compare(run, dep)
         print(f"\n{name} ({' '.join(argv[3:])})")
         print("\n".join(rows))
         print_verdict(errors)

@@ -75,15 +75,20 @@ class Engine:
         output: np.ndarray,
         serving_s_per_step: float = 0.0,
         serving_s_per_token: float = 0.0,
+        cpu_loss: float = 1.0,
     ) -> None:
         self.index, self.role, self.roofline, self.sched = index, role, roofline, sched
         self._prompt, self._output = prompt, output
-        # the serving path's CPU time, taken from this engine's cores, per step that streams
-        # tokens and per token (a prefill worker streams none)
+        # the serving path's CPU time per step that streams tokens and per token (a prefill
+        # worker streams none); this engine loses `cpu_loss` seconds of its own per second
+        # of it (simulator.py: every busy engine loses that share of the tiers' CPU)
         streams = role != "prefill"
         self.serving_s_per_step = serving_s_per_step if streams else 0.0
         self.serving_s_per_token = serving_s_per_token if streams else 0.0
-        self.cpu_debt_s = 0.0  # the tiers' CPU time (rendering) since its last step began
+        self.cpu_loss = cpu_loss
+        self.serving_done_s = 0.0  # the serving CPU of the work finish_step last accounted for
+        self._serving_per_step_s = 0.0  # of the in-flight step (each step of a run)
+        self.cpu_debt_s = 0.0  # time lost to the tiers' CPU since its last step began
         self.step_chunks: list[np.ndarray] = []  # step end times, appended in order
         self.n_steps = 0
         self.waiting: deque[list] = deque()  # [rid, tokens done, prompt tokens, reserved?]
@@ -111,8 +116,8 @@ class Engine:
         self.waiting.append([rid, cached, int(self._prompt[rid]), False])
 
     def charge_cpu(self, seconds: float) -> None:
-        """CPU time the tiers around the engine spent on its cores (a request's rendering):
-        its next step takes that much longer."""
+        """Time the tiers around the engine took from it (their CPU on its cores): its
+        next step takes that much longer."""
         self.cpu_debt_s += seconds
 
     def cut_run(self, now: float) -> float | None:
@@ -185,13 +190,15 @@ class Engine:
                 first_tokens += past + n >= int(self._prompt[rid])
             streamed = batch + first_tokens
             serving = per_step + per_token * streamed if streamed else 0.0
-            end = now + self.roofline.step_s(cost) + debt + serving
+            self._serving_per_step_s = serving
+            end = now + self.roofline.step_s(cost) + debt + self.cpu_loss * serving
         else:
             steps = min(self.run_left)
             if self.sched.max_run_steps is not None:
                 steps = min(steps, self.sched.max_run_steps)
             durations = self.roofline.decode_times(batch, ctx + batch * np.arange(steps))
-            durations += per_step + per_token * batch
+            self._serving_per_step_s = per_step + per_token * batch
+            durations += self.cpu_loss * self._serving_per_step_s
             durations[0] += debt
             self._run_times = now + np.cumsum(durations)
             end = float(self._run_times[-1])
@@ -236,6 +243,7 @@ class Engine:
         else:
             times = np.array([self.busy_until])
         k = len(times)
+        self.serving_done_s = k * self._serving_per_step_s
         self.step_chunks.append(times)
         self.n_steps += k
         finished: list[int] = []

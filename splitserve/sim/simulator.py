@@ -76,7 +76,10 @@ class Deployment:
     # P/D: decide each request's path on cost (conditional disaggregation); None: every
     # request through a prefill worker
     pd_costs: CostModel | None = None
-    cpu: CpuCosts | None = None  # the render tier's time before the engine sees a request
+    cpu: CpuCosts | None = None  # the tiers around the engines: delays and CPU (profile.py)
+    # seconds each busy engine loses per second of the tiers' CPU, which runs on every core:
+    # E engines of k threads on E k cores lose k / E (host_planner.layout_deployment)
+    cpu_loss: float = 1.0
 
     def __post_init__(self) -> None:
         if self.mode not in ("collocated", "pd"):
@@ -199,7 +202,7 @@ class _Sim:
             cap, slot = rl.kv_capacity_tokens(self.dep.mem_util), rl.state_slot_tokens()
             sched = replace(sched, kv_capacity_tokens=cap, state_tokens_per_request=slot)
         cpu = self.dep.cpu or CpuCosts()
-        serving = (cpu.cpu_s_per_step, cpu.cpu_s_per_token)
+        serving = (cpu.cpu_s_per_step, cpu.cpu_s_per_token, self.dep.cpu_loss)
         made = [
             Engine(len(self.engines) + i, role, rl, sched, self.wl.prompt, self.wl.output, *serving)
             for i in range(count)
@@ -234,6 +237,8 @@ class _Sim:
 
     def step_end(self, e: Engine, t: float) -> None:
         _, finished, prefilled = e.finish_step()
+        if e.serving_done_s > 0:  # its streams' CPU ran on the others' cores too
+            self.charge_others(e, e.serving_done_s)
         for rid in finished:
             self.done(rid, t)
         for rid in prefilled:
@@ -300,10 +305,17 @@ class _Sim:
         CPU the proxy and render tier spend on the request (more on the P/D path, whose
         prompts go to prefill workers); an idle one lost nothing."""
         cpu = self.dep.cpu
-        if cpu is not None and e.busy_until is not None:
+        if cpu is not None:
             remote = cpu.cpu_s_per_remote_request if e.role == "prefill" else 0.0
-            e.charge_cpu(cpu.cpu_s_per_request + remote)
+            self.charge_others(None, cpu.cpu_s_per_request + remote)
         e.enqueue_prefill(rid, cached)
+
+    def charge_others(self, source: Engine | None, cpu_s: float) -> None:
+        """The tiers spent `cpu_s` of CPU, on every core: each busy engine but `source`
+        (which has its share in its own step) loses its share of it."""
+        for other in self.engines:
+            if other is not source and other.busy_until is not None:
+                other.charge_cpu(self.dep.cpu_loss * cpu_s)
 
     def prefill_locally(self, rid: int, t: float) -> bool:
         """Conditional disaggregation: the decode worker the request would go to prefills
