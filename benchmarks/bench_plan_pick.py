@@ -4,9 +4,10 @@ run, beside the planner's pick at that rate from a profile calibrated in the sam
 
 1. Calibrate (unless `--profile FILE` is given): an `engine`, a `render` tier and a
    pinned `up --prefill 1 --decode 1` on the model, side by side and idle, while
-   `splitserve sim calibrate --engine --render --proxy --pd` probes them one at a time
-   (the `up` stack is both the proxy whose and whose render tier's CPU is measured and the
-   P/D handoff timed); the profile is written to `--out-profile`.
+   `splitserve sim calibrate --engine --engine --render --proxy --pd` probes them one at a
+   time (the `up` stack's pinned decode engine is the one-core engine whose steps the
+   one-core layouts use; its proxy and render tier are the tiers whose CPU is measured and
+   its handoff the one timed); the profile is written to `--out-profile`.
 2. Plan: `splitserve up MODEL --plan --rate R --profile P --lengths I/O --slo-ttft ..
    --slo-gap .. --dry-run` at each rate; its table and its pick are printed.
 3. Measure: each candidate layout (`sim/host_planner.host_layouts` of this host's CPUs,
@@ -37,6 +38,7 @@ import tempfile
 from pathlib import Path
 from typing import NamedTuple
 
+import httpx
 from bench_model import compute_dtype, cpu_isa_flags, resolve_bench_model
 from bench_render import free_port, served
 
@@ -85,9 +87,12 @@ def calibrate(args: argparse.Namespace, model: Path, dtype: str, out: Path) -> N
             "--cpu-affinity", pinned, *flags,
         )  # fmt: skip
         pd = stack.enter_context(served(up, ports[2], "up-pd", env))
+        # its decode engine runs on one pinned core: the step times of one-core layouts
+        workers = httpx.get(pd + "/workers").json()["workers"]
+        (one_core,) = [w["url"] for w in workers if w["role"] == "decode"]
         command = splitserve(
-            "sim", "calibrate", "--engine", engine, "--render", render, "--proxy", pd, "--pd", pd,
-            "--model", str(model), "--out", str(out),
+            "sim", "calibrate", "--engine", engine, "--engine", one_core, "--render", render,
+            "--proxy", pd, "--pd", pd, "--model", str(model), "--out", str(out),
         )  # fmt: skip
         print(f"calibrating: {' '.join(command[3:])}", flush=True)
         subprocess.run(command, check=True, env={**os.environ, **env})

@@ -209,7 +209,7 @@ def measure(args: argparse.Namespace) -> None:
         sent = sum(len(level["requests"]) for level in run["levels"])
         client_s = (after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime) / sent
         print(f"\n{name}: the bench client spent {client_s * 1e3:.1f} ms of CPU per request", flush=True)
-        dep = layout_deployment(base, layout, len(cpus))
+        dep = layout_deployment(base, layout, profile.threads or len(cpus), profile.measured_steps())
         if dep.cpu is not None:
             dep = replace(dep, cpu=replace(dep.cpu, cpu_s_per_request=dep.cpu.cpu_s_per_request + client_s))
         rows, errors = compare(run, dep)

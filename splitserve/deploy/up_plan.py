@@ -207,12 +207,16 @@ def plan_layout(args: argparse.Namespace, model_path: str, out: Console) -> Host
     base = host_deployment(model_spec_of(model_path), profile, budget, args.mode)
     layouts = host_layouts(cpus, args.plan_max_engines)
     prompt_tokens = float(make(1.0, 200, 0).prompt.mean())
+    measured_cores = (profile.threads if profile else None) or len(cpus)
+    measured = profile.measured_steps() if profile else {}
     with Console(stderr=True).status(f"simulating {len(layouts)} layouts"):
         ranked = rank_layouts(
-            layouts, base, make, slos, args.rate, prompt_tokens, len(cpus), args.target, PLAN_STEADY_STATE, 4
-        )
+            layouts, base, make, slos, args.rate, prompt_tokens, measured_cores, args.target,
+            PLAN_STEADY_STATE, 4, measured_steps=measured,
+        )  # fmt: skip
+    threads = ", ".join(map(str, sorted(measured))) if measured else f"all {len(cpus)} CPUs (taken as)"
     costs = (
-        f"engine profile {args.profile} (taken as measured on an engine with all {len(cpus)} CPUs)"
+        f"engine profile {args.profile} (steps measured on engines of {threads} threads)"
         if profile
         else "no --profile: the simulator's roofline of the model at its realistic preset on "
         "nominal CPU cores (for measured costs: `splitserve sim calibrate --engine URL --out FILE`)"

@@ -268,6 +268,7 @@ class LLMEngine:
             num_running_decode_blocks=sum(len(r.block_ids) for r in decoding),
             num_borrowed_cpu_steps=self.runner.step_threads.borrowed_steps,
             last_step_borrowed=bool(self.runner.step_threads.borrowed),
+            num_threads=self.runner.step_threads.parallel_threads,
         )
 
     def check_integrity(self) -> None:

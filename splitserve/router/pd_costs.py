@@ -14,7 +14,8 @@
 - Handoff: the proxy times every first token, on both paths. What a path's TTFT spends
   beyond the prefill compute the model predicts for it is that path's fixed cost (HTTP
   hops, the first decode step, the notification); the handoff is the remote path's fixed
-  cost minus the local one's, moving averages both, so it follows the deployment.
+  cost minus the local one's, each the median of its last `FIXED_WINDOW` first tokens, so
+  it follows the deployment and one slow first token does not move it.
 
 A profile (`--pd-cost-profile`) pins the fields it names; measurements fill in the rest,
 and defaults (`CostModel()`) stand until a measurement lands.
@@ -24,23 +25,33 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
+from collections import deque
 
 from splitserve.protocol.pd_decision import CostModel, CostProfile, DecisionInputs, break_even_tokens
 
 MIN_STEP_TOKENS = 128
-SMOOTHING = 0.2  # weight of each new observation in the moving averages
+SMOOTHING = 0.2  # weight of each new observation in the moving average of the prefill cost
+# first tokens whose median is each path's fixed cost: one slow outlier (a fresh stack's
+# first KV transfer took 123 ms against 65 for the next ones) once set a moving average
+# that 9 more first tokens left 10 ms high, and `sim calibrate --pd` read it
+FIXED_WINDOW = 15
 
 
 def _moving_average(previous: float | None, value: float) -> float:
     return value if previous is None else previous + SMOOTHING * (value - previous)
 
 
+def _median(values: deque[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
 class CostCalibrator:
     def __init__(self, profile: CostProfile | None = None) -> None:
         self.profile = profile
         self._prefill_s_per_token: float | None = None
-        self._local_fixed_s: float | None = None
-        self._remote_fixed_s: float | None = None
+        self._local_fixed_s: deque[float] = deque(maxlen=FIXED_WINDOW)
+        self._remote_fixed_s: deque[float] = deque(maxlen=FIXED_WINDOW)
         self._last_steps: dict[str, tuple[float, int]] = {}  # per worker URL: last step seen
 
     def observe_stats(self, url: str, role: str, stats: dict) -> None:
@@ -63,11 +74,11 @@ class CostCalibrator:
         if remote:
             computed = (inputs.prefill_queued_tokens + inputs.uncached_tokens) * costs.prefill_s_per_token
             per_token = inputs.uncached_tokens * costs.handoff_s_per_token
-            self._remote_fixed_s = _moving_average(self._remote_fixed_s, ttft_s - computed - per_token)
+            self._remote_fixed_s.append(ttft_s - computed - per_token)
         else:
             tokens = inputs.decode_queued_tokens + max(1, inputs.uncached_tokens)
             computed = tokens * costs.decode_prefill_s_per_token
-            self._local_fixed_s = _moving_average(self._local_fixed_s, ttft_s - computed)
+            self._local_fixed_s.append(ttft_s - computed)
 
     def forget(self, url: str) -> None:
         self._last_steps.pop(url, None)
@@ -78,10 +89,11 @@ class CostCalibrator:
         if self._prefill_s_per_token is not None:
             out["prefill_s_per_token"] = self._prefill_s_per_token
             out["decode_prefill_s_per_token"] = self._prefill_s_per_token
-        if self._remote_fixed_s is not None:
+        remote = _median(self._remote_fixed_s)
+        if remote is not None:
             # before any local first token, the local path's fixed cost counts as nothing
             # (the handoff is overestimated: fewer requests go remote, never wrongly more)
-            out["handoff_fixed_s"] = max(0.0, self._remote_fixed_s - (self._local_fixed_s or 0.0))
+            out["handoff_fixed_s"] = max(0.0, remote - (_median(self._local_fixed_s) or 0.0))
         return out
 
     def costs(self) -> CostModel:
@@ -107,6 +119,6 @@ class CostCalibrator:
                 for name in dataclasses.asdict(costs)
             },
             "measured": measured,
-            "local_fixed_s": self._local_fixed_s,
-            "remote_fixed_s": self._remote_fixed_s,
+            "local_fixed_s": _median(self._local_fixed_s),
+            "remote_fixed_s": _median(self._remote_fixed_s),
         }

@@ -310,7 +310,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="write samples a GPU at these factors would report (to stdout) instead",
     )
     p.add_argument(
-        "--engine", default=None, metavar="URL", help="measure step times on a live engine instead"
+        "--engine",
+        action="append",
+        default=None,
+        metavar="URL",
+        help="measure step times on a live engine instead; again for engines of other thread "
+        "counts (e.g. one on a single core: the planner's one-core layouts), with --out",
     )
     p.add_argument("--save", default=None, metavar="FILE", help="with --engine: write the measured samples")
     p.add_argument(

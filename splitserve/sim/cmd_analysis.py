@@ -248,19 +248,32 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             raise ValueError("give a JSON file of step times or --engine URL, not both")
         from splitserve.sim.engine_probe import EngineProbe, measure
 
-        with progress(
-            args,
-            len(args.probe_prefill) + len(args.probe_batches) * len(args.probe_contexts),
-            "probing the engine",
-        ) as tick:
-            samples = measure(
-                EngineProbe(args.engine),
-                args.probe_prefill,
-                args.probe_batches,
-                args.probe_contexts,
-                repeats=args.repeats,
-                tick=tick,
+        if len(args.engine) > 1 and not args.out:
+            raise ValueError("several --engine URLs make one profile: give --out FILE")
+        probes = [EngineProbe(url) for url in args.engine]
+        thread_counts = [probe.threads() for probe in probes]
+        if len(set(thread_counts)) < len(probes):
+            raise ValueError(
+                f"each --engine must run on a different number of threads (they run on {thread_counts})"
             )
+        measured: list[tuple[int, list[calibrate.Sample]]] = []
+        for url, probe, count in zip(args.engine, probes, thread_counts, strict=True):
+            # one at a time: each probe's steps alone on the machine
+            with progress(
+                args,
+                len(args.probe_prefill) + len(args.probe_batches) * len(args.probe_contexts),
+                f"probing the engine at {url}",
+            ) as tick:
+                found = measure(
+                    probe,
+                    args.probe_prefill,
+                    args.probe_batches,
+                    args.probe_contexts,
+                    args.repeats,
+                    tick=tick,
+                )
+            measured.append((count, found))
+        threads, samples = measured[0]
         if args.save:
             doc = {"model": model.name, "gpu": gpu.name, "samples": calibrate.samples_to_json(samples)}
             with open(args.save, "w") as f:
@@ -272,7 +285,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     else:
         samples, _ = calibrate.load_samples(args.input)
     if args.out:
-        return write_profile(args, model, gpu, samples)
+        if not args.engine:
+            return write_profile(args, model, gpu, samples)
+        return write_profile(args, model, gpu, samples, threads, dict(measured[1:]))
     res = calibrate.fit(
         rl,
         samples,

@@ -14,7 +14,16 @@ from splitserve.sim.specs import GPUSpec, ModelSpec
 from splitserve.sim.step_model import fit_errors, fit_step_model
 
 
-def write_profile(args: argparse.Namespace, model: ModelSpec, gpu: GPUSpec, samples: list[Sample]) -> int:
+def write_profile(
+    args: argparse.Namespace,
+    model: ModelSpec,
+    gpu: GPUSpec,
+    samples: list[Sample],
+    threads: int | None = None,
+    other_samples: dict[int, list[Sample]] | None = None,
+) -> int:
+    """The profile of `samples` (measured on an engine of `threads`), the tiers `args`
+    names, and the step models of engines of other thread counts."""
     if (args.render or args.pd or args.proxy) and not args.engine:
         raise CalibrationError("--render, --proxy and --pd measure alongside --engine URL")
     cpu = handoff = None
@@ -41,6 +50,8 @@ def write_profile(args: argparse.Namespace, model: ModelSpec, gpu: GPUSpec, samp
             args.pd, fit_step_model(samples), model.kv_bytes_per_token, repeats=args.repeats
         )
     profile = build_profile(samples, model.name, gpu.name, cpu, handoff, model.kv_bytes_per_token)
+    other_steps = {k: fit_step_model(found) for k, found in (other_samples or {}).items()}
+    profile = replace(profile, threads=threads, other_steps=other_steps)
     save_profile(profile, args.out)
     rms, worst = fit_errors(profile.steps, samples)
     s = profile.steps
@@ -53,9 +64,19 @@ def write_profile(args: argparse.Namespace, model: ModelSpec, gpu: GPUSpec, samp
             f"B={b}: {t * 1e3:.2f} ms" for b, t in zip(s.decode_batches, s.decode_base_s, strict=True)
         )
         + f" + {s.decode_s_per_context_token * 1e9:.1f} ns per context token",
-        f"  fit error: rms {rms:.1%}, max {worst:.1%}",
+        f"  fit error: rms {rms:.1%}, max {worst:.1%}"
+        + (f" (an engine of {threads} threads)" if threads else ""),
         f"  P/D decision: prefill {profile.pd_costs['prefill_s_per_token'] * 1e6:.2f} us/token",
     ]
+    for k, other in sorted(other_steps.items()):
+        lines.append(
+            f"  on {k} thread(s): prefill {other.prefill_fixed_s * 1e3:.2f} ms + "
+            f"{other.prefill_s_per_token * 1e6:.2f} us/token; decode "
+            + ", ".join(
+                f"B={b}: {t * 1e3:.2f} ms"
+                for b, t in zip(other.decode_batches, other.decode_base_s, strict=True)
+            )
+        )
     if cpu is not None:
         lines.append(
             f"  render   {cpu.render_s_per_request * 1e3:.2f} ms/request"

@@ -55,6 +55,14 @@ class EngineProbe:
     def health(self) -> None:
         self._call("/health")
 
+    def threads(self) -> int:
+        """The threads the engine's steps run on."""
+        stats = json.loads(self._call("/inference/v1/stats"))
+        threads = stats.get("num_threads") if isinstance(stats, dict) else None
+        if not isinstance(threads, int) or threads < 1:
+            raise CalibrationError(f"{self.url}/inference/v1/stats reports no num_threads")
+        return threads
+
     def step_counters(self) -> dict[str, float]:
         found = {}
         for line in self._call("/metrics").decode().splitlines():

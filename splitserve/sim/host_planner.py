@@ -6,11 +6,15 @@ N`, the first a `serve`-like stack), or P prefill and D decode engines. The host
 are split evenly, each engine pinned to its own (none pinned when one engine has them
 all); the render tier and the proxy run on every core, as without `--cpu-affinity`.
 
-An engine of k cores is simulated as follows. With a measured profile (`sim calibrate`,
-taken on an engine that had `measured_cores` CPUs): its fitted step times, the work that
-grows with the tokens (per prompt token, per attention pair, per cached context token)
-divided by k / measured_cores, the fixed costs (a step's own, a decode batch's base) not,
-since a step of few tokens runs on one thread anyway (config.ModelConfig.serial_step_tokens).
+An engine of k cores is simulated as follows. With a measured profile (`sim calibrate`):
+the step times measured on an engine of k threads where the profile has them (`sim
+calibrate --engine URL --engine URL1`, one engine per thread count); else those taken on an
+engine of `measured_cores` (the profile's recorded threads, or every CPU here), the work
+that grows with the tokens (per prompt token, per attention pair, per cached context
+token) divided by k / measured_cores, the fixed costs (a step's own, a decode batch's base)
+not. That scaling is rough: measured on the bench model, a one-thread engine's batch-1
+decode step took 3.0 ms against 2.0 on two threads (a step of few tokens runs on every
+thread unless `--serial-step-tokens` says otherwise), which the scaling keeps at 2.0.
 Without one, the roofline of the model's config.json at the realistic preset (what `sim
 plan` uses without `--profile`) on k cores of CPU_CORE's figures.
 
@@ -26,7 +30,7 @@ target, the ranking is by attainment at the rate and nothing is picked.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import NamedTuple
 
@@ -156,15 +160,23 @@ def host_deployment(
     )
 
 
-def layout_deployment(base: Deployment, layout: HostLayout, measured_cores: int) -> Deployment:
-    """`base` run as `layout`: its engine counts, each engine on its share of the cores."""
+def layout_deployment(
+    base: Deployment,
+    layout: HostLayout,
+    measured_cores: int,
+    measured_steps: Mapping[int, StepModel] | None = None,
+) -> Deployment:
+    """`base` run as `layout`: its engine counts, each engine on its share of the cores
+    (with the steps measured on that many threads, if `measured_steps` has them)."""
     cores = layout.cores_per_engine
     # the tiers run on every core: an engine stalls while its cores run their work (a share
     # cores / host cores of it), and a k-thread engine loses k times that: its other threads
     # wait at the step's next barrier (measured: a 2-thread serve-like engine's steps ran
     # 13 s beyond the profile's during 6.4 s of the tiers' and the client's CPU)
     dep = replace(base, gpu=cores_spec(cores), cpu_loss=cores / layout.engines)
-    if base.steps is not None:
+    if measured_steps and cores in measured_steps:
+        dep = replace(dep, steps=measured_steps[cores])
+    elif base.steps is not None:
         dep = replace(dep, steps=steps_on_cores(base.steps, measured_cores, cores))
     if layout.prefill == 0:
         return replace(dep, mode="collocated", replicas=layout.decode)
@@ -191,12 +203,13 @@ def rank_layouts(
     cfg: SteadyState = SteadyState(),
     iters: int = 5,
     tick: Callable[[], None] | None = None,
+    measured_steps: Mapping[int, StepModel] | None = None,
 ) -> list[RankedLayout]:
     """Each layout's predicted attainment at `rate` and goodput, best first: the pick
     (if any meets the target) is the first."""
     ranked: list[RankedLayout] = []
     for layout in layouts:
-        dep = layout_deployment(base, layout, measured_cores)
+        dep = layout_deployment(base, layout, measured_cores, measured_steps)
         capacity = prefill_capacity(dep, layout, prompt_tokens)
         if capacity < rate:
             ranked.append(RankedLayout(layout, 0.0, 0.0, 0.0, False, None, "prefill-bound"))

@@ -7,6 +7,8 @@ FILE`) and the proxy (`splitserve proxy --pd-cost-profile FILE`) read.
      "handoff_fixed_s": ..., "handoff_s_per_token": ...,               # (protocol/pd_decision.py)
      "sim": {"version": 1,
              "steps": {...step_model.py's fitted prefill and decode step times...},
+             "threads": N,   # the threads of the engine those steps were measured on
+             "steps_by_threads": {"1": {...}, ...},   # other engines' (calibrate --engine x2)
              "cpu": {"render_s_per_request": ..., "render_s_per_token": ...,
                      "proxy_s_per_request": ..., "cpu_s_per_request": ...,
                      "cpu_s_per_remote_request": ..., "cpu_s_per_step": ...,
@@ -66,6 +68,12 @@ class EngineProfile:
     handoff_s_per_byte: float | None = None
     model: str | None = None
     gpu: str | None = None
+    threads: int | None = None  # of the engine `steps` was measured on (None: not recorded)
+    other_steps: dict[int, StepModel] = field(default_factory=dict)  # engines of other thread counts
+
+    def measured_steps(self) -> dict[int, StepModel]:
+        """Every step model measured, by the engine's thread count."""
+        return {**self.other_steps, **({self.threads: self.steps} if self.threads else {})}
 
     def decision_costs(self) -> CostModel:
         """The P/D decision's costs: the named fields, the rest from the step model."""
@@ -78,6 +86,10 @@ class EngineProfile:
 
     def to_json(self) -> dict:
         sim: dict = {"version": PROFILE_VERSION, "steps": self.steps.to_json()}
+        if self.threads:
+            sim["threads"] = self.threads
+        if self.other_steps:
+            sim["steps_by_threads"] = {str(k): v.to_json() for k, v in sorted(self.other_steps.items())}
         if self.samples:
             rms, worst = fit_errors(self.steps, list(self.samples))
             sim["fit"] = {"rms_rel_error": rms, "max_rel_error": worst, "samples": len(self.samples)}
@@ -173,6 +185,15 @@ def parse_profile(data: object, source: str = "profile") -> EngineProfile:
             )
         cpu = CpuCosts(**{name: _number(c, name, f"{source} sim.cpu") for name in CPU_FIELDS})
     handoff = sim.get("handoff") if isinstance(sim.get("handoff"), dict) else None
+    threads = sim.get("threads")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise CalibrationError(f"{source}: sim.threads must be an integer >= 1")
+    by_threads = sim.get("steps_by_threads", {})
+    if not isinstance(by_threads, dict) or not all(k.isdigit() and int(k) >= 1 for k in by_threads):
+        raise CalibrationError(f'{source}: sim.steps_by_threads maps thread counts ("1", ...) to step models')
+    other_steps = {
+        int(k): StepModel.from_json(v, f"{source} sim.steps_by_threads.{k}") for k, v in by_threads.items()
+    }
     profile = EngineProfile(
         steps,
         tuple(samples),
@@ -182,6 +203,8 @@ def parse_profile(data: object, source: str = "profile") -> EngineProfile:
         _number(handoff, "s_per_byte", source + " sim.handoff") if handoff else None,
         data.get("model") if isinstance(data.get("model"), str) else None,
         data.get("gpu") if isinstance(data.get("gpu"), str) else None,
+        threads,
+        other_steps,
     )
     try:
         profile.decision_costs()

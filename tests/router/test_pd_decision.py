@@ -219,6 +219,11 @@ def test_the_handoff_is_what_the_remote_path_spends_beyond_the_local_one():
     assert snapshot["source"]["handoff_fixed_s"] == "measured"
     assert snapshot["source"]["prefill_s_per_token"] == "profile"
     assert snapshot["break_even_tokens_idle"] == math.ceil(0.02 / 30e-6)
+    # one slow first token (a fresh stack's first KV transfer) does not move the median
+    calibrator.observe_first_token(idle(1000), remote=True, ttft_s=0.155)
+    for _ in range(2):
+        calibrator.observe_first_token(idle(1000), remote=True, ttft_s=0.055)
+    assert calibrator.costs().handoff_fixed_s == pytest.approx(0.020)
     pinned = CostCalibrator(parse_cost_profile({"handoff_fixed_s": 0.5}))
     pinned.observe_first_token(idle(1000), remote=True, ttft_s=0.055)
     assert pinned.costs().handoff_fixed_s == 0.5 and pinned.measured()["handoff_fixed_s"] > 0

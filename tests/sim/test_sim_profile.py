@@ -5,6 +5,7 @@ tiny model, the file read by `--profile` (simulator, planner) and by the proxy's
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import subprocess
 import threading
@@ -17,7 +18,7 @@ from splitserve.cli import main
 from splitserve.protocol.pd_decision import load_cost_profile
 from splitserve.runtime.access import INTERNAL_TOKEN_ENV
 from splitserve.sim.profile import load_profile
-from tests.conftest import free_port, running_server, running_servers
+from tests.conftest import free_port, running_servers
 from tests.sim.test_sim_cli import run_sim
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -323,35 +324,64 @@ def test_conditional_pd_in_the_simulator(tiny_model: str, tmp_path: Path):
 # ---- the tiers around the engines ----------------------------------------------------------
 
 
-def test_calibrate_measures_the_tiers_cpu_on_a_pd_stack(tiny_model: str, tmp_path: Path, monkeypatch, capsys):
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a one-core engine beside one of every core")
+def test_calibrate_measures_the_tiers_cpu_and_engines_of_two_thread_counts(
+    tiny_model: str, tmp_path: Path, monkeypatch, capsys
+):
     """`--proxy` reads `up`'s proxy and render tier CPU (their process_cpu_seconds_total)
-    around loads of known shape; the engines' and render tier's /metrics need the
-    deployment's token, and without it the calibration says so."""
+    around loads of known shape; `--engine` twice measures engines of two thread counts
+    (an `engine` on every core, and `up`'s decode pinned to one). The engines' and
+    the render tier's /metrics need the deployment's token, and without it calibrating says so."""
     host = write(tmp_path / "host.json", HOST)
     out = tmp_path / "profile.json"
     port = free_port()
     token = secrets.token_urlsafe(16)
+    cpus = sorted(os.sched_getaffinity(0))
     args = ["up", tiny_model, "--port", str(port), "--prefill", "1", "--decode", "1", "--num-blocks", "256",
-            "--pd-decision", "threshold", "--min-prefill-tokens", "64"]  # fmt: skip
+            "--pd-decision", "threshold", "--min-prefill-tokens", "64",
+            "--cpu-affinity", f"decode-0={cpus[0]}"]  # fmt: skip
     env = {INTERNAL_TOKEN_ENV: token, **REFERENCE_KERNELS}
-    with running_server(args, port, timeout=180, env=env) as base:
+    engine_port = free_port()
+    engine_args = ["engine", tiny_model, "--port", str(engine_port), "--log-level", "warning"]
+    with (
+        running_servers([(args, port)], timeout=180, env=env) as (base,),
+        running_servers([(engine_args, engine_port)], env=REFERENCE_KERNELS) as (engine,),
+    ):
         workers = httpx.get(f"{base}/workers", timeout=10).json()
-        (decode,) = [w["url"] for w in workers["workers"] if w["role"] == "decode"]
-        calibrate = ["sim", "calibrate", "--engine", decode, "--proxy", base, "--model", tiny_model,
-                     "--gpu", host, "--out", str(out), "--probe-prefill", "32,512,1024",
-                     "--probe-batches", "1,4", "--probe-contexts", "64", "--repeats", "2"]  # fmt: skip
+        urls = {w["role"]: w["url"] for w in workers["workers"]}
+        probe = [
+            "--probe-prefill",
+            "32,512,1024",
+            "--probe-batches",
+            "1,4",
+            "--probe-contexts",
+            "64",
+            "--repeats",
+            "2",
+        ]
+        calibrate = ["sim", "calibrate", "--engine", engine, "--engine", urls["decode"],
+                     "--proxy", base, "--model", tiny_model, "--gpu", host, "--out", str(out),
+                     *probe]  # fmt: skip
         monkeypatch.delenv(INTERNAL_TOKEN_ENV, raising=False)
         assert main(calibrate) == 2
         assert "SPLITSERVE_INTERNAL_TOKEN" in capsys.readouterr().err
         monkeypatch.setenv(INTERNAL_TOKEN_ENV, token)
+        twice = ["sim", "calibrate", "--engine", urls["decode"], "--engine", urls["decode"],
+                 "--model", tiny_model, "--gpu", host, "--out", str(out)]  # fmt: skip
+        assert main(twice) == 2
+        assert "each --engine must run on a different number of threads" in capsys.readouterr().err
         assert main(calibrate) == 0, capsys.readouterr().err
         routed = httpx.get(f"{base}/metrics", timeout=10).text
-    cpu = load_profile(str(out)).cpu
+    profile = load_profile(str(out))
+    assert profile.threads == len(cpus) and set(profile.measured_steps()) == {1, len(cpus)}
+    assert profile.measured_steps()[1].prefill_s(1024) > profile.measured_steps()[1].prefill_s(32) > 0
+    cpu = profile.cpu
     assert cpu is not None
-    # every request and every streamed token costs the tiers CPU; a prompt through the
-    # prefill worker costs more than one decode keeps (the loads sent both)
+    # every request and every streamed token costs the tiers CPU; the loads sent prompts
+    # through the prefill worker too
     assert cpu.cpu_s_per_request > 0 and cpu.cpu_s_per_token > 0, cpu
     assert cpu.cpu_s_per_request + cpu.cpu_s_per_remote_request > 0, cpu
     assert 'splitserve_proxy_requests_total{path="pd_push"}' in routed
     assert "process_cpu_seconds_total" in routed
-    assert "tiers' CPU" in capsys.readouterr().out
+    output = capsys.readouterr().out
+    assert "tiers' CPU" in output and "on 1 thread(s)" in output
