@@ -269,7 +269,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
                     args.probe_prefill,
                     args.probe_batches,
                     args.probe_contexts,
-                    args.repeats,
+                    repeats=args.repeats,
                     tick=tick,
                 )
             measured.append((count, found))

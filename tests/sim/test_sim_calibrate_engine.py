@@ -99,6 +99,8 @@ def engine_url():
                 self._send(200, b'{"status": "ok"}')
             elif self.path == "/metrics":
                 self._send(200, engine.metrics_text().encode(), "text/plain")
+            elif self.path == "/inference/v1/stats":  # calibrate keys the profile by the threads
+                self._send(200, b'{"num_threads": 1}')
             else:
                 self._send(404, b"{}")
 
