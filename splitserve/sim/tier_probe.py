@@ -33,6 +33,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from splitserve.router.pd_costs import FIXED_WINDOW
 from splitserve.sim.calibrate import CalibrationError
 from splitserve.sim.engine_probe import http_error, run_together
 from splitserve.sim.profile import CpuCosts
@@ -152,6 +153,15 @@ def measure_tiers(url: str, steps: StepModel, render: CpuCosts | None, timeout_s
     has_prefill = any(w.get("role") == "prefill" for w in workers)
     internal = internal_headers()
 
+    # a decode engine of one thread spends its process CPU beyond its steps' time on its
+    # API (each request's stream, scheduling between steps): the tiers' cost too. (Not a
+    # prefill engine's: in `up`'s calibration layout it shares its core with the proxy, and
+    # its steps' wall time counts the time they waited for it.)
+    single = [
+        url for url in streaming
+        if json.loads(_get_text(url + "/inference/v1/stats", internal, timeout_s)).get("num_threads") == 1
+    ]  # fmt: skip
+
     def read() -> _Reading:
         proxy = _get_text(base + "/metrics", {}, timeout_s)
         cpu = _metric(proxy, "process_cpu_seconds_total")
@@ -159,10 +169,15 @@ def measure_tiers(url: str, steps: StepModel, render: CpuCosts | None, timeout_s
             _metric(_get_text(r + "/metrics", internal, timeout_s), "process_cpu_seconds_total")
             for r in state["render"]
         )
-        steps_done = sum(
-            _metric(_get_text(w + "/metrics", internal, timeout_s), "splitserve_step_time_seconds_count")
-            for w in streaming
-        )
+        steps_done = 0.0
+        for worker in workers:
+            text = _get_text(worker["url"] + "/metrics", internal, timeout_s)
+            if worker["url"] in streaming:
+                steps_done += _metric(text, "splitserve_step_time_seconds_count")
+            if worker["url"] in single:
+                cpu += _metric(text, "process_cpu_seconds_total") - _metric(
+                    text, "splitserve_step_time_seconds_sum"
+                )
         remote = _metric(proxy, "splitserve_proxy_requests_total", 'path="pd_')
         return _Reading(cpu, steps_done, remote, time.perf_counter())
 
@@ -223,13 +238,17 @@ def measure_handoff(
     """(fixed seconds, seconds per KV byte) of the P/D handoff."""
     base = url.rstrip("/")
     rng = random.Random(1)
-    for _ in range(repeats):  # short prompts stay on decode: the proxy's local fixed cost
+    # The proxy's fixed costs are medians of each path's last FIXED_WINDOW first tokens:
+    # enough requests alone on each path that none sent under load (`--proxy`'s loads run
+    # first) is among them.
+    for _ in range(FIXED_WINDOW):  # short prompts stay on decode: the local fixed cost
         body = {"prompt": [rng.randrange(10, 250) for _ in range(16)], "max_tokens": 1, "temperature": 0}
         _post(base + "/v1/completions", body, timeout_s)
     sizes, excess = [], []
+    per_size = max(repeats, -(-FIXED_WINDOW // len(prompt_tokens)))
     for n in prompt_tokens:
         best = float("inf")
-        for _ in range(repeats):
+        for _ in range(per_size):
             body = {"prompt": [rng.randrange(10, 250) for _ in range(n)], "max_tokens": 1, "temperature": 0}
             start = time.perf_counter()
             _post(base + "/v1/completions", body, timeout_s)
