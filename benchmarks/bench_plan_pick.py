@@ -69,7 +69,8 @@ def calibrate(args: argparse.Namespace, model: Path, dtype: str, out: Path) -> N
     ports = [free_port() for _ in range(3)]
     cpus = sorted(os.sched_getaffinity(0))
     pinned = f"prefill={cpus[0]},decode={cpus[-1]},render={cpus[0]},proxy={cpus[0]}"
-    # the probe reads the stack's engines' and render tier's /metrics (their CPU, steps)
+    # the probe reads the stack's engines' and render tier's /metrics (their CPU, steps);
+    # no lending, so that the prefill engine's CPU is its own thread's and its API's
     env = {INTERNAL_TOKEN_ENV: secrets.token_hex(16)}
     with contextlib.ExitStack() as stack:
         engine = stack.enter_context(
@@ -84,7 +85,7 @@ def calibrate(args: argparse.Namespace, model: Path, dtype: str, out: Path) -> N
         )
         up = splitserve(
             "up", str(model), "--port", str(ports[2]), "--prefill", "1", "--decode", "1",
-            "--cpu-affinity", pinned, *flags,
+            "--cpu-affinity", pinned, "--no-lend-idle-cpus", *flags,
         )  # fmt: skip
         pd = stack.enter_context(served(up, ports[2], "up-pd", env))
         # its decode engine runs on one pinned core: the step times of one-core layouts

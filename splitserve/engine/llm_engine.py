@@ -87,6 +87,9 @@ class LLMEngine:
             connector.register_kv_cache(self.kv_cache, runner.block_size)
         self.pending_outputs: list[RequestOutput] = []
         self.last_step_time_s = 0.0
+        # the engine thread's CPU time in steps: a one-thread engine's process CPU beyond it
+        # is its API's (the tiers' share `sim calibrate --proxy` measures)
+        self.step_thread_cpu_s = 0.0
         self.last_step_tokens = 0
         self.num_steps = 0  # steps that ran the model
         self.eos_token_ids = frozenset(self.model_info.eos_token_ids)
@@ -209,7 +212,7 @@ class LLMEngine:
         self.block_manager.evict_expired()
         outputs, self.pending_outputs = self.pending_outputs, []
         self.poll_connector()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.thread_time()
         scheduler_output = self.scheduler.schedule()
         outputs.extend(request_output(request) for request in scheduler_output.too_long)
         if not scheduler_output.scheduled:
@@ -229,6 +232,7 @@ class LLMEngine:
             logprobs = [sampled.logprobs] if sampled.logprobs else None
             outputs.append(request_output(sampled.request, [sampled.token_id], logprobs))
         self.last_step_time_s = time.perf_counter() - start
+        self.step_thread_cpu_s += time.thread_time() - cpu_start
         self.last_step_tokens = scheduler_output.num_tokens
         self.num_steps += 1
         return outputs
@@ -269,6 +273,7 @@ class LLMEngine:
             num_borrowed_cpu_steps=self.runner.step_threads.borrowed_steps,
             last_step_borrowed=bool(self.runner.step_threads.borrowed),
             num_threads=self.runner.step_threads.parallel_threads,
+            step_thread_cpu_s=self.step_thread_cpu_s,
         )
 
     def check_integrity(self) -> None:

@@ -60,3 +60,4 @@ class EngineStats(NamedTuple):
     num_borrowed_cpu_steps: int = 0  # steps run on an idle lender's CPUs too (cpu_lending.py)
     last_step_borrowed: bool = False  # the last step among them: its time is not this engine's own
     num_threads: int = 0  # threads a step runs on (its own CPUs'; `sim calibrate` keys profiles by it)
+    step_thread_cpu_s: float = 0.0  # the engine thread's CPU time in steps, all steps so far

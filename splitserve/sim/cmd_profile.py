@@ -27,6 +27,10 @@ def write_profile(
     if (args.render or args.pd or args.proxy) and not args.engine:
         raise CalibrationError("--render, --proxy and --pd measure alongside --engine URL")
     cpu = handoff = None
+    primary = fit_step_model(samples)
+    other_steps = {k: fit_step_model(found) for k, found in (other_samples or {}).items()}
+    # what the stack's own engines' steps take, where their thread counts were measured
+    by_threads = {**other_steps, **({threads: primary} if threads else {})}
     if args.render:
         from splitserve.sim.tier_probe import measure_render
 
@@ -34,7 +38,7 @@ def write_profile(
     if args.proxy:
         from splitserve.sim.tier_probe import measure_tiers
 
-        tiers = measure_tiers(args.proxy, fit_step_model(samples), cpu)
+        tiers = measure_tiers(args.proxy, by_threads, primary, cpu)
         cpu = replace(
             cpu or CpuCosts(),
             proxy_s_per_request=tiers.delay_s,
@@ -47,10 +51,9 @@ def write_profile(
         from splitserve.sim.tier_probe import measure_handoff
 
         handoff = measure_handoff(
-            args.pd, fit_step_model(samples), model.kv_bytes_per_token, repeats=args.repeats
+            args.pd, by_threads, primary, model.kv_bytes_per_token, repeats=args.repeats
         )
     profile = build_profile(samples, model.name, gpu.name, cpu, handoff, model.kv_bytes_per_token)
-    other_steps = {k: fit_step_model(found) for k, found in (other_samples or {}).items()}
     profile = replace(profile, threads=threads, other_steps=other_steps)
     save_profile(profile, args.out)
     rms, worst = fit_errors(profile.steps, samples)

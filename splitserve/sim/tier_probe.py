@@ -28,7 +28,7 @@ import random
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -138,7 +138,29 @@ def _metric(text: str, name: str, labels: str = "") -> float:
     return total
 
 
-def measure_tiers(url: str, steps: StepModel, render: CpuCosts | None, timeout_s: float = 120.0) -> TierCosts:
+def worker_steps(
+    base: str, role: str, by_threads: Mapping[int, StepModel], fallback: StepModel, timeout_s: float
+) -> StepModel:
+    """The step model of the stack's first `role` worker: the one measured at its thread
+    count, else `fallback`."""
+    from splitserve.runtime.access import internal_headers
+
+    state = _post(base + "/workers", None, timeout_s)
+    workers = state.get("workers") if isinstance(state, dict) else None
+    for worker in workers or []:
+        if worker.get("role") == role:
+            text = _get_text(worker["url"] + "/inference/v1/stats", internal_headers(), timeout_s)
+            return by_threads.get(json.loads(text).get("num_threads"), fallback)
+    return fallback
+
+
+def measure_tiers(
+    url: str,
+    by_threads: Mapping[int, StepModel],
+    fallback: StepModel,
+    render: CpuCosts | None,
+    timeout_s: float = 120.0,
+) -> TierCosts:
     """What `up`'s proxy and render tier cost: the delay a request meets before the engine,
     and the CPU they take per request, per remote request, per streaming step and per token,
     read from their `process_cpu_seconds_total` around loads of known shape."""
@@ -153,14 +175,14 @@ def measure_tiers(url: str, steps: StepModel, render: CpuCosts | None, timeout_s
     has_prefill = any(w.get("role") == "prefill" for w in workers)
     internal = internal_headers()
 
-    # a decode engine of one thread spends its process CPU beyond its steps' time on its
-    # API (each request's stream, scheduling between steps): the tiers' cost too. (Not a
-    # prefill engine's: in `up`'s calibration layout it shares its core with the proxy, and
-    # its steps' wall time counts the time they waited for it.)
-    single = [
-        url for url in streaming
-        if json.loads(_get_text(url + "/inference/v1/stats", internal, timeout_s)).get("num_threads") == 1
-    ]  # fmt: skip
+    # an engine of one thread spends its process CPU beyond its engine thread's in steps on
+    # its API (each request's stream, the KV it pushes or takes in): the tiers' cost too (a
+    # prefill engine that borrows an idle decode's CPUs counts their threads' CPU as well:
+    # calibrate a stack started with --no-lend-idle-cpus)
+    def threads(url: str) -> object:
+        return json.loads(_get_text(url + "/inference/v1/stats", internal, timeout_s)).get("num_threads")
+
+    single = [w["url"] for w in workers if threads(w["url"]) == 1]
 
     def read() -> _Reading:
         proxy = _get_text(base + "/metrics", {}, timeout_s)
@@ -175,9 +197,8 @@ def measure_tiers(url: str, steps: StepModel, render: CpuCosts | None, timeout_s
             if worker["url"] in streaming:
                 steps_done += _metric(text, "splitserve_step_time_seconds_count")
             if worker["url"] in single:
-                cpu += _metric(text, "process_cpu_seconds_total") - _metric(
-                    text, "splitserve_step_time_seconds_sum"
-                )
+                cpu += _metric(text, "process_cpu_seconds_total")
+                cpu -= _metric(text, "splitserve_step_thread_cpu_seconds_total")
         remote = _metric(proxy, "splitserve_proxy_requests_total", 'path="pd_')
         return _Reading(cpu, steps_done, remote, time.perf_counter())
 
@@ -200,7 +221,8 @@ def measure_tiers(url: str, steps: StepModel, render: CpuCosts | None, timeout_s
         one(16, 1)
         delay = min(delay, time.perf_counter() - start)
     before_engine = render.delay_s(16) if render is not None else 0.0
-    delay = max(0.0, delay - steps.prefill_s(16) - before_engine)
+    local = worker_steps(base, "decode", by_threads, fallback, timeout_s)
+    delay = max(0.0, delay - local.prefill_s(16) - before_engine)
 
     idle = read()
     time.sleep(1.0)  # the tiers' background (health checks, event feeds) per second
@@ -229,7 +251,8 @@ def measure_tiers(url: str, steps: StepModel, render: CpuCosts | None, timeout_s
 
 def measure_handoff(
     url: str,
-    steps: StepModel,
+    by_threads: Mapping[int, StepModel],
+    fallback: StepModel,
     kv_bytes_per_token: int,
     prompt_tokens: Sequence[int] = (256, 1024, 2048),
     repeats: int = 3,
@@ -237,6 +260,7 @@ def measure_handoff(
 ) -> tuple[float, float]:
     """(fixed seconds, seconds per KV byte) of the P/D handoff."""
     base = url.rstrip("/")
+    steps = worker_steps(base, "prefill", by_threads, fallback, timeout_s)
     rng = random.Random(1)
     # The proxy's fixed costs are medians of each path's last FIXED_WINDOW first tokens:
     # enough requests alone on each path that none sent under load (`--proxy`'s loads run

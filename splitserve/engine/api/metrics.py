@@ -87,6 +87,11 @@ class _EngineStatsCollector(Collector):
             f"{PREFIX}_num_preemptions", "Requests preempted (recomputed).", s.num_preemptions
         )
         yield CounterMetricFamily(
+            f"{PREFIX}_step_thread_cpu_seconds",
+            "CPU time of the engine thread in steps (its OpenMP workers' not included).",
+            s.step_thread_cpu_s,
+        )
+        yield CounterMetricFamily(
             f"{PREFIX}_cpu_borrowed_steps",
             "Steps run on an idle lender's CPUs as well as this engine's own.",
             s.num_borrowed_cpu_steps,
