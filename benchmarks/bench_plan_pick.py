@@ -21,7 +21,7 @@ Last: per rate, the pick's measured goodput against the best measured layout's, 
 whether it is within 10% (the planner issue's must-hold). The peer is the measured best
 layout, in the same run.
 
-    .venv/bin/python benchmarks/bench_plan_pick.py [--model bench|smollm2|DIR] [--rates 2 12]
+    .venv/bin/python benchmarks/bench_plan_pick.py [--model bench|smollm2|DIR] [--rates 12 16]
 """
 
 from __future__ import annotations
@@ -171,7 +171,7 @@ def measure_layout(
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="bench", help="bench, smollm2, or a model directory")
-    parser.add_argument("--rates", type=float, nargs=2, default=[2.0, 12.0])
+    parser.add_argument("--rates", type=float, nargs=2, default=[12.0, 16.0])
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--slo-ttft-ms", type=int, default=500)

@@ -12,8 +12,12 @@ their public HTTP APIs (standard library only):
   prompts of one token and of 48 at 8 concurrent and at 1, and long prompts that a
   prefill worker takes where there is one), less their idle background, fitted to
   requests, remote requests, the decode workers' steps (their step counts) and tokens.
+  A one-thread engine's process CPU beyond its engine thread's in steps (its API, the KV
+  it pushes) counts too. Prefill and delay are timed against the steps measured at the
+  stack's own workers' thread counts (`--engine` twice), where the profile has them.
 - `--pd URL`: a P/D proxy's handoff. Requests of several prompt lengths go through its
-  /v1/completions (one output token each; short ones first, which stay on decode); the
+  /v1/completions (one output token each; short ones first, which stay on decode; as many
+  on each path as the proxy's median window, router/pd_costs.FIXED_WINDOW); the
   proxy times every first token on both paths and keeps what the remote path spends
   beyond the local one (router/pd_costs.py), which
   `GET /workers` reports; that measured `handoff_fixed_s` is the profile's fixed cost. The
