@@ -301,18 +301,15 @@ class _Sim:
             self.wake(e, t)
 
     def enqueue_prefill(self, e: Engine, rid: int, cached: int) -> None:
-        """`rid`'s prompt onto `e`. The tiers share the host's cores: a busy engine loses the
-        CPU the proxy and render tier spend on the request (more on the P/D path, whose
-        prompts go to prefill workers); an idle one lost nothing."""
-        cpu = self.dep.cpu
-        if cpu is not None:
+        """`rid`'s prompt onto `e`; the tiers' CPU for it (more on the P/D path) is charged."""
+        if (cpu := self.dep.cpu) is not None:
             remote = cpu.cpu_s_per_remote_request if e.role == "prefill" else 0.0
             self.charge_others(None, cpu.cpu_s_per_request + remote)
         e.enqueue_prefill(rid, cached)
 
     def charge_others(self, source: Engine | None, cpu_s: float) -> None:
         """The tiers spent `cpu_s` of CPU, on every core: each busy engine but `source`
-        (which has its share in its own step) loses its share of it."""
+        (which has its share in its own step) loses its share of it; an idle one nothing."""
         for other in self.engines:
             if other is not source and other.busy_until is not None:
                 other.charge_cpu(self.dep.cpu_loss * cpu_s)
