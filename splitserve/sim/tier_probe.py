@@ -39,7 +39,7 @@ import numpy as np
 
 from splitserve.router.pd_costs import FIXED_WINDOW
 from splitserve.sim.calibrate import CalibrationError
-from splitserve.sim.engine_probe import http_error, run_together
+from splitserve.sim.engine_probe import EngineProbe, http_error, run_together
 from splitserve.sim.profile import CpuCosts
 from splitserve.sim.step_model import StepModel
 
@@ -147,14 +147,11 @@ def worker_steps(
 ) -> StepModel:
     """The step model of the stack's first `role` worker: the one measured at its thread
     count, else `fallback`."""
-    from splitserve.runtime.access import internal_headers
-
     state = _post(base + "/workers", None, timeout_s)
     workers = state.get("workers") if isinstance(state, dict) else None
     for worker in workers or []:
         if worker.get("role") == role:
-            text = _get_text(worker["url"] + "/inference/v1/stats", internal_headers(), timeout_s)
-            return by_threads.get(json.loads(text).get("num_threads"), fallback)
+            return by_threads.get(EngineProbe(worker["url"], timeout_s).threads(), fallback)
     return fallback
 
 
@@ -183,10 +180,7 @@ def measure_tiers(
     # its API (each request's stream, the KV it pushes or takes in): the tiers' cost too (a
     # prefill engine that borrows an idle decode's CPUs counts their threads' CPU as well:
     # calibrate a stack started with --no-lend-idle-cpus)
-    def threads(url: str) -> object:
-        return json.loads(_get_text(url + "/inference/v1/stats", internal, timeout_s)).get("num_threads")
-
-    single = [w["url"] for w in workers if threads(w["url"]) == 1]
+    single = [w["url"] for w in workers if EngineProbe(w["url"], timeout_s).threads() == 1]
 
     def read() -> _Reading:
         proxy = _get_text(base + "/metrics", {}, timeout_s)
