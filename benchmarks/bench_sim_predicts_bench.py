@@ -167,7 +167,9 @@ def measure(args: argparse.Namespace) -> None:
     profile_path = folder / "profile.json"
     calibrate(args, model, dtype, profile_path)
     profile = load_profile(str(profile_path))
-    base = host_deployment(load_model_spec(str(model)), profile, args.budget)
+    base = host_deployment(
+        load_model_spec(str(model)), profile, SchedulerConfig(max_num_batched_tokens=args.budget)
+    )
     flags = ["--dtype", dtype, "--max-model-len", str(args.max_model_len), "--log-level", "warning"]
     half = len(cpus) // 2
     # `up --plan`'s layouts (its proxy and render tier are what the profile's CPU figures

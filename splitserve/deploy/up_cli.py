@@ -20,7 +20,7 @@ import sys
 
 from rich.console import Console
 
-from splitserve.config import KV_CACHE_DTYPES
+from splitserve.config import KV_CACHE_DTYPES, UP_LONG_PREFILL_TOKEN_THRESHOLD
 from splitserve.deploy.cpu_affinity import parse_cpu_affinity
 from splitserve.deploy.local_stack import LocalStack, remove_stale_directories
 from splitserve.deploy.plan import deployment_secrets, part_names, plan_from_args, up_replicas
@@ -156,9 +156,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument(
-        "--long-prefill-token-threshold", type=int, default=32,
+        "--long-prefill-token-threshold", type=int, default=None,
         help="engines: a prompt computes at most this many tokens in a step that carries "
-        "decodes, so a local prefill on decode stalls its streams a chunk at a time (0: no cap)",
+        "decodes, so a local prefill on decode stalls its streams a chunk at a time (0: no cap; "
+        f"default {UP_LONG_PREFILL_TOKEN_THRESHOLD} behind a prefill tier, none without one)",
     )  # fmt: skip
     parser.add_argument(
         "--dtype", choices=["float32", "bfloat16", "float16"], default=None,

@@ -23,6 +23,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from splitserve.config import SchedulerConfig
 from splitserve.goodput import SLO, SLO_AVERAGE, SLO_WORST_GAP, parse_duration
 from splitserve.sim.host_planner import (
     DEFAULT_MAX_ENGINES,
@@ -203,8 +204,10 @@ def plan_layout(args: argparse.Namespace, model_path: str, out: Console) -> Host
     profile = load_profile(args.profile) if args.profile else None
     make, lengths_text = workload_of(args.lengths)
     slos = slos_of(args)
-    budget = args.max_num_batched_tokens or 2048  # the engines' default (config.SchedulerConfig)
-    base = host_deployment(model_spec_of(model_path), profile, budget, args.mode)
+    scheduler = SchedulerConfig()
+    if args.max_num_batched_tokens:
+        scheduler = SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens)
+    base = host_deployment(model_spec_of(model_path), profile, scheduler, args.mode)
     layouts = host_layouts(cpus, args.plan_max_engines)
     prompt_tokens = float(make(1.0, 200, 0).prompt.mean())
     measured_cores = (profile.threads if profile else None) or len(cpus)
@@ -213,6 +216,7 @@ def plan_layout(args: argparse.Namespace, model_path: str, out: Console) -> Host
         ranked = rank_layouts(
             layouts, base, make, slos, args.rate, prompt_tokens, measured_cores, args.target,
             PLAN_STEADY_STATE, 4, measured_steps=measured,
+            long_prefill_token_threshold=args.long_prefill_token_threshold,
         )  # fmt: skip
     threads = ", ".join(map(str, sorted(measured))) if measured else f"all {len(cpus)} CPUs (taken as)"
     costs = (

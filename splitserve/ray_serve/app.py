@@ -21,6 +21,9 @@ from splitserve.runtime.access import API_KEY_ENV
 
 HEALTH_CHECK_PERIOD_S = 2.0  # also the tier replicas' heartbeat to the ingress
 GRACEFUL_SHUTDOWN_S = 30.0  # a replica torn down drains its server first
+# How often a replica being torn down checks for requests still running (Serve's default,
+# 2 s, is added to every scale-down and `down` of an idle replica).
+SHUTDOWN_POLL_S = 0.25
 
 
 def deployment_options(
@@ -40,6 +43,7 @@ def deployment_options(
         "ray_actor_options": actor,
         "health_check_period_s": HEALTH_CHECK_PERIOD_S,
         "graceful_shutdown_timeout_s": GRACEFUL_SHUTDOWN_S,
+        "graceful_shutdown_wait_loop_s": SHUTDOWN_POLL_S,
         "max_ongoing_requests": 64,  # handle calls only: traffic reaches the servers directly
     }
     if spec.autoscaling:
@@ -80,6 +84,7 @@ def build_app(config: RayDeployConfig, env: dict[str, str]):
         ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": env}},
         health_check_period_s=HEALTH_CHECK_PERIOD_S,
         graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_S,
+        graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S,
         max_ongoing_requests=4096,  # the proxy's own limits apply behind it
     )
     return ingress.bind(

@@ -55,6 +55,8 @@ class PlannerSettings:
     target: float = 0.9  # the fraction of requests that must meet the SLOs
     profile: str | None = None  # one replica's `sim calibrate --out FILE`, a path the head node has
     max_num_batched_tokens: int = 2048  # the engines' token budget per step
+    # the engines' (None: `up`'s default for the layout, config.up_long_prefill_threshold)
+    long_prefill_token_threshold: int | None = None
 
 
 PLANNED_TIERS = ("prefill", "decode")  # the tiers `--ray-planner` sizes
@@ -368,7 +370,7 @@ def planner_from_args(args: argparse.Namespace) -> PlannerSettings | None:
     settings = planner_from_mapping(raw)
     if args.max_num_batched_tokens:
         settings = dataclasses.replace(settings, max_num_batched_tokens=args.max_num_batched_tokens)
-    return settings
+    return dataclasses.replace(settings, long_prefill_token_threshold=args.long_prefill_token_threshold)
 
 
 def with_transport(config: RayDeployConfig) -> RayDeployConfig:

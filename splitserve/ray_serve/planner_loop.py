@@ -30,6 +30,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from splitserve.config import SchedulerConfig
 from splitserve.ray_serve.config import PLANNED_TIERS, PlannerInputs, PlannerSettings
 from splitserve.router.traffic import TrafficLog, TrafficWindow
 from splitserve.sim.host_planner import HostLayout, host_deployment, rank_layouts
@@ -125,6 +126,7 @@ class FleetPlanner:
                 self.settings.target,
                 self.steady,
                 LOOP_SEARCH_STEPS,
+                long_prefill_token_threshold=self.settings.long_prefill_token_threshold,
             )
             # none meets the SLOs: the highest attainment, and of equals (an overload no
             # count serves, each prefill-bound at 0) the most replicas, never the fewest
@@ -175,7 +177,8 @@ def fleet_planner(
 ) -> FleetPlanner:
     """The planner for a deployment whose engine replicas each ask for `num_cpus`."""
     profile = load_profile(settings.profile) if settings.profile else None
-    base = host_deployment(model, profile, settings.max_num_batched_tokens, mode)
+    scheduler = SchedulerConfig(max_num_batched_tokens=settings.max_num_batched_tokens)
+    base = host_deployment(model, profile, scheduler, mode)
     return FleetPlanner(base, bounds, max(1, math.ceil(num_cpus - 1e-9)), settings, initial)
 
 

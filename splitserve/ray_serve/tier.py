@@ -68,6 +68,11 @@ INGRESS_NAME = "ProxyIngress"
 LOAD_METRIC = "tier_load"  # the custom autoscaling metric every tier replica reports
 PLANNED_METRIC = "planned_replicas"  # --ray-planner's target for the tier, from the ingress
 REGISTER_TIMEOUT_S = 5.0
+# A live ingress deregisters a replica in milliseconds; when the whole application goes
+# down the ingress is stopping too and never answers, and waiting REGISTER_TIMEOUT_S for it
+# made every `down` 5 s longer. A missed deregistration costs nothing: the ingress drops a
+# worker whose heartbeats stop.
+DEREGISTER_TIMEOUT_S = 1.0
 STORE_WAIT_S = 0.5  # how often an engine replica asks whether the KV store has registered
 STARTUP_TIMEOUT_S = 300.0
 PORT_ATTEMPTS = 3  # a server whose port was taken before it bound it starts again on new ones
@@ -338,7 +343,7 @@ class TierReplica:
             return
         self.deregistered = True
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.ingress().deregister.remote(self.url), REGISTER_TIMEOUT_S)
+            await asyncio.wait_for(self.ingress().deregister.remote(self.url), DEREGISTER_TIMEOUT_S)
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 15.0

@@ -216,6 +216,9 @@ class Engine:
         left = (budget - len(self.run_ids)) if budget is not None else None
         limit = self.sched.prompts_per_step
         seqs_left = self.sched.scheduler.max_num_seqs - len(self.run_ids)
+        # the engine's long-prefill threshold (Scheduler.prefill_chunk_cap): while any request
+        # decodes, a prompt computes at most this many tokens a step
+        cap = self.sched.scheduler.long_prefill_token_threshold if self.run_ids else 0
         for entry in self.waiting:
             if left is not None and left <= 0:
                 break
@@ -230,6 +233,8 @@ class Engine:
                 self._reserve(rid)
                 entry[3] = True
             n = total - done if left is None else min(left, total - done)
+            if cap:
+                n = min(n, cap)
             self._chunks.append((rid, n, done))
             if left is not None:
                 left -= n

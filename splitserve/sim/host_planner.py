@@ -37,7 +37,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import NamedTuple
 
-from splitserve.config import SchedulerConfig, TransferConfig
+from splitserve.config import SchedulerConfig, TransferConfig, up_long_prefill_threshold
 from splitserve.goodput import SLO
 from splitserve.protocol.pd_decision import CostModel
 from splitserve.sim.cmd_common import REALISTIC_EFFICIENCY
@@ -134,14 +134,15 @@ def cores_spec(cores: int) -> GPUSpec:
 
 
 def host_deployment(
-    model: ModelSpec, profile: EngineProfile | None, budget: int, kv_mode: str = "push"
+    model: ModelSpec, profile: EngineProfile | None, scheduler: SchedulerConfig, kv_mode: str = "push"
 ) -> Deployment:
     """The simulator's deployment of `up`'s engines before a layout is chosen: the engines'
-    token budget, several prompts per step, least-loaded routing and a P/D handoff over
+    scheduler (token budget, long-prefill threshold), several prompts per step, least-loaded
+    routing and a P/D handoff over
     shared memory (the profile's measured one, else at the host's copy bandwidth); the
     P/D path decided on cost, as the proxy's default `--pd-decision cost`. KV capacity is
     not enforced (each engine's pool is its own `--kv-cache-memory`, not the host's)."""
-    sched = InstanceConfig(SchedulerConfig(max_num_batched_tokens=budget))
+    sched = InstanceConfig(scheduler)
     link = KVLink(gbps=CPU_CORE.mem_bw * 8 / 1e9)
     if profile is not None and profile.handoff_fixed_s is not None:
         per_byte = profile.handoff_s_per_byte or 0.0
@@ -168,15 +169,21 @@ def layout_deployment(
     layout: HostLayout,
     measured_cores: int,
     measured_steps: Mapping[int, StepModel] | None = None,
+    long_prefill_token_threshold: int | None = None,
 ) -> Deployment:
     """`base` run as `layout`: its engine counts, each engine on its share of the cores
-    (with the steps measured on that many threads, if `measured_steps` has them)."""
+    (with the steps measured on that many threads, if `measured_steps` has them), and the
+    long-prefill threshold `up` gives its engines (`up_long_prefill_threshold`)."""
     cores = layout.cores_per_engine
     # the tiers run on every core: an engine stalls while its cores run their work (a share
     # cores / host cores of it), and a k-thread engine loses k times that: its other threads
     # wait at the step's next barrier (measured: a 2-thread serve-like engine's steps ran
     # 13 s beyond the profile's during 6.4 s of the tiers' and the client's CPU)
-    dep = replace(base, gpu=cores_spec(cores), cpu_loss=cores / layout.engines)
+    threshold = up_long_prefill_threshold(long_prefill_token_threshold, layout.prefill)
+    sched = replace(
+        base.sched, scheduler=replace(base.sched.scheduler, long_prefill_token_threshold=threshold)
+    )
+    dep = replace(base, gpu=cores_spec(cores), cpu_loss=cores / layout.engines, sched=sched)
     if measured_steps and cores in measured_steps:
         dep = replace(dep, steps=measured_steps[cores])
     elif base.steps is not None:
@@ -207,12 +214,13 @@ def rank_layouts(
     iters: int = 5,
     tick: Callable[[], None] | None = None,
     measured_steps: Mapping[int, StepModel] | None = None,
+    long_prefill_token_threshold: int | None = None,
 ) -> list[RankedLayout]:
     """Each layout's predicted attainment at `rate` and goodput, best first: the pick
     (if any meets the target) is the first."""
     ranked: list[RankedLayout] = []
     for layout in layouts:
-        dep = layout_deployment(base, layout, measured_cores, measured_steps)
+        dep = layout_deployment(base, layout, measured_cores, measured_steps, long_prefill_token_threshold)
         capacity = prefill_capacity(dep, layout, prompt_tokens)
         if capacity < rate:
             ranked.append(RankedLayout(layout, 0.0, 0.0, 0.0, False, None, "prefill-bound"))

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from splitserve.cli import main
 from splitserve.deploy.up_afd import afd_flag_error
 from splitserve.ray_serve.app import deployment_options
 from splitserve.ray_serve.checks import check, check_cluster
@@ -132,11 +133,29 @@ def test_up_ray_afd_plans_an_ffn_tier_whose_daemons_the_decode_replicas_call():
     assert all(tier.role != "ffn" for tier in plain.server().tiers)
 
 
-def test_up_ray_stops_on_a_bad_config_before_connecting(tmp_path):
-    """No cluster runs at this address: the config error comes first, with no traceback."""
+def up_ray_exit(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    """`splitserve up --ray` at an address where no cluster runs, in this process (a
+    fresh interpreter per case cost 0.5 s each): its exit status and stderr."""
+    try:
+        status = main(["up", "--ray", "127.0.0.1:1", *args])
+    except SystemExit as exited:  # argparse's errors
+        status = exited.code
+    return status, capsys.readouterr().err
+
+
+def test_up_ray_stops_on_a_bad_config_before_connecting(tmp_path, capsys):
+    """No cluster runs at this address: the config error comes first, with no traceback
+    (the first case through the real command line, the others through `main`)."""
     bad = write(tmp_path, "tiers: {render: {}, decode: {replicas: 0}}")
+    done = subprocess.run(
+        [sys.executable, "-m", "splitserve.cli", "up", "--ray", "127.0.0.1:1", "--ray-config", bad],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and "decode: needs at least 1 replica" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
     for args, message in (
-        (["--ray-config", bad], "decode: needs at least 1 replica"),
         (["--ray-config", str(tmp_path / "missing.yaml")], "cannot read"),
         (["--ray-tier", "decode:num_gpus"], "is not KEY=NUMBER"),
         (["--ray-tier", "gpu:num_gpus=1"], "unknown tier 'gpu'"),
@@ -159,13 +178,8 @@ def test_up_ray_stops_on_a_bad_config_before_connecting(tmp_path):
         (["--kv-store", "--kv-store-disk-gb", "2"], "--kv-store-disk and --kv-store-disk-gb go together"),
         (["--kv-store", "--ray-tier", "kvstore:max_replicas=2"], "kvstore: one replica"),
     ):
-        done = subprocess.run(
-            [sys.executable, "-m", "splitserve.cli", "up", "--ray", "127.0.0.1:1", *args],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
+        status, stderr = up_ray_exit(args, capsys)
+        assert status == 2 and message in stderr and "Traceback" not in stderr, (args, stderr)
 
 
 def test_a_yaml_kv_store_tier_reads_and_gets_its_sizes(tmp_path):

@@ -95,6 +95,25 @@ def test_arrival_cuts_a_decode_run_at_the_next_boundary():
     assert r.worst_gap[0] == pytest.approx(mixed, rel=1e-4)
 
 
+def test_the_long_prefill_threshold_chunks_a_prompt_beside_decodes_only():
+    """As the engine's `long_prefill_token_threshold` (`up` passes 32): while a request
+    decodes, a prompt computes 32 tokens a step; on an idle instance it runs whole."""
+    capped = InstanceConfig(SchedulerConfig(long_prefill_token_threshold=32))
+    dep = Deployment(MODEL, GPU, replicas=1, sched=capped)
+    r = simulate(dep, Workload.open_loop([0.0, 3.0], [8192, 256], [256, 4]))
+    # eight mixed steps, each one decode of request 0 and 32 of the prompt's tokens
+    steps = [(RL.decode(1, ctx), RL.prefill(32, past=32 * k)) for k in range(8) for ctx in (8192, 8192 + 256)]
+    fastest = sum(RL.step_s(d + p) for (d, p) in steps[0::2])
+    slowest = sum(RL.step_s(d + p) for (d, p) in steps[1::2])
+    assert fastest - 1e-9 <= r.ttft[1] <= slowest + RL.step_s(RL.decode(1, 8192 + 256)) + 1e-9
+    uncapped = simulate(
+        replace(dep, sched=InstanceConfig()), Workload.open_loop([0.0, 3.0], [8192, 256], [256, 4])
+    )
+    assert r.ttft[1] > 4 * uncapped.ttft[1]
+    alone = simulate(dep, one(prompt=256, output=4, at=0.0))
+    assert alone.ttft[0] == pytest.approx(RL.step_s(RL.prefill(256)), rel=1e-12)
+
+
 def test_kv_memory_limit_caps_concurrency_and_rejects_oversized():
     cap = 3 * (1000 + 200)
     dep = Deployment(MODEL, GPU, replicas=1, sched=InstanceConfig(prompts_per_step=1, kv_capacity_tokens=cap))
