@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from splitserve.config import SchedulerConfig
+from splitserve.config import UP_LONG_PREFILL_TOKEN_THRESHOLD, SchedulerConfig
 from splitserve.goodput import SLO, arrival_times, distserve_goodput
 from splitserve.sim import (
     Deployment,
@@ -167,9 +167,11 @@ def measure(args: argparse.Namespace) -> None:
     profile_path = folder / "profile.json"
     calibrate(args, model, dtype, profile_path)
     profile = load_profile(str(profile_path))
-    base = host_deployment(
-        load_model_spec(str(model)), profile, SchedulerConfig(max_num_batched_tokens=args.budget)
+    # the engines as `up` starts them (its long-prefill threshold, not the engine's default)
+    scheduler = SchedulerConfig(
+        max_num_batched_tokens=args.budget, long_prefill_token_threshold=UP_LONG_PREFILL_TOKEN_THRESHOLD
     )
+    base = host_deployment(load_model_spec(str(model)), profile, scheduler)
     flags = ["--dtype", dtype, "--max-model-len", str(args.max_model_len), "--log-level", "warning"]
     half = len(cpus) // 2
     # `up --plan`'s layouts (its proxy and render tier are what the profile's CPU figures

@@ -67,19 +67,9 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
 
 
-# `up`'s decode engines' long-prefill threshold behind a prefill tier: the few prompts
-# they prefill themselves stall their streams 32 tokens at a time.
+# `up`'s engines' default `--long-prefill-token-threshold` (docs/pd.md): a prompt
+# prefilled beside streams stalls them 32 tokens at a time.
 UP_LONG_PREFILL_TOKEN_THRESHOLD = 32
-
-
-def up_long_prefill_threshold(given: int | None, prefill_engines: int) -> int:
-    """`up --long-prefill-token-threshold` for its engines: the one given, else 32 behind a
-    prefill tier and none (as `serve`) without one, where every prompt is prefilled beside
-    the streams: there, 32-token chunks made a 256-token prompt wait eight steps (bench
-    model, 2 cores, 12 req/s: TTFT p50 640 ms against 93 ms uncapped, gaps p90 within 100 ms)."""
-    if given is not None:
-        return given
-    return UP_LONG_PREFILL_TOKEN_THRESHOLD if prefill_engines > 0 else 0
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,6 @@ import os
 import secrets
 from dataclasses import dataclass
 
-from splitserve.config import up_long_prefill_threshold
 from splitserve.frontend.media_cli import media_flags
 from splitserve.frontend.stream_state import STATE_KEY_ENV
 from splitserve.runtime.access import API_KEY_ENV, INTERNAL_TOKEN_ENV
@@ -109,10 +108,7 @@ def engine_flags(args: argparse.Namespace) -> tuple[str, ...]:
         ("--kv-cache-memory", args.kv_cache_memory),
         ("--max-model-len", args.max_model_len),
         ("--max-num-batched-tokens", args.max_num_batched_tokens),
-        (
-            "--long-prefill-token-threshold",
-            up_long_prefill_threshold(args.long_prefill_token_threshold, args.prefill),
-        ),
+        ("--long-prefill-token-threshold", args.long_prefill_token_threshold),
         ("--dtype", args.dtype),
         ("--kv-cache-dtype", args.kv_cache_dtype),
         ("--quantization", args.quantization),

@@ -156,10 +156,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument(
-        "--long-prefill-token-threshold", type=int, default=None,
+        "--long-prefill-token-threshold", type=int, default=UP_LONG_PREFILL_TOKEN_THRESHOLD,
         help="engines: a prompt computes at most this many tokens in a step that carries "
-        "decodes, so a local prefill on decode stalls its streams a chunk at a time (0: no cap; "
-        f"default {UP_LONG_PREFILL_TOKEN_THRESHOLD} behind a prefill tier, none without one)",
+        "decodes, so a local prefill on decode stalls its streams a chunk at a time (0: no cap)",
     )  # fmt: skip
     parser.add_argument(
         "--dtype", choices=["float32", "bfloat16", "float16"], default=None,

@@ -8,7 +8,7 @@ import argparse
 import dataclasses
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -55,8 +55,7 @@ class PlannerSettings:
     target: float = 0.9  # the fraction of requests that must meet the SLOs
     profile: str | None = None  # one replica's `sim calibrate --out FILE`, a path the head node has
     max_num_batched_tokens: int = 2048  # the engines' token budget per step
-    # the engines' (None: `up`'s default for the layout, config.up_long_prefill_threshold)
-    long_prefill_token_threshold: int | None = None
+    long_prefill_token_threshold: int = 0  # the engines' (`up --ray`'s flags: up's, 32)
 
 
 PLANNED_TIERS = ("prefill", "decode")  # the tiers `--ray-planner` sizes
@@ -246,13 +245,41 @@ def config_from_mapping(raw: Mapping[str, Any]) -> RayDeployConfig:
     if "model" not in fields:
         fields["model"] = None
     if fields.get("planner") is not None:
-        fields["planner"] = planner_from_mapping(fields["planner"])
+        # the engines run with what engine_args give them, else the engine's default (no cap)
+        threshold = engine_arg(fields.get("engine_args", ()), "--long-prefill-token-threshold")
+        fields["planner"] = dataclasses.replace(
+            planner_from_mapping(fields["planner"]),
+            long_prefill_token_threshold=_integer(
+                "engine_args: --long-prefill-token-threshold", threshold or 0
+            ),
+        )
     for key in ("kv_store_ram_gb", "kv_store_disk_gb"):
         if fields.get(key) is not None:
             fields[key] = _number(key, fields[key])
     return RayDeployConfig(
         tiers=tuple((str(name), tier_from_mapping(str(name), spec)) for name, spec in tiers.items()), **fields
     )
+
+
+def engine_arg(args: Sequence[str], flag: str) -> str | None:
+    """The value `args` give `flag` (`--flag V` or `--flag=V`), the last one; None if absent."""
+    found = None
+    for index, arg in enumerate(args):
+        if arg == flag and index + 1 < len(args):
+            found = args[index + 1]
+        elif arg.startswith(flag + "="):
+            found = arg[len(flag) + 1 :]
+    return found
+
+
+def _integer(what: str, value: Any) -> int:
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{what}: expected a whole number, got {value!r}") from None
+    if number < 0:
+        raise ConfigError(f"{what}: expected a number >= 0, got {number}")
+    return number
 
 
 def planner_from_mapping(raw: Any) -> PlannerSettings:

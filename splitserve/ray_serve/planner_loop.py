@@ -126,7 +126,6 @@ class FleetPlanner:
                 self.settings.target,
                 self.steady,
                 LOOP_SEARCH_STEPS,
-                long_prefill_token_threshold=self.settings.long_prefill_token_threshold,
             )
             # none meets the SLOs: the highest attainment, and of equals (an overload no
             # count serves, each prefill-bound at 0) the most replicas, never the fewest
@@ -177,7 +176,10 @@ def fleet_planner(
 ) -> FleetPlanner:
     """The planner for a deployment whose engine replicas each ask for `num_cpus`."""
     profile = load_profile(settings.profile) if settings.profile else None
-    scheduler = SchedulerConfig(max_num_batched_tokens=settings.max_num_batched_tokens)
+    scheduler = SchedulerConfig(
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        long_prefill_token_threshold=settings.long_prefill_token_threshold,
+    )
     base = host_deployment(model, profile, scheduler, mode)
     return FleetPlanner(base, bounds, max(1, math.ceil(num_cpus - 1e-9)), settings, initial)
 

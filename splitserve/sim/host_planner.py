@@ -37,7 +37,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import NamedTuple
 
-from splitserve.config import SchedulerConfig, TransferConfig, up_long_prefill_threshold
+from splitserve.config import SchedulerConfig, TransferConfig
 from splitserve.goodput import SLO
 from splitserve.protocol.pd_decision import CostModel
 from splitserve.sim.cmd_common import REALISTIC_EFFICIENCY
@@ -169,21 +169,15 @@ def layout_deployment(
     layout: HostLayout,
     measured_cores: int,
     measured_steps: Mapping[int, StepModel] | None = None,
-    long_prefill_token_threshold: int | None = None,
 ) -> Deployment:
     """`base` run as `layout`: its engine counts, each engine on its share of the cores
-    (with the steps measured on that many threads, if `measured_steps` has them), and the
-    long-prefill threshold `up` gives its engines (`up_long_prefill_threshold`)."""
+    (with the steps measured on that many threads, if `measured_steps` has them)."""
     cores = layout.cores_per_engine
     # the tiers run on every core: an engine stalls while its cores run their work (a share
     # cores / host cores of it), and a k-thread engine loses k times that: its other threads
     # wait at the step's next barrier (measured: a 2-thread serve-like engine's steps ran
     # 13 s beyond the profile's during 6.4 s of the tiers' and the client's CPU)
-    threshold = up_long_prefill_threshold(long_prefill_token_threshold, layout.prefill)
-    sched = replace(
-        base.sched, scheduler=replace(base.sched.scheduler, long_prefill_token_threshold=threshold)
-    )
-    dep = replace(base, gpu=cores_spec(cores), cpu_loss=cores / layout.engines, sched=sched)
+    dep = replace(base, gpu=cores_spec(cores), cpu_loss=cores / layout.engines)
     if measured_steps and cores in measured_steps:
         dep = replace(dep, steps=measured_steps[cores])
     elif base.steps is not None:
@@ -214,13 +208,12 @@ def rank_layouts(
     iters: int = 5,
     tick: Callable[[], None] | None = None,
     measured_steps: Mapping[int, StepModel] | None = None,
-    long_prefill_token_threshold: int | None = None,
 ) -> list[RankedLayout]:
     """Each layout's predicted attainment at `rate` and goodput, best first: the pick
     (if any meets the target) is the first."""
     ranked: list[RankedLayout] = []
     for layout in layouts:
-        dep = layout_deployment(base, layout, measured_cores, measured_steps, long_prefill_token_threshold)
+        dep = layout_deployment(base, layout, measured_cores, measured_steps)
         capacity = prefill_capacity(dep, layout, prompt_tokens)
         if capacity < rate:
             ranked.append(RankedLayout(layout, 0.0, 0.0, 0.0, False, None, "prefill-bound"))

@@ -75,16 +75,11 @@ def test_a_flag_reaches_its_tier_only_when_given(flags, tier, present, absent):
     assert all(flag in argv for flag in present) and not any(flag in argv for flag in absent), argv
 
 
-def test_engines_chunk_a_local_prefill_beside_decodes_behind_a_prefill_tier_by_default():
-    """`up`'s engines get --long-prefill-token-threshold 32 behind a prefill tier, 0 (no
-    cap, as `serve`) without one, and whatever they are told."""
+def test_engines_chunk_a_local_prefill_beside_decodes_by_default():
+    """`up`'s engines get --long-prefill-token-threshold 32 unless told otherwise (0: off)."""
     assert flag_value(plan().tier("decode").argv, "--long-prefill-token-threshold") == "32"
-    alone = plan("--prefill", "0").tier("decode").argv
-    assert flag_value(alone, "--long-prefill-token-threshold") == "0"
     off = plan("--long-prefill-token-threshold", "0").tier("decode").argv
     assert flag_value(off, "--long-prefill-token-threshold") == "0"
-    told = plan("--prefill", "0", "--long-prefill-token-threshold", "64").tier("decode").argv
-    assert flag_value(told, "--long-prefill-token-threshold") == "64"
     assert "--long-prefill-token-threshold" not in plan().tier("proxy").argv
 
 

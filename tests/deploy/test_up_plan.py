@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from splitserve.cli import main
-from splitserve.config import SchedulerConfig
+from splitserve.config import UP_LONG_PREFILL_TOKEN_THRESHOLD, SchedulerConfig
 from splitserve.goodput import SLO
 from splitserve.sim.host_planner import host_deployment, host_layouts, rank_layouts
 from splitserve.sim.profile import load_profile
@@ -50,7 +50,8 @@ def planner_pick(model: str, profile: str, rate: float) -> str:
     from splitserve.deploy.up_plan import PLAN_STEADY_STATE
 
     cpus = sorted(os.sched_getaffinity(0))
-    base = host_deployment(load_model(model), load_profile(profile), SchedulerConfig())
+    scheduler = SchedulerConfig(long_prefill_token_threshold=UP_LONG_PREFILL_TOKEN_THRESHOLD)  # as `up`
+    base = host_deployment(load_model(model), load_profile(profile), scheduler)
 
     def make(r: float, n: int, seed: int):
         return synthetic(r, n, LENGTHS[0], LENGTHS[1], seed=seed)

@@ -11,11 +11,18 @@ from pathlib import Path
 import pytest
 
 from splitserve.cli import main
+from splitserve.config import UP_LONG_PREFILL_TOKEN_THRESHOLD
 from splitserve.deploy.up_afd import afd_flag_error
 from splitserve.ray_serve.app import deployment_options
 from splitserve.ray_serve.checks import check, check_cluster
 from splitserve.ray_serve.cli import ray_address
-from splitserve.ray_serve.config import ConfigError, config_from_args, config_from_mapping, load_yaml
+from splitserve.ray_serve.config import (
+    ConfigError,
+    config_from_args,
+    config_from_mapping,
+    load_yaml,
+    planner_from_args,
+)
 from splitserve.ray_serve.tier import server_command
 from tests.deploy.test_plan import flag_value, up_args
 
@@ -208,6 +215,21 @@ def test_a_yaml_planner_reads_its_slos_and_interval(tmp_path):
     assert planner is not None and (planner.interval_s, planner.target, planner.profile) == (5.0, 0.95, None)
     assert [(slo.ttft, slo.tpot, slo.gap) for slo in planner.slos] == [(2.0, None, 0.2)]
     assert load_yaml(write(tmp_path, "tiers: {render: {}, decode: {}}")).planner is None
+    # it plans with the long-prefill threshold the engines run: engine_args', else none
+    assert planner.long_prefill_token_threshold == 0
+    for args, threshold in (
+        (["--long-prefill-token-threshold", "48"], 48),
+        (["--long-prefill-token-threshold=8"], 8),
+    ):
+        given = load_yaml(write(tmp_path, f"{text}\nengine_args: {args}"))
+        assert given.planner is not None and given.planner.long_prefill_token_threshold == threshold
+    with pytest.raises(ConfigError, match="--long-prefill-token-threshold: expected a whole number"):
+        load_yaml(write(tmp_path, f"{text}\nengine_args: [--long-prefill-token-threshold, many]"))
+    # `up --ray --ray-planner`'s flags: up's (32) unless given
+    flags = ["--ray", "auto", "--ray-planner", "--ray-tier", "decode:max_replicas=2"]
+    assert planner_from_args(up_args(*flags)).long_prefill_token_threshold == UP_LONG_PREFILL_TOKEN_THRESHOLD
+    told = planner_from_args(up_args(*flags, "--long-prefill-token-threshold", "16"))
+    assert told.long_prefill_token_threshold == 16
 
 
 def test_the_ray_planner_needs_ray():

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from splitserve.config import UP_LONG_PREFILL_TOKEN_THRESHOLD, SchedulerConfig
-from splitserve.sim.host_planner import host_deployment, host_layouts, layout_deployment, steps_on_cores
-from splitserve.sim.specs import load_model
+from splitserve.sim.host_planner import host_layouts, steps_on_cores
 from splitserve.sim.step_model import StepModel
 
 
@@ -36,17 +34,3 @@ def test_fewer_cores_slow_the_token_work_and_not_the_fixed_costs():
     assert half.prefill_fixed_s == steps.prefill_fixed_s and half.decode_base_s == steps.decode_base_s
     assert float(half.decode_s(1, 1000)) == pytest.approx(0.004 + 2e-4)
     assert steps_on_cores(steps, 4, 4) == steps
-
-
-def test_each_layout_runs_its_engines_with_ups_long_prefill_threshold():
-    """As `up` starts them: 32-token chunks beside decodes behind a prefill tier, whole
-    prompts (as `serve`) without one; a threshold given applies to every layout."""
-    base = host_deployment(load_model("Qwen2.5-7B"), None, SchedulerConfig())
-    serve_like, two, pd = host_layouts([0, 1], max_engines=2)
-
-    def threshold(layout, given=None) -> int:
-        return layout_deployment(base, layout, 2, None, given).sched.scheduler.long_prefill_token_threshold
-
-    assert threshold(serve_like) == threshold(two) == 0
-    assert threshold(pd) == UP_LONG_PREFILL_TOKEN_THRESHOLD
-    assert threshold(serve_like, 64) == threshold(pd, 64) == 64
