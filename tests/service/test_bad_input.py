@@ -19,7 +19,7 @@ import pytest
 from tests.conftest import free_port, running_servers
 
 FLAGS = ["--max-model-len", "512", "--num-blocks", "256"]
-FUZZ_SECONDS_PER_ENDPOINT = 1.5
+FUZZ_SECONDS_PER_ENDPOINT = 1.0
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 COMPLETION = {"prompt": "hello", "max_tokens": 2}
 GENERATE = {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2, "temperature": 0}}
