@@ -50,7 +50,9 @@ def write_profile(
     if args.pd:
         from splitserve.sim.tier_probe import measure_handoff
 
-        handoff = measure_handoff(args.pd, model.kv_bytes_per_token)
+        handoff = measure_handoff(
+            args.pd, by_threads, primary, model.kv_bytes_per_token, repeats=args.repeats
+        )
     profile = build_profile(samples, model.name, gpu.name, cpu, handoff, model.kv_bytes_per_token)
     profile = replace(profile, threads=threads, other_steps=other_steps)
     save_profile(profile, args.out)

@@ -18,10 +18,10 @@ their public HTTP APIs (standard library only):
 - `--pd URL`: a P/D proxy's handoff. Requests of several prompt lengths go through its
   /v1/completions alone (one output token each; short ones first, which stay on decode;
   as many on each path as the proxy's median window, router/pd_costs.FIXED_WINDOW), each
-  asking for its timeline (`x-splitserve-timeline`). What a remote one spends reserving
-  decode, handing off the KV and on hops, less a local one's hops, is the handoff: the
-  fixed cost its intercept over the prompts' KV bytes, the cost per byte its slope (0 when
-  not measurably above it).
+  one's path read from the proxy's request counters. A path's cost is its fastest
+  request's time beyond the prefill its worker's measured steps predict; the fixed cost
+  is the remote path's (the intercept over the prompts' KV bytes) less the local one's,
+  the cost per byte the slope (0 when not measurably above it).
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ from typing import NamedTuple
 
 import numpy as np
 
-from splitserve.protocol.timeline import HANDOFF, HOPS, RESERVE, TIMELINE_FIELD, TIMELINE_HEADER
 from splitserve.router.pd_costs import FIXED_WINDOW
 from splitserve.sim.calibrate import CalibrationError
 from splitserve.sim.engine_probe import EngineProbe, http_error, run_together
@@ -248,73 +247,67 @@ def measure_tiers(
 
 
 LOCAL_PROMPT_TOKENS = 16  # short enough to stay on decode under any P/D decision
-# the phases a remote first token spends beyond a local one's, besides the prefill and
-# decode's first step (the simulator's own steps)
-HANDOFF_PHASES = (RESERVE, HANDOFF, HOPS)
-
-
-def _timeline(url: str, body: dict, timeout_s: float) -> dict[str, float]:
-    """One request's phases (`x-splitserve-timeline`, protocol/timeline.py)."""
-    data = json.dumps(body).encode()
-    headers = {"Content-Type": "application/json", TIMELINE_HEADER: "1"}
-    req = urllib.request.Request(url, data=data, headers=headers)
-    try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            phases = json.loads(resp.read()).get(TIMELINE_FIELD)
-    except urllib.error.HTTPError as exc:
-        raise CalibrationError(
-            f"{url}: HTTP {exc.code}: {exc.read().decode(errors='replace')[:200]}"
-        ) from None
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        raise CalibrationError(f"{url}: cannot reach it or not JSON ({exc})") from None
-    if not isinstance(phases, dict):
-        raise CalibrationError(f"{url}: no {TIMELINE_FIELD} in the response: is it a splitserve proxy?")
-    return {str(k): float(v) for k, v in phases.items()}
 
 
 def measure_handoff(
     url: str,
+    by_threads: Mapping[int, StepModel],
+    fallback: StepModel,
     kv_bytes_per_token: int,
     prompt_tokens: Sequence[int] = (256, 1024, 2048),
+    repeats: int = 3,
     timeout_s: float = 120.0,
 ) -> tuple[float, float]:
-    """(fixed seconds, seconds per KV byte) of the P/D handoff, from the proxy's own
-    timeline of each request sent alone: what a remote first token spends reserving decode,
-    handing the KV off and on the hops (`HANDOFF_PHASES`), less a local one's hops (16-token
-    prompts, which stay on decode), the fixed cost the intercept over the prompts' KV bytes
-    and the cost per byte the slope; each the fastest of its requests. (Not the proxy's
-    running estimate of the P/D decision, which prices a prefill at its last long steps'
-    seconds per token: the quadratic attention of a 2,048-token prompt landed in it, 9-106
-    ms over a day's calibrations; nor the first token's time less the fitted prefill, as
-    far off as that fit is at 2,048 tokens.)"""
-    completions = url.rstrip("/") + "/v1/completions"
+    """(fixed seconds, seconds per KV byte) of the P/D handoff: what a prompt sent through
+    the prefill worker spends beyond its prefill (the prefill worker's measured steps) and
+    beyond a local request's own fixed cost (a 16-token prompt on decode, less decode's
+    step), each the fastest of its requests sent alone, each request's path read from the
+    proxy's counters. (Not the proxy's running estimate: that prices a prefill at its last
+    long steps' seconds per token, which left the quadratic attention of a 2,048-token
+    prompt in the fixed cost and read 9-106 ms.)"""
+    base = url.rstrip("/")
+    prefill = worker_steps(base, "prefill", by_threads, fallback, timeout_s)
+    decode = worker_steps(base, "decode", by_threads, fallback, timeout_s)
     rng = random.Random(1)
 
-    def sent(tokens: int) -> dict[str, float]:
-        body = {"prompt": [rng.randrange(10, 250) for _ in range(tokens)], "max_tokens": 1, "temperature": 0}
-        return _timeline(completions, body, timeout_s)
+    def remote_count() -> float:
+        return _metric(
+            _get_text(base + "/metrics", {}, timeout_s), "splitserve_proxy_requests_total", 'path="pd_'
+        )
+
+    def fastest(tokens: int, times: int) -> dict[bool, float]:
+        """The fastest request of `tokens` on each path taken: {remote?: seconds}."""
+        best: dict[bool, float] = {}
+        for _ in range(times):
+            body = {
+                "prompt": [rng.randrange(10, 250) for _ in range(tokens)],
+                "max_tokens": 1,
+                "temperature": 0,
+            }
+            before = remote_count()
+            start = time.perf_counter()
+            _post(base + "/v1/completions", body, timeout_s)
+            took = time.perf_counter() - start
+            remote = remote_count() > before
+            best[remote] = min(best.get(remote, took), took)
+        return best
 
     # FIXED_WINDOW on each path also leaves the proxy's own estimate (its P/D decision) to
     # requests sent alone, after `--proxy`'s loads
-    local = [
-        p.get(HOPS, 0.0) for p in (sent(LOCAL_PROMPT_TOKENS) for _ in range(FIXED_WINDOW)) if HANDOFF not in p
-    ]
-    if not local:
+    short = fastest(LOCAL_PROMPT_TOKENS, FIXED_WINDOW)
+    if False not in short:
         raise CalibrationError(
-            f"{url}: {LOCAL_PROMPT_TOKENS}-token prompts all went through a prefill worker"
+            f"{base}: {LOCAL_PROMPT_TOKENS}-token prompts all went through a prefill worker"
         )
-    sizes, spent = [], []
-    per_size = -(-FIXED_WINDOW // len(prompt_tokens))
+    local_s = short[False] - decode.prefill_s(LOCAL_PROMPT_TOKENS)
+    sizes, excess = [], []
+    per_size = max(repeats, -(-FIXED_WINDOW // len(prompt_tokens)))
     for n in prompt_tokens:
-        remote = [
-            sum(p.get(k, 0.0) for k in HANDOFF_PHASES)
-            for p in (sent(n) for _ in range(per_size))
-            if HANDOFF in p
-        ]
-        if remote:
+        remote = fastest(n, per_size).get(True)
+        if remote is not None:
             sizes.append(n * kv_bytes_per_token)
-            spent.append(min(remote))
+            excess.append(remote - prefill.prefill_s(n))
     if not sizes:
-        raise CalibrationError(f"{url}: no request went through a prefill worker: is it a P/D proxy?")
-    remote_s, per_byte = _line(sizes, spent) if len(sizes) > 1 else (spent[0], 0.0)
-    return max(0.0, remote_s - min(local)), per_byte
+        raise CalibrationError(f"{base}: no request went through a prefill worker: is it a P/D proxy?")
+    remote_s, per_byte = _line(sizes, excess) if len(sizes) > 1 else (max(0.0, excess[0]), 0.0)
+    return max(0.0, remote_s - local_s), per_byte
