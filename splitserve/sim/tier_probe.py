@@ -16,12 +16,13 @@ their public HTTP APIs (standard library only):
   it pushes) counts too. Prefill and delay are timed against the steps measured at the
   stack's own workers' thread counts (`--engine` twice), where the profile has them.
 - `--pd URL`: a P/D proxy's handoff. Requests of several prompt lengths go through its
-  /v1/completions alone (one output token each; short ones first, which stay on decode;
-  as many on each path as the proxy's median window, router/pd_costs.FIXED_WINDOW), each
-  one's path read from the proxy's request counters. A path's cost is its fastest
-  request's time beyond the prefill its worker's measured steps predict; the fixed cost
-  is the remote path's (the intercept over the prompts' KV bytes) less the local one's,
-  the cost per byte the slope (0 when not measurably above it).
+  /v1/completions (one output token each; short ones first, which stay on decode; as many
+  on each path as the proxy's median window, router/pd_costs.FIXED_WINDOW); the
+  proxy times every first token on both paths and keeps what the remote path spends
+  beyond the local one (router/pd_costs.py), which
+  `GET /workers` reports; that measured `handoff_fixed_s` is the profile's fixed cost. The
+  cost per byte is what remote first tokens grow by per prompt byte of KV beyond the
+  prefill compute the step model predicts (0 when not measurably above it).
 """
 
 from __future__ import annotations
@@ -246,9 +247,6 @@ def measure_tiers(
     return TierCosts(delay, local, max(0.0, per.get(1, local) - local), per[2], per[3])
 
 
-LOCAL_PROMPT_TOKENS = 16  # short enough to stay on decode under any P/D decision
-
-
 def measure_handoff(
     url: str,
     by_threads: Mapping[int, StepModel],
@@ -258,56 +256,33 @@ def measure_handoff(
     repeats: int = 3,
     timeout_s: float = 120.0,
 ) -> tuple[float, float]:
-    """(fixed seconds, seconds per KV byte) of the P/D handoff: what a prompt sent through
-    the prefill worker spends beyond its prefill (the prefill worker's measured steps) and
-    beyond a local request's own fixed cost (a 16-token prompt on decode, less decode's
-    step), each the fastest of its requests sent alone, each request's path read from the
-    proxy's counters. (Not the proxy's running estimate: that prices a prefill at its last
-    long steps' seconds per token, which left the quadratic attention of a 2,048-token
-    prompt in the fixed cost and read 9-106 ms.)"""
+    """(fixed seconds, seconds per KV byte) of the P/D handoff."""
     base = url.rstrip("/")
-    prefill = worker_steps(base, "prefill", by_threads, fallback, timeout_s)
-    decode = worker_steps(base, "decode", by_threads, fallback, timeout_s)
+    steps = worker_steps(base, "prefill", by_threads, fallback, timeout_s)
     rng = random.Random(1)
-
-    def remote_count() -> float:
-        return _metric(
-            _get_text(base + "/metrics", {}, timeout_s), "splitserve_proxy_requests_total", 'path="pd_'
-        )
-
-    def fastest(tokens: int, times: int) -> dict[bool, float]:
-        """The fastest request of `tokens` on each path taken: {remote?: seconds}."""
-        best: dict[bool, float] = {}
-        for _ in range(times):
-            body = {
-                "prompt": [rng.randrange(10, 250) for _ in range(tokens)],
-                "max_tokens": 1,
-                "temperature": 0,
-            }
-            before = remote_count()
-            start = time.perf_counter()
-            _post(base + "/v1/completions", body, timeout_s)
-            took = time.perf_counter() - start
-            remote = remote_count() > before
-            best[remote] = min(best.get(remote, took), took)
-        return best
-
-    # FIXED_WINDOW on each path also leaves the proxy's own estimate (its P/D decision) to
-    # requests sent alone, after `--proxy`'s loads
-    short = fastest(LOCAL_PROMPT_TOKENS, FIXED_WINDOW)
-    if False not in short:
-        raise CalibrationError(
-            f"{base}: {LOCAL_PROMPT_TOKENS}-token prompts all went through a prefill worker"
-        )
-    local_s = short[False] - decode.prefill_s(LOCAL_PROMPT_TOKENS)
+    # The proxy's fixed costs are medians of each path's last FIXED_WINDOW first tokens:
+    # enough requests alone on each path that none sent under load (`--proxy`'s loads run
+    # first) is among them.
+    for _ in range(FIXED_WINDOW):  # short prompts stay on decode: the local fixed cost
+        body = {"prompt": [rng.randrange(10, 250) for _ in range(16)], "max_tokens": 1, "temperature": 0}
+        _post(base + "/v1/completions", body, timeout_s)
     sizes, excess = [], []
     per_size = max(repeats, -(-FIXED_WINDOW // len(prompt_tokens)))
     for n in prompt_tokens:
-        remote = fastest(n, per_size).get(True)
-        if remote is not None:
-            sizes.append(n * kv_bytes_per_token)
-            excess.append(remote - prefill.prefill_s(n))
-    if not sizes:
-        raise CalibrationError(f"{base}: no request went through a prefill worker: is it a P/D proxy?")
-    remote_s, per_byte = _line(sizes, excess) if len(sizes) > 1 else (max(0.0, excess[0]), 0.0)
-    return max(0.0, remote_s - local_s), per_byte
+        best = float("inf")
+        for _ in range(per_size):
+            body = {"prompt": [rng.randrange(10, 250) for _ in range(n)], "max_tokens": 1, "temperature": 0}
+            start = time.perf_counter()
+            _post(base + "/v1/completions", body, timeout_s)
+            best = min(best, time.perf_counter() - start)
+        sizes.append(n * kv_bytes_per_token)
+        excess.append(best - steps.prefill_s(n))
+    costs = _post(base + "/workers", None, timeout_s)
+    try:
+        fixed = float(costs["pd_costs"]["measured"]["handoff_fixed_s"])  # type: ignore[index]
+    except (KeyError, TypeError, ValueError):
+        raise CalibrationError(
+            f"{base}/workers reports no measured handoff: is it a P/D proxy, and did any request go remote?"
+        ) from None
+    _, per_byte = _line(sizes, excess)
+    return fixed, per_byte
