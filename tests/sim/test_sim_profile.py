@@ -330,7 +330,7 @@ def test_calibrate_measures_the_tiers_cpu_and_engines_of_two_thread_counts(
 ):
     """`--proxy` reads `up`'s proxy and render tier CPU (their process_cpu_seconds_total)
     around loads of known shape; `--engine` twice measures engines of two thread counts
-    (an `engine` on every core, and `up`'s decode pinned to one). The engines' and
+    (an `engine` on every core, and `up`'s decode pinned to one); `--pd` the handoff. The engines' and
     the render tier's /metrics need the deployment's token, and without it calibrating says so."""
     host = write(tmp_path / "host.json", HOST)
     out = tmp_path / "profile.json"
@@ -360,7 +360,7 @@ def test_calibrate_measures_the_tiers_cpu_and_engines_of_two_thread_counts(
             "2",
         ]
         calibrate = ["sim", "calibrate", "--engine", engine, "--engine", urls["decode"],
-                     "--proxy", base, "--model", tiny_model, "--gpu", host, "--out", str(out),
+                     "--proxy", base, "--pd", base, "--model", tiny_model, "--gpu", host, "--out", str(out),
                      *probe]  # fmt: skip
         monkeypatch.delenv(INTERNAL_TOKEN_ENV, raising=False)
         assert main(calibrate) == 2
@@ -382,6 +382,9 @@ def test_calibrate_measures_the_tiers_cpu_and_engines_of_two_thread_counts(
     assert cpu.cpu_s_per_request > 0 and cpu.cpu_s_per_token > 0, cpu
     assert cpu.cpu_s_per_request + cpu.cpu_s_per_remote_request > 0, cpu
     assert 'splitserve_proxy_requests_total{path="pd_push"}' in routed
+    # `--pd`: the handoff the proxy measured, and its cost per byte
+    assert profile.handoff_fixed_s is not None and 0 <= profile.handoff_fixed_s < 1.0, profile
+    assert profile.handoff_s_per_byte is not None and profile.handoff_s_per_byte >= 0
     assert "process_cpu_seconds_total" in routed
     output = capsys.readouterr().out
     assert "tiers' CPU" in output and "on 1 thread(s)" in output
