@@ -246,12 +246,12 @@ def config_from_mapping(raw: Mapping[str, Any]) -> RayDeployConfig:
         fields["model"] = None
     if fields.get("planner") is not None:
         # the engines run with what engine_args give them, else the engine's default (no cap)
-        threshold = engine_arg(fields.get("engine_args", ()), "--long-prefill-token-threshold")
+        flag = "--long-prefill-token-threshold"
+        given = engine_arg(fields.get("engine_args", ()), flag)
+        number = int(given) if given is not None and given.lstrip("-").isdigit() else given
+        threshold = 0 if given is None else _count(f"engine_args: {flag}", number)
         fields["planner"] = dataclasses.replace(
-            planner_from_mapping(fields["planner"]),
-            long_prefill_token_threshold=_integer(
-                "engine_args: --long-prefill-token-threshold", threshold or 0
-            ),
+            planner_from_mapping(fields["planner"]), long_prefill_token_threshold=threshold
         )
     for key in ("kv_store_ram_gb", "kv_store_disk_gb"):
         if fields.get(key) is not None:
@@ -270,16 +270,6 @@ def engine_arg(args: Sequence[str], flag: str) -> str | None:
         elif arg.startswith(flag + "="):
             found = arg[len(flag) + 1 :]
     return found
-
-
-def _integer(what: str, value: Any) -> int:
-    try:
-        number = int(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{what}: expected a whole number, got {value!r}") from None
-    if number < 0:
-        raise ConfigError(f"{what}: expected a number >= 0, got {number}")
-    return number
 
 
 def planner_from_mapping(raw: Any) -> PlannerSettings:
