@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
 
 from rich import box
@@ -206,9 +205,10 @@ def plan_layout(args: argparse.Namespace, model_path: str, out: Console) -> Host
     make, lengths_text = workload_of(args.lengths)
     slos = slos_of(args)
     # the engines' scheduler as `up` starts them (its long-prefill threshold, not the engine's)
-    scheduler = SchedulerConfig(long_prefill_token_threshold=args.long_prefill_token_threshold)
-    if args.max_num_batched_tokens:
-        scheduler = replace(scheduler, max_num_batched_tokens=args.max_num_batched_tokens)
+    scheduler = SchedulerConfig(
+        max_num_batched_tokens=args.max_num_batched_tokens or SchedulerConfig.max_num_batched_tokens,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+    )
     base = host_deployment(model_spec_of(model_path), profile, scheduler, args.mode)
     layouts = host_layouts(cpus, args.plan_max_engines)
     prompt_tokens = float(make(1.0, 200, 0).prompt.mean())

@@ -248,8 +248,9 @@ def config_from_mapping(raw: Mapping[str, Any]) -> RayDeployConfig:
         # the engines run with what engine_args give them, else the engine's default (no cap)
         flag = "--long-prefill-token-threshold"
         given = engine_arg(fields.get("engine_args", ()), flag)
-        number = int(given) if given is not None and given.lstrip("-").isdigit() else given
-        threshold = 0 if given is None else _count(f"engine_args: {flag}", number)
+        threshold = (
+            0 if given is None else _count(f"engine_args: {flag}", int(given) if given.isdigit() else given)
+        )
         fields["planner"] = dataclasses.replace(
             planner_from_mapping(fields["planner"]), long_prefill_token_threshold=threshold
         )
