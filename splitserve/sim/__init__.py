@@ -12,8 +12,9 @@ plus the torch-free definitions it shares with the rest of splitserve: `splitser
 
 from splitserve.sim.engine import InstanceConfig
 from splitserve.sim.metrics import goodput
+from splitserve.sim.result import SimResult
 from splitserve.sim.roofline import Efficiency, Roofline
-from splitserve.sim.simulator import Deployment, KVLink, SimResult, simulate
+from splitserve.sim.simulator import Deployment, KVLink, simulate
 from splitserve.sim.specs import GPUS, MODELS, GPUSpec, ModelSpec, load_gpu, load_model, model_from_hf_config
 from splitserve.sim.steady import SteadyState, estimate, search_goodput
 from splitserve.sim.workload import Workload, load_trace, sessions, synthetic

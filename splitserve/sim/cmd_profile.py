@@ -39,13 +39,19 @@ def write_profile(
         from splitserve.sim.tier_probe import measure_tiers
 
         tiers = measure_tiers(args.proxy, by_threads, primary, cpu)
+        shared, own = tiers.tiers, tiers.decode_engine
         cpu = replace(
             cpu or CpuCosts(),
             proxy_s_per_request=tiers.delay_s,
-            cpu_s_per_request=tiers.cpu_s_per_request,
-            cpu_s_per_remote_request=tiers.cpu_s_per_remote_request,
-            cpu_s_per_step=tiers.cpu_s_per_step,
-            cpu_s_per_token=tiers.cpu_s_per_token,
+            cpu_s_per_request=shared.per_request,
+            cpu_s_per_remote_request=shared.per_remote_request,
+            cpu_s_per_step=shared.per_step,
+            cpu_s_per_token=shared.per_token,
+            engine_s_per_request=own.per_request,
+            engine_s_per_remote_request=own.per_remote_request,
+            prefill_engine_s_per_request=tiers.prefill_engine.per_remote_request,
+            engine_s_per_step=own.per_step,
+            engine_s_per_token=own.per_token,
         )
     if args.pd:
         from splitserve.sim.tier_probe import measure_handoff
@@ -90,6 +96,13 @@ def write_profile(
             f"  tiers' CPU {cpu.cpu_s_per_request * 1e3:.2f} ms/request"
             f" (+ {cpu.cpu_s_per_remote_request * 1e3:.2f} through a prefill worker)"
             f" + {cpu.cpu_s_per_step * 1e3:.3f} ms/step + {cpu.cpu_s_per_token * 1e3:.3f} ms/output token"
+        )
+        lines.append(
+            f"  engines' own CPU {cpu.engine_s_per_request * 1e3:.2f} ms/request"
+            f" (+ {cpu.engine_s_per_remote_request * 1e3:.2f} from a prefill worker;"
+            f" the prefill worker {cpu.prefill_engine_s_per_request * 1e3:.2f})"
+            f" + {cpu.engine_s_per_step * 1e3:.3f} ms/step"
+            f" + {cpu.engine_s_per_token * 1e3:.3f} ms/output token"
         )
     if handoff is not None:
         lines.append(f"  handoff  {handoff[0] * 1e3:.2f} ms + {handoff[1] * 1e12:.2f} ps/byte")

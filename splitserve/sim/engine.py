@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from splitserve.config import SchedulerConfig
+from splitserve.sim.profile import StreamCpu
 from splitserve.sim.roofline import ZERO, Cost, Roofline
 
 
@@ -73,20 +74,14 @@ class Engine:
         sched: InstanceConfig,
         prompt: np.ndarray,
         output: np.ndarray,
-        serving_s_per_step: float = 0.0,
-        serving_s_per_token: float = 0.0,
-        cpu_loss: float = 1.0,
+        stream_cpu: StreamCpu = StreamCpu(),
     ) -> None:
         self.index, self.role, self.roofline, self.sched = index, role, roofline, sched
         self._prompt, self._output = prompt, output
-        # the serving path's CPU time per step that streams tokens and per token (a prefill
-        # worker streams none); this engine loses `cpu_loss` seconds of its own per second
-        # of it (simulator.py: every busy engine loses that share of the tiers' CPU)
-        streams = role != "prefill"
-        self.serving_s_per_step = serving_s_per_step if streams else 0.0
-        self.serving_s_per_token = serving_s_per_token if streams else 0.0
-        self.cpu_loss = cpu_loss
-        self.serving_done_s = 0.0  # the serving CPU of the work finish_step last accounted for
+        # the serving path's CPU per step that streams tokens and per token (a prefill
+        # worker streams none)
+        self.stream_cpu = stream_cpu if role != "prefill" else StreamCpu()
+        self.serving_done_s = 0.0  # the tiers' CPU of the work finish_step last accounted for
         self._serving_per_step_s = 0.0  # of the in-flight step (each step of a run)
         self.cpu_debt_s = 0.0  # time lost to the tiers' CPU since its last step began
         self.step_chunks: list[np.ndarray] = []  # step end times, appended in order
@@ -181,24 +176,22 @@ class Engine:
         # the tiers share the engine's cores: each streamed token's serving-path time, and
         # what they spent since the last step began, lengthen its steps
         debt, self.cpu_debt_s = self.cpu_debt_s, 0.0
-        per_step, per_token = self.serving_s_per_step, self.serving_s_per_token
+        c = self.stream_cpu
         if self._chunks:
             cost: Cost = self.roofline.decode(batch, ctx) if batch else ZERO
-            first_tokens = 0
+            streamed = batch
             for rid, n, past in self._chunks:
                 cost = cost + self.roofline.prefill(n, past=past)
-                first_tokens += past + n >= int(self._prompt[rid])
-            streamed = batch + first_tokens
-            serving = per_step + per_token * streamed if streamed else 0.0
-            self._serving_per_step_s = serving
-            end = now + self.roofline.step_s(cost) + debt + self.cpu_loss * serving
+                streamed += past + n >= int(self._prompt[rid])
+            self._serving_per_step_s = c.shared_s(streamed)
+            end = now + self.roofline.step_s(cost) + debt + c.stall_s(streamed)
         else:
             steps = min(self.run_left)
             if self.sched.max_run_steps is not None:
                 steps = min(steps, self.sched.max_run_steps)
             durations = self.roofline.decode_times(batch, ctx + batch * np.arange(steps))
-            self._serving_per_step_s = per_step + per_token * batch
-            durations += self.cpu_loss * self._serving_per_step_s
+            self._serving_per_step_s = c.shared_s(batch)
+            durations += c.stall_s(batch)
             durations[0] += debt
             self._run_times = now + np.cumsum(durations)
             end = float(self._run_times[-1])

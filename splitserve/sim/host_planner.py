@@ -177,7 +177,7 @@ def layout_deployment(
     # cores / host cores of it), and a k-thread engine loses k times that: its other threads
     # wait at the step's next barrier (measured: a 2-thread serve-like engine's steps ran
     # 13 s beyond the profile's during 6.4 s of the tiers' and the client's CPU)
-    dep = replace(base, gpu=cores_spec(cores), cpu_loss=cores / layout.engines)
+    dep = replace(base, gpu=cores_spec(cores), cpu_loss=cores / layout.engines, own_loss=cores)
     if measured_steps and cores in measured_steps:
         dep = replace(dep, steps=measured_steps[cores])
     elif base.steps is not None:

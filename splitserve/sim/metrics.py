@@ -13,7 +13,8 @@ from typing import NamedTuple
 import numpy as np
 
 from splitserve.goodput import SLO, distserve_goodput
-from splitserve.sim.simulator import Deployment, SimResult, simulate
+from splitserve.sim.result import SimResult
+from splitserve.sim.simulator import Deployment, simulate
 from splitserve.sim.workload import Workload
 
 WorkloadFactory = Callable[[float, int, int], Workload]  # (rate, requests, seed) -> workload

@@ -12,7 +12,7 @@ FILE`) and the proxy (`splitserve proxy --pd-cost-profile FILE`) read.
              "cpu": {"render_s_per_request": ..., "render_s_per_token": ...,
                      "proxy_s_per_request": ..., "cpu_s_per_request": ...,
                      "cpu_s_per_remote_request": ..., "cpu_s_per_step": ...,
-                     "cpu_s_per_token": ...},
+                     "cpu_s_per_token": ..., "engine_s_per_request": ..., ...},
              "handoff": {"fixed_s": ..., "s_per_byte": ...},
              "fit": {"rms_rel_error": ..., "max_rel_error": ..., "samples": N}}}
 
@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from splitserve.protocol.pd_decision import COST_FIELDS, CostModel
 from splitserve.sim.calibrate import CalibrationError, Sample, parse_samples, samples_to_json
@@ -41,7 +42,10 @@ class CpuCosts:
     the engine sees it, and what the proxy adds on the way in. CPU: what the proxy and the
     render tier take from the engines' cores (sim/engine.py), per request (charged to the
     engine its prompt goes to), per request sent through a prefill worker, per step that
-    streams tokens and per streamed token (both charged to the streaming engine)."""
+    streams tokens and per streamed token (both charged to the streaming engine). And each
+    engine's own process beyond its engine thread (its API, the KV it pushes or takes in),
+    which runs on that engine's cores alone: per request it takes in, per request it
+    prefills for a decode worker, and per step and token it streams."""
 
     render_s_per_request: float = 0.0
     render_s_per_token: float = 0.0  # per prompt token
@@ -50,9 +54,41 @@ class CpuCosts:
     cpu_s_per_remote_request: float = 0.0  # beyond cpu_s_per_request
     cpu_s_per_step: float = 0.0
     cpu_s_per_token: float = 0.0
+    engine_s_per_request: float = 0.0  # the engine that decodes it (or prefills it locally)
+    engine_s_per_remote_request: float = 0.0  # a decode worker's, beyond engine_s_per_request
+    prefill_engine_s_per_request: float = 0.0  # a prefill worker's (its API and KV push)
+    engine_s_per_step: float = 0.0
+    engine_s_per_token: float = 0.0
 
     def delay_s(self, prompt_tokens: int) -> float:
         return self.render_s_per_request + self.render_s_per_token * prompt_tokens + self.proxy_s_per_request
+
+    def stream_cpu(self, tiers_loss: float, own_loss: float) -> StreamCpu:
+        """What a streaming engine's steps cost it, when it loses `tiers_loss` seconds per
+        second of the tiers' CPU and `own_loss` per second of its own process's."""
+        return StreamCpu(
+            tiers_loss * self.cpu_s_per_step + own_loss * self.engine_s_per_step,
+            tiers_loss * self.cpu_s_per_token + own_loss * self.engine_s_per_token,
+            self.cpu_s_per_step,
+            self.cpu_s_per_token,
+        )
+
+
+class StreamCpu(NamedTuple):
+    """A streaming step's CPU beyond its compute: `stall_*` lengthen the engine's own step
+    (its share of the tiers' CPU and its own API's); `shared_*` is the tiers' CPU, of which
+    every other busy engine loses its share too (simulator.py)."""
+
+    stall_s_per_step: float = 0.0
+    stall_s_per_token: float = 0.0
+    shared_s_per_step: float = 0.0
+    shared_s_per_token: float = 0.0
+
+    def stall_s(self, streamed: int) -> float:
+        return self.stall_s_per_step + self.stall_s_per_token * streamed if streamed else 0.0
+
+    def shared_s(self, streamed: int) -> float:
+        return self.shared_s_per_step + self.shared_s_per_token * streamed if streamed else 0.0
 
 
 CPU_FIELDS = tuple(f.name for f in dataclasses.fields(CpuCosts))

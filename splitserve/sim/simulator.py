@@ -10,7 +10,6 @@ limit); each of those is a switch, which is how `seed` vs `realistic` differ.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -20,6 +19,7 @@ from splitserve.protocol.pd_decision import CostModel, DecisionInputs, decide
 from splitserve.sim.engine import Engine, InstanceConfig
 from splitserve.sim.kv import exposed_transfer_s, handoff_bytes, transfer_s
 from splitserve.sim.profile import CpuCosts
+from splitserve.sim.result import SimResult
 from splitserve.sim.roofline import Efficiency, Roofline
 from splitserve.sim.specs import GPUSpec, ModelSpec
 from splitserve.sim.step_model import ProfiledRoofline, StepModel
@@ -78,8 +78,10 @@ class Deployment:
     pd_costs: CostModel | None = None
     cpu: CpuCosts | None = None  # the tiers around the engines: delays and CPU (profile.py)
     # seconds each busy engine loses per second of the tiers' CPU, which runs on every core:
-    # E engines of k threads on E k cores lose k / E (host_planner.layout_deployment)
+    # E engines of k threads on E k cores lose k / E (host_planner.layout_deployment); and
+    # per second of its own process's CPU beyond its engine thread, on its own k cores: k
     cpu_loss: float = 1.0
+    own_loss: float = 1.0
 
     def __post_init__(self) -> None:
         if self.mode not in ("collocated", "pd"):
@@ -106,62 +108,6 @@ class Deployment:
         if self.mode == "collocated":
             return f"{self.replicas}x collocated TP{self.tp} (budget {self.sched.budget})"
         return f"{self.prefill_instances}P(TP{self.tp_prefill}):{self.decode_instances}D(TP{self.tp_decode})"
-
-
-@dataclass(frozen=True)
-class SimResult:
-    arrival: np.ndarray
-    ttft: np.ndarray  # inf for a request that could never be admitted
-    tpot: np.ndarray
-    worst_gap: np.ndarray
-    e2e: np.ndarray
-    output: np.ndarray
-    gaps: list[np.ndarray]  # every inter-token gap, per request
-    busy_fraction: list[float]  # per instance, while requests were arriving
-    mean_batch: list[float]  # per instance: tokens emitted per step
-    rejected: int
-    kv_peak: list[float]  # per instance: the largest fraction of its KV memory reserved (0: no limit)
-    kv_blocked: list[float]  # per instance: fraction of the arrival window a request waited for KV memory
-    roles: list[str]  # per instance: "both", "prefill" or "decode"
-    remote: np.ndarray | None = None  # P/D: per request, whether it was prefilled on a prefill worker
-
-    def itl(self) -> np.ndarray:
-        parts = [g for g in self.gaps if len(g)]
-        return np.concatenate(parts) if parts else np.zeros(0)
-
-    def metric_values(self, keys: Iterable[str]) -> dict[str, np.ndarray]:
-        """Per request, the values an SLO bounds (splitserve.goodput.SLO_KEYS)."""
-        every = {
-            "ttft": lambda: self.ttft,
-            "tpot": lambda: self.tpot,
-            "gap": lambda: self.worst_gap,
-            "p99_itl": self.p99_gap,
-            "e2e": lambda: self.e2e,
-        }
-        return {k: every[k]() for k in keys}
-
-    def p99_gap(self) -> np.ndarray:
-        """Each request's own 99th-percentile inter-token gap."""
-        return np.array([np.percentile(g, 99) if len(g) else 0.0 for g in self.gaps])
-
-    def summary(self) -> dict[str, float]:
-        itl = self.itl()
-        ok = np.isfinite(self.ttft)
-        return {
-            "requests": len(self.ttft),
-            "rejected": self.rejected,
-            "ttft_median_s": float(np.median(self.ttft[ok])) if ok.any() else float("inf"),
-            "ttft_p99_s": float(np.percentile(self.ttft[ok], 99)) if ok.any() else float("inf"),
-            "itl_p50_s": float(np.percentile(itl, 50)) if len(itl) else 0.0,
-            "itl_p99_s": float(np.percentile(itl, 99)) if len(itl) else 0.0,
-            "tpot_median_s": float(np.median(self.tpot[ok])) if ok.any() else 0.0,
-            "worst_gap_max_s": float(self.worst_gap[ok].max()) if ok.any() else 0.0,
-            **(
-                {"remote_fraction": float(self.remote[ok].mean()) if ok.any() else 0.0}
-                if self.remote is not None
-                else {}
-            ),
-        }
 
 
 class _Sim:
@@ -201,10 +147,9 @@ class _Sim:
         if self.dep.kv_limit and sched.kv_capacity_tokens is None and role != "prefill":
             cap, slot = rl.kv_capacity_tokens(self.dep.mem_util), rl.state_slot_tokens()
             sched = replace(sched, kv_capacity_tokens=cap, state_tokens_per_request=slot)
-        cpu = self.dep.cpu or CpuCosts()
-        serving = (cpu.cpu_s_per_step, cpu.cpu_s_per_token, self.dep.cpu_loss)
+        stream = (self.dep.cpu or CpuCosts()).stream_cpu(self.dep.cpu_loss, self.dep.own_loss)
         made = [
-            Engine(len(self.engines) + i, role, rl, sched, self.wl.prompt, self.wl.output, *serving)
+            Engine(len(self.engines) + i, role, rl, sched, self.wl.prompt, self.wl.output, stream)
             for i in range(count)
         ]
         self.engines.extend(made)
@@ -301,10 +246,13 @@ class _Sim:
             self.wake(e, t)
 
     def enqueue_prefill(self, e: Engine, rid: int, cached: int) -> None:
-        """`rid`'s prompt onto `e`; the tiers' CPU for it (more on the P/D path) is charged."""
+        """`rid`'s prompt onto `e`; the tiers' CPU for it (more on the P/D path) is charged,
+        and `e`'s own (its API; a prefill worker's KV push) to `e`, on its own cores."""
         if (cpu := self.dep.cpu) is not None:
-            remote = cpu.cpu_s_per_remote_request if e.role == "prefill" else 0.0
-            self.charge_others(None, cpu.cpu_s_per_request + remote)
+            remote = e.role == "prefill"
+            self.charge_others(None, cpu.cpu_s_per_request + remote * cpu.cpu_s_per_remote_request)
+            own = cpu.prefill_engine_s_per_request if remote else cpu.engine_s_per_request
+            e.charge_cpu(self.dep.own_loss * own)
         e.enqueue_prefill(rid, cached)
 
     def charge_others(self, source: Engine | None, cpu_s: float) -> None:
@@ -381,7 +329,10 @@ class _Sim:
                 e = self.engines[a]
                 if b == e.version and e.busy_until is not None:
                     self.step_end(e, t)
-            elif kind == _KV_READY:
+            elif kind == _KV_READY:  # decode takes in the request and its KV, on its own cores
+                if (cpu := self.dep.cpu) is not None:
+                    own = cpu.engine_s_per_request + cpu.engine_s_per_remote_request
+                    self.engines[a].charge_cpu(self.dep.own_loss * own)
                 self.engines[a].ready.append(b)
                 self.wake(self.engines[a], t)
             elif kind == _PULL:

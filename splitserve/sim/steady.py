@@ -20,7 +20,8 @@ import numpy as np
 
 from splitserve.goodput import SLO
 from splitserve.sim.metrics import WorkloadFactory, met, miss_fractions
-from splitserve.sim.simulator import Deployment, SimResult, simulate
+from splitserve.sim.result import SimResult
+from splitserve.sim.simulator import Deployment, simulate
 
 BATCHES = 10
 T_95 = 2.262  # Student's t, 95% two-sided, BATCHES - 1 degrees of freedom

@@ -12,9 +12,11 @@ their public HTTP APIs (standard library only):
   prompts of one token and of 48 at 8 concurrent and at 1, and long prompts that a
   prefill worker takes where there is one), less their idle background, fitted to
   requests, remote requests, the decode workers' steps (their step counts) and tokens.
-  A one-thread engine's process CPU beyond its engine thread's in steps (its API, the KV
-  it pushes) counts too. Prefill and delay are timed against the steps measured at the
-  stack's own workers' thread counts (`--engine` twice), where the profile has them.
+  Each one-thread engine's process CPU beyond its engine thread's in steps (its API, the
+  KV it pushes or takes in) is fitted the same way, apart, by role: it runs on that
+  engine's own core, not on every core. Prefill and delay are timed against the steps
+  measured at the stack's own workers' thread counts (`--engine` twice), where the
+  profile has them.
 - `--pd URL`: a P/D proxy's handoff. Requests of several prompt lengths go through its
   /v1/completions (one output token each; short ones first, which stay on decode; as many
   on each path as the proxy's median window, router/pd_costs.FIXED_WINDOW); the
@@ -91,14 +93,23 @@ def measure_render(
     return CpuCosts(per_request, per_token)
 
 
+class PathCpu(NamedTuple):
+    """CPU seconds of one part of the serving path, fitted to the load's shape."""
+
+    per_request: float  # per request on the local path
+    per_remote_request: float  # more per request sent through a prefill worker
+    per_step: float  # per decode-worker step that streams
+    per_token: float  # per streamed token
+
+
 class TierCosts(NamedTuple):
-    """The serving path around the engines (`up`'s proxy and render tier)."""
+    """The serving path around the engines (`up`'s proxy and render tier) and the engines'
+    own processes beyond their engine threads (measured on one-thread engines only)."""
 
     delay_s: float  # a request's wait in the proxy beyond the render call, before the engine
-    cpu_s_per_request: float  # proxy + render CPU per request on the local path
-    cpu_s_per_remote_request: float  # more per request sent through a prefill worker
-    cpu_s_per_step: float  # per decode-worker step that streams
-    cpu_s_per_token: float  # per streamed token
+    tiers: PathCpu  # the proxy and the render tier: on every core
+    decode_engine: PathCpu  # a decode worker's own process: on its cores
+    prefill_engine: PathCpu  # a prefill worker's own process: on its cores
 
 
 class _Load(NamedTuple):
@@ -109,7 +120,7 @@ class _Load(NamedTuple):
 
 
 class _Reading(NamedTuple):
-    cpu_s: float  # proxy + render tiers
+    cpu_s: np.ndarray  # proxy + render tiers, decode engines' own, prefill engines' own
     decode_steps: float  # steps of the workers that stream (decode role)
     remote: float  # requests through a prefill worker
     at: float  # perf_counter
@@ -177,15 +188,17 @@ def measure_tiers(
     internal = internal_headers()
 
     # an engine of one thread spends its process CPU beyond its engine thread's in steps on
-    # its API (each request's stream, the KV it pushes or takes in): the tiers' cost too (a
-    # prefill engine that borrows an idle decode's CPUs counts their threads' CPU as well:
-    # calibrate a stack started with --no-lend-idle-cpus)
+    # its API (each request's stream, the KV it pushes or takes in); of a wider engine that
+    # figure holds its torch threads too, so it is not measured (a prefill engine that
+    # borrows an idle decode's CPUs counts their threads' CPU as well: calibrate a stack
+    # started with --no-lend-idle-cpus)
     single = [w["url"] for w in workers if EngineProbe(w["url"], timeout_s).threads() == 1]
 
     def read() -> _Reading:
         proxy = _get_text(base + "/metrics", {}, timeout_s)
-        cpu = _metric(proxy, "process_cpu_seconds_total")
-        cpu += sum(
+        cpu = np.zeros(3)
+        cpu[0] = _metric(proxy, "process_cpu_seconds_total")
+        cpu[0] += sum(
             _metric(_get_text(r + "/metrics", internal, timeout_s), "process_cpu_seconds_total")
             for r in state["render"]
         )
@@ -195,8 +208,9 @@ def measure_tiers(
             if worker["url"] in streaming:
                 steps_done += _metric(text, "splitserve_step_time_seconds_count")
             if worker["url"] in single:
-                cpu += _metric(text, "process_cpu_seconds_total")
-                cpu -= _metric(text, "splitserve_step_thread_cpu_seconds_total")
+                own = _metric(text, "process_cpu_seconds_total")
+                own -= _metric(text, "splitserve_step_thread_cpu_seconds_total")
+                cpu[1 if worker["url"] in streaming else 2] += own
         remote = _metric(proxy, "splitserve_proxy_requests_total", 'path="pd_')
         return _Reading(cpu, steps_done, remote, time.perf_counter())
 
@@ -242,9 +256,17 @@ def measure_tiers(
     matrix = np.array(rows, dtype=float)
     used = [0, 2, 3] + ([1] if matrix[:, 1].any() else [])
     fitted, *_ = np.linalg.lstsq(matrix[:, used], np.array(cpu), rcond=None)
-    per = dict(zip(used, (max(0.0, float(v)) for v in fitted), strict=True))
-    local = per[0]
-    return TierCosts(delay, local, max(0.0, per.get(1, local) - local), per[2], per[3])
+
+    def path(part: int) -> PathCpu:
+        per = dict(zip(used, (max(0.0, float(v)) for v in fitted[:, part]), strict=True))
+        local = per[0]
+        return PathCpu(local, max(0.0, per.get(1, local) - local), per[2], per[3])
+
+    decode, prefill = path(1), path(2)
+    # a prefill worker's own CPU is all its requests' (it prefills no local request and
+    # streams nothing)
+    prefill_own = PathCpu(0.0, prefill.per_request + prefill.per_remote_request, 0.0, 0.0)
+    return TierCosts(delay, path(0), decode, prefill_own)
 
 
 def measure_handoff(

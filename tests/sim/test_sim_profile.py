@@ -339,7 +339,7 @@ def test_calibrate_measures_the_tiers_cpu_and_engines_of_two_thread_counts(
     cpus = sorted(os.sched_getaffinity(0))
     args = ["up", tiny_model, "--port", str(port), "--prefill", "1", "--decode", "1", "--num-blocks", "256",
             "--pd-decision", "threshold", "--min-prefill-tokens", "64",
-            "--cpu-affinity", f"decode-0={cpus[0]}"]  # fmt: skip
+            "--cpu-affinity", f"decode-0={cpus[0]}", "--cpu-affinity", f"prefill-0={cpus[-1]}"]  # fmt: skip
     env = {INTERNAL_TOKEN_ENV: token, **REFERENCE_KERNELS}
     engine_port = free_port()
     engine_args = ["engine", tiny_model, "--port", str(engine_port), "--log-level", "warning"]
@@ -381,10 +381,14 @@ def test_calibrate_measures_the_tiers_cpu_and_engines_of_two_thread_counts(
     # through the prefill worker too
     assert cpu.cpu_s_per_request > 0 and cpu.cpu_s_per_token > 0, cpu
     assert cpu.cpu_s_per_request + cpu.cpu_s_per_remote_request > 0, cpu
+    # the one-thread engines' own processes, apart: decode's API streams every request,
+    # the prefill worker's takes in and pushes the KV of each it prefills
+    assert cpu.engine_s_per_request + cpu.engine_s_per_step + cpu.engine_s_per_token > 0, cpu
+    assert cpu.prefill_engine_s_per_request > 0, cpu
     assert 'splitserve_proxy_requests_total{path="pd_push"}' in routed
     # `--pd`: the handoff the proxy measured, and its cost per byte
     assert profile.handoff_fixed_s is not None and 0 <= profile.handoff_fixed_s < 1.0, profile
     assert profile.handoff_s_per_byte is not None and profile.handoff_s_per_byte >= 0
     assert "process_cpu_seconds_total" in routed
     output = capsys.readouterr().out
-    assert "tiers' CPU" in output and "on 1 thread(s)" in output
+    assert "tiers' CPU" in output and "engines' own CPU" in output and "on 1 thread(s)" in output

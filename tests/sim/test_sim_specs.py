@@ -11,7 +11,7 @@ from splitserve.goodput import SLO
 from splitserve.sim import Efficiency, Roofline, load_gpu, load_model, model_from_hf_config
 from splitserve.sim.calibrate import CalibrationError, fit, parse_samples, synthetic_samples
 from splitserve.sim.metrics import met, miss_fractions
-from splitserve.sim.simulator import SimResult
+from splitserve.sim.result import SimResult
 from splitserve.sim.specs import GPUS, MODELS, SpecError
 
 QWEN25_7B_CONFIG = {
