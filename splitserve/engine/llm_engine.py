@@ -22,6 +22,7 @@ from splitserve.engine.multimodal import MultiModalInputs
 from splitserve.engine.outputs import EngineStats, RequestOutput
 from splitserve.engine.request import Request
 from splitserve.engine.scheduler import Scheduler
+from splitserve.gguf_file import shared_gguf_readers
 from splitserve.kv.connector.base import KVCacheAllocator, KVConnector
 from splitserve.protocol.errors import InvalidRequestError, PromptTooLongError
 from splitserve.protocol.generate_request import GenerateRequest
@@ -46,7 +47,8 @@ class LLMEngine:
         self.connector = connector
         self.kv_store = kv_store
         self.ec_connector = ec_connector
-        self.runner = runner = ModelRunner(config, connector, kv_cache_allocator, ec_connector)
+        with shared_gguf_readers():  # a GGUF file's metadata parsed once, not per part read
+            self.runner = runner = ModelRunner(config, connector, kv_cache_allocator, ec_connector)
         # what callers read of the loaded model, held by the runner
         self.model_info, self.model, self.multimodal = runner.model_info, runner.model, runner.multimodal
         self.device, self.dtype, self.kv_cache = runner.device, runner.dtype, runner.kv_cache
@@ -274,6 +276,7 @@ class LLMEngine:
             last_step_borrowed=bool(self.runner.step_threads.borrowed),
             num_threads=self.runner.step_threads.parallel_threads,
             step_thread_cpu_s=self.step_thread_cpu_s,
+            long_prefill_token_threshold=sched.config.long_prefill_token_threshold,
         )
 
     def check_integrity(self) -> None:

@@ -3,8 +3,11 @@
 Input (JSON): a list of samples, or {"samples": [...], "model": ..., "gpu": ...}. A sample:
   {"kind": "prefill", "num_tokens": N, "context_len": PAST, "step_time_s": T}
   {"kind": "decode", "batch_size": B, "context_len": CTX, "step_time_s": T}
+  {"kind": "mixed", "num_tokens": N, "batch_size": B, "context_len": CTX, "step_time_s": T}
 context_len is the cached past for a prefill, the mean context per sequence for a decode
-step ("num_tokens" is accepted for the batch size of a decode step).
+step ("num_tokens" is accepted for the batch size of a decode step). A mixed step prefills
+a prompt of N tokens beside a decode batch of B at CTX each; the step model prices it (the
+roofline fit leaves it out).
 
 Model: t = max(FLOPs / (peak * compute), bytes / (bandwidth * bw)) + overhead. The fit
 alternates between deciding which bound each sample sits on and a linear least-squares
@@ -26,10 +29,11 @@ class CalibrationError(ValueError):
 
 
 class Sample(NamedTuple):
-    kind: str
-    tokens: int  # prefill: new tokens; decode: batch size
+    kind: str  # "prefill", "decode", or "mixed": a prefill chunk beside a decode batch
+    tokens: int  # prefill and mixed: new prompt tokens; decode: batch size
     context: int
     step_s: float
+    batch: int = 0  # mixed: the decode batch beside the chunk
 
 
 class Fit(NamedTuple):
@@ -52,19 +56,21 @@ def parse_samples(data: object) -> tuple[list[Sample], dict]:
         if not isinstance(row, dict):
             raise CalibrationError(f"sample {i}: expected an object")
         kind = row.get("kind")
-        if kind not in ("prefill", "decode"):
-            raise CalibrationError(f"sample {i}: kind must be 'prefill' or 'decode'")
+        if kind not in ("prefill", "decode", "mixed"):
+            raise CalibrationError(f"sample {i}: kind must be 'prefill', 'decode' or 'mixed'")
         size = row.get("batch_size", row.get("num_tokens")) if kind == "decode" else row.get("num_tokens")
         try:
             tokens, context = int(size), int(row.get("context_len", 0))
             step = float(row["step_time_s"])
+            batch = int(row["batch_size"]) if kind == "mixed" else 0
         except (KeyError, TypeError, ValueError) as exc:
             raise CalibrationError(
                 f"sample {i}: needs numeric num_tokens/batch_size and step_time_s"
+                + (" (a mixed step both)" if kind == "mixed" else "")
             ) from exc
-        if tokens < 1 or context < 0 or not step > 0:
+        if tokens < 1 or context < 0 or not step > 0 or (kind == "mixed" and batch < 1):
             raise CalibrationError(f"sample {i}: sizes must be >= 1, context >= 0, step_time_s > 0")
-        out.append(Sample(kind, tokens, context, step))
+        out.append(Sample(kind, tokens, context, step, batch))
     return out, meta
 
 
@@ -111,6 +117,7 @@ def fit(
     prefill-attention efficiency, a per-sequence overhead and the small-chunk tokens) on
     relative errors. The small-chunk term enters as k = tokens / compute on each prefill
     step's one-token FLOPs, so the fit stays linear."""
+    samples = [s for s in samples if s.kind != "mixed"]
     if len(samples) < 3:
         raise CalibrationError("need at least 3 samples")
     x = _features(rl, samples)
@@ -206,6 +213,9 @@ def synthetic_samples(rl: Roofline, eff: Efficiency, noise: float = 0.02, seed: 
 def samples_to_json(samples: list[Sample]) -> list[dict]:
     rows = []
     for s in samples:
-        size_key = "num_tokens" if s.kind == "prefill" else "batch_size"
-        rows.append({"kind": s.kind, size_key: s.tokens, "context_len": s.context, "step_time_s": s.step_s})
+        if s.kind == "mixed":
+            sizes = {"num_tokens": s.tokens, "batch_size": s.batch}
+        else:
+            sizes = {"num_tokens" if s.kind == "prefill" else "batch_size": s.tokens}
+        rows.append({"kind": s.kind, **sizes, "context_len": s.context, "step_time_s": s.step_s})
     return rows

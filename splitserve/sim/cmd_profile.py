@@ -73,6 +73,7 @@ def write_profile(
             f"B={b}: {t * 1e3:.2f} ms" for b, t in zip(s.decode_batches, s.decode_base_s, strict=True)
         )
         + f" + {s.decode_s_per_context_token * 1e9:.1f} ns per context token",
+        f"  a prompt beside decodes: + {s.mixed_fixed_s * 1e3:.2f} ms beyond its tokens",
         f"  fit error: rms {rms:.1%}, max {worst:.1%}"
         + (f" (an engine of {threads} threads)" if threads else ""),
         f"  P/D decision: prefill {profile.pd_costs['prefill_s_per_token'] * 1e6:.2f} us/token",
@@ -85,6 +86,7 @@ def write_profile(
                 f"B={b}: {t * 1e3:.2f} ms"
                 for b, t in zip(other.decode_batches, other.decode_base_s, strict=True)
             )
+            + f"; beside decodes + {other.mixed_fixed_s * 1e3:.2f} ms"
         )
     if cpu is not None:
         lines.append(

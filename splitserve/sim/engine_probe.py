@@ -10,6 +10,11 @@ its API) for `sim calibrate --engine URL`. Standard library only: HTTP with urll
   the B requests, at batch B and mean context C + K / 2. (The first request to arrive
   prefills alone and finishes a step early, so the others' last step runs at batch B - 1:
   a bias of about one step in K, which the median request carries.)
+- Mixed: B requests decoding (all B in every step, per `/inference/v1/stats`), the mean
+  of a few of their steps timed from `/metrics`, then a prompt of N fresh tokens
+  (`max_tokens: 1`) sent: it prefills in one step beside them, whose time is what the steps
+  while it ran took beyond that many decode steps. Kept only when the token counts say the
+  steps were exactly that (B a step, and B + N once).
 
 Each shape is measured `repeats` times and the fastest kept: a shared machine only ever
 adds time. Token IDs are drawn at random from a small range so every prompt is new to the
@@ -22,12 +27,18 @@ import json
 import random
 import re
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
+from statistics import median
 
 from splitserve.runtime.access import INTERNAL_TOKEN_ENV, internal_headers
 from splitserve.sim.calibrate import CalibrationError, Sample
+
+POLL_S = 0.002  # between reads of a live engine's counters while steps run
+STEPS, STEP_SECONDS = "splitserve_step_time_seconds_count", "splitserve_step_time_seconds_sum"
+STEP_TOKENS = "splitserve_step_tokens_total"
 
 _METRIC = re.compile(r"^(splitserve_step_time_seconds_(?:sum|count)|splitserve_step_tokens_total)\s+(\S+)$")
 
@@ -57,8 +68,7 @@ class EngineProbe:
 
     def threads(self) -> int:
         """The threads the engine's steps run on."""
-        stats = json.loads(self._call("/inference/v1/stats"))
-        threads = stats.get("num_threads") if isinstance(stats, dict) else None
+        threads = self.stats().get("num_threads")
         if not isinstance(threads, int) or threads < 1:
             raise CalibrationError(f"{self.url}/inference/v1/stats reports no num_threads")
         return threads
@@ -94,6 +104,56 @@ class EngineProbe:
             return None
         return after["splitserve_step_time_seconds_sum"] - before["splitserve_step_time_seconds_sum"]
 
+    def stats(self) -> dict:
+        stats = json.loads(self._call("/inference/v1/stats"))
+        return stats if isinstance(stats, dict) else {}
+
+    def _await_steps(self, steps: int, batch: int) -> dict[str, float] | None:
+        """The step counters once `steps` more steps ran after this call, or None if one
+        of them was not a decode step of `batch` (the poll itself is light next to a step)."""
+        start = self.step_counters()
+        while True:
+            now = self.step_counters()
+            ran = now[STEPS] - start[STEPS]
+            tokens = now[STEP_TOKENS] - start[STEP_TOKENS]
+            if tokens != ran * batch:
+                return None
+            if ran >= steps:
+                return now
+            time.sleep(POLL_S)
+
+    def mixed_step_s(self, batch: int, tokens: int, context: int, decode_tokens: int = 128) -> float | None:
+        """The step that prefills a prompt of `tokens` beside `batch` decoding requests;
+        None if the steps around it were not the shapes asked for."""
+        decoding = threading.Thread(
+            target=run_together, args=(lambda: self.generate(context, decode_tokens), batch)
+        )
+        decoding.start()
+        try:
+            while True:  # every request of the batch admitted and decoding
+                stats = self.stats()
+                if stats.get("num_running") == batch and stats.get("last_step_tokens") == batch:
+                    break
+                if not decoding.is_alive():
+                    return None
+                time.sleep(POLL_S)
+            warm = self._await_steps(2, batch)
+            window = self._await_steps(4, batch)
+            if warm is None or window is None:
+                return None
+            steps = window[STEPS] - warm[STEPS]
+            decode_s = (window[STEP_SECONDS] - warm[STEP_SECONDS]) / steps
+            self.generate(tokens, 1)
+            after = self.step_counters()
+        finally:
+            decoding.join()
+        ran = after[STEPS] - window[STEPS]
+        computed = after[STEP_TOKENS] - window[STEP_TOKENS]
+        if ran < 1 or computed != ran * batch + tokens:
+            return None
+        mixed = after[STEP_SECONDS] - window[STEP_SECONDS] - (ran - 1) * decode_s
+        return mixed if mixed > 0 else None  # the decode steps around it ran slower than timed
+
     def decode_step_s(self, batch: int, context: int, max_tokens: int) -> float:
         """Median engine-side mean ITL of `batch` requests decoding together."""
         itls: list[float] = []
@@ -118,6 +178,8 @@ def measure(
     decode_tokens: int = 32,
     repeats: int = 3,
     tick: Callable[[], None] | None = None,
+    mixed_batches: Sequence[int] = (1, 4),
+    mixed_tokens: Sequence[int] = (32, 256),
 ) -> list[Sample]:
     probe.health()
     probe.generate(16, 2)  # warm-up: first-call costs are not step costs
@@ -134,6 +196,19 @@ def measure(
             samples.append(Sample("decode", b, context + decode_tokens // 2, best))
             if tick:
                 tick()
+    context = min(decode_contexts)
+    # a prompt beside decodes: what it adds beyond its tokens (in one step: an engine that
+    # caps a prompt's tokens a step beside decodes, as `up`'s do, is probed within its cap)
+    # (an engine whose stats do not say what runs is not probed for them)
+    stats = probe.stats()
+    cap = int(stats.get("long_prefill_token_threshold") or 0)
+    for b in mixed_batches if "num_running" in stats else ():
+        for n in [n for n in mixed_tokens if not 0 < cap < n]:
+            times = [t for t in (probe.mixed_step_s(b, n, context) for _ in range(repeats)) if t is not None]
+            if times:
+                # the median: a difference of timings, which noise moves either way; the
+                # decodes are some 8 steps in at the prompt's step
+                samples.append(Sample("mixed", n, context + 8, median(times), b))
     if len(samples) < 3:
         raise CalibrationError("fewer than 3 usable step shapes (prompts larger than the engine's budget?)")
     return samples

@@ -10,8 +10,10 @@
   slope), made non-decreasing (a larger batch is never faster: what is left is noise),
   interpolated linearly between them and extrapolated along the last segment.
 - A mixed step (decodes and prefill chunks): base(B) + context term + each chunk's per-token
-  and per-pair work; the prefill fixed cost is paid only by a step without decodes (one
-  forward pass, one fixed cost).
+  and per-pair work + mixed_fixed: what a chunk adds to a decode step beyond its tokens
+  (its attention's own pass, its KV writes). Measured (mixed samples: the median of each
+  mixed step's time less the rest of the formula); 0 without mixed samples. The prefill
+  fixed cost itself is paid only by a step without decodes.
 
 `ProfiledRoofline` puts the model in the simulator's place of the roofline: the same
 `prefill`/`decode` costs, timed by the fitted model instead of by peaks and efficiencies.
@@ -19,7 +21,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -36,9 +38,11 @@ class StepModel:
     decode_batches: tuple[int, ...]  # measured batch sizes, ascending
     decode_base_s: tuple[float, ...]  # per batch size: the step time at zero context
     decode_s_per_context_token: float
+    mixed_fixed_s: float = 0.0  # a prefill chunk's fixed cost beside decodes
 
     def __post_init__(self) -> None:
         values = (
+            self.mixed_fixed_s,
             self.prefill_fixed_s,
             self.prefill_s_per_token,
             self.prefill_s_per_pair,
@@ -69,6 +73,11 @@ class StepModel:
     def decode_s(self, batch: int, context_total: float | np.ndarray) -> np.ndarray:
         return self.decode_base(batch) + self.decode_s_per_context_token * np.asarray(context_total)
 
+    def mixed_s(self, tokens: float, batch: int, context_total: float) -> float:
+        """A prompt of `tokens` (no cached past) prefilled beside a decode batch."""
+        chunk = self.prefill_s(tokens) - self.prefill_fixed_s
+        return float(self.decode_s(batch, context_total)) + self.mixed_fixed_s + chunk
+
     def to_json(self) -> dict:
         return {
             "prefill": {
@@ -81,6 +90,7 @@ class StepModel:
                 "base_s": list(self.decode_base_s),
                 "s_per_context_token": self.decode_s_per_context_token,
             },
+            "mixed": {"fixed_s": self.mixed_fixed_s},
         }
 
     @staticmethod
@@ -94,16 +104,19 @@ class StepModel:
                 tuple(int(b) for b in dec["batch_sizes"]),
                 tuple(float(t) for t in dec["base_s"]),
                 float(dec["s_per_context_token"]),
+                float(data.get("mixed", {}).get("fixed_s", 0.0)),  # type: ignore[attr-defined]
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise CalibrationError(
                 f"{source}: sim.steps needs prefill {{fixed_s, s_per_token, s_per_pair}} and decode "
-                f"{{batch_sizes, base_s, s_per_context_token}} ({exc})"
+                f"{{batch_sizes, base_s, s_per_context_token}}, and optionally mixed {{fixed_s}} ({exc})"
             ) from None
 
     def predict(self, sample: Sample) -> float:
         if sample.kind == "prefill":
             return self.prefill_s(sample.tokens, sample.context)
+        if sample.kind == "mixed":
+            return self.mixed_s(sample.tokens, sample.batch, sample.batch * sample.context)
         return float(self.decode_s(sample.tokens, sample.tokens * sample.context))
 
 
@@ -144,7 +157,7 @@ def fit_step_model(samples: list[Sample]) -> StepModel:
     coef = _nonneg_lstsq(columns, td, keep=set(range(len(batches))))
     per_ctx = float(coef[len(batches)]) if len(columns) > len(batches) else 0.0
     base = np.maximum.accumulate(np.maximum(coef[: len(batches)], 0.0))
-    return StepModel(
+    model = StepModel(
         float(fixed),
         float(per_token),
         float(per_pair),
@@ -152,6 +165,11 @@ def fit_step_model(samples: list[Sample]) -> StepModel:
         tuple(float(b) for b in base),
         per_ctx,
     )
+    mixed = [s for s in samples if s.kind == "mixed"]
+    if not mixed:
+        return model
+    beyond = [s.step_s - model.predict(s) for s in mixed]  # what the formula without it misses
+    return replace(model, mixed_fixed_s=max(0.0, float(np.median(beyond))))
 
 
 def fit_errors(model: StepModel, samples: list[Sample]) -> tuple[float, float]:
@@ -179,7 +197,8 @@ class ProfiledRoofline(Roofline):
         prefill = s.prefill_s_per_token * cost.prefill_tokens + s.prefill_s_per_pair * pairs
         if batch == 0:
             return float(s.prefill_fixed_s + prefill) if chunks else 0.0
-        return float(s.decode_s(batch, cost.decode_attn_flops / self._per_pair)) + prefill
+        mixed = s.mixed_fixed_s if chunks else 0.0
+        return float(s.decode_s(batch, cost.decode_attn_flops / self._per_pair)) + prefill + mixed
 
     def decode_times(self, batch: int, context_totals: np.ndarray) -> np.ndarray:
         return np.asarray(self.steps.decode_s(batch, context_totals), dtype=float)

@@ -294,3 +294,31 @@ def test_an_engines_own_cpu_slows_its_own_steps_and_the_tiers_every_busy_engines
     # on a k-thread engine its own API stalls all k (host_planner: own_loss = k)
     doubled = simulate(replace(dep, cpu=CpuCosts(prefill_engine_s_per_request=0.05), own_loss=2.0), wl)
     assert doubled.ttft[1] == pytest.approx(base.ttft[1] + 0.10, abs=1e-9)
+
+
+def test_a_measured_chunk_beside_decodes_costs_its_fixed_part_too():
+    """Mixed samples (a prompt prefilled beside a decode batch) fit what a chunk adds to a
+    decode step beyond its tokens; the profile keeps it and the simulator's mixed steps
+    pay it, a step of decodes alone or of a prompt alone does not."""
+    from splitserve.sim.calibrate import Sample, parse_samples, samples_to_json
+    from splitserve.sim.step_model import ProfiledRoofline, StepModel, fit_step_model
+
+    truth = StepModel(0.005, 50e-6, 1e-7, (1, 4), (0.002, 0.004), 2e-6)
+    samples = [Sample("prefill", n, 0, truth.prefill_s(n)) for n in (32, 256, 1024)]
+    samples += [Sample("decode", b, c, float(truth.decode_s(b, b * c))) for b in (1, 4) for c in (128, 1024)]
+    shapes = [(b, n) for b in (1, 4) for n in (32, 256)]
+    samples += [Sample("mixed", n, 136, truth.mixed_s(n, b, b * 136) + 0.003, b) for b, n in shapes]
+    parsed, _ = parse_samples(samples_to_json(samples))
+    assert parsed == samples
+    fitted = fit_step_model(parsed)
+    assert fitted.mixed_fixed_s == pytest.approx(0.003, rel=1e-6)
+    assert StepModel.from_json(fitted.to_json(), "profile") == fitted
+    rl = ProfiledRoofline(MODEL, GPU, fitted)
+    decodes, chunk = rl.decode(4, 4 * 136), rl.prefill(32)
+    assert rl.step_s(decodes + chunk) == pytest.approx(fitted.mixed_s(32, 4, 4 * 136), rel=1e-9)
+    assert rl.step_s(decodes + chunk) == pytest.approx(
+        rl.step_s(decodes) + rl.step_s(chunk) - fitted.prefill_fixed_s + 0.003, rel=1e-9
+    )
+    assert rl.step_s(chunk) == pytest.approx(fitted.prefill_s(32), rel=1e-9)
+    with pytest.raises(ValueError, match="mixed step both"):
+        parse_samples([{"kind": "mixed", "num_tokens": 32, "context_len": 0, "step_time_s": 0.01}])

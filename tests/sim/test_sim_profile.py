@@ -128,6 +128,10 @@ def test_calibrate_a_live_engine_predicts_held_out_steps(tiny_model: str, tmp_pa
     assert prefill_measured / 10 < prefill_predicted < prefill_measured * 10, (prefill_measured, fitted)
     assert decode_measured / 10 < decode_predicted < decode_measured * 10, (decode_measured, fitted)
     assert steps.prefill_s(1024) > steps.prefill_s(32) > 0, fitted
+    # prompts prefilled beside decodes (12 tries, each kept only if its steps were the
+    # shapes asked for): what a chunk adds to a decode step, >= 0 by construction
+    assert any(s.kind == "mixed" and s.batch in (1, 4) for s in profile.samples), profile.samples
+    assert steps.mixed_fixed_s >= 0, fitted
     assert list(steps.decode_base_s) == sorted(steps.decode_base_s), fitted
     # what rendering a request costs (the fit's intercept alone may be pinned at 0 by noise:
     # a fixed part too small against the per-token slope to show)
