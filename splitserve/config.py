@@ -89,6 +89,11 @@ class TransferConfig:
     # (`up` passes every P/D engine's); empty: any peer the (authenticated) proxy names
     allowed_peers: tuple[tuple[str, int], ...] = ()
     node_id: str | None = None  # auto: the node this engine runs on (None: this host's boot ID)
+    # how long a send lane's job, and its connection set-up, may make no progress before the
+    # peer is declared stalled (None: kv/transport/send_lane.py's STALLED_PEER_S and
+    # HANDSHAKE_TIMEOUT_S); never more than timeout_s
+    stalled_peer_s: float | None = None
+    handshake_timeout_s: float | None = None
 
 
 @dataclass(frozen=True)

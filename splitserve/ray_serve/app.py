@@ -58,6 +58,8 @@ def deployment_options(
                 "policy_kwargs": {"target": spec.target or DEFAULT_TARGETS[name], "planned": planned},
             },
         }
+        if spec.metrics_interval_s is not None:  # how often each replica reports its signal
+            options["autoscaling_config"]["metrics_interval_s"] = spec.metrics_interval_s
     else:
         options["num_replicas"] = spec.replicas
     return options

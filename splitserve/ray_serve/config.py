@@ -30,7 +30,7 @@ TIERS = ("render", "prefill", "decode", "encoder", FFN_ROLE, STORE_ROLE)  # ffn:
 DEFAULT_TARGETS = {"render": 0.7, "prefill": 2.0, "decode": 0.7, "encoder": 2.0}
 TIER_KEYS = (
     "replicas", "num_cpus", "num_gpus", "resources",
-    "min_replicas", "max_replicas", "target", "upscale_delay_s", "downscale_delay_s",
+    "min_replicas", "max_replicas", "target", "upscale_delay_s", "downscale_delay_s", "metrics_interval_s",
 )  # fmt: skip
 TOP_KEYS = (
     "model", "served_model_name", "app_name", "http_host", "http_port", "transport", "mode",
@@ -87,6 +87,7 @@ class TierSpec:
     target: float | None = None
     upscale_delay_s: float = 10.0  # how long the signal must ask for more before Serve adds one
     downscale_delay_s: float = 60.0
+    metrics_interval_s: float | None = None  # how often replicas report the signal (None: Serve's 10 s)
 
     def demand(self) -> dict[str, float]:
         """What one replica needs from one node, in Ray's resource names."""
@@ -223,6 +224,9 @@ def tier_from_mapping(name: str, raw: Mapping[str, Any]) -> TierSpec:
         target=None if raw.get("target") is None else _number(f"tiers.{name}.target", raw["target"], 1e-9),
         upscale_delay_s=_number(f"tiers.{name}.upscale_delay_s", raw.get("upscale_delay_s", 10.0)),
         downscale_delay_s=_number(f"tiers.{name}.downscale_delay_s", raw.get("downscale_delay_s", 60.0)),
+        metrics_interval_s=None if raw.get("metrics_interval_s") is None else _number(
+            f"tiers.{name}.metrics_interval_s", raw["metrics_interval_s"], 0.1
+        ),
     )  # fmt: skip
 
 

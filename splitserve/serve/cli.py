@@ -33,6 +33,7 @@ def run(args: argparse.Namespace) -> int:
     from splitserve.frontend.chat_template import TemplateError
     from splitserve.frontend.local_client import LocalFrontendClient
     from splitserve.frontend.render import Renderer
+    from splitserve.gguf_file import shared_gguf_readers
     from splitserve.model_files.resolve import resolve_model_or_exit
     from splitserve.service.app import create_openai_app
 
@@ -44,21 +45,22 @@ def run(args: argparse.Namespace) -> int:
         return 2
     model = resolve_model_or_exit(args.model)
     model_dir = model.path
-    try:
-        ec = ECSetup(args, encoder_role=False)  # images: an encoder cache shared with others
-        config = engine_cli.engine_config(args, model_dir)
-        store = make_kv_store_client(args, config, access.load_internal_token(args))  # --kv-store
-        engine = AsyncEngine(config, ec_connector=ec.connector, kv_store=store)
-    except (OSError, ValueError) as exc:
-        print(f"splitserve serve: {exc}", file=sys.stderr)
-        return 2
-    max_model_len = engine.model_info.max_model_len  # the engine's bound is the one that holds
-    try:
-        renderer = Renderer(render_cli.render_config(args, model, max_model_len))
-    except (OSError, TemplateError, ValueError) as exc:
-        engine.shutdown()
-        print(f"splitserve serve: {exc}", file=sys.stderr)
-        return 2
+    with shared_gguf_readers():  # the engine and the renderer read a GGUF file's metadata once
+        try:
+            ec = ECSetup(args, encoder_role=False)  # images: an encoder cache shared with others
+            config = engine_cli.engine_config(args, model_dir)
+            store = make_kv_store_client(args, config, access.load_internal_token(args))  # --kv-store
+            engine = AsyncEngine(config, ec_connector=ec.connector, kv_store=store)
+        except (OSError, ValueError) as exc:
+            print(f"splitserve serve: {exc}", file=sys.stderr)
+            return 2
+        max_model_len = engine.model_info.max_model_len  # the engine's bound is the one that holds
+        try:
+            renderer = Renderer(render_cli.render_config(args, model, max_model_len))
+        except (OSError, TemplateError, ValueError) as exc:
+            engine.shutdown()
+            print(f"splitserve serve: {exc}", file=sys.stderr)
+            return 2
 
     async def start() -> None:
         engine.start()

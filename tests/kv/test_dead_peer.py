@@ -25,7 +25,7 @@ import zmq
 from splitserve.config import TransferConfig
 from splitserve.kv.transport.arrivals import TransferResult
 from splitserve.kv.transport.factory import make_transport
-from splitserve.kv.transport.send_lane import SendLanes
+from splitserve.kv.transport.send_lane import HANDSHAKE_TIMEOUT_S, STALLED_PEER_S, SendLanes
 from splitserve.kv.transport.shm import segment_path
 from splitserve.kv.transport.types import ControlJob, PeerInfo, TransferError
 from splitserve.router.pd_engine_client import PDEngineClient
@@ -35,6 +35,10 @@ from tests.conftest import free_port, running_servers, wire_request
 from tests.kv.transport_peer import SHAPE, filled_pool, pattern, receiver
 
 SRC, DST = [0, 3, 6], [5, 2, 7]
+# The senders below give up a silent peer's connection set-up after this (the transport's
+# default: HANDSHAKE_TIMEOUT_S, 3 s): a live peer in this process has set up its connection
+# and landed its transfer within milliseconds.
+HANDSHAKE_S = 1.0
 
 
 @contextlib.contextmanager
@@ -75,7 +79,7 @@ class Results:
 @pytest.mark.parametrize("kind", ["shm", "tcp"])
 def test_a_silent_peer_delays_only_its_own_transfers(kind, how):
     # the KV timeout is long: only the stalled-peer bound may end the silent peer's transfer
-    config = TransferConfig(transport=kind, timeout_s=30)
+    config = TransferConfig(transport=kind, timeout_s=30, handshake_timeout_s=HANDSHAKE_S)
     sender, receiver = make_transport("sender", config), make_transport("live", config)
     results = Results()
     with silent_peer(how) as silent:
@@ -98,6 +102,7 @@ def test_a_silent_peer_delays_only_its_own_transfers(kind, how):
             assert sender.flush()  # bounded by the stalled-peer bound, not the KV timeout
             error = sender.take_send_error("doomed")
             assert error is not None and "no progress" in error and "silent" in error
+            assert f"connection set-up for {HANDSHAKE_S:.1f}s" in error  # the configured bound
             # during the cool-down the silent peer's jobs fail at once, the live peer's go on
             with pytest.raises(TransferError, match="not retried"):
                 sender.push_layer(silent, "doomed-again", 0, SRC, DST)
@@ -112,7 +117,7 @@ def test_a_silent_peer_delays_only_its_own_transfers(kind, how):
 
 @pytest.mark.parametrize("kind", ["shm", "tcp"])
 def test_a_pull_from_a_silent_source_fails_alone(kind):
-    config = TransferConfig(transport=kind, timeout_s=30)
+    config = TransferConfig(transport=kind, timeout_s=30, handshake_timeout_s=HANDSHAKE_S)
     source, puller = make_transport("source", config), make_transport("puller", config)
     results = Results()
     with silent_peer() as silent:
@@ -161,6 +166,7 @@ def test_an_idle_lane_ends_and_a_fresh_one_takes_the_next_job(kind):
         gc.collect()  # an earlier test's pool of the same name may still be mapped until collected
         mapped_by_receiver = mappings_of(segment)
         lanes = SendLanes(sender, context, {zmq.LINGER: 0}, 8, config.timeout_s)
+        assert (lanes.stalled_peer_s, lanes.handshake_timeout_s) == (STALLED_PEER_S, HANDSHAKE_TIMEOUT_S)
         lanes.idle_lane_s = 0.2
         lane_name = f"kv-lane-{live.host}:{live.port}"
         for transfer_id in ("first", "second"):

@@ -3,11 +3,13 @@ the same dequantized weights bit for bit, the same greedy tokens, the same token
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
+from splitserve import gguf_file
 from splitserve.engine.device import cpu_has_native_half_matmul
 from splitserve.engine.llm import LLM
 from splitserve.frontend.chat_template import ChatTemplate
@@ -147,9 +149,9 @@ def test_smollm2_weights_equal_transformers(smollm2):
     assert_same_weights(llm.engine.model, reference)
 
 
-def test_smollm2_answers_paris_as_transformers_does(smollm2):
-    path, reference, llm = smollm2
-    files = load_gguf_render_files(path)
+def test_smollm2_answers_paris_as_transformers_does(smollm2, demo_render_files):
+    _, reference, llm = smollm2
+    files = demo_render_files
     template = ChatTemplate(files.chat_template, special_tokens=files.special_tokens)
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     prompt = files.tokenizer.encode(template.render(messages, add_generation_prompt=True))
@@ -163,8 +165,8 @@ def test_smollm2_answers_paris_as_transformers_does(smollm2):
     assert result.finish_reason == "stop" and result.token_ids[-1] == 2  # <|im_end|>
 
 
-def test_smollm2_token_ids_equal_transformers_and_split_digits(demo_model):
-    ours = load_gguf_render_files(demo_model).tokenizer
+def test_smollm2_token_ids_equal_transformers_and_split_digits(demo_model, demo_render_files):
+    ours = demo_render_files.tokenizer
     theirs = transformers_tokenizer(demo_model)
     for text in TEXTS:
         assert ours.encode(text) == theirs.encode(text, add_special_tokens=False), text
@@ -182,3 +184,22 @@ def test_a_gguf_file_is_served_in_bf16_where_the_cpu_multiplies_bf16_natively(gg
     assert default.engine.model_info.dtype == ("bfloat16" if native else "float32")
     assert LLM(str(path), num_blocks=16, dtype="float32").engine.dtype == torch.float32
     assert LLM(str(path), num_blocks=16, dtype="bfloat16").engine.dtype == torch.bfloat16
+
+
+def test_a_model_load_parses_its_gguf_file_once(gguf_dir, monkeypatch):
+    """The config, the quantization plan and the weights come from one reader; outside a
+    load (`shared_gguf_readers`), each `open_gguf` reads the file, a rewritten one afresh."""
+    path = write_tiny_gguf(gguf_dir / "once-qwen3-Q4_1.gguf", GGUF_SPEC["qwen3"], "Q4_1")
+    parsed: list[str] = []
+    reader = gguf_file.GGUFReader
+    monkeypatch.setattr(gguf_file, "GGUFReader", lambda p: parsed.append(str(p)) or reader(p))
+    assert LLM(str(path), num_blocks=16).engine.model_info.dtype == "float32"  # Q4_1 kept
+    assert parsed == [str(path)]
+    assert gguf_file.open_gguf(path) is not gguf_file.open_gguf(path) and len(parsed) == 3
+    with gguf_file.shared_gguf_readers():
+        first = gguf_file.open_gguf(path)
+        with gguf_file.shared_gguf_readers():  # nested: the same readers
+            assert gguf_file.open_gguf(path) is first
+        os.replace(write_tiny_gguf(gguf_dir / "other.gguf", GGUF_SPEC["llama"], "Q8_0"), path)
+        assert gguf_file.open_gguf(path) is not first
+    assert len(parsed) == 5

@@ -13,7 +13,8 @@ from gguf import GGMLQuantizationType
 
 from splitserve.engine.llm import LLM
 from splitserve.frontend.chat_template import ChatTemplate
-from splitserve.frontend.gguf_tokenizer import load_gguf_render_files
+from splitserve.frontend.gguf_tokenizer import GGUFRenderFiles
+from splitserve.gguf_file import shared_gguf_readers
 from splitserve.model.attention import AttentionMetadata, PrefillChunk
 from splitserve.model.gguf_loader import quantization_plan
 from splitserve.model.linear import Linear
@@ -77,29 +78,34 @@ def test_gguf_quantization_needs_a_gguf_file(tiny_model_factory):
 
 @pytest.fixture(scope="module")
 def demo_pair(demo_model: Path) -> tuple[LLM, LLM]:
-    quantized = LLM(str(demo_model), num_blocks=64, max_num_seqs=4)
-    reference = LLM(str(demo_model), num_blocks=64, max_num_seqs=4, dtype="float32", quantization="none")
+    with shared_gguf_readers():  # the file's metadata parsed once for both
+        quantized = LLM(str(demo_model), num_blocks=64, max_num_seqs=4)
+        reference = LLM(str(demo_model), num_blocks=64, max_num_seqs=4, dtype="float32", quantization="none")
     return quantized, reference
 
 
 @pytest.fixture(scope="module")
-def demo_continuations(demo_model: Path, demo_pair: tuple[LLM, LLM]) -> list[tuple[list[int], list[int]]]:
+def demo_continuations(
+    demo_render_files: GGUFRenderFiles, demo_pair: tuple[LLM, LLM]
+) -> list[tuple[list[int], list[int]]]:
     """The chat prompts and the float32 model's greedy continuations of them, generated
     once for every test that teacher-forces over them."""
     _, reference = demo_pair
-    prompts = chat_prompts(demo_model)
+    prompts = chat_prompts(demo_render_files)
     results = reference.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
     return [(prompt, result.token_ids) for prompt, result in zip(prompts, results, strict=True)]
 
 
 @pytest.mark.skipif(not load_cpu_ops(), reason="compiled CPU kernels unavailable")
-def test_demo_model_served_in_q4_1_answers_and_agrees_with_float32(demo_model, demo_pair, demo_continuations):
+def test_demo_model_served_in_q4_1_answers_and_agrees_with_float32(
+    demo_render_files, demo_pair, demo_continuations
+):
     quantized, reference = demo_pair
     model = quantized.engine.model
     assert isinstance(model.layers[0].self_attn.qkv_proj, QuantLinear)
     assert model.layers[0].self_attn.qkv_proj.qtype.name == "Q4_1"
     assert model.lm_head.qtype.name == "Q8_0"  # tied: token_embd's blocks
-    files = load_gguf_render_files(demo_model)
+    files = demo_render_files
     first_prompt = demo_continuations[0][0]
     answer = quantized.generate([first_prompt], SamplingParams(max_tokens=16, temperature=0.0))[0]
     assert "Paris" in files.tokenizer.decode(answer.token_ids)  # as tests/service/test_demo_model.py asks
@@ -200,8 +206,7 @@ def test_a_mixed_projection_refuses_a_weight_that_is_not_one_of_its_parts():
     assert linear.rows_loaded == 256
 
 
-def chat_prompts(demo_model: Path) -> list[list[int]]:
-    files = load_gguf_render_files(demo_model)
+def chat_prompts(files: GGUFRenderFiles) -> list[list[int]]:
     template = ChatTemplate(files.chat_template, special_tokens=files.special_tokens)
     return [
         files.tokenizer.encode(template.render([{"role": "user", "content": q}], add_generation_prompt=True))

@@ -19,6 +19,8 @@ def cluster() -> Iterator[str]:
     node = {"object_store_memory": STORE_BYTES, "include_dashboard": False}
     with pytest.MonkeyPatch.context() as patch:
         # Replicas report their load every second (default 10 s), so the scale-up comes soon.
+        # (Ray versions that read it; Ray 2.60 takes the interval from the deployment's
+        # autoscaling config: the tests' autoscaled tiers set `metrics_interval_s=1`.)
         patch.setenv("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "1")
         # A replica that cannot start fails its deploy at the first try (Serve's default is
         # three per replica: the failing tier's test would wait for three starts that fail).

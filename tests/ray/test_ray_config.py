@@ -78,6 +78,7 @@ def test_a_yaml_config_reads_and_checks(tmp_path):
         ("tiers: {render: {}, decode: {max_replicas: 2}}\nplanner: {slo: 1}", "planner: unknown key(s) slo"),
         ("tiers: {render: {}, decode: {max_replicas: 2}}\nplanner: [1]", "planner: expected a mapping"),
         ("tiers: {render: {}, decode: {max_replicas: 2}}\nplanner: {target: 2}", "planner.target must be"),
+        ("tiers: {render: {}, decode: {metrics_interval_s: 0}}", "decode.metrics_interval_s: must be >="),
         ("tiers: {render: {}, decode: {}, ffn: {max_replicas: 2}}", "ffn: the FFN daemons do not autoscale"),
         ("tiers: {render: {}, decode: {}, ffn: {}, encoder: {}}", "not with an encoder tier"),
         ("tiers: {render: {}, decode: {}, kvstore: {replicas: 2}}", "kvstore: one replica"),
@@ -105,6 +106,17 @@ def test_config_errors_name_what_to_change(tmp_path, text, message):
     with pytest.raises(ConfigError) as error:
         check(load_yaml(write(tmp_path, text)))
     assert message in str(error.value)
+
+
+def test_an_autoscaled_tier_reports_its_load_signal_at_its_metrics_interval(tmp_path):
+    """`metrics_interval_s` is how often Serve takes each replica's load signal (a tier
+    key, not a custom resource); unset, Serve's own default stands."""
+    flag = "decode:max_replicas=2,metrics_interval_s=1"
+    decode = config_from_args(up_args("--ray", "auto", "--ray-tier", flag)).tier("decode")
+    assert decode.resources == () and decode.metrics_interval_s == 1.0
+    assert deployment_options("decode", decode, {})["autoscaling_config"]["metrics_interval_s"] == 1.0
+    default = load_yaml(write(tmp_path, GOOD)).tier("decode")
+    assert "metrics_interval_s" not in deployment_options("decode", default, {})["autoscaling_config"]
 
 
 def test_up_ray_afd_plans_an_ffn_tier_whose_daemons_the_decode_replicas_call():

@@ -83,8 +83,9 @@ def tiny_model() -> Iterator[str]:
 
 def up_args(address: str, model: str, port: int) -> list[str]:
     """Prefill on the head node, the encoder on the other, one decode slot on each: decode
-    autoscales 1 -> 2 on its load signal (KV blocks in use), at a target any request
-    exceeds, and then runs one replica on each node; a KV store replica wherever it fits."""
+    autoscales 1 -> 2 on its load signal (KV blocks in use, reported every second), at a
+    target any request exceeds, and then runs one replica on each node; a KV store replica
+    wherever it fits."""
     return [
         "up", model, "--ray", address, "--ray-app-name", APP, "--port", str(port),
         "--num-blocks", "512", "--max-model-len", "1024",
@@ -93,7 +94,8 @@ def up_args(address: str, model: str, port: int) -> list[str]:
         "--ray-tier", "kvstore:num_cpus=0.25",
         "--ray-tier", "render:num_cpus=0.5", "--ray-tier", "prefill:num_cpus=0.5,prefill_node=1",
         "--ray-tier", "encoder:num_cpus=0.5,encoder_node=1",
-        "--ray-tier", "decode:num_cpus=0.5,decode_node=1,max_replicas=2,target=0.0001,upscale_delay_s=0",
+        "--ray-tier",
+        "decode:num_cpus=0.5,decode_node=1,max_replicas=2,target=0.0001,upscale_delay_s=0,metrics_interval_s=1",
     ]  # fmt: skip
 
 
@@ -338,7 +340,8 @@ def test_a_replaced_ingress_keeps_the_tiers_and_answers_again(cluster, tiny_mode
     args += ["--ray-tier", "render:num_cpus=0.5"]
     args += [
         "--ray-tier",
-        "decode:num_cpus=0.5,min_replicas=1,max_replicas=2,upscale_delay_s=0,downscale_delay_s=0",
+        "decode:num_cpus=0.5,min_replicas=1,max_replicas=2,upscale_delay_s=0,downscale_delay_s=0,"
+        "metrics_interval_s=1",
     ]
     args += ["--ray-planner", "--ray-planner-interval", str(PLANNER_INTERVAL_S)]
     args += ["--profile", planner_profile(tmp_path / "profile.json"), "--slo-ttft", "10", "--slo-gap", "4"]

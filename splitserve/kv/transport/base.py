@@ -90,7 +90,8 @@ class KVTransport(ABC):
         self._landing = threading.Lock()  # held while a push is checked and written into the pool
         self.max_queued_jobs = max(4, max_queued_jobs)
         socket_options = {zmq.LINGER: 0, zmq.SNDHWM: self.max_queued_jobs}
-        self._lanes = SendLanes(self, self._context, socket_options, self.max_queued_jobs, config.timeout_s)
+        bounds = (config.timeout_s, config.stalled_peer_s, config.handshake_timeout_s)
+        self._lanes = SendLanes(self, self._context, socket_options, self.max_queued_jobs, *bounds)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.sent = SendLedger()

@@ -43,7 +43,7 @@ import zmq
 from splitserve.kv.transport.base import KVTransport
 from splitserve.kv.transport.frame_mac import STAMP_BYTES, TAG_BYTES, SenderSession
 from splitserve.kv.transport.nixl_package import load_nixl
-from splitserve.kv.transport.send_lane import STALLED_PEER_S, LaneSocket
+from splitserve.kv.transport.send_lane import LaneSocket
 from splitserve.kv.transport.types import PeerInfo, PullJob, PushJob, TransferError
 
 logger = logging.getLogger(__name__)
@@ -323,7 +323,7 @@ class NixlTransport(KVTransport):
                     operation, self._local_blocks, local, target.blocks, remote, note
                 )
                 state = agent.transfer(handle)
-            deadline = time.monotonic() + min(STALLED_PEER_S, self.config.timeout_s)
+            deadline = time.monotonic() + self._lanes.stalled_peer_s  # <= the KV timeout
             while state == "PROC":
                 if time.monotonic() > deadline:
                     raise TransferError(f"a NIXL {operation} to {target.name} made no progress")

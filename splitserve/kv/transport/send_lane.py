@@ -309,6 +309,8 @@ class SendLanes:
         socket_options: dict[int, int],
         max_queued_jobs: int,
         timeout_s: float,
+        stalled_peer_s: float | None = None,  # None: STALLED_PEER_S
+        handshake_timeout_s: float | None = None,  # None: HANDSHAKE_TIMEOUT_S
     ):
         self.work = work
         self.context = context
@@ -316,8 +318,10 @@ class SendLanes:
         self.max_queued_jobs = max_queued_jobs
         self.timeout_s = timeout_s
         # never longer than the operator's KV timeout
-        self.stalled_peer_s = min(STALLED_PEER_S, timeout_s)
-        self.handshake_timeout_s = min(HANDSHAKE_TIMEOUT_S, timeout_s)
+        self.stalled_peer_s = min(STALLED_PEER_S if stalled_peer_s is None else stalled_peer_s, timeout_s)
+        self.handshake_timeout_s = min(
+            HANDSHAKE_TIMEOUT_S if handshake_timeout_s is None else handshake_timeout_s, timeout_s
+        )
         self.idle_lane_s = IDLE_LANE_S
         self.stop = threading.Event()
         self._lock = threading.Lock()
