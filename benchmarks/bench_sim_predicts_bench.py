@@ -159,6 +159,18 @@ def print_verdict(errors: dict[str, float]) -> None:
         print(f"{label}: within 10% (measured non-zero) {within}/{len(values)}; median |error| {median:.1%}")
 
 
+def client_cpu_per_request(runs: list[tuple[int, float]]) -> float:
+    """The load generator shares the cores it measures, so its CPU per request is charged
+    like the tiers' (in production the clients run elsewhere). Each bench process also
+    spends CPU once, starting (imports, tokenizer, prompts): the slope between the warm-up
+    run and the measured one, which send different numbers of requests, leaves that out;
+    with equal counts, the measured run's CPU over its requests (an overestimate)."""
+    (warm_sent, warm_s), (sent, cpu_s) = runs
+    if sent > warm_sent:
+        return max(0.0, (cpu_s - warm_s) / (sent - warm_sent))
+    return cpu_s / sent
+
+
 def serve_deployment(dep: Deployment, prompt_tokens: int) -> Deployment:
     """`serve` as the profile sees it: one process, its engine's own scheduler (no
     long-prefill cap), and no proxy or render tier. Its OpenAI API is its own CPU: the
@@ -232,6 +244,7 @@ def measure(args: argparse.Namespace) -> None:
             # prefix-cache hit there
             warm_up = (f"{max(args.rates):g}", folder / "warm-up.json", args.seed + WARM_UP_SEED)
             measured = (",".join(f"{r:g}" for r in args.rates), results, args.seed)
+            client_cpu: list[tuple[int, float]] = []  # (requests sent, CPU seconds) per bench run
             for rates, out, seed in (warm_up, measured):
                 before = resource.getrusage(resource.RUSAGE_CHILDREN)
                 bench = splitserve(
@@ -242,11 +255,11 @@ def measure(args: argparse.Namespace) -> None:
                 )  # fmt: skip
                 subprocess.run(bench, check=True, stdout=subprocess.DEVNULL)
                 after = resource.getrusage(resource.RUSAGE_CHILDREN)
+                cpu_s = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+                sent = sum(len(level["requests"]) for level in json.loads(out.read_text())["levels"])
+                client_cpu.append((sent, cpu_s))
         run = json.loads(results.read_text())
-        # the load generator shares the cores it measures: its CPU per request (the measured
-        # run's) is charged like the tiers' (in production the clients run elsewhere)
-        sent = sum(len(level["requests"]) for level in run["levels"])
-        client_s = (after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime) / sent
+        client_s = client_cpu_per_request(client_cpu)
         print(f"\n{name}: the bench client spent {client_s * 1e3:.1f} ms of CPU per request", flush=True)
         dep = layout_deployment(base, layout, profile.threads or len(cpus), profile.measured_steps())
         if command[0] == "serve":
