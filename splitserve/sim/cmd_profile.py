@@ -49,7 +49,7 @@ def write_profile(
             cpu_s_per_token=shared.per_token,
             engine_s_per_request=own.per_request,
             engine_s_per_remote_request=own.per_remote_request,
-            prefill_engine_s_per_request=tiers.prefill_engine.per_remote_request,
+            prefill_engine_s_per_request=tiers.prefill_engine_s_per_request,
             engine_s_per_step=own.per_step,
             engine_s_per_token=own.per_token,
         )

@@ -99,10 +99,10 @@ class EngineProbe:
         before = self.step_counters()
         self.generate(tokens, 1)
         after = self.step_counters()
-        steps = after["splitserve_step_time_seconds_count"] - before["splitserve_step_time_seconds_count"]
+        steps = after[STEPS] - before[STEPS]
         if steps != 1:
             return None
-        return after["splitserve_step_time_seconds_sum"] - before["splitserve_step_time_seconds_sum"]
+        return after[STEP_SECONDS] - before[STEP_SECONDS]
 
     def stats(self) -> dict:
         stats = json.loads(self._call("/inference/v1/stats"))

@@ -109,7 +109,7 @@ class TierCosts(NamedTuple):
     delay_s: float  # a request's wait in the proxy beyond the render call, before the engine
     tiers: PathCpu  # the proxy and the render tier: on every core
     decode_engine: PathCpu  # a decode worker's own process: on its cores
-    prefill_engine: PathCpu  # a prefill worker's own process: on its cores
+    prefill_engine_s_per_request: float  # a prefill worker's own process, per request: on its cores
 
 
 class _Load(NamedTuple):
@@ -262,11 +262,10 @@ def measure_tiers(
         local = per[0]
         return PathCpu(local, max(0.0, per.get(1, local) - local), per[2], per[3])
 
-    decode, prefill = path(1), path(2)
     # a prefill worker's own CPU is all its requests' (it prefills no local request and
     # streams nothing)
-    prefill_own = PathCpu(0.0, prefill.per_request + prefill.per_remote_request, 0.0, 0.0)
-    return TierCosts(delay, path(0), decode, prefill_own)
+    prefill = path(2)
+    return TierCosts(delay, path(0), path(1), prefill.per_request + prefill.per_remote_request)
 
 
 def measure_handoff(
