@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -74,8 +75,13 @@ class Stream(threading.Thread):
             self.error = repr(exc)
 
 
-def drain_with_streams_in_flight(base: str, proc: subprocess.Popen, group: bool = False) -> None:
-    """`group`: signal the whole process group with SIGINT, as a terminal's Ctrl-C does."""
+def drain_with_streams_in_flight(
+    base: str, proc: subprocess.Popen, group: bool = False, generator_pid: int | None = None
+) -> None:
+    """`group`: signal the whole process group with SIGINT, as a terminal's Ctrl-C does.
+    `generator_pid`: the process making the tokens when it is not the one answering the
+    checks (`up`'s decode worker): stopped while they run, so that the streams are still in
+    flight then however slow the host is."""
     reference = Stream(base)
     reference.run()
     assert reference.finish_reason == "length", reference.error
@@ -84,21 +90,27 @@ def drain_with_streams_in_flight(base: str, proc: subprocess.Popen, group: bool 
         stream.start()
     while not all(stream.pieces for stream in streams):
         time.sleep(0.02)
-    if group:
-        os.killpg(proc.pid, signal.SIGINT)
-    else:
-        proc.send_signal(signal.SIGTERM)
-    in_flight = [stream.finish_reason is None for stream in streams]
-    deadline = time.monotonic() + 30
-    while httpx.get(base + "/health", timeout=30).status_code != 503:  # the signal has landed
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    if generator_pid is not None:
+        os.kill(generator_pid, signal.SIGSTOP)
+    try:
+        if group:
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            proc.send_signal(signal.SIGTERM)
+        in_flight = [stream.finish_reason is None for stream in streams]
+        deadline = time.monotonic() + 30
+        while httpx.get(base + "/health", timeout=30).status_code != 503:  # the signal has landed
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
 
-    refused = httpx.post(base + "/v1/completions", json={**BODY, "stream": False}, timeout=30)
-    assert refused.status_code == 503, refused.text
-    assert refused.headers["retry-after"] == "1"
-    assert refused.json()["error"]["type"] == "service_unavailable"
-    assert not all(stream.finish_reason for stream in streams)  # the checks ran mid-drain
+        refused = httpx.post(base + "/v1/completions", json={**BODY, "stream": False}, timeout=30)
+        assert refused.status_code == 503, refused.text
+        assert refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["type"] == "service_unavailable"
+        assert not all(stream.finish_reason for stream in streams)  # the checks ran mid-drain
+    finally:
+        if generator_pid is not None:
+            os.kill(generator_pid, signal.SIGCONT)
 
     for stream in streams:
         stream.join()
@@ -130,7 +142,15 @@ def test_sigterm_to_up_finishes_its_streams_then_exits(tiny_model, tmp_path, how
         "threshold",
     ]
     with started(args, port, tmp_path) as proc:
-        drain_with_streams_in_flight(f"http://127.0.0.1:{port}", proc, group=how != "sigterm to up")
+        log = tmp_path / "up.log"
+        deadline = time.monotonic() + 30  # the proxy answers a moment before `up` prints its parts
+        while "OpenAI API:" not in log.read_text():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        (decode_pid,) = re.findall(r"^\s+decode-0\s+http://\S+\s+\(pid (\d+)\)", log.read_text(), re.M)
+        drain_with_streams_in_flight(
+            f"http://127.0.0.1:{port}", proc, group=how != "sigterm to up", generator_pid=int(decode_pid)
+        )
 
 
 def test_past_max_in_flight_429_and_ctrl_c_twice_stops_at_once(tiny_model, tmp_path):
