@@ -38,12 +38,14 @@ import os
 import resource
 import subprocess
 import tempfile
+import time
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
 from splitserve.config import UP_LONG_PREFILL_TOKEN_THRESHOLD, SchedulerConfig
+from splitserve.engine.step_log import StepRecord, read_step_log
 from splitserve.goodput import SLO, arrival_times, distserve_goodput
 from splitserve.sim import (
     Deployment,
@@ -57,6 +59,7 @@ from splitserve.sim import (
 )
 from splitserve.sim.metrics import met
 from splitserve.sim.profile import load_profile
+from splitserve.sim.result import StepTrace
 
 
 def deployment(args: argparse.Namespace) -> Deployment:
@@ -108,10 +111,12 @@ def workload_of(level: dict) -> Workload:
 MUST_HOLD = ("TTFT p50 ms", "TTFT p90 ms", "ITL p50 ms", "ITL p90 ms", "goodput")
 
 
-def compare(run: dict, dep: Deployment) -> tuple[list[str], dict[str, float]]:
+def compare(
+    run: dict, dep: Deployment, steps: list[tuple[str, StepTrace]] | None = None
+) -> tuple[list[str], dict[str, float]]:
     """Each level of a saved bench run predicted by simulating `dep` on its arrivals: one
     printable row per figure, and the relative error of every figure measured non-zero,
-    by "rate figure"."""
+    by "rate figure". `steps`, when given, gets every simulated engine's steps (role, trace)."""
     slos = [SLO.parse(s) for s in run["slos"]]
     rows: list[str] = []
     errors: dict[str, float] = {}
@@ -119,6 +124,8 @@ def compare(run: dict, dep: Deployment) -> tuple[list[str], dict[str, float]]:
     for level in run["levels"]:
         load = level["load"]
         r = simulate(dep, workload_of(level))
+        if steps is not None:
+            steps.extend(zip(r.roles, r.steps, strict=True))
         keep = np.arange(len(r.ttft)) >= load["warmup"]
         itl = np.concatenate([g for g, k in zip(r.gaps, keep, strict=True) if k and len(g)])
         ttft, s = r.ttft[keep], level["summary"]
@@ -157,6 +164,35 @@ def print_verdict(errors: dict[str, float]) -> None:
         within = sum(e <= 0.10 for e in values)
         median = np.median(values) if values else float("nan")
         print(f"{label}: within 10% (measured non-zero) {within}/{len(values)}; median |error| {median:.1%}")
+
+
+STEP_BINS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # tokens a step computed: lower edges
+
+
+def step_rows(real: list[StepRecord], simulated: list[tuple[str, StepTrace]]) -> list[str]:
+    """The engines' steps (`engine --step-log`) beside the simulator's, per role and by the
+    tokens a step computed: how many, and their median and mean length. Without a prefill
+    tier, `up`'s decode engine prefills too: the simulator's collocated ("both") engine."""
+    if not any(r.role == "prefill" for r in real):
+        real = [r._replace(role="both") if r.role == "decode" else r for r in real]
+    header = ("role", "tokens", "steps real/sim", "p50 ms real/sim", "mean ms real/sim")
+    rows = [f"{header[0]:8s} {header[1]:>10s} {header[2]:>16s} {header[3]:>18s} {header[4]:>18s}"]
+    for role in sorted({r.role for r in real} | {role for role, _ in simulated}):
+        real_tokens = np.array([r.tokens for r in real if r.role == role], dtype=np.int64)
+        real_s = np.array([r.step_s for r in real if r.role == role])
+        sim_tokens = np.concatenate([t.tokens for rl, t in simulated if rl == role] or [np.zeros(0)])
+        sim_s = np.concatenate([t.lengths for rl, t in simulated if rl == role] or [np.zeros(0)])
+        for lo, hi in zip(STEP_BINS, (*STEP_BINS[1:], 1 << 62), strict=True):
+            a = real_s[(real_tokens >= lo) & (real_tokens < hi)]
+            b = sim_s[(sim_tokens >= lo) & (sim_tokens < hi)]
+            if not len(a) and not len(b):
+                continue
+            p50 = "/".join(f"{np.median(x) * 1e3:.2f}" if len(x) else "-" for x in (a, b))
+            mean = "/".join(f"{x.mean() * 1e3:.2f}" if len(x) else "-" for x in (a, b))
+            span = f"{lo}-{hi - 1}" if hi - lo > 1 else f"{lo}"
+            rows.append(f"{role:8s} {span:>10s} {f'{len(a)}/{len(b)}':>16s} {p50:>18s} {mean:>18s}")
+        rows.append(f"{role:8s} {'busy s':>10s} {f'{real_s.sum():.2f}/{sim_s.sum():.2f}':>16s}")
+    return rows
 
 
 def client_cpu_per_request(runs: list[tuple[int, float]]) -> float:
@@ -238,6 +274,10 @@ def measure(args: argparse.Namespace) -> None:
         for entry in layout.cpu_affinity(cpus):
             argv += ["--cpu-affinity", entry]
         results = folder / f"{name.replace(' ', '-')}.json"
+        step_log = folder / f"{name.replace(' ', '-')}-steps.jsonl"
+        if args.step_log:
+            argv += ["--step-log", str(step_log)]
+        measured_from = 0.0  # when the measured run began, on the step log's clock
         with served(argv, port, name) as url:
             # first an unmeasured run (a fresh stack's first burst builds its kernels per batch
             # shape) with prompts of its own: one the measured run sent again would be a
@@ -246,6 +286,7 @@ def measure(args: argparse.Namespace) -> None:
             measured = (",".join(f"{r:g}" for r in args.rates), results, args.seed)
             client_cpu: list[tuple[int, float]] = []  # (requests sent, CPU seconds) per bench run
             for rates, out, seed in (warm_up, measured):
+                measured_from = time.monotonic()
                 before = resource.getrusage(resource.RUSAGE_CHILDREN)
                 bench = splitserve(
                     "bench", "--url", url, "--tokenizer", str(model), "--endpoint", "completions",
@@ -266,9 +307,14 @@ def measure(args: argparse.Namespace) -> None:
             dep = serve_deployment(dep, args.input_len)
         if dep.cpu is not None:
             dep = replace(dep, cpu=replace(dep.cpu, cpu_s_per_request=dep.cpu.cpu_s_per_request + client_s))
-        rows, errors = compare(run, dep)
+        simulated: list[tuple[str, StepTrace]] = []
+        rows, errors = compare(run, dep, simulated)
         print(f"\n{name} ({' '.join(argv[3:])})")
         print("\n".join(rows))
+        if args.step_log:
+            real = [r for r in read_step_log(step_log) if r.t > measured_from]
+            print(f"\n{name}: the engines' steps in the measured run ({step_log}) and the simulator's")
+            print("\n".join(step_rows(real, simulated)))
         print_verdict(errors)
         all_errors.update({f"{name} {k}": e for k, e in errors.items()})
     print(f"\nmodel {model.name}, {dtype}, ISA {cpu_isa_flags()}, {len(cpus)} CPUs; every layout:")
@@ -307,6 +353,9 @@ def main() -> None:
     m.add_argument("--warmup", type=int, default=4)
     m.add_argument("--max-model-len", type=int, default=4096)
     m.add_argument("--seed", type=int, default=0)
+    m.add_argument(
+        "--step-log", action="store_true", help="log the engines' steps and print them beside the simulator's"
+    )
     args = p.parse_args()
     if args.measure:
         args.model = args.bench_model

@@ -116,6 +116,7 @@ def engine_flags(args: argparse.Namespace) -> tuple[str, ...]:
         ("--kv-reservation-ttl", args.kv_reservation_ttl),
         ("--afd-microbatches", getattr(args, "afd_microbatches", None)),  # read with --ffn-address only
         ("--afd-transport", getattr(args, "afd_transport", None)),
+        ("--step-log", args.step_log and os.path.abspath(args.step_log)),  # parts' own working folders
     ):
         if value is not None:
             flags += [flag, str(value)]

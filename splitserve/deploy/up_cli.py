@@ -183,6 +183,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-store-disk", default=None, metavar="DIR", help="with --kv-store: disk tier")
     parser.add_argument("--kv-store-disk-gb", type=float, default=None, help="with --kv-store-disk: GiB")
     parser.add_argument("--kv-timeout", type=float, default=None)
+    parser.add_argument(
+        "--step-log",
+        default=None,
+        metavar="FILE",
+        help="every engine appends one JSON line per step to FILE (engine --step-log)",
+    )
     parser.add_argument("--kv-reservation-ttl", type=float, default=None)
     parser.add_argument(
         "--max-body-bytes",

@@ -30,6 +30,7 @@ def run(args: argparse.Namespace) -> int:
     from splitserve.engine.api.kv_store_setup import make_kv_store_client
     from splitserve.engine.api.local_client import LocalEngineClient
     from splitserve.engine.async_engine import AsyncEngine
+    from splitserve.engine.step_log import attach_step_log
     from splitserve.frontend.chat_template import TemplateError
     from splitserve.frontend.local_client import LocalFrontendClient
     from splitserve.frontend.render import Renderer
@@ -53,6 +54,12 @@ def run(args: argparse.Namespace) -> int:
             engine = AsyncEngine(config, ec_connector=ec.connector, kv_store=store)
         except (OSError, ValueError) as exc:
             print(f"splitserve serve: {exc}", file=sys.stderr)
+            return 2
+        try:
+            attach_step_log(args.step_log, engine, "both")
+        except OSError as exc:
+            engine.shutdown()
+            print(f"splitserve serve: --step-log: {exc}", file=sys.stderr)
             return 2
         max_model_len = engine.model_info.max_model_len  # the engine's bound is the one that holds
         try:

@@ -20,6 +20,7 @@ import numpy as np
 
 from splitserve.config import SchedulerConfig
 from splitserve.sim.profile import StreamCpu
+from splitserve.sim.result import StepTrace
 from splitserve.sim.roofline import ZERO, Cost, Roofline
 
 
@@ -85,6 +86,9 @@ class Engine:
         self._serving_per_step_s = 0.0  # of the in-flight step (each step of a run)
         self.cpu_debt_s = 0.0  # time lost to the tiers' CPU since its last step began
         self.step_chunks: list[np.ndarray] = []  # step end times, appended in order
+        self.step_lengths: list[np.ndarray] = []  # and how long each step took
+        self.step_token_counts: list[int] = []  # the tokens each of those steps computed, per chunk
+        self._step_start = 0.0
         self.n_steps = 0
         self.waiting: deque[list] = deque()  # [rid, tokens done, prompt tokens, reserved?]
         self.ready: deque[int] = deque()  # decode role: KV arrived, waiting to join
@@ -172,6 +176,7 @@ class Engine:
         if not self._chunks and batch == 0:
             self.busy_until = None
             return None
+        self._step_start = now
         ctx = float(sum(self.run_ctx))
         # the tiers share the engine's cores: each streamed token's serving-path time, and
         # what they spent since the last step began, lengthen its steps
@@ -243,6 +248,8 @@ class Engine:
         k = len(times)
         self.serving_done_s = k * self._serving_per_step_s
         self.step_chunks.append(times)
+        self.step_lengths.append(np.diff(times, prepend=self._step_start))
+        self.step_token_counts.append(len(self.run_ids) + sum(n for _, n, _ in self._chunks))
         self.n_steps += k
         finished: list[int] = []
         keep = []
@@ -287,3 +294,10 @@ class Engine:
 
     def step_times(self) -> np.ndarray:
         return np.concatenate(self.step_chunks) if self.step_chunks else np.zeros(0)
+
+    def steps(self) -> StepTrace:
+        """Every step this engine ran: when it ended, how long it took, its tokens."""
+        if not self.step_chunks:
+            return StepTrace(np.zeros(0), np.zeros(0), np.zeros(0, dtype=np.int64))
+        tokens = [np.full(len(t), n) for t, n in zip(self.step_chunks, self.step_token_counts, strict=True)]
+        return StepTrace(self.step_times(), np.concatenate(self.step_lengths), np.concatenate(tokens))

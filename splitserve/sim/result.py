@@ -4,8 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
+
+
+class StepTrace(NamedTuple):
+    """One engine's steps, in order: when each ended, how long it took, its tokens."""
+
+    ends: np.ndarray
+    lengths: np.ndarray
+    tokens: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -24,6 +33,7 @@ class SimResult:
     kv_blocked: list[float]  # per instance: fraction of the arrival window a request waited for KV memory
     roles: list[str]  # per instance: "both", "prefill" or "decode"
     remote: np.ndarray | None = None  # P/D: per request, whether it was prefilled on a prefill worker
+    steps: tuple[StepTrace, ...] = ()  # per instance: every step it ran
 
     def itl(self) -> np.ndarray:
         parts = [g for g in self.gaps if len(g)]

@@ -392,6 +392,7 @@ class _Sim:
             kv_blocked=[e.kv_blocked_s / window for e in self.engines],
             roles=[e.role for e in self.engines],
             remote=~self.local & ~self.rejected if self.dep.mode == "pd" else None,
+            steps=tuple(e.steps() for e in self.engines),
         )
 
 

@@ -46,6 +46,21 @@ def test_single_collocated_request_matches_hand_timeline():
     assert len(r.gaps[0]) == 255
 
 
+def test_the_steps_an_engine_ran_are_traced_with_their_tokens_and_lengths():
+    """`SimResult.steps`, what `engine --step-log` is set against: a second request arriving
+    mid-decode cuts the first's run of decode steps and prefills beside it."""
+    r = simulate(Deployment(MODEL, GPU, replicas=1), Workload.open_loop([1.0, 1.5], [2048, 1024], [64, 4]))
+    (trace,) = r.steps
+    mixed = int(np.flatnonzero(trace.tokens > 1000)[1])  # the step after the one running at 1.5
+    assert trace.ends[mixed - 2] < 1.5 <= trace.ends[mixed - 1]
+    tail = 63 - (mixed - 1) - 1 - 3  # the first request's decodes after the three shared steps
+    assert trace.tokens.tolist() == [2048] + [1] * (mixed - 1) + [1 + 1024] + [2] * 3 + [1] * tail
+    assert trace.lengths[0] == pytest.approx(RL.step_s(RL.prefill(2048)))
+    assert trace.lengths[1:4].tolist() == pytest.approx(r.gaps[0][:3].tolist())
+    assert np.diff(trace.ends).tolist() == pytest.approx(trace.lengths[1:].tolist())  # back to back
+    assert int(trace.tokens.sum()) == 2048 + 1024 + 64 + 4 - 2  # each first token came with its prompt
+
+
 def test_single_pd_request_transfer_models():
     prefill = RL.step_s(RL.prefill(8192))
     first_decode = RL.step_s(RL.decode(1, 8192))

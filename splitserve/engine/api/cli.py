@@ -183,6 +183,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
+    parser.add_argument(
+        "--step-log",
+        default=None,
+        metavar="FILE",
+        help="append one JSON line per engine step (its time, tokens, batch, thread CPU) to FILE",
+    )
     add_serving_arguments(parser)
     kv_routes.add_kv_arguments(parser)  # P/D roles: transport, mode, timeouts
     encode_routes.add_ec_arguments(parser, parse_memory_size)  # images: encoder cache, limits
@@ -288,6 +294,7 @@ def run(args: argparse.Namespace) -> int:
     from splitserve.afd.ffn_connection import AfdError
     from splitserve.engine.api.app import create_engine_app
     from splitserve.engine.async_engine import AsyncEngine
+    from splitserve.engine.step_log import attach_step_log
     from splitserve.model_files.resolve import resolve_model_or_exit
 
     logging.basicConfig(
@@ -317,6 +324,12 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, AfdError) as exc:  # what the model, the memory or the FFN daemon cannot take
         ec.close()
         raise SystemExit(f"splitserve engine: {exc}") from exc
+    try:
+        attach_step_log(args.step_log, engine, config.role)
+    except OSError as exc:
+        engine.shutdown()
+        ec.close()
+        raise SystemExit(f"splitserve engine: --step-log: {exc}") from exc
     app = create_engine_app(engine, manage_engine=True, max_pixel_bytes=args.max_pixel_bytes)
     if pd_connector is not None:
         kv_routes.install_kv_routes(app, pd_connector)
