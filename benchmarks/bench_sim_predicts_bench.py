@@ -13,13 +13,18 @@ measured in that bench run.
 
 One run, everything measured here (`--measure`): a profile is calibrated as
 bench_plan_pick.py does (an `engine`, a `render` and a pinned `up --prefill 1 --decode 1`,
-probed by `sim calibrate`), then `up --prefill 0 --decode 1` (serve-like) and `up
---prefill 1 --decode 1` as the planner would start them are each measured by `splitserve bench`
-at the given rates (one unmeasured run first), and each run is predicted as the planner
-sees that layout (sim/host_planner.py: the profile's steps on the layout's cores):
+probed by `sim calibrate`), then `serve`, `up --prefill 0 --decode 1` (serve-like) and
+`up --prefill 1 --decode 1` as the planner would start them are each measured by
+`splitserve bench` at the given rates (one unmeasured run first), and each run is predicted
+as the planner sees that layout (sim/host_planner.py: the profile's steps on the layout's
+cores). With `--step-log` the engines log their steps, printed beside the simulator's per
+role and by tokens a step. Everything measured stays in the folder printed (the profile,
+the runs, the step logs, `measured.json`); `--replay FOLDER` predicts it again, with the
+code as it is then, without measuring:
 
     python benchmarks/bench_sim_predicts_bench.py --measure [--model bench|smollm2|DIR] \
-        [--rates 2 8 14] [--input-len 256] [--output-len 32]
+        [--rates 2 8 14] [--input-len 256] [--output-len 32] [--layouts serve "up 1P+1D"] [--step-log]
+    python benchmarks/bench_sim_predicts_bench.py --replay /tmp/bench-sim-predicts-XXXX
 
 `--profile` (a `sim calibrate --out` file): the fitted step times, the render tier's cost
 per request and token, and (with `--pd`) the P/D decision on the profile's costs, as the
@@ -39,6 +44,7 @@ import resource
 import subprocess
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -57,6 +63,7 @@ from splitserve.sim import (
     load_model,
     simulate,
 )
+from splitserve.sim.host_planner import HostLayout
 from splitserve.sim.metrics import met
 from splitserve.sim.profile import load_profile
 from splitserve.sim.result import StepTrace
@@ -231,59 +238,55 @@ def serve_deployment(dep: Deployment, prompt_tokens: int) -> Deployment:
     return replace(dep, cpu=cpu)
 
 
-def measure(args: argparse.Namespace) -> None:
-    """Calibrate, measure a serve-like `up` and a pinned 1P+1D `up` with `splitserve
-    bench`, and predict both as the planner sees them."""
-    from bench_model import compute_dtype, cpu_isa_flags, resolve_bench_model
-    from bench_plan_pick import WARM_UP_SEED, calibrate, splitserve
-    from bench_render import free_port, served
+LAYOUTS = ("serve", "up serve-like", "up 1P+1D")
+MEASURED = "measured.json"  # what --measure saved beside the profile and the runs, for --replay
 
-    from splitserve.sim.host_planner import HostLayout, host_deployment, layout_deployment
-    from splitserve.sim.specs import load_model as load_model_spec
 
-    model, dtype = resolve_bench_model(args.model), compute_dtype()
-    cpus = sorted(os.sched_getaffinity(0))
-    print(f"model {model}; ISA {cpu_isa_flags()}; dtype {dtype}; CPUs {cpus}", flush=True)
-    folder = Path(tempfile.mkdtemp(prefix="bench-sim-predicts-"))
-    profile_path = folder / "profile.json"
-    calibrate(args, model, dtype, profile_path)
-    profile = load_profile(str(profile_path))
-    # the engines as `up` starts them (its long-prefill threshold, not the engine's default)
-    scheduler = SchedulerConfig(
-        max_num_batched_tokens=args.budget, long_prefill_token_threshold=UP_LONG_PREFILL_TOKEN_THRESHOLD
-    )
-    base = host_deployment(load_model_spec(str(model)), profile, scheduler)
-    flags = ["--dtype", dtype, "--max-model-len", str(args.max_model_len), "--log-level", "warning"]
+def layout_of(name: str, cpus: Sequence[int]) -> tuple[list[str], HostLayout]:
+    """A measured layout's command (`serve`, or `up` and its flags) and how the planner sees it."""
     half = len(cpus) // 2
-    # `serve`, and `up --plan`'s layouts (whose proxy and render tier the profile's CPU
-    # figures measure)
-    every = {
+    return {
         "serve": (["serve"], HostLayout(0, 1, (tuple(cpus),))),
         "up serve-like": (["up", "--prefill", "0", "--decode", "1"], HostLayout(0, 1, (tuple(cpus),))),
         "up 1P+1D": (
             ["up", "--prefill", "1", "--decode", "1"],
             HostLayout(1, 1, (tuple(cpus[:half]), tuple(cpus[half:]))),
         ),
-    }
-    layouts = {name: every[name] for name in args.layouts}
+    }[name]
+
+
+def measure(args: argparse.Namespace) -> Path:
+    """Calibrate, then measure each layout with `splitserve bench` (an unmeasured run
+    first); returns the folder holding the profile, the runs and what `predict` needs."""
+    from bench_model import compute_dtype, cpu_isa_flags, resolve_bench_model
+    from bench_plan_pick import WARM_UP_SEED, calibrate, splitserve
+    from bench_render import free_port, served
+
+    model, dtype = resolve_bench_model(args.model), compute_dtype()
+    cpus = sorted(os.sched_getaffinity(0))
+    print(f"model {model}; ISA {cpu_isa_flags()}; dtype {dtype}; CPUs {cpus}", flush=True)
+    folder = Path(tempfile.mkdtemp(prefix="bench-sim-predicts-"))
+    calibrate(args, model, dtype, folder / "profile.json")
+    flags = ["--dtype", dtype, "--max-model-len", str(args.max_model_len), "--log-level", "warning"]
     slo = f"ttft={args.slo_ttft_ms}ms,gap={args.slo_gap_ms}ms"
-    all_errors: dict[str, float] = {}
-    for name, (command, layout) in layouts.items():
+    saved: dict = {"model": str(model), "dtype": dtype, "isa": cpu_isa_flags(), "cpus": cpus}
+    saved |= {"budget": args.budget, "input_len": args.input_len, "layouts": {}}
+    for name in args.layouts:
+        command, layout = layout_of(name, cpus)
         port = free_port()
         argv = splitserve(command[0], str(model), *command[1:], "--port", str(port), *flags)
         for entry in layout.cpu_affinity(cpus):
             argv += ["--cpu-affinity", entry]
-        results = folder / f"{name.replace(' ', '-')}.json"
-        step_log = folder / f"{name.replace(' ', '-')}-steps.jsonl"
+        stem = name.replace(" ", "-")
         if args.step_log:
-            argv += ["--step-log", str(step_log)]
+            argv += ["--step-log", str(folder / f"{stem}-steps.jsonl")]
         measured_from = 0.0  # when the measured run began, on the step log's clock
         with served(argv, port, name) as url:
             # first an unmeasured run (a fresh stack's first burst builds its kernels per batch
             # shape) with prompts of its own: one the measured run sent again would be a
             # prefix-cache hit there
             warm_up = (f"{max(args.rates):g}", folder / "warm-up.json", args.seed + WARM_UP_SEED)
-            measured = (",".join(f"{r:g}" for r in args.rates), results, args.seed)
+            measured = (",".join(f"{r:g}" for r in args.rates), folder / f"{stem}.json", args.seed)
             client_cpu: list[tuple[int, float]] = []  # (requests sent, CPU seconds) per bench run
             for rates, out, seed in (warm_up, measured):
                 measured_from = time.monotonic()
@@ -299,25 +302,55 @@ def measure(args: argparse.Namespace) -> None:
                 cpu_s = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
                 sent = sum(len(level["requests"]) for level in json.loads(out.read_text())["levels"])
                 client_cpu.append((sent, cpu_s))
-        run = json.loads(results.read_text())
-        client_s = client_cpu_per_request(client_cpu)
+        saved["layouts"][name] = {
+            "argv": argv[3:],
+            "client_s_per_request": client_cpu_per_request(client_cpu),
+            "measured_from": measured_from if args.step_log else None,
+        }
+        (folder / MEASURED).write_text(json.dumps(saved, indent=1))
+    print(f"measured: {folder} (--replay {folder} predicts it again)", flush=True)
+    return folder
+
+
+def predict(folder: Path) -> None:
+    """Each layout `measure` saved in `folder`, predicted as the planner sees it (the
+    profile's steps on the layout's cores) and set beside its measured run, figure by
+    figure and, where the engines logged their steps, step by step."""
+    from splitserve.sim.host_planner import host_deployment, layout_deployment
+    from splitserve.sim.specs import load_model as load_model_spec
+
+    saved = json.loads((folder / MEASURED).read_text())
+    profile = load_profile(str(folder / "profile.json"))
+    # the engines as `up` starts them (its long-prefill threshold, not the engine's default)
+    scheduler = SchedulerConfig(
+        max_num_batched_tokens=saved["budget"], long_prefill_token_threshold=UP_LONG_PREFILL_TOKEN_THRESHOLD
+    )
+    base = host_deployment(load_model_spec(saved["model"]), profile, scheduler)
+    all_errors: dict[str, float] = {}
+    for name, measured in saved["layouts"].items():
+        stem = name.replace(" ", "-")
+        command, layout = layout_of(name, saved["cpus"])
+        run = json.loads((folder / f"{stem}.json").read_text())
+        client_s = measured["client_s_per_request"]
         print(f"\n{name}: the bench client spent {client_s * 1e3:.1f} ms of CPU per request", flush=True)
-        dep = layout_deployment(base, layout, profile.threads or len(cpus), profile.measured_steps())
+        dep = layout_deployment(base, layout, profile.threads or len(saved["cpus"]), profile.measured_steps())
         if command[0] == "serve":
-            dep = serve_deployment(dep, args.input_len)
+            dep = serve_deployment(dep, saved["input_len"])
         if dep.cpu is not None:
             dep = replace(dep, cpu=replace(dep.cpu, cpu_s_per_request=dep.cpu.cpu_s_per_request + client_s))
         simulated: list[tuple[str, StepTrace]] = []
         rows, errors = compare(run, dep, simulated)
-        print(f"\n{name} ({' '.join(argv[3:])})")
+        print(f"\n{name} ({' '.join(measured['argv'])})")
         print("\n".join(rows))
-        if args.step_log:
-            real = [r for r in read_step_log(step_log) if r.t > measured_from]
+        if measured["measured_from"] is not None:
+            step_log = folder / f"{stem}-steps.jsonl"
+            real = [r for r in read_step_log(step_log) if r.t > measured["measured_from"]]
             print(f"\n{name}: the engines' steps in the measured run ({step_log}) and the simulator's")
             print("\n".join(step_rows(real, simulated)))
         print_verdict(errors)
         all_errors.update({f"{name} {k}": e for k, e in errors.items()})
-    print(f"\nmodel {model.name}, {dtype}, ISA {cpu_isa_flags()}, {len(cpus)} CPUs; every layout:")
+    machine = f"{saved['dtype']}, ISA {saved['isa']}, {len(saved['cpus'])} CPUs"
+    print(f"\nmodel {Path(saved['model']).name}, {machine}; every layout:")
     print_verdict(all_errors)
 
 
@@ -330,6 +363,9 @@ def main() -> None:
     how.add_argument("--profile", help="a `sim calibrate --engine URL --out FILE` profile")
     how.add_argument("--fit", help="a `sim calibrate --json` roofline fit")
     how.add_argument("--measure", action="store_true", help="calibrate, measure serve and up, predict both")
+    how.add_argument(
+        "--replay", metavar="FOLDER", help="predict again what an earlier --measure saved in FOLDER"
+    )
     p.add_argument("--replicas", type=int, default=1)
     p.add_argument("--budget", type=int, default=SchedulerConfig().max_num_batched_tokens)
     p.add_argument("--pd", default=None, metavar="P:D", help="model `splitserve up` with P prefill, D decode")
@@ -338,12 +374,7 @@ def main() -> None:
         "--model", dest="bench_model", default="bench", help="bench, smollm2, or a model directory"
     )
     m.add_argument("--rates", type=float, nargs="+", default=[2.0, 8.0, 14.0])
-    m.add_argument(
-        "--layouts",
-        nargs="+",
-        choices=["serve", "up serve-like", "up 1P+1D"],
-        default=["serve", "up serve-like", "up 1P+1D"],
-    )
+    m.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))
     m.add_argument("--input-len", type=int, default=256)
     m.add_argument("--output-len", type=int, default=32)
     m.add_argument("--slo-ttft-ms", type=int, default=500)
@@ -359,7 +390,10 @@ def main() -> None:
     args = p.parse_args()
     if args.measure:
         args.model = args.bench_model
-        measure(args)
+        predict(measure(args))
+        return
+    if args.replay:
+        predict(Path(args.replay))
         return
     if not (args.bench_json and args.model and args.gpu and (args.profile or args.fit)):
         p.error("give BENCH_JSON MODEL GPU with --profile or --fit, or --measure")
