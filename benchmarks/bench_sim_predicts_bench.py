@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import subprocess
 import tempfile
@@ -48,11 +49,13 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
+import httpx
 import numpy as np
 
 from splitserve.config import UP_LONG_PREFILL_TOKEN_THRESHOLD, SchedulerConfig
 from splitserve.engine.step_log import StepRecord, read_step_log
 from splitserve.goodput import SLO, arrival_times, distserve_goodput
+from splitserve.protocol.pd_decision import CostModel
 from splitserve.sim import (
     Deployment,
     Efficiency,
@@ -66,7 +69,7 @@ from splitserve.sim import (
 from splitserve.sim.host_planner import HostLayout
 from splitserve.sim.metrics import met
 from splitserve.sim.profile import load_profile
-from splitserve.sim.result import StepTrace
+from splitserve.sim.result import SimResult, StepTrace
 
 
 def deployment(args: argparse.Namespace) -> Deployment:
@@ -119,11 +122,11 @@ MUST_HOLD = ("TTFT p50 ms", "TTFT p90 ms", "ITL p50 ms", "ITL p90 ms", "goodput"
 
 
 def compare(
-    run: dict, dep: Deployment, steps: list[tuple[str, StepTrace]] | None = None
+    run: dict, dep: Deployment, results: list[SimResult] | None = None
 ) -> tuple[list[str], dict[str, float]]:
     """Each level of a saved bench run predicted by simulating `dep` on its arrivals: one
     printable row per figure, and the relative error of every figure measured non-zero,
-    by "rate figure". `steps`, when given, gets every simulated engine's steps (role, trace)."""
+    by "rate figure". `results`, when given, gets each level's simulation."""
     slos = [SLO.parse(s) for s in run["slos"]]
     rows: list[str] = []
     errors: dict[str, float] = {}
@@ -131,8 +134,8 @@ def compare(
     for level in run["levels"]:
         load = level["load"]
         r = simulate(dep, workload_of(level))
-        if steps is not None:
-            steps.extend(zip(r.roles, r.steps, strict=True))
+        if results is not None:
+            results.append(r)
         keep = np.arange(len(r.ttft)) >= load["warmup"]
         itl = np.concatenate([g for g, k in zip(r.gaps, keep, strict=True) if k and len(g)])
         ttft, s = r.ttft[keep], level["summary"]
@@ -255,6 +258,21 @@ def layout_of(name: str, cpus: Sequence[int]) -> tuple[list[str], HostLayout]:
     }[name]
 
 
+def proxy_routes(url: str) -> dict[str, float]:
+    """The proxy's requests so far by path (decode_only, pd_push, pd_pull), from its /metrics."""
+    found: dict[str, float] = {}
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        m = re.match(r'^splitserve_proxy_requests_total\{path="(\w+)"\}\s+(\S+)$', line)
+        if m:
+            found[m.group(1)] = float(m.group(2))
+    return found
+
+
+def remote_share(results: list[SimResult]) -> float:
+    remote = np.concatenate([r.remote for r in results if r.remote is not None] or [np.zeros(0)])
+    return float(remote.mean()) if len(remote) else 0.0
+
+
 def measure(args: argparse.Namespace) -> Path:
     """Calibrate, then measure each layout with `splitserve bench` (an unmeasured run
     first); returns the folder holding the profile, the runs and what `predict` needs."""
@@ -288,8 +306,10 @@ def measure(args: argparse.Namespace) -> Path:
             warm_up = (f"{max(args.rates):g}", folder / "warm-up.json", args.seed + WARM_UP_SEED)
             measured = (",".join(f"{r:g}" for r in args.rates), folder / f"{stem}.json", args.seed)
             client_cpu: list[tuple[int, float]] = []  # (requests sent, CPU seconds) per bench run
+            routed_before: dict[str, float] = {}
             for rates, out, seed in (warm_up, measured):
                 measured_from = time.monotonic()
+                routed_before = proxy_routes(url) if command[0] == "up" else {}
                 before = resource.getrusage(resource.RUSAGE_CHILDREN)
                 bench = splitserve(
                     "bench", "--url", url, "--tokenizer", str(model), "--endpoint", "completions",
@@ -302,10 +322,17 @@ def measure(args: argparse.Namespace) -> Path:
                 cpu_s = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
                 sent = sum(len(level["requests"]) for level in json.loads(out.read_text())["levels"])
                 client_cpu.append((sent, cpu_s))
+            if command[0] == "up":  # how the proxy routed the measured run, and on what costs
+                routed = {path: n - routed_before.get(path, 0.0) for path, n in proxy_routes(url).items()}
+                workers = httpx.get(url + "/workers", timeout=30).json()
+                proxy = {"routed": routed, "pd_costs": workers.get("pd_costs")}
+            else:
+                proxy = {}
         saved["layouts"][name] = {
             "argv": argv[3:],
             "client_s_per_request": client_cpu_per_request(client_cpu),
             "measured_from": measured_from if args.step_log else None,
+            **proxy,
         }
         (folder / MEASURED).write_text(json.dumps(saved, indent=1))
     print(f"measured: {folder} (--replay {folder} predicts it again)", flush=True)
@@ -338,16 +365,29 @@ def predict(folder: Path) -> None:
             dep = serve_deployment(dep, saved["input_len"])
         if dep.cpu is not None:
             dep = replace(dep, cpu=replace(dep.cpu, cpu_s_per_request=dep.cpu.cpu_s_per_request + client_s))
-        simulated: list[tuple[str, StepTrace]] = []
-        rows, errors = compare(run, dep, simulated)
+        results: list[SimResult] = []
+        rows, errors = compare(run, dep, results)
         print(f"\n{name} ({' '.join(measured['argv'])})")
         print("\n".join(rows))
         if measured["measured_from"] is not None:
             step_log = folder / f"{stem}-steps.jsonl"
             real = [r for r in read_step_log(step_log) if r.t > measured["measured_from"]]
+            simulated = [(role, trace) for r in results for role, trace in zip(r.roles, r.steps, strict=True)]
             print(f"\n{name}: the engines' steps in the measured run ({step_log}) and the simulator's")
             print("\n".join(step_rows(real, simulated)))
         print_verdict(errors)
+        routed = measured.get("routed")
+        if routed and dep.mode == "pd":
+            real_share = routed.get("pd_push", 0.0) / max(1.0, sum(routed.values()))
+            print(f"prompts prefilled on a prefill worker: the proxy {real_share:.0%}, the simulator "
+                  f"{remote_share(results):.0%}")  # fmt: skip
+            pd = measured.get("pd_costs") or {}
+            if pd.get("costs"):
+                own = replace(dep, pd_costs=CostModel(**pd["costs"]))
+                rows, errors_own = compare(run, own, results := [])
+                print(f"with the proxy's own costs ({pd['costs']}): the simulator "
+                      f"{remote_share(results):.0%} remote")  # fmt: skip
+                print_verdict(errors_own)
         all_errors.update({f"{name} {k}": e for k, e in errors.items()})
     machine = f"{saved['dtype']}, ISA {saved['isa']}, {len(saved['cpus'])} CPUs"
     print(f"\nmodel {Path(saved['model']).name}, {machine}; every layout:")

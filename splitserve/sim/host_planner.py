@@ -43,7 +43,7 @@ from splitserve.protocol.pd_decision import CostModel
 from splitserve.sim.cmd_common import REALISTIC_EFFICIENCY
 from splitserve.sim.engine import InstanceConfig
 from splitserve.sim.metrics import WorkloadFactory
-from splitserve.sim.profile import EngineProfile
+from splitserve.sim.profile import DECISION_PROMPT_TOKENS, EngineProfile
 from splitserve.sim.simulator import Deployment, KVLink
 from splitserve.sim.specs import GPUSpec, ModelSpec
 from splitserve.sim.steady import SteadyState, estimate, search_goodput
@@ -184,7 +184,15 @@ def layout_deployment(
         dep = replace(dep, steps=steps_on_cores(base.steps, measured_cores, cores))
     if layout.prefill == 0:
         return replace(dep, mode="collocated", replicas=layout.decode)
-    return replace(dep, mode="pd", prefill_instances=layout.prefill, decode_instances=layout.decode)
+    dep = replace(dep, mode="pd", prefill_instances=layout.prefill, decode_instances=layout.decode)
+    if dep.pd_costs is not None and dep.steps is not None:
+        # `up`'s proxy decides on what it measures: a prefill worker's step time over its
+        # tokens (router/pd_costs.py), on this layout's engines, not the profile's
+        roofline = dep.roofline(1)
+        per_token = roofline.step_s(roofline.prefill(DECISION_PROMPT_TOKENS)) / DECISION_PROMPT_TOKENS
+        costs = replace(dep.pd_costs, prefill_s_per_token=per_token, decode_prefill_s_per_token=per_token)
+        dep = replace(dep, pd_costs=costs)
+    return dep
 
 
 def prefill_capacity(dep: Deployment, layout: HostLayout, prompt_tokens: float) -> float:

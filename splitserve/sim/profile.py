@@ -34,6 +34,8 @@ from splitserve.sim.calibrate import CalibrationError, Sample, parse_samples, sa
 from splitserve.sim.step_model import StepModel, fit_errors, fit_step_model
 
 PROFILE_VERSION = 1
+# the prompt at which a prefill step's cost per token stands for the P/D decision's
+DECISION_PROMPT_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -113,7 +115,7 @@ class EngineProfile:
 
     def decision_costs(self) -> CostModel:
         """The P/D decision's costs: the named fields, the rest from the step model."""
-        per_token = self.steps.prefill_s_per_token + self.steps.prefill_s_per_pair * 256
+        per_token = self.steps.prefill_s_per_token + self.steps.prefill_s_per_pair * DECISION_PROMPT_TOKENS
         values: dict[str, float] = {"prefill_s_per_token": per_token, "decode_prefill_s_per_token": per_token}
         if self.handoff_fixed_s is not None:
             values["handoff_fixed_s"] = self.handoff_fixed_s
