@@ -15,9 +15,10 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import IO, NamedTuple
+from typing import IO, TYPE_CHECKING, NamedTuple
 
-from splitserve.engine.async_engine import AsyncEngine
+if TYPE_CHECKING:  # reading a log (benchmarks) needs no engine, nor torch
+    from splitserve.engine.async_engine import AsyncEngine
 
 
 class StepRecord(NamedTuple):
