@@ -383,11 +383,11 @@ def predict(folder: Path) -> None:
                   f"{remote_share(results):.0%}")  # fmt: skip
             pd = measured.get("pd_costs") or {}
             if pd.get("costs"):
-                own = replace(dep, pd_costs=CostModel(**pd["costs"]))
-                rows, errors_own = compare(run, own, results := [])
+                own_results: list[SimResult] = []
+                _, own_errors = compare(run, replace(dep, pd_costs=CostModel(**pd["costs"])), own_results)
                 print(f"with the proxy's own costs ({pd['costs']}): the simulator "
-                      f"{remote_share(results):.0%} remote")  # fmt: skip
-                print_verdict(errors_own)
+                      f"{remote_share(own_results):.0%} remote")  # fmt: skip
+                print_verdict(own_errors)
         all_errors.update({f"{name} {k}": e for k, e in errors.items()})
     machine = f"{saved['dtype']}, ISA {saved['isa']}, {len(saved['cpus'])} CPUs"
     print(f"\nmodel {Path(saved['model']).name}, {machine}; every layout:")
