@@ -17,14 +17,16 @@ their public HTTP APIs (standard library only):
   engine's own core, not on every core. Prefill and delay are timed against the steps
   measured at the stack's own workers' thread counts (`--engine` twice), where the
   profile has them.
-- `--pd URL`: a P/D proxy's handoff. Requests of several prompt lengths go through its
-  /v1/completions (one output token each; short ones first, which stay on decode; as many
-  on each path as the proxy's median window, router/pd_costs.FIXED_WINDOW); the
-  proxy times every first token on both paths and keeps what the remote path spends
-  beyond the local one (router/pd_costs.py), which
-  `GET /workers` reports; that measured `handoff_fixed_s` is the profile's fixed cost. The
-  cost per byte is what remote first tokens grow by per prompt byte of KV beyond the
-  prefill compute the step model predicts (0 when not measurably above it).
+- `--pd URL`: a P/D proxy's handoff. First tokens of several prompt lengths, one request
+  at a time: short ones first, which stay on the decode worker (as many as the proxy's
+  first-token window, router/pd_costs.FIXED_WINDOW, so that its own cost decision sends
+  the long ones remote), then long ones through the prefill worker, the path each took
+  read from the proxy's counters around it, the fastest of each kept. What a remote first
+  token spends beyond the prefill worker's step and the decode worker's first step (the
+  step models'), less what a local one spends beyond its own step, is the handoff; a line
+  through it by KV bytes gives the fixed cost and the cost per byte. (The proxy's own
+  figure, `GET /workers`, is a difference of medians over whatever ran; calibrations that
+  read it got 0 to 94 ms on the same stack.)
 """
 
 from __future__ import annotations
@@ -268,6 +270,28 @@ def measure_tiers(
     return TierCosts(delay, path(0), path(1), prefill.per_request + prefill.per_remote_request)
 
 
+def handoff_costs(
+    local_s: float,
+    local_tokens: int,
+    remote_s: Mapping[int, float],
+    prefill: StepModel,
+    decode: StepModel,
+    kv_bytes_per_token: int,
+) -> tuple[float, float]:
+    """(fixed seconds, seconds per KV byte) of the P/D handoff, from first tokens timed
+    alone: `local_s` of a `local_tokens` prompt the decode worker prefilled, `remote_s` by
+    prompt tokens through the prefill worker. Beyond its compute (the prefill worker's
+    step, then the decode worker's first step, which the simulator runs too) the remote
+    path spends what the local one does beyond its own step (the hops, the render tier)
+    plus the handoff; a line through the remote excesses by KV bytes gives its fixed part
+    and its part per byte."""
+    local_excess = local_s - decode.prefill_s(local_tokens)
+    sizes = sorted(remote_s)
+    excess = [remote_s[n] - prefill.prefill_s(n) - float(decode.decode_s(1, n)) for n in sizes]
+    intercept, per_byte = _line([n * kv_bytes_per_token for n in sizes], excess)
+    return max(0.0, intercept - local_excess), per_byte
+
+
 def measure_handoff(
     url: str,
     by_threads: Mapping[int, StepModel],
@@ -277,33 +301,45 @@ def measure_handoff(
     repeats: int = 3,
     timeout_s: float = 120.0,
 ) -> tuple[float, float]:
-    """(fixed seconds, seconds per KV byte) of the P/D handoff."""
+    """(fixed seconds, seconds per KV byte) of the P/D handoff: `handoff_costs` of the
+    fastest first token of each prompt size on each path, one request at a time. The path
+    each took is read from the proxy's own counters around it."""
     base = url.rstrip("/")
-    steps = worker_steps(base, "prefill", by_threads, fallback, timeout_s)
+    prefill = worker_steps(base, "prefill", by_threads, fallback, timeout_s)
+    decode = worker_steps(base, "decode", by_threads, fallback, timeout_s)
     rng = random.Random(1)
-    # The proxy's fixed costs are medians of each path's last FIXED_WINDOW first tokens:
-    # enough requests alone on each path that none sent under load (`--proxy`'s loads run
-    # first) is among them.
-    for _ in range(FIXED_WINDOW):  # short prompts stay on decode: the local fixed cost
-        body = {"prompt": [rng.randrange(10, 250) for _ in range(16)], "max_tokens": 1, "temperature": 0}
+
+    def remote_count() -> float:
+        metrics = _get_text(base + "/metrics", {}, timeout_s)
+        return _metric(metrics, "splitserve_proxy_requests_total", 'path="pd_')
+
+    def first_token(n: int) -> tuple[float, bool]:
+        body = {"prompt": [rng.randrange(10, 250) for _ in range(n)], "max_tokens": 1, "temperature": 0}
+        before = remote_count()
+        start = time.perf_counter()
         _post(base + "/v1/completions", body, timeout_s)
-    sizes, excess = [], []
+        took = time.perf_counter() - start
+        return took, remote_count() > before
+
+    # short prompts first: they stay on decode, and the proxy's own first-token window
+    # (router/pd_costs.FIXED_WINDOW) fills with them, so that its cost decision sends the
+    # long ones to the prefill worker
+    local_tokens, local_s = 16, float("inf")
+    for _ in range(FIXED_WINDOW):
+        took, remote = first_token(local_tokens)
+        if not remote:
+            local_s = min(local_s, took)
+    remote_s: dict[int, float] = {}
     per_size = max(repeats, -(-FIXED_WINDOW // len(prompt_tokens)))
     for n in prompt_tokens:
-        best = float("inf")
         for _ in range(per_size):
-            body = {"prompt": [rng.randrange(10, 250) for _ in range(n)], "max_tokens": 1, "temperature": 0}
-            start = time.perf_counter()
-            _post(base + "/v1/completions", body, timeout_s)
-            best = min(best, time.perf_counter() - start)
-        sizes.append(n * kv_bytes_per_token)
-        excess.append(best - steps.prefill_s(n))
-    costs = _post(base + "/workers", None, timeout_s)
-    try:
-        fixed = float(costs["pd_costs"]["measured"]["handoff_fixed_s"])  # type: ignore[index]
-    except (KeyError, TypeError, ValueError):
+            took, remote = first_token(n)
+            if remote:
+                remote_s[n] = min(remote_s.get(n, float("inf")), took)
+    if local_s == float("inf") or len(remote_s) < 2:
         raise CalibrationError(
-            f"{base}/workers reports no measured handoff: is it a P/D proxy, and did any request go remote?"
-        ) from None
-    _, per_byte = _line(sizes, excess)
-    return fixed, per_byte
+            f"{base}: the handoff needs {local_tokens}-token prompts kept on the decode worker and long ones "
+            f"of two sizes or more sent to the prefill worker (remote: {sorted(remote_s) or 'none'}): "
+            "is it a P/D proxy deciding on cost?"
+        )
+    return handoff_costs(local_s, local_tokens, remote_s, prefill, decode, kv_bytes_per_token)
