@@ -1,10 +1,14 @@
 """`--step-log FILE`: one JSON line per engine step, to set what an engine did beside what
 the simulator says it does (benchmarks/bench_sim_predicts_bench.py --step-log).
 
-A line: `{"pid", "role", "t", "step_s", "tokens", "running", "thread_cpu_s"}`: the
-process, its role, when the step ended (CLOCK_MONOTONIC, the same clock in every process
-of the host), how long its model call took, the tokens it computed, the requests running
-after it, and the engine thread's CPU time so far. Several engines may append to one file
+A line: `{"pid", "role", "t", "step_s", "tokens", "running", "thread_cpu_s",
+"thread_wait_s"}`: the process, its role, when the step ended (CLOCK_MONOTONIC, the same
+clock in every process of the host), how long its model call took, the tokens it
+computed, the requests running after it, the engine thread's CPU time so far, and the
+time it has so far waited runnable for a core (Linux's /proc schedstat; null where the
+kernel keeps none). Between two lines of one process, a step's time that is neither the
+thread's CPU nor its wait for a core is time it was blocked (the GIL, a lock, I/O): what
+took a step's time from it is read, not inferred. Several engines may append to one file
 (`up --step-log FILE` gives it to each): the file is opened for appending and each line is
 written whole, so lines of different processes do not interleave.
 """
@@ -13,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, NamedTuple
@@ -29,6 +34,15 @@ class StepRecord(NamedTuple):
     tokens: int
     running: int
     thread_cpu_s: float
+    thread_wait_s: float | None = None  # absent from logs written before it was recorded
+
+
+def run_queue_wait_s(schedstat_fd: int) -> float | None:
+    """The thread's time waiting runnable for a core so far, from its open schedstat."""
+    try:
+        return int(os.pread(schedstat_fd, 64, 0).split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 class StepLog:
@@ -38,13 +52,25 @@ class StepLog:
         self._file: IO[str] = open(path, "a", buffering=1)  # noqa: SIM115 (open as long as the process; each line is flushed)
         self._engine = engine
         self._prefix = f'{{"pid": {os.getpid()}, "role": {json.dumps(role)}, '
+        self._schedstat_fd: int | None = None  # the engine thread's, opened on its first step
+
+    def _wait_s(self) -> float | None:
+        if self._schedstat_fd is None:
+            schedstat = f"/proc/self/task/{threading.get_native_id()}/schedstat"
+            try:
+                self._schedstat_fd = os.open(schedstat, os.O_RDONLY)
+            except OSError:
+                self._schedstat_fd = -1
+        return run_queue_wait_s(self._schedstat_fd) if self._schedstat_fd >= 0 else None
 
     def on_step(self, step_time_s: float, num_tokens: int) -> None:
         # on the engine thread, right after the step: its snapshot of the batch is current
         running = self._engine.stats().num_running
+        wait = self._wait_s()
         self._file.write(
             f'{self._prefix}"t": {time.monotonic():.6f}, "step_s": {step_time_s:.6f}, '
-            f'"tokens": {num_tokens}, "running": {running}, "thread_cpu_s": {time.thread_time():.6f}}}\n'
+            f'"tokens": {num_tokens}, "running": {running}, "thread_cpu_s": {time.thread_time():.6f}, '
+            f'"thread_wait_s": {"null" if wait is None else f"{wait:.6f}"}}}\n'
         )
 
 
@@ -67,7 +93,8 @@ def read_step_log(path: str | Path) -> list[StepRecord]:
                 continue
             try:
                 fields = json.loads(line)
-                records.append(StepRecord(**{name: fields[name] for name in StepRecord._fields}))
+                present = {name: fields[name] for name in StepRecord._fields if name in fields}
+                records.append(StepRecord(**present))
             except (ValueError, KeyError, TypeError) as exc:
                 raise ValueError(f"{path}:{number}: not a step record ({exc})") from None
     return records

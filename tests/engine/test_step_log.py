@@ -35,6 +35,10 @@ def test_serve_logs_each_step_it_computes(tiny_model, tmp_path):
     assert {(r.pid, r.role) for r in records} == {(records[0].pid, "both")}
     assert all(r.step_s > 0 for r in records)
     assert all(a.t < b.t and a.thread_cpu_s <= b.thread_cpu_s for a, b in itertools.pairwise(records))
+    # the engine thread's wait for a core so far (Linux keeps it per thread): it only grows
+    waits = [r.thread_wait_s for r in records]
+    assert all(w is not None and w >= 0 for w in waits), waits
+    assert waits == sorted(waits)
 
 
 def test_up_gives_every_engine_the_step_log(tiny_model, tmp_path):
@@ -69,6 +73,9 @@ def test_a_line_that_is_not_a_step_record_is_named(tmp_path):
     log = tmp_path / "steps.jsonl"
     whole = {"pid": 1, "role": "both", "t": 1.0, "step_s": 0.1, "tokens": 3, "running": 1}
     whole["thread_cpu_s"] = 0.1
+    log.write_text(json.dumps(whole) + "\n")
+    # a log written before the wait for a core was recorded still reads
+    assert read_step_log(log)[0].thread_wait_s is None
     log.write_text(json.dumps(whole) + '\n{"pid": 1}\n')
     with pytest.raises(ValueError, match=f"{log}:2: not a step record"):
         read_step_log(log)
