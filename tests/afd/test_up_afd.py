@@ -90,6 +90,15 @@ def stacks(moe) -> Iterator[Stacks]:
         yield Stacks(s, a, one, b, two)
 
 
+@pytest.fixture(scope="module")
+def long_expected(stacks: Stacks) -> list[int]:
+    """`serve`'s greedy tokens of LONG_STREAM, the undisturbed run every fault test's
+    streams must equal: asked once for the module (the same greedy body to the same
+    collocated server answers the same tokens), not once per test."""
+    (expected,) = [s.token_ids for s in streamed(stacks.serve, [LONG_STREAM])]
+    return expected
+
+
 def streamed(base: str, bodies: list[dict]) -> list[Stream]:
     """The completions of `bodies`, all at once."""
     streams = [Stream(base, body) for body in bodies]
@@ -157,11 +166,13 @@ def test_up_afd_equals_serve_with_and_without_pd(stacks: Stacks):
 @pytest.mark.parametrize(
     ("stack", "engines"), [("two_to_one", ("decode-0", "decode-1")), ("one_to_one", ("decode-0",))]
 )
-def test_a_killed_ffn_daemon_is_restarted_and_the_streams_go_on(stacks: Stacks, stack: str, engines):
+def test_a_killed_ffn_daemon_is_restarted_and_the_streams_go_on(
+    stacks: Stacks, long_expected: list[int], stack: str, engines
+):
     """Every attention engine is mid-stream on the one daemon when it is SIGKILLed: each
     sends its layer again to the daemon `up` starts in its place (over tcp; over shm, with
     a new segment the new daemon maps); nothing ends in error."""
-    (expected,) = [s.token_ids for s in streamed(stacks.serve, [LONG_STREAM])]
+    expected = long_expected
     port = stacks.port_of(stack)
     daemon_pid, restarts = current_daemon(port)
     streams = [Stream(getattr(stacks, stack), LONG_STREAM) for _ in engines]
@@ -184,12 +195,14 @@ def test_a_killed_ffn_daemon_is_restarted_and_the_streams_go_on(stacks: Stacks, 
     assert resent >= 1
 
 
-def test_a_stopped_ffn_daemon_is_found_and_replaced_and_the_stream_goes_on(stacks: Stacks):
+def test_a_stopped_ffn_daemon_is_found_and_replaced_and_the_stream_goes_on(
+    stacks: Stacks, long_expected: list[int]
+):
     """SIGSTOP (the daemon alive, its port open, nothing answered): the attention engine's
     layer misses its deadline and is sent again on a new connection, `up`'s liveness PING
     finds the daemon silent and has it started again, and the stream finishes equal to
     `serve`'s, long before the old 30 s a layer used to wait."""
-    (expected,) = [s.token_ids for s in streamed(stacks.serve, [LONG_STREAM])]
+    expected = long_expected
     port = stacks.one_to_one_port
     daemon_pid, restarts = current_daemon(port)
     decode = parts(port)["decode-0"][0]

@@ -3,7 +3,10 @@ the same dequantized weights bit for bit, the same greedy tokens, the same token
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -30,16 +33,47 @@ TEXTS = (
 )
 
 
+@contextlib.contextmanager
+def one_gguf_parse_per_load() -> Iterator[None]:
+    """Memoizes, for one transformers load, two pure steps it repeats: parsing the file
+    (`gguf.GGUFReader`: once for the config, again for the weights or the tokenizer; 4 s
+    each for SmolLM2's 49k-token vocabulary) and gguf's tensor-name map of an architecture
+    (`gguf.get_tensor_name_map`, built anew for every submodule: 400 times, 5 s, for
+    SmolLM2). transformers only reads the reader (the file is mapped read-only and nothing
+    writes it during the load) and the map, so the oracle computes what it computed
+    unmemoized, in about half the time. Our loader does not go through `gguf.GGUFReader`
+    (splitserve.gguf_file holds its own reference), so it is untouched."""
+    import gguf
+
+    unmemoized_reader = gguf.GGUFReader
+    readers: dict[tuple[str, str], gguf.GGUFReader] = {}
+
+    def reader(path: os.PathLike[str] | str, mode: str = "r") -> gguf.GGUFReader:
+        key = (os.fspath(path), mode)
+        if key not in readers:
+            readers[key] = unmemoized_reader(path, mode)
+        return readers[key]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "GGUFReader", reader)
+        patch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+        yield
+
+
 def transformers_model(path: Path):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    with one_gguf_parse_per_load():
+        return AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
+        )
 
 
 def transformers_tokenizer(path: Path):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    with one_gguf_parse_per_load():
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
 def as_hf_state(model: DecoderModel) -> dict[str, torch.Tensor]:
@@ -89,19 +123,32 @@ def gguf_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("gguf")
 
 
+@pytest.fixture(scope="module")
+def tiny_gguf(gguf_dir: Path) -> Callable[[str, str], tuple[Path, object]]:
+    """(file, transformers' model of it) for an (arch, qtype), written and loaded once for
+    the module: the weights test and the greedy test of a pair read the same file (the
+    writer is seeded) and only read the reference model, so they share both."""
+
+    @functools.cache
+    def make(arch: str, qtype: str) -> tuple[Path, object]:
+        path = write_tiny_gguf(gguf_dir / f"{arch}-{qtype}.gguf", GGUF_SPEC[arch], qtype)
+        return path, transformers_model(path)
+
+    return make
+
+
 @pytest.mark.parametrize("qtype", QUANT_TYPES)
 @pytest.mark.parametrize("arch", sorted(GGUF_SPEC))
-def test_dequantized_weights_equal_transformers(gguf_dir, arch, qtype):
-    path = write_tiny_gguf(gguf_dir / f"{arch}-{qtype}.gguf", GGUF_SPEC[arch], qtype)
+def test_dequantized_weights_equal_transformers(tiny_gguf, arch, qtype):
+    path, reference = tiny_gguf(arch, qtype)
     model = load_model(str(path), load_gguf_config(path), torch.float32, torch.device("cpu"))
-    assert_same_weights(model, transformers_model(path))
+    assert_same_weights(model, reference)
 
 
 @pytest.mark.parametrize("qtype", ["F32", "Q4_1", "Q6_K"])
 @pytest.mark.parametrize("arch", sorted(GGUF_SPEC))
-def test_greedy_tokens_and_logprobs_equal_transformers(gguf_dir, arch, qtype):
-    path = write_tiny_gguf(gguf_dir / f"gen-{arch}-{qtype}.gguf", GGUF_SPEC[arch], qtype)
-    reference = transformers_model(path)
+def test_greedy_tokens_and_logprobs_equal_transformers(tiny_gguf, arch, qtype):
+    path, reference = tiny_gguf(arch, qtype)
     prompts = make_prompts(GGUF_SPEC[arch].vocab, seed=3)[:4]
     llm = LLM(str(path), num_blocks=64, dtype="float32")
     results = llm.generate(
