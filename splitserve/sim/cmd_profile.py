@@ -107,6 +107,10 @@ def write_profile(
             f" + {cpu.engine_s_per_token * 1e3:.3f} ms/output token"
         )
     if handoff is not None:
-        lines.append(f"  handoff  {handoff[0] * 1e3:.2f} ms + {handoff[1] * 1e12:.2f} ps/byte")
+        link = profile.handoff_fixed_s or 0.0
+        lines.append(
+            f"  handoff  {handoff[0] * 1e3:.2f} ms + {handoff[1] * 1e12:.2f} ps/byte (the simulator's link "
+            f"{link * 1e3:.2f} ms: less the engines' own CPU it puts in their steps)"
+        )
     data = {**profile.to_json(), "path": args.out}
     return emit(args, data, lines)

@@ -166,18 +166,25 @@ def build_profile(
     kv_bytes_per_token: int = 0,
 ) -> EngineProfile:
     """The profile of measured steps (and tier costs): the fitted step model, and the P/D
-    decision's costs the proxy will pin."""
+    decision's costs the proxy will pin. `handoff` is what the remote path spends beyond
+    the local one (tier_probe.measure_handoff): the decision weighs all of it; the
+    simulator's link takes it less the engines' own CPU for a remote request (the prefill
+    worker's API and KV push, the decode worker's intake), which it already puts in those
+    engines' steps."""
     per_token = slope_s_per_token(samples)
     pd_costs = {"prefill_s_per_token": per_token, "decode_prefill_s_per_token": per_token}
+    link_fixed_s = None
     if handoff is not None:
         pd_costs["handoff_fixed_s"] = handoff[0]
         pd_costs["handoff_s_per_token"] = handoff[1] * kv_bytes_per_token
+        in_steps = cpu.prefill_engine_s_per_request + cpu.engine_s_per_remote_request if cpu else 0.0
+        link_fixed_s = max(0.0, handoff[0] - in_steps)
     return EngineProfile(
         fit_step_model(samples),
         tuple(samples),
         pd_costs,
         cpu,
-        handoff[0] if handoff else None,
+        link_fixed_s,
         handoff[1] if handoff else None,
         model,
         gpu,

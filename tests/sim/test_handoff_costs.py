@@ -2,6 +2,8 @@
 
 import pytest
 
+from splitserve.sim.calibrate import Sample
+from splitserve.sim.profile import CpuCosts, build_profile, load_profile, save_profile
 from splitserve.sim.step_model import StepModel
 from splitserve.sim.tier_probe import handoff_costs
 
@@ -38,3 +40,21 @@ def test_the_handoff_is_what_the_remote_path_spends_beyond_both_steps_and_the_lo
 def test_a_remote_path_no_slower_than_its_compute_costs_no_handoff():
     local, _, remote = first_tokens(hops_s=0.021, fixed_s=-0.004, per_byte_s=0.0)
     assert handoff_costs(local, 16, remote, PREFILL, DECODE, KV_BYTES_PER_TOKEN) == (0.0, 0.0)
+
+
+def test_the_simulators_link_leaves_out_the_engines_own_cpu_the_decision_weighs_all_of_it(tmp_path):
+    """The prefill worker's API and KV push and the decode worker's intake of a remote
+    request are in its measured handoff, and the simulator also puts them in those engines'
+    steps: its link takes the rest; the proxy's decision (`--pd-cost-profile`) the whole."""
+    samples = [Sample("prefill", n, 0, PREFILL.prefill_s(n)) for n in (32, 256, 1024)]
+    samples += [Sample("decode", b, 64, float(PREFILL.decode_s(b, b * 64))) for b in (1, 16)]
+    own = CpuCosts(prefill_engine_s_per_request=0.008, engine_s_per_remote_request=0.004)
+    profile = build_profile(samples, "m", "g", own, (0.030, 2e-10), KV_BYTES_PER_TOKEN)
+    assert profile.handoff_fixed_s == pytest.approx(0.018) and profile.handoff_s_per_byte == 2e-10
+    assert profile.decision_costs().handoff_fixed_s == pytest.approx(0.030)
+    save_profile(profile, str(tmp_path / "p.json"))
+    again = load_profile(str(tmp_path / "p.json"))
+    assert again.handoff_fixed_s == pytest.approx(0.018)
+    assert again.decision_costs().handoff_fixed_s == pytest.approx(0.030)
+    # an engine's own CPU beyond the whole handoff leaves the link nothing, not less
+    assert build_profile(samples, "m", "g", own, (0.010, 0.0)).handoff_fixed_s == 0.0
