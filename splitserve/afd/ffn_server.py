@@ -5,10 +5,17 @@ one message per sparse layer of every forward pass of its attention engine: the 
 post-attention hidden states and the router's top-k ids and weights in, the combined
 expert output out (protocol/afd.py). One ZeroMQ ROUTER socket, one thread. Several
 attention engines may share the daemon (`up --afd 2:1`): what has arrived when it turns
-to the socket is taken together, and the requests for the same layer are computed as one
-batch (their tokens concatenated: one grouped expert computation instead of one per
-engine), each answered with its own rows. Nothing waits for a batch to fill unless
-`batch_window_s` says so.
+to the socket is taken together and answered in one pass. Each request is computed on its
+own by default, as its engine would compute it collocated: a matmul's rounding depends
+on its row count (through the tiny Qwen3-MoE's experts in bfloat16, a token alone and the
+same token beside another differed in the last bit for 2 of 500 random tokens; in
+float32 nearly always), so rows of two engines
+computed together would make a stream's tokens depend on what another engine was doing
+at the same layer. `--ffn-combine-engines` (`combine_engines`) computes the requests for
+the same layer as one batch instead (their tokens concatenated: one grouped expert
+computation, each answered with its own rows): fewer, larger matmuls, for a daemon whose
+engines' outputs need not equal the collocated engine's bit for bit. Nothing waits for a
+batch to fill unless `batch_window_s` says so.
 
 Authentication reuses the KV transport's pieces (kv/transport/frame_mac.py): every
 message is sealed with a MAC derived from the deployment's internal token under the AFD
@@ -87,9 +94,11 @@ class FfnServer:
         token: str | None = None,
         batch_window_s: float = 0.0,  # how long to wait for more messages after the first
         max_batch_messages: int = MAX_BATCH_MESSAGES,
+        combine_engines: bool = False,  # one grouped computation for a layer's requests
     ) -> None:
         assert config.moe is not None
         self.batch_window_s, self.max_batch_messages = batch_window_s, max_batch_messages
+        self.combine_engines = combine_engines
         self.experts, self.dtype = experts, dtype
         self.layout = FfnLayout(
             config.hidden_size,
@@ -251,8 +260,13 @@ class FfnServer:
 
     @torch.inference_mode()
     def compute_layer(self, layer: int, items: list[LayerWork]) -> None:
-        """One grouped expert computation for every request of `layer`, each answered
-        with its rows; `compute_s` is the batch's (what each of them waited for)."""
+        """The requests of `layer`, each answered with its rows: one grouped expert
+        computation each, or with `combine_engines` one for all of them; `compute_s` is
+        what the request waited for (the batch's, combined)."""
+        if len(items) > 1 and not self.combine_engines:
+            for item in items:
+                self.compute_layer(layer, [item])
+            return
         started = time.perf_counter()
         if len(items) == 1:
             outputs = [self.experts[layer](items[0].x, items[0].ids, items[0].weights)]
@@ -303,7 +317,15 @@ def run_ffn(args: argparse.Namespace, model_path: str) -> int:
         device = torch.device(args.device) if args.device else default_device()
         dtype = choose_dtype(None if args.dtype == "auto" else args.dtype, config.dtype, device)
         experts = load_experts(model_path, config, dtype, device)
-        server = FfnServer(experts, config, dtype, args.host, args.port, access.internal_token())
+        server = FfnServer(
+            experts,
+            config,
+            dtype,
+            args.host,
+            args.port,
+            access.internal_token(),
+            combine_engines=args.ffn_combine_engines,
+        )
     except (OSError, ValueError, zmq.ZMQError) as exc:
         raise SystemExit(f"splitserve engine --role ffn: {exc}") from exc
     for signum in (signal.SIGINT, signal.SIGTERM):

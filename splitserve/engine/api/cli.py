@@ -82,6 +82,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--ffn-address", default=None, help="--role attention (or decode): the FFN daemon's HOST:PORT"
     )
     parser.add_argument(
+        "--ffn-combine-engines",
+        action="store_true",
+        help="--role ffn: compute the requests of several attention engines for one layer as "
+        "one batch (fewer, larger matmuls; a row's rounding then depends on the other engines' "
+        "rows, so their tokens may differ from a collocated engine's)",
+    )
+    parser.add_argument(
         "--ffn-timeout", type=float, default=30.0, help="seconds for the FFN daemon's answer to one layer"
     )
     parser.add_argument(
