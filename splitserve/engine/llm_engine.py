@@ -30,6 +30,7 @@ from splitserve.protocol.kv_events import AllBlocksCleared
 from splitserve.protocol.multimodal import ImageInput
 from splitserve.protocol.sampling_params import SamplingParams
 from splitserve.runtime.kv_events import KVEventPublisher
+from splitserve.runtime.thread_wait import ThreadWait
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +93,9 @@ class LLMEngine:
         # the engine thread's CPU time in steps: a one-thread engine's process CPU beyond it
         # is its API's (the tiers' share `sim calibrate --proxy` measures)
         self.step_thread_cpu_s = 0.0
+        # and its wait for a core in steps: what the processes beside it took from them
+        self.step_thread_wait_s = 0.0
+        self.step_wait = ThreadWait()
         self.last_step_tokens = 0
         self.num_steps = 0  # steps that ran the model
         self.eos_token_ids = frozenset(self.model_info.eos_token_ids)
@@ -215,6 +219,7 @@ class LLMEngine:
         outputs, self.pending_outputs = self.pending_outputs, []
         self.poll_connector()
         start, cpu_start = time.perf_counter(), time.thread_time()
+        wait_start = self.step_wait.seconds()
         scheduler_output = self.scheduler.schedule()
         outputs.extend(request_output(request) for request in scheduler_output.too_long)
         if not scheduler_output.scheduled:
@@ -235,6 +240,8 @@ class LLMEngine:
             outputs.append(request_output(sampled.request, [sampled.token_id], logprobs))
         self.last_step_time_s = time.perf_counter() - start
         self.step_thread_cpu_s += time.thread_time() - cpu_start
+        if wait_start is not None and (wait_end := self.step_wait.seconds()) is not None:
+            self.step_thread_wait_s += wait_end - wait_start
         self.last_step_tokens = scheduler_output.num_tokens
         self.num_steps += 1
         return outputs
@@ -276,6 +283,7 @@ class LLMEngine:
             last_step_borrowed=bool(self.runner.step_threads.borrowed),
             num_threads=self.runner.step_threads.parallel_threads,
             step_thread_cpu_s=self.step_thread_cpu_s,
+            step_thread_wait_s=self.step_thread_wait_s,
             long_prefill_token_threshold=sched.config.long_prefill_token_threshold,
         )
 

@@ -61,4 +61,5 @@ class EngineStats(NamedTuple):
     last_step_borrowed: bool = False  # the last step among them: its time is not this engine's own
     num_threads: int = 0  # threads a step runs on (its own CPUs'; `sim calibrate` keys profiles by it)
     step_thread_cpu_s: float = 0.0  # the engine thread's CPU time in steps, all steps so far
+    step_thread_wait_s: float = 0.0  # its time waiting runnable for a core in steps (Linux)
     long_prefill_token_threshold: int = 0  # a prompt's tokens a step beside decodes (0: no cap)

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import time
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, NamedTuple
+
+from splitserve.runtime.thread_wait import ThreadWait
 
 if TYPE_CHECKING:  # reading a log (benchmarks) needs no engine, nor torch
     from splitserve.engine.async_engine import AsyncEngine
@@ -37,14 +38,6 @@ class StepRecord(NamedTuple):
     thread_wait_s: float | None = None  # absent from logs written before it was recorded
 
 
-def run_queue_wait_s(schedstat_fd: int) -> float | None:
-    """The thread's time waiting runnable for a core so far, from its open schedstat."""
-    try:
-        return int(os.pread(schedstat_fd, 64, 0).split()[1]) / 1e9
-    except (OSError, IndexError, ValueError):
-        return None
-
-
 class StepLog:
     """A step listener (AsyncEngine.add_step_listener) appending one line per step."""
 
@@ -52,21 +45,12 @@ class StepLog:
         self._file: IO[str] = open(path, "a", buffering=1)  # noqa: SIM115 (open as long as the process; each line is flushed)
         self._engine = engine
         self._prefix = f'{{"pid": {os.getpid()}, "role": {json.dumps(role)}, '
-        self._schedstat_fd: int | None = None  # the engine thread's, opened on its first step
-
-    def _wait_s(self) -> float | None:
-        if self._schedstat_fd is None:
-            schedstat = f"/proc/self/task/{threading.get_native_id()}/schedstat"
-            try:
-                self._schedstat_fd = os.open(schedstat, os.O_RDONLY)
-            except OSError:
-                self._schedstat_fd = -1
-        return run_queue_wait_s(self._schedstat_fd) if self._schedstat_fd >= 0 else None
+        self._wait = ThreadWait()  # the engine thread's: on_step runs there
 
     def on_step(self, step_time_s: float, num_tokens: int) -> None:
         # on the engine thread, right after the step: its snapshot of the batch is current
         running = self._engine.stats().num_running
-        wait = self._wait_s()
+        wait = self._wait.seconds()
         self._file.write(
             f'{self._prefix}"t": {time.monotonic():.6f}, "step_s": {step_time_s:.6f}, '
             f'"tokens": {num_tokens}, "running": {running}, "thread_cpu_s": {time.thread_time():.6f}, '

@@ -41,6 +41,23 @@ def test_serve_logs_each_step_it_computes(tiny_model, tmp_path):
     assert waits == sorted(waits)
 
 
+def test_the_engine_counts_its_threads_wait_for_a_core_in_steps(tiny_model, tmp_path):
+    """`engine`'s /metrics: the engine thread's wait for a core within steps, a part of its
+    whole wait, which the step log's last record read after the last step."""
+    log = tmp_path / "steps.jsonl"
+    port = free_port()
+    with running_server(["engine", tiny_model, "--port", str(port), "--step-log", str(log)], port) as base:
+        sampling = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+        body = {"token_ids": PROMPT, "sampling_params": sampling}
+        assert httpx.post(base + "/inference/v1/generate", json=body, timeout=60).status_code == 200
+        metrics = httpx.get(base + "/metrics", timeout=10).text
+    found = [float(line.split()[-1]) for line in metrics.splitlines()
+             if line.startswith("splitserve_step_thread_wait_seconds_total")]  # fmt: skip
+    assert len(found) == 1, metrics
+    last = read_step_log(log)[-1]
+    assert last.thread_wait_s is not None and 0 <= found[0] <= last.thread_wait_s
+
+
 def test_up_gives_every_engine_the_step_log(tiny_model, tmp_path):
     log = tmp_path / "steps.jsonl"
     port = free_port()

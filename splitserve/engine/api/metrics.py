@@ -92,6 +92,11 @@ class _EngineStatsCollector(Collector):
             s.step_thread_cpu_s,
         )
         yield CounterMetricFamily(
+            f"{PREFIX}_step_thread_wait_seconds",
+            "Time the engine thread waited runnable for a core in steps (Linux schedstat; 0 elsewhere).",
+            s.step_thread_wait_s,
+        )
+        yield CounterMetricFamily(
             f"{PREFIX}_cpu_borrowed_steps",
             "Steps run on an idle lender's CPUs as well as this engine's own.",
             s.num_borrowed_cpu_steps,
