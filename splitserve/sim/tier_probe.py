@@ -20,13 +20,13 @@ their public HTTP APIs (standard library only):
 - `--pd URL`: a P/D proxy's handoff. First tokens of several prompt lengths, one request
   at a time: short ones first, which stay on the decode worker (as many as the proxy's
   first-token window, router/pd_costs.FIXED_WINDOW, so that its own cost decision sends
-  the long ones remote), then long ones through the prefill worker, the path each took
-  read from the proxy's counters around it, the fastest of each kept. What a remote first
-  token spends beyond the prefill worker's step and the decode worker's first step (the
-  step models'), less what a local one spends beyond its own step, is the handoff; a line
-  through it by KV bytes gives the fixed cost and the cost per byte. (The proxy's own
-  figure, `GET /workers`, is a difference of medians over whatever ran; calibrations that
-  read it got 0 to 94 ms on the same stack.)
+  the long ones remote), then long ones through the prefill worker. Around each, the
+  proxy's request counters say which path it took and the workers' step-time counters
+  what their steps took; the smallest time beyond the steps is kept per size and path. A
+  remote first token's, less a local one's (the hops and the render tier, the same on both
+  paths), is the handoff; a line through it by KV bytes gives the fixed cost and the cost
+  per byte. (The proxy's own figure, `GET /workers`, is a difference of medians over
+  whatever ran; calibrations that read it got 0 to 94 ms on the same stack.)
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import numpy as np
 
 from splitserve.router.pd_costs import FIXED_WINDOW
 from splitserve.sim.calibrate import CalibrationError
-from splitserve.sim.engine_probe import EngineProbe, http_error, run_together
+from splitserve.sim.engine_probe import STEP_SECONDS, EngineProbe, http_error, run_together
 from splitserve.sim.profile import CpuCosts
 from splitserve.sim.step_model import StepModel
 
@@ -271,25 +271,17 @@ def measure_tiers(
 
 
 def handoff_costs(
-    local_s: float,
-    local_tokens: int,
-    remote_s: Mapping[int, float],
-    prefill: StepModel,
-    decode: StepModel,
-    kv_bytes_per_token: int,
+    local_excess_s: float, remote_excess_s: Mapping[int, float], kv_bytes_per_token: int
 ) -> tuple[float, float]:
     """(fixed seconds, seconds per KV byte) of the P/D handoff, from first tokens timed
-    alone: `local_s` of a `local_tokens` prompt the decode worker prefilled, `remote_s` by
-    prompt tokens through the prefill worker. Beyond its compute (the prefill worker's
-    step, then the decode worker's first step, which the simulator runs too) the remote
-    path spends what the local one does beyond its own step (the hops, the render tier)
-    plus the handoff; a line through the remote excesses by KV bytes gives its fixed part
-    and its part per byte."""
-    local_excess = local_s - decode.prefill_s(local_tokens)
-    sizes = sorted(remote_s)
-    excess = [remote_s[n] - prefill.prefill_s(n) - float(decode.decode_s(1, n)) for n in sizes]
-    intercept, per_byte = _line([n * kv_bytes_per_token for n in sizes], excess)
-    return max(0.0, intercept - local_excess), per_byte
+    alone, each less the engine steps the simulator runs for it: `local_excess_s` of a
+    prompt the decode worker prefilled, `remote_excess_s` by prompt tokens through the
+    prefill worker. The remote path spends what the local one does beyond its steps (the
+    hops, the render tier) plus the handoff; a line through the remote excesses by KV bytes
+    gives its fixed part and its part per byte."""
+    sizes = sorted(remote_excess_s)
+    intercept, per_byte = _line([n * kv_bytes_per_token for n in sizes], [remote_excess_s[n] for n in sizes])
+    return max(0.0, intercept - local_excess_s), per_byte
 
 
 def measure_handoff(
@@ -302,44 +294,70 @@ def measure_handoff(
     timeout_s: float = 120.0,
 ) -> tuple[float, float]:
     """(fixed seconds, seconds per KV byte) of the P/D handoff: `handoff_costs` of the
-    fastest first token of each prompt size on each path, one request at a time. The path
-    each took is read from the proxy's own counters around it."""
+    smallest excess of each prompt size on each path, one request at a time, the path each
+    took read from the proxy's counters around it. A local first token is less the decode
+    worker's step (its step-time counter around it). A remote one is less the steps the
+    simulator runs for it: the prefill worker's step for that prompt alone (timed on the
+    worker itself, not fitted: a fitted 2,048-token step is off by tens of ms) and the
+    decode worker's first step at batch 1 (its step model). What the two workers' steps
+    take beyond those within a P/D request (the KV pushed as the prefill runs, taken in
+    before the first decode step) is the handoff's."""
     base = url.rstrip("/")
-    prefill = worker_steps(base, "prefill", by_threads, fallback, timeout_s)
+    state = _post(base + "/workers", None, timeout_s)
+    workers = (state.get("workers") if isinstance(state, dict) else None) or []
+    probes = {
+        role: [EngineProbe(w["url"], timeout_s) for w in workers if w.get("role") == role]
+        for role in ("prefill", "decode")
+    }
+    if not probes["prefill"] or not probes["decode"]:
+        raise CalibrationError(f"{base}: --pd needs a P/D proxy (its /workers lists prefill and decode)")
     decode = worker_steps(base, "decode", by_threads, fallback, timeout_s)
     rng = random.Random(1)
 
-    def remote_count() -> float:
-        metrics = _get_text(base + "/metrics", {}, timeout_s)
-        return _metric(metrics, "splitserve_proxy_requests_total", 'path="pd_')
+    def reading() -> tuple[float, float]:
+        """Requests sent remote so far, and the decode workers' step seconds."""
+        remote = _metric(
+            _get_text(base + "/metrics", {}, timeout_s), "splitserve_proxy_requests_total", 'path="pd_'
+        )
+        return remote, sum(p.step_counters()[STEP_SECONDS] for p in probes["decode"])
 
-    def first_token(n: int) -> tuple[float, bool]:
+    def first_token(n: int) -> tuple[float, float, bool]:
+        """One first token's time, the decode workers' step time in it, and whether it
+        went remote."""
         body = {"prompt": [rng.randrange(10, 250) for _ in range(n)], "max_tokens": 1, "temperature": 0}
-        before = remote_count()
+        before = reading()
         start = time.perf_counter()
         _post(base + "/v1/completions", body, timeout_s)
         took = time.perf_counter() - start
-        return took, remote_count() > before
+        after = reading()
+        return took, after[1] - before[1], after[0] > before[0]
 
     # short prompts first: they stay on decode, and the proxy's own first-token window
     # (router/pd_costs.FIXED_WINDOW) fills with them, so that its cost decision sends the
     # long ones to the prefill worker
     local_tokens, local_s = 16, float("inf")
     for _ in range(FIXED_WINDOW):
-        took, remote = first_token(local_tokens)
+        took, decode_steps_s, remote = first_token(local_tokens)
         if not remote:
-            local_s = min(local_s, took)
+            local_s = min(local_s, took - decode_steps_s)
     remote_s: dict[int, float] = {}
     per_size = max(repeats, -(-FIXED_WINDOW // len(prompt_tokens)))
+    alone = probes["prefill"][0]
     for n in prompt_tokens:
+        prefill_s = min(
+            (t for _ in range(repeats) if (t := alone.prefill_step_s(n)) is not None), default=None
+        )
+        if prefill_s is None:
+            raise CalibrationError(f"{alone.url}: a {n}-token prompt alone took more than one step")
         for _ in range(per_size):
-            took, remote = first_token(n)
+            took, _, remote = first_token(n)
             if remote:
-                remote_s[n] = min(remote_s.get(n, float("inf")), took)
+                beyond = took - prefill_s - float(decode.decode_s(1, n))
+                remote_s[n] = min(remote_s.get(n, float("inf")), beyond)
     if local_s == float("inf") or len(remote_s) < 2:
         raise CalibrationError(
             f"{base}: the handoff needs {local_tokens}-token prompts kept on the decode worker and long ones "
             f"of two sizes or more sent to the prefill worker (remote: {sorted(remote_s) or 'none'}): "
             "is it a P/D proxy deciding on cost?"
         )
-    return handoff_costs(local_s, local_tokens, remote_s, prefill, decode, kv_bytes_per_token)
+    return handoff_costs(local_s, remote_s, kv_bytes_per_token)
