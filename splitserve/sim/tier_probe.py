@@ -20,13 +20,14 @@ their public HTTP APIs (standard library only):
 - `--pd URL`: a P/D proxy's handoff. First tokens of several prompt lengths, one request
   at a time: short ones first, which stay on the decode worker (as many as the proxy's
   first-token window, router/pd_costs.FIXED_WINDOW, so that its own cost decision sends
-  the long ones remote), then long ones through the prefill worker. Around each, the
-  proxy's request counters say which path it took and the workers' step-time counters
-  what their steps took; the smallest time beyond the steps is kept per size and path. A
-  remote first token's, less a local one's (the hops and the render tier, the same on both
-  paths), is the handoff; a line through it by KV bytes gives the fixed cost and the cost
-  per byte. (The proxy's own figure, `GET /workers`, is a difference of medians over
-  whatever ran; calibrations that read it got 0 to 94 ms on the same stack.)
+  the long ones remote), then long ones through the prefill worker, the path each took
+  read from the proxy's request counters around it. A local first token less the decode
+  worker's step (its step-time counter), and a remote one less the prefill worker's step
+  for that prompt alone (timed on the worker) and the decode worker's first step (its step
+  model), the smallest of each kept: the remote less the local is the handoff, and a line
+  through it by KV bytes gives the fixed cost and the cost per byte. (The proxy's own
+  figure, `GET /workers`, is a difference of medians over whatever ran; calibrations that
+  read it got 0 to 94 ms on the same stack.)
 """
 
 from __future__ import annotations
@@ -344,9 +345,8 @@ def measure_handoff(
     per_size = max(repeats, -(-FIXED_WINDOW // len(prompt_tokens)))
     alone = probes["prefill"][0]
     for n in prompt_tokens:
-        prefill_s = min(
-            (t for _ in range(repeats) if (t := alone.prefill_step_s(n)) is not None), default=None
-        )
+        alone_steps = [alone.prefill_step_s(n) for _ in range(repeats)]
+        prefill_s = min((t for t in alone_steps if t is not None), default=None)
         if prefill_s is None:
             raise CalibrationError(f"{alone.url}: a {n}-token prompt alone took more than one step")
         for _ in range(per_size):
