@@ -156,6 +156,11 @@ def _metric(text: str, name: str, labels: str = "") -> float:
     return total
 
 
+def remote_requests(proxy_metrics: str) -> float:
+    """Requests the proxy has sent through a prefill worker so far (any P/D path)."""
+    return _metric(proxy_metrics, "splitserve_proxy_requests_total", 'path="pd_')
+
+
 def worker_steps(
     base: str, role: str, by_threads: Mapping[int, StepModel], fallback: StepModel, timeout_s: float
 ) -> StepModel:
@@ -214,8 +219,7 @@ def measure_tiers(
                 own = _metric(text, "process_cpu_seconds_total")
                 own -= _metric(text, "splitserve_step_thread_cpu_seconds_total")
                 cpu[1 if worker["url"] in streaming else 2] += own
-        remote = _metric(proxy, "splitserve_proxy_requests_total", 'path="pd_')
-        return _Reading(cpu, steps_done, remote, time.perf_counter())
+        return _Reading(cpu, steps_done, remote_requests(proxy), time.perf_counter())
 
     rng = random.Random(2)
     completions = base + "/v1/completions"
@@ -312,14 +316,12 @@ def measure_handoff(
     }
     if not probes["prefill"] or not probes["decode"]:
         raise CalibrationError(f"{base}: --pd needs a P/D proxy (its /workers lists prefill and decode)")
-    decode = worker_steps(base, "decode", by_threads, fallback, timeout_s)
+    decode = by_threads.get(probes["decode"][0].threads(), fallback)
     rng = random.Random(1)
 
     def reading() -> tuple[float, float]:
         """Requests sent remote so far, and the decode workers' step seconds."""
-        remote = _metric(
-            _get_text(base + "/metrics", {}, timeout_s), "splitserve_proxy_requests_total", 'path="pd_'
-        )
+        remote = remote_requests(_get_text(base + "/metrics", {}, timeout_s))
         return remote, sum(p.step_counters()[STEP_SECONDS] for p in probes["decode"])
 
     def first_token(n: int) -> tuple[float, float, bool]:
