@@ -51,7 +51,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-from step_tables import step_rows
+from step_tables import step_rows, ttft_part_rows
 
 from splitserve.config import UP_LONG_PREFILL_TOKEN_THRESHOLD, SchedulerConfig
 from splitserve.engine.step_log import read_step_log
@@ -341,6 +341,8 @@ def predict(folder: Path) -> None:
         rows, errors = compare(run, dep, results)
         print(f"\n{name} ({' '.join(measured['argv'])})")
         print("\n".join(rows))
+        print(f"\n{name}: the time to first token by the server's phases")
+        print("\n".join(ttft_part_rows(run, results)))
         if measured["measured_from"] is not None:
             step_log = folder / f"{stem}-steps.jsonl"
             real = [r for r in read_step_log(step_log) if r.t > measured["measured_from"]]

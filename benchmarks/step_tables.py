@@ -1,14 +1,17 @@
 """The engines' steps (`--step-log FILE`) set beside the simulator's, per role and by the
-tokens a step computed (benchmarks/bench_sim_predicts_bench.py --step-log)."""
+tokens a step computed, and each load level's time to first token split by the server's
+phases (benchmarks/bench_sim_predicts_bench.py)."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from splitserve.engine.step_log import StepRecord
-from splitserve.sim.result import StepTrace
+from splitserve.protocol.timeline import DECODE, PHASES
+from splitserve.sim.result import SimResult, StepTrace
 
 STEP_BINS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # tokens a step computed: lower edges
+FIRST_TOKEN_PHASES = PHASES[: PHASES.index(DECODE)]  # the server's phases before the first chunk
 
 
 def step_deltas(real: list[StepRecord]) -> tuple[np.ndarray, np.ndarray]:
@@ -59,5 +62,32 @@ def step_rows(real: list[StepRecord], simulated: list[tuple[str, StepTrace]]) ->
         rows.append(
             f"{role:8s} {'':>10s} real: the engine thread's CPU {np.nansum(cpu):.2f} s, waiting for a core "
             f"{np.nansum(wait):.2f} s"
+        )
+    return rows
+
+
+def ttft_part_rows(run: dict, simulated: list[SimResult]) -> list[str]:
+    """Per load level of a bench run, the median time to first token, the simulator's beside
+    it, and the medians of the server's phases before the first chunk (`splitserve_timeline`,
+    bench records it) and of what lies outside them: the client, the connection and the
+    first chunk's way out. Which part a misprediction sits in, where the server timed it."""
+    rows: list[str] = []
+    for level, sim in zip(run["levels"], simulated, strict=True):
+        timed = [q for q in level["requests"] if not q["warmup"] and q["ttft"] and q.get("timeline")]
+        if not timed:
+            continue
+        keep = np.arange(len(sim.ttft)) >= level["load"]["warmup"]
+        parts = {
+            name: float(np.median([q["timeline"].get(name) or 0.0 for q in timed])) * 1e3
+            for name in FIRST_TOKEN_PHASES
+            if any(name in q["timeline"] for q in timed)
+        }
+        served = [sum(q["timeline"].get(name) or 0.0 for name in FIRST_TOKEN_PHASES) for q in timed]
+        outside = np.median([q["ttft"] - s for q, s in zip(timed, served, strict=True)]) * 1e3
+        ttft, predicted = np.median([q["ttft"] for q in timed]) * 1e3, np.median(sim.ttft[keep]) * 1e3
+        shown = " ".join(f"{name} {ms:.1f}" for name, ms in parts.items())
+        rows.append(
+            f"{level['load']['rate']:>6g} req/s  TTFT p50 ms real/sim {ttft:.1f}/{predicted:.1f}"
+            f"  server (medians): {shown}; outside {outside:.1f}"
         )
     return rows
