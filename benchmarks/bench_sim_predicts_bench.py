@@ -178,11 +178,11 @@ def print_verdict(errors: dict[str, float]) -> None:
 
 
 def client_cpu_per_request(runs: list[tuple[int, float]]) -> float:
-    """The load generator shares the cores it measures, so its CPU per request is charged
-    like the tiers' (in production the clients run elsewhere). Each bench process also
-    spends CPU once, starting (imports, tokenizer, prompts): the slope between the warm-up
-    run and the measured one, which send different numbers of requests, leaves that out;
-    with equal counts, the measured run's CPU over its requests (an overestimate)."""
+    """The load generator shares the cores it measures, so its CPU is charged to the
+    engines (`with_client_cpu`; in production the clients run elsewhere). Each bench process
+    also spends CPU once, starting (imports, tokenizer, prompts): the slope between the
+    warm-up run and the measured one, which send different numbers of requests, leaves that
+    out; with equal counts, the measured run's CPU over its requests (an overestimate)."""
     (warm_sent, warm_s), (sent, cpu_s) = runs
     if sent > warm_sent:
         return max(0.0, (cpu_s - warm_s) / (sent - warm_sent))
@@ -211,6 +211,20 @@ def serve_deployment(dep: Deployment, prompt_tokens: int) -> Deployment:
         engine_s_per_request=c.engine_s_per_request + tokenize,
     )
     return replace(dep, cpu=cpu)
+
+
+def with_client_cpu(dep: Deployment, client_s_per_token: float) -> Deployment:
+    """The bench client's CPU, which it spends reading each streamed token, charged as the
+    simulator charges the tiers' CPU per streamed token, but at a second of each busy
+    engine's time per second of it, not the tiers' share of the cores (`cpu_loss`): one
+    process, on one core at a time, which stops whichever engine it lands beside. (Charged
+    per request, at each arrival, the simulated prompt steps came out 20 ms longer than the
+    engines logged them while their decode steps came out shorter; in three runs per token
+    predicted `serve` and 1P+1D closer in every one: docs/sim.md.)"""
+    if dep.cpu is None or client_s_per_token <= 0:
+        return dep
+    per_token = dep.cpu.cpu_s_per_token + client_s_per_token / dep.cpu_loss
+    return replace(dep, cpu=replace(dep.cpu, cpu_s_per_token=per_token))
 
 
 LAYOUTS = ("serve", "up serve-like", "up 1P+1D")
@@ -335,8 +349,8 @@ def predict(folder: Path) -> None:
         dep = layout_deployment(base, layout, profile.threads or len(saved["cpus"]), profile.measured_steps())
         if command[0] == "serve":
             dep = serve_deployment(dep, saved["input_len"])
-        if dep.cpu is not None:
-            dep = replace(dep, cpu=replace(dep.cpu, cpu_s_per_request=dep.cpu.cpu_s_per_request + client_s))
+        streamed = [q["output_tokens"] for lv in run["levels"] for q in lv["requests"] if q["output_tokens"]]
+        dep = with_client_cpu(dep, client_s / float(np.mean(streamed)) if streamed else 0.0)
         results: list[SimResult] = []
         rows, errors = compare(run, dep, results)
         print(f"\n{name} ({' '.join(measured['argv'])})")

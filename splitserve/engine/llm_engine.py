@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections import deque
 
 from splitserve.config import EngineConfig
 from splitserve.encoder_cache.connector import ECConnector
@@ -33,6 +34,7 @@ from splitserve.runtime.kv_events import KVEventPublisher
 from splitserve.runtime.thread_wait import ThreadWait
 
 logger = logging.getLogger(__name__)
+RECENT_STEPS = 64  # steps `stats()` lists: more than run while a probe reads its answer and then the stats
 
 
 class LLMEngine:
@@ -97,6 +99,9 @@ class LLMEngine:
         self.step_thread_wait_s = 0.0
         self.step_wait = ThreadWait()
         self.last_step_tokens = 0
+        # the last steps' (tokens, seconds): `sim calibrate` reads a prompt's step beside
+        # decodes from it, the step itself rather than a difference of counters
+        self.recent_steps: deque[tuple[int, float]] = deque(maxlen=RECENT_STEPS)
         self.num_steps = 0  # steps that ran the model
         self.eos_token_ids = frozenset(self.model_info.eos_token_ids)
 
@@ -243,6 +248,7 @@ class LLMEngine:
         if wait_start is not None and (wait_end := self.step_wait.seconds()) is not None:
             self.step_thread_wait_s += wait_end - wait_start
         self.last_step_tokens = scheduler_output.num_tokens
+        self.recent_steps.append((self.last_step_tokens, self.last_step_time_s))
         self.num_steps += 1
         return outputs
 
@@ -285,6 +291,7 @@ class LLMEngine:
             step_thread_cpu_s=self.step_thread_cpu_s,
             step_thread_wait_s=self.step_thread_wait_s,
             long_prefill_token_threshold=sched.config.long_prefill_token_threshold,
+            recent_steps=tuple(self.recent_steps),
         )
 
     def check_integrity(self) -> None:

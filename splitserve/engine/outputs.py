@@ -63,3 +63,4 @@ class EngineStats(NamedTuple):
     step_thread_cpu_s: float = 0.0  # the engine thread's CPU time in steps, all steps so far
     step_thread_wait_s: float = 0.0  # its time waiting runnable for a core in steps (Linux)
     long_prefill_token_threshold: int = 0  # a prompt's tokens a step beside decodes (0: no cap)
+    recent_steps: tuple[tuple[int, float], ...] = ()  # the last steps' (tokens, seconds), oldest first

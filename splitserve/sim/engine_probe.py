@@ -10,11 +10,12 @@ its API) for `sim calibrate --engine URL`. Standard library only: HTTP with urll
   the B requests, at batch B and mean context C + K / 2. (The first request to arrive
   prefills alone and finishes a step early, so the others' last step runs at batch B - 1:
   a bias of about one step in K, which the median request carries.)
-- Mixed: B requests decoding (all B in every step, per `/inference/v1/stats`), the mean
-  of a few of their steps timed from `/metrics`, then a prompt of N fresh tokens
-  (`max_tokens: 1`) sent: it prefills in one step beside them, whose time is what the steps
-  while it ran took beyond that many decode steps. Kept only when the token counts say the
-  steps were exactly that (B a step, and B + N once).
+- Mixed: B requests decoding (all B in every step, per `/inference/v1/stats`), then a
+  prompt of N fresh tokens (`max_tokens: 1`) sent: it prefills in one step beside them,
+  whose time the engine's stats list among its recent steps (`recent_steps`: tokens and
+  seconds), the step of B + N tokens. (A difference of the step-time counters around it
+  instead carried whatever else slowed the steps while the prompt arrived: calibrations
+  of one engine gave 5 to 16 ms beyond its tokens.)
 
 Each shape is measured `repeats` times and the fastest kept: a shared machine only ever
 adds time. Token IDs are drawn at random from a small range so every prompt is new to the
@@ -31,16 +32,14 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
-from statistics import median
 
 from splitserve.runtime.access import INTERNAL_TOKEN_ENV, internal_headers
 from splitserve.sim.calibrate import CalibrationError, Sample
 
-POLL_S = 0.002  # between reads of a live engine's counters while steps run
+POLL_S = 0.002  # between reads of a live engine's stats while a batch is being admitted
 STEPS, STEP_SECONDS = "splitserve_step_time_seconds_count", "splitserve_step_time_seconds_sum"
-STEP_TOKENS = "splitserve_step_tokens_total"
 
-_METRIC = re.compile(r"^(splitserve_step_time_seconds_(?:sum|count)|splitserve_step_tokens_total)\s+(\S+)$")
+_METRIC = re.compile(r"^(splitserve_step_time_seconds_(?:sum|count))\s+(\S+)$")
 
 
 class EngineProbe:
@@ -79,7 +78,7 @@ class EngineProbe:
             m = _METRIC.match(line.strip())
             if m:
                 found[m.group(1)] = float(m.group(2))
-        if len(found) < 3:
+        if len(found) < 2:
             raise CalibrationError(f"{self.url}/metrics has no splitserve step-time histogram")
         return found
 
@@ -108,23 +107,10 @@ class EngineProbe:
         stats = json.loads(self._call("/inference/v1/stats"))
         return stats if isinstance(stats, dict) else {}
 
-    def _await_steps(self, steps: int, batch: int) -> dict[str, float] | None:
-        """The step counters once `steps` more steps ran after this call, or None if one
-        of them was not a decode step of `batch` (the poll itself is light next to a step)."""
-        start = self.step_counters()
-        while True:
-            now = self.step_counters()
-            ran = now[STEPS] - start[STEPS]
-            tokens = now[STEP_TOKENS] - start[STEP_TOKENS]
-            if tokens != ran * batch:
-                return None
-            if ran >= steps:
-                return now
-            time.sleep(POLL_S)
-
     def mixed_step_s(self, batch: int, tokens: int, context: int, decode_tokens: int = 128) -> float | None:
-        """The step that prefills a prompt of `tokens` beside `batch` decoding requests;
-        None if the steps around it were not the shapes asked for."""
+        """The step that prefilled a prompt of `tokens` beside `batch` decoding requests, as
+        the engine timed it (its stats' `recent_steps`); None if no step of that shape ran
+        (the prompt split, or the batch not all decoding at the time)."""
         decoding = threading.Thread(
             target=run_together, args=(lambda: self.generate(context, decode_tokens), batch)
         )
@@ -137,22 +123,12 @@ class EngineProbe:
                 if not decoding.is_alive():
                     return None
                 time.sleep(POLL_S)
-            warm = self._await_steps(2, batch)
-            window = self._await_steps(4, batch)
-            if warm is None or window is None:
-                return None
-            steps = window[STEPS] - warm[STEPS]
-            decode_s = (window[STEP_SECONDS] - warm[STEP_SECONDS]) / steps
             self.generate(tokens, 1)
-            after = self.step_counters()
+            recent = self.stats().get("recent_steps") or []
         finally:
             decoding.join()
-        ran = after[STEPS] - window[STEPS]
-        computed = after[STEP_TOKENS] - window[STEP_TOKENS]
-        if ran < 1 or computed != ran * batch + tokens:
-            return None
-        mixed = after[STEP_SECONDS] - window[STEP_SECONDS] - (ran - 1) * decode_s
-        return mixed if mixed > 0 else None  # the decode steps around it ran slower than timed
+        shaped = [float(seconds) for n, seconds in recent if n == batch + tokens]
+        return shaped[-1] if shaped else None
 
     def decode_step_s(self, batch: int, context: int, max_tokens: int) -> float:
         """Median engine-side mean ITL of `batch` requests decoding together."""
@@ -202,13 +178,11 @@ def measure(
     # (an engine whose stats do not say what runs is not probed for them)
     stats = probe.stats()
     cap = int(stats.get("long_prefill_token_threshold") or 0)
-    for b in mixed_batches if "num_running" in stats else ():
+    for b in mixed_batches if "recent_steps" in stats else ():
         for n in [n for n in mixed_tokens if not 0 < cap < n]:
             times = [t for t in (probe.mixed_step_s(b, n, context) for _ in range(repeats)) if t is not None]
-            if times:
-                # the median: a difference of timings, which noise moves either way; the
-                # decodes are some 8 steps in at the prompt's step
-                samples.append(Sample("mixed", n, context + 8, median(times), b))
+            if times:  # the decodes are some 8 steps in at the prompt's step
+                samples.append(Sample("mixed", n, context + 8, min(times), b))
     if len(samples) < 3:
         raise CalibrationError("fewer than 3 usable step shapes (prompts larger than the engine's budget?)")
     return samples

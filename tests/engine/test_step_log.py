@@ -43,7 +43,8 @@ def test_serve_logs_each_step_it_computes(tiny_model, tmp_path):
 
 def test_the_engine_counts_its_threads_wait_for_a_core_in_steps(tiny_model, tmp_path):
     """`engine`'s /metrics: the engine thread's wait for a core within steps, a part of its
-    whole wait, which the step log's last record read after the last step."""
+    whole wait, which the step log's last record read after the last step. And its stats
+    list its recent steps as the step log has them (`sim calibrate` reads a step there)."""
     log = tmp_path / "steps.jsonl"
     port = free_port()
     with running_server(["engine", tiny_model, "--port", str(port), "--step-log", str(log)], port) as base:
@@ -51,10 +52,14 @@ def test_the_engine_counts_its_threads_wait_for_a_core_in_steps(tiny_model, tmp_
         body = {"token_ids": PROMPT, "sampling_params": sampling}
         assert httpx.post(base + "/inference/v1/generate", json=body, timeout=60).status_code == 200
         metrics = httpx.get(base + "/metrics", timeout=10).text
+        recent = httpx.get(base + "/inference/v1/stats", timeout=10).json()["recent_steps"]
+    records = read_step_log(log)
+    assert [(r.tokens, r.step_s) for r in records] == [(n, round(s, 6)) for n, s in recent]
+    assert [n for n, _ in recent] == [len(PROMPT)] + [1] * (sampling["max_tokens"] - 1)
     found = [float(line.split()[-1]) for line in metrics.splitlines()
              if line.startswith("splitserve_step_thread_wait_seconds_total")]  # fmt: skip
     assert len(found) == 1, metrics
-    last = read_step_log(log)[-1]
+    last = records[-1]
     assert last.thread_wait_s is not None and 0 <= found[0] <= last.thread_wait_s
 
 
