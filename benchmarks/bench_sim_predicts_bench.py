@@ -219,7 +219,7 @@ def with_client_cpu(dep: Deployment, client_s_per_token: float) -> Deployment:
     engine's time per second of it, not the tiers' share of the cores (`cpu_loss`): one
     process, on one core at a time, which stops whichever engine it lands beside. (Charged
     per request, at each arrival, the simulated prompt steps came out 20 ms longer than the
-    engines logged them while their decode steps came out shorter; in three runs per token
+    engines logged them while their decode steps came out shorter; in four runs per token
     predicted `serve` and 1P+1D closer in every one: docs/sim.md.)"""
     if dep.cpu is None or client_s_per_token <= 0:
         return dep
