@@ -21,6 +21,11 @@ def test_the_soak_smoke_form_loses_nothing_and_leaves_no_block(tiny_model):
     command += ["--fault-every", "3", "6", "--stop-for", "1", "4", "--seed", "0"]
     # RSS over 15 s is warm-up, not a leak: the full soak judges it (its default 5%).
     command += ["--rss-tolerance", "1"]
+    # A reservation whose transfer never came (its decode worker stopped as the proxy moved
+    # the request on) is freed when it expires, which the end's block count waits for: the
+    # soak's 30 s cost a suite run 30 s. 12 s still outlives the longest stop (4 s) and
+    # `up`'s liveness timeout (10 s).
+    command += ["--kv-reservation-ttl", "12"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     run = subprocess.run(
         command, cwd=ROOT / "benchmarks", env=env, capture_output=True, text=True, timeout=300
