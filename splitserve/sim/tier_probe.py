@@ -161,17 +161,10 @@ def remote_requests(proxy_metrics: str) -> float:
     return _metric(proxy_metrics, "splitserve_proxy_requests_total", 'path="pd_')
 
 
-def worker_steps(
-    base: str, role: str, by_threads: Mapping[int, StepModel], fallback: StepModel, timeout_s: float
-) -> StepModel:
-    """The step model of the stack's first `role` worker: the one measured at its thread
-    count, else `fallback`."""
+def proxy_state(base: str, timeout_s: float) -> dict:
+    """The proxy's `GET /workers` answer ({} if it is not an object)."""
     state = _post(base + "/workers", None, timeout_s)
-    workers = state.get("workers") if isinstance(state, dict) else None
-    for worker in workers or []:
-        if worker.get("role") == role:
-            return by_threads.get(EngineProbe(worker["url"], timeout_s).threads(), fallback)
-    return fallback
+    return state if isinstance(state, dict) else {}
 
 
 def measure_tiers(
@@ -187,8 +180,8 @@ def measure_tiers(
     from splitserve.runtime.access import internal_headers
 
     base = url.rstrip("/")
-    state = _post(base + "/workers", None, timeout_s)
-    if not isinstance(state, dict) or "render" not in state:
+    state = proxy_state(base, timeout_s)
+    if "render" not in state:
         raise CalibrationError(f"{base}: --proxy must be `up`'s proxy (its /workers lists the render tier)")
     workers = state.get("workers") or []
     streaming = [w["url"] for w in workers if w.get("role") == "decode"]
@@ -200,7 +193,8 @@ def measure_tiers(
     # figure holds its torch threads too, so it is not measured (a prefill engine that
     # borrows an idle decode's CPUs counts their threads' CPU as well: calibrate a stack
     # started with --no-lend-idle-cpus)
-    single = [w["url"] for w in workers if EngineProbe(w["url"], timeout_s).threads() == 1]
+    threads = {w["url"]: EngineProbe(w["url"], timeout_s).threads() for w in workers}
+    single = [worker_url for worker_url, count in threads.items() if count == 1]
 
     def read() -> _Reading:
         proxy = _get_text(base + "/metrics", {}, timeout_s)
@@ -240,7 +234,8 @@ def measure_tiers(
         one(16, 1)
         delay = min(delay, time.perf_counter() - start)
     before_engine = render.delay_s(16) if render is not None else 0.0
-    local = worker_steps(base, "decode", by_threads, fallback, timeout_s)
+    # the decode worker's steps: the model measured at its thread count
+    local = by_threads.get(threads[streaming[0]], fallback) if streaming else fallback
     delay = max(0.0, delay - local.prefill_s(16) - before_engine)
 
     idle = read()
@@ -308,8 +303,7 @@ def measure_handoff(
     take beyond those within a P/D request (the KV pushed as the prefill runs, taken in
     before the first decode step) is the handoff's."""
     base = url.rstrip("/")
-    state = _post(base + "/workers", None, timeout_s)
-    workers = (state.get("workers") if isinstance(state, dict) else None) or []
+    workers = proxy_state(base, timeout_s).get("workers") or []
     probes = {
         role: [EngineProbe(w["url"], timeout_s) for w in workers if w.get("role") == role]
         for role in ("prefill", "decode")
