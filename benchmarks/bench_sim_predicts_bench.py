@@ -11,19 +11,20 @@ measured in that bench run.
     python benchmarks/bench_sim_predicts_bench.py run.json DIR host.json --profile profile.json
     python benchmarks/bench_sim_predicts_bench.py up.json DIR host.json --profile profile.json --pd 1:1
 
-One run, everything measured here (`--measure`): a profile is calibrated as
-bench_plan_pick.py does (an `engine`, a `render` and a pinned `up --prefill 1 --decode 1`,
-probed by `sim calibrate`), then `serve`, `up --prefill 0 --decode 1` (serve-like) and
-`up --prefill 1 --decode 1` as the planner would start them are each measured by
-`splitserve bench` at the given rates (one unmeasured run first), and each run is predicted
-as the planner sees that layout (sim/host_planner.py: the profile's steps on the layout's
-cores). With `--step-log` the engines log their steps, printed beside the simulator's per
-role and by tokens a step. Everything measured stays in the folder printed (the profile,
-the runs, the step logs, `measured.json`); `--replay FOLDER` predicts it again, with the
-code as it is then, without measuring:
+One run, everything measured here (`--measure`, benchmarks/sim_predicts_measure.py): a
+profile is calibrated as bench_plan_pick.py does, then `serve`, `up --prefill 0 --decode 1`
+(serve-like) and `up --prefill 1 --decode 1` as the planner would start them are each
+measured by `splitserve bench` at the given rates (one unmeasured run first; with
+`--repeat`, each layout is started and measured a second time: the noise floor), and each
+run is predicted as the planner sees that layout (sim/host_planner.py: the profile's steps
+on the layout's cores). With `--step-log` the engines log their steps, printed beside the
+simulator's per role and by tokens a step. Everything measured stays in the folder
+printed; `--replay FOLDER` predicts it again, with the code as it is then, without
+measuring:
 
     python benchmarks/bench_sim_predicts_bench.py --measure [--model bench|smollm2|DIR] \
-        [--rates 2 8 14] [--input-len 256] [--output-len 32] [--layouts serve "up 1P+1D"] [--step-log]
+        [--rates 2 8 14] [--input-len 256] [--output-len 32] [--layouts serve "up 1P+1D"] \
+        [--step-log] [--repeat]
     python benchmarks/bench_sim_predicts_bench.py --replay /tmp/bench-sim-predicts-XXXX
 
 `--profile` (a `sim calibrate --out` file): the fitted step times, the render tier's cost
@@ -39,18 +40,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
-import resource
-import subprocess
-import tempfile
-import time
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-import httpx
 import numpy as np
+from sim_predicts_measure import LAYOUTS, MEASURED, REPEAT, layout_of, measure
 from step_tables import step_rows, ttft_part_rows
 
 from splitserve.config import UP_LONG_PREFILL_TOKEN_THRESHOLD, SchedulerConfig
@@ -67,7 +62,6 @@ from splitserve.sim import (
     load_model,
     simulate,
 )
-from splitserve.sim.host_planner import HostLayout
 from splitserve.sim.metrics import met
 from splitserve.sim.profile import load_profile
 from splitserve.sim.result import SimResult
@@ -122,6 +116,33 @@ def workload_of(level: dict) -> Workload:
 MUST_HOLD = ("TTFT p50 ms", "TTFT p90 ms", "ITL p50 ms", "ITL p90 ms", "goodput")
 
 
+def level_figures(summary: dict, slo_names: Sequence[str]) -> dict[str, float]:
+    """A bench level's figures by name: TTFT and ITL in ms, attainment of each SLO in %."""
+    ms = {
+        f"{metric.upper()} {q} ms": summary[metric][q] * 1e3
+        for metric in ("ttft", "itl")
+        for q in ("p50", "p90")
+    }
+    ms["ITL p99 ms"] = summary["itl"]["p99"] * 1e3
+    return ms | {f"attainment {name} %": summary["attainment"][name] * 100 for name in slo_names}
+
+
+def measured_figures(run: dict) -> dict[str, float]:
+    """A saved bench run's figures, by "rate figure" and "goodput slo"."""
+    names = [SLO.parse(s).name for s in run["slos"]]
+    found = {
+        f"{level['load']['rate']:g} {name}": value
+        for level in run["levels"]
+        for name, value in level_figures(level["summary"], names).items()
+    }
+    return found | {f"goodput {name}": run["goodput_distserve"][name] for name in names}
+
+
+def relative_errors(predicted: dict[str, float], measured: dict[str, float]) -> dict[str, float]:
+    """|predicted / measured - 1| of every figure measured non-zero."""
+    return {k: abs(predicted[k] / m - 1) for k, m in measured.items() if m}
+
+
 def compare(
     run: dict, dep: Deployment, results: list[SimResult] | None = None
 ) -> tuple[list[str], dict[str, float]]:
@@ -129,43 +150,41 @@ def compare(
     printable row per figure, and the relative error of every figure measured non-zero,
     by "rate figure". `results`, when given, gets each level's simulation."""
     slos = [SLO.parse(s) for s in run["slos"]]
-    rows: list[str] = []
-    errors: dict[str, float] = {}
+    predicted: dict[str, float] = {}
     att_pred: dict[str, list[float]] = {s.name: [] for s in slos}
     for level in run["levels"]:
-        load = level["load"]
         r = simulate(dep, workload_of(level))
         if results is not None:
             results.append(r)
-        keep = np.arange(len(r.ttft)) >= load["warmup"]
+        keep = np.arange(len(r.ttft)) >= level["load"]["warmup"]
         itl = np.concatenate([g for g, k in zip(r.gaps, keep, strict=True) if k and len(g)])
-        ttft, s = r.ttft[keep], level["summary"]
-        pairs = {
-            "TTFT p50 ms": (float(np.percentile(ttft, 50)) * 1e3, s["ttft"]["p50"] * 1e3),
-            "TTFT p90 ms": (float(np.percentile(ttft, 90)) * 1e3, s["ttft"]["p90"] * 1e3),
-            "ITL p50 ms": (float(np.percentile(itl, 50)) * 1e3, s["itl"]["p50"] * 1e3),
-            "ITL p90 ms": (float(np.percentile(itl, 90)) * 1e3, s["itl"]["p90"] * 1e3),
-            "ITL p99 ms": (float(np.percentile(itl, 99)) * 1e3, s["itl"]["p99"] * 1e3),
+        ttft = r.ttft[keep]
+        attained = {s.name: float(met(s, r)[keep].mean()) for s in slos}
+        summary = {
+            "ttft": {"p50": np.percentile(ttft, 50), "p90": np.percentile(ttft, 90)},
+            "itl": {q: np.percentile(itl, int(q[1:])) for q in ("p50", "p90", "p99")},
+            "attainment": attained,
         }
-        for slo in slos:
-            a = float(met(slo, r)[keep].mean())
-            att_pred[slo.name].append(a)
-            pairs[f"attainment {slo.name} %"] = (a * 100, s["attainment"][slo.name] * 100)
-        for name, (pred, meas) in pairs.items():
-            err = pred / meas - 1 if meas else float("nan")
-            if meas:
-                errors[f"{load['rate']:g} {name}"] = abs(err)
-            rows.append(
-                f"{load['rate']:>6g} req/s  {name:36s} sim {pred:9.1f}  bench {meas:9.1f}  {err:+7.1%}"
-            )
+        for name, value in level_figures(summary, list(attained)).items():
+            predicted[f"{level['load']['rate']:g} {name}"] = float(value)
+        for name, a in attained.items():
+            att_pred[name].append(a)
     rates = [lv["load"]["rate"] for lv in run["levels"]]
     for slo in slos:
-        pred = distserve_goodput(rates, att_pred[slo.name], run["required_attainment"])
-        meas = run["goodput_distserve"][slo.name]
-        if meas:
-            errors[f"goodput {slo.name}"] = abs(pred / meas - 1)
-        rows.append(f"goodput {slo.name:28s} sim {pred:g} req/s  bench {meas:g} req/s")
-    return rows, errors
+        predicted[f"goodput {slo.name}"] = distserve_goodput(
+            rates, att_pred[slo.name], run["required_attainment"]
+        )
+    measured = measured_figures(run)
+    rows = []
+    for key, meas in measured.items():
+        pred = predicted[key]
+        if key.startswith("goodput "):
+            rows.append(f"{key:36s} sim {pred:g} req/s  bench {meas:g} req/s")
+        else:
+            rate, name = key.split(" ", 1)
+            err = f"{pred / meas - 1:+7.1%}" if meas else "      -"
+            rows.append(f"{rate:>6s} req/s  {name:36s} sim {pred:9.1f}  bench {meas:9.1f}  {err}")
+    return rows, relative_errors(predicted, measured)
 
 
 def print_verdict(errors: dict[str, float]) -> None:
@@ -175,18 +194,6 @@ def print_verdict(errors: dict[str, float]) -> None:
         within = sum(e <= 0.10 for e in values)
         median = np.median(values) if values else float("nan")
         print(f"{label}: within 10% (measured non-zero) {within}/{len(values)}; median |error| {median:.1%}")
-
-
-def client_cpu_per_request(runs: list[tuple[int, float]]) -> float:
-    """The load generator shares the cores it measures, so its CPU is charged to the
-    engines (`with_client_cpu`; in production the clients run elsewhere). Each bench process
-    also spends CPU once, starting (imports, tokenizer, prompts): the slope between the
-    warm-up run and the measured one, which send different numbers of requests, leaves that
-    out; with equal counts, the measured run's CPU over its requests (an overestimate)."""
-    (warm_sent, warm_s), (sent, cpu_s) = runs
-    if sent > warm_sent:
-        return max(0.0, (cpu_s - warm_s) / (sent - warm_sent))
-    return cpu_s / sent
 
 
 def serve_deployment(dep: Deployment, prompt_tokens: int) -> Deployment:
@@ -227,102 +234,9 @@ def with_client_cpu(dep: Deployment, client_s_per_token: float) -> Deployment:
     return replace(dep, cpu=replace(dep.cpu, cpu_s_per_token=per_token))
 
 
-LAYOUTS = ("serve", "up serve-like", "up 1P+1D")
-MEASURED = "measured.json"  # what --measure saved beside the profile and the runs, for --replay
-
-
-def layout_of(name: str, cpus: Sequence[int]) -> tuple[list[str], HostLayout]:
-    """A measured layout's command (`serve`, or `up` and its flags) and how the planner sees it."""
-    half = len(cpus) // 2
-    return {
-        "serve": (["serve"], HostLayout(0, 1, (tuple(cpus),))),
-        "up serve-like": (["up", "--prefill", "0", "--decode", "1"], HostLayout(0, 1, (tuple(cpus),))),
-        "up 1P+1D": (
-            ["up", "--prefill", "1", "--decode", "1"],
-            HostLayout(1, 1, (tuple(cpus[:half]), tuple(cpus[half:]))),
-        ),
-    }[name]
-
-
-def proxy_routes(url: str) -> dict[str, float]:
-    """The proxy's requests so far by path (decode_only, pd_push, pd_pull), from its /metrics."""
-    found: dict[str, float] = {}
-    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
-        m = re.match(r'^splitserve_proxy_requests_total\{path="(\w+)"\}\s+(\S+)$', line)
-        if m:
-            found[m.group(1)] = float(m.group(2))
-    return found
-
-
 def remote_share(results: list[SimResult]) -> float:
     remote = np.concatenate([r.remote for r in results if r.remote is not None] or [np.zeros(0)])
     return float(remote.mean()) if len(remote) else 0.0
-
-
-def measure(args: argparse.Namespace) -> Path:
-    """Calibrate, then measure each layout with `splitserve bench` (an unmeasured run
-    first); returns the folder holding the profile, the runs and what `predict` needs."""
-    from bench_model import compute_dtype, cpu_isa_flags, resolve_bench_model
-    from bench_plan_pick import WARM_UP_SEED, calibrate, splitserve
-    from bench_render import free_port, served
-
-    model, dtype = resolve_bench_model(args.model), compute_dtype()
-    cpus = sorted(os.sched_getaffinity(0))
-    print(f"model {model}; ISA {cpu_isa_flags()}; dtype {dtype}; CPUs {cpus}", flush=True)
-    folder = Path(tempfile.mkdtemp(prefix="bench-sim-predicts-"))
-    calibrate(args, model, dtype, folder / "profile.json")
-    flags = ["--dtype", dtype, "--max-model-len", str(args.max_model_len), "--log-level", "warning"]
-    slo = f"ttft={args.slo_ttft_ms}ms,gap={args.slo_gap_ms}ms"
-    saved: dict = {"model": str(model), "dtype": dtype, "isa": cpu_isa_flags(), "cpus": cpus}
-    saved |= {"budget": args.budget, "input_len": args.input_len, "layouts": {}}
-    for name in args.layouts:
-        command, layout = layout_of(name, cpus)
-        port = free_port()
-        argv = splitserve(command[0], str(model), *command[1:], "--port", str(port), *flags)
-        for entry in layout.cpu_affinity(cpus):
-            argv += ["--cpu-affinity", entry]
-        stem = name.replace(" ", "-")
-        if args.step_log:
-            argv += ["--step-log", str(folder / f"{stem}-steps.jsonl")]
-        measured_from = 0.0  # when the measured run began, on the step log's clock
-        with served(argv, port, name) as url:
-            # first an unmeasured run (a fresh stack's first burst builds its kernels per batch
-            # shape) with prompts of its own: one the measured run sent again would be a
-            # prefix-cache hit there
-            warm_up = (f"{max(args.rates):g}", folder / "warm-up.json", args.seed + WARM_UP_SEED)
-            measured = (",".join(f"{r:g}" for r in args.rates), folder / f"{stem}.json", args.seed)
-            client_cpu: list[tuple[int, float]] = []  # (requests sent, CPU seconds) per bench run
-            routed_before: dict[str, float] = {}
-            for rates, out, seed in (warm_up, measured):
-                measured_from = time.monotonic()
-                routed_before = proxy_routes(url) if command[0] == "up" else {}
-                before = resource.getrusage(resource.RUSAGE_CHILDREN)
-                bench = splitserve(
-                    "bench", "--url", url, "--tokenizer", str(model), "--endpoint", "completions",
-                    "--rate", rates, "--num-requests", str(args.num_requests), "--warmup", str(args.warmup),
-                    "--input-len", str(args.input_len), "--output-len", str(args.output_len), "--slo", slo,
-                    "--attainment", str(args.target), "--seed", str(seed), "--json", str(out), "--quiet",
-                )  # fmt: skip
-                subprocess.run(bench, check=True, stdout=subprocess.DEVNULL)
-                after = resource.getrusage(resource.RUSAGE_CHILDREN)
-                cpu_s = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
-                sent = sum(len(level["requests"]) for level in json.loads(out.read_text())["levels"])
-                client_cpu.append((sent, cpu_s))
-            if command[0] == "up":  # how the proxy routed the measured run, and on what costs
-                routed = {path: n - routed_before.get(path, 0.0) for path, n in proxy_routes(url).items()}
-                workers = httpx.get(url + "/workers", timeout=30).json()
-                proxy = {"routed": routed, "pd_costs": workers.get("pd_costs")}
-            else:
-                proxy = {}
-        saved["layouts"][name] = {
-            "argv": argv[3:],
-            "client_s_per_request": client_cpu_per_request(client_cpu),
-            "measured_from": measured_from if args.step_log else None,
-            **proxy,
-        }
-        (folder / MEASURED).write_text(json.dumps(saved, indent=1))
-    print(f"measured: {folder} (--replay {folder} predicts it again)", flush=True)
-    return folder
 
 
 def predict(folder: Path) -> None:
@@ -340,6 +254,7 @@ def predict(folder: Path) -> None:
     )
     base = host_deployment(load_model_spec(saved["model"]), profile, scheduler)
     all_errors: dict[str, float] = {}
+    repeat_errors: dict[str, float] = {}
     for name, measured in saved["layouts"].items():
         stem = name.replace(" ", "-")
         command, layout = layout_of(name, saved["cpus"])
@@ -377,9 +292,23 @@ def predict(folder: Path) -> None:
                       f"{remote_share(own_results):.0%} remote")  # fmt: skip
                 print_verdict(own_errors)
         all_errors.update({f"{name} {k}": e for k, e in errors.items()})
+        if name in saved.get("repeats", {}):
+            again = measured_figures(json.loads((folder / f"{stem}{REPEAT}.json").read_text()))
+            first = measured_figures(run)
+            print(f"\n{name} measured again, from a fresh start: the figures that moved more than 10%")
+            for key, value in first.items():
+                moved = again[key] / value - 1 if value else 0.0
+                if abs(moved) > 0.10:
+                    print(f"{key:48s} first {value:9.1f}  again {again[key]:9.1f}  {moved:+7.1%}")
+            errors = relative_errors(again, first)
+            print_verdict(errors)
+            repeat_errors.update({f"{name} {k}": e for k, e in errors.items()})
     machine = f"{saved['dtype']}, ISA {saved['isa']}, {len(saved['cpus'])} CPUs"
     print(f"\nmodel {Path(saved['model']).name}, {machine}; every layout:")
     print_verdict(all_errors)
+    if repeat_errors:
+        print("every layout measured again, from a fresh start, against its first run (the noise floor):")
+        print_verdict(repeat_errors)
 
 
 def main() -> None:
@@ -414,6 +343,9 @@ def main() -> None:
     m.add_argument("--seed", type=int, default=0)
     m.add_argument(
         "--step-log", action="store_true", help="log the engines' steps and print them beside the simulator's"
+    )
+    m.add_argument(
+        "--repeat", action="store_true", help="measure each layout again, on a fresh start: the noise floor"
     )
     args = p.parse_args()
     if args.measure:

@@ -1,0 +1,153 @@
+"""What `bench_sim_predicts_bench.py --measure` measures, on this machine: a profile
+calibrated as bench_plan_pick.py does, then each layout (`serve`, `up --prefill 0 --decode
+1`, `up --prefill 1 --decode 1`, pinned as the planner would start them) measured by
+`splitserve bench` after an unmeasured run, everything saved in one folder
+(`measured.json` beside the profile, the runs and the step logs) for `--replay`.
+
+A level near or past a layout's capacity is not reproducible from one start to the next on
+a machine whose speed moves between processes: `--repeat` measures each layout twice, from
+a fresh start each time, and `predict` prints how many figures the two runs agree on
+within 10% beside the simulator's count (docs/sim.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import resource
+import subprocess
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import httpx
+
+from splitserve.sim.host_planner import HostLayout
+
+LAYOUTS = ("serve", "up serve-like", "up 1P+1D")
+MEASURED = "measured.json"  # what --measure saved beside the profile and the runs, for --replay
+REPEAT = "-repeat"  # the suffix of a layout's second measurement (`--repeat`)
+
+
+def layout_of(name: str, cpus: Sequence[int]) -> tuple[list[str], HostLayout]:
+    """A measured layout's command (`serve`, or `up` and its flags) and how the planner sees it."""
+    half = len(cpus) // 2
+    return {
+        "serve": (["serve"], HostLayout(0, 1, (tuple(cpus),))),
+        "up serve-like": (["up", "--prefill", "0", "--decode", "1"], HostLayout(0, 1, (tuple(cpus),))),
+        "up 1P+1D": (
+            ["up", "--prefill", "1", "--decode", "1"],
+            HostLayout(1, 1, (tuple(cpus[:half]), tuple(cpus[half:]))),
+        ),
+    }[name]
+
+
+def proxy_routes(url: str) -> dict[str, float]:
+    """The proxy's requests so far by path (decode_only, pd_push, pd_pull), from its /metrics."""
+    found: dict[str, float] = {}
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        m = re.match(r'^splitserve_proxy_requests_total\{path="(\w+)"\}\s+(\S+)$', line)
+        if m:
+            found[m.group(1)] = float(m.group(2))
+    return found
+
+
+def client_cpu_per_request(runs: list[tuple[int, float]]) -> float:
+    """The load generator shares the cores it measures, so its CPU is charged to the
+    engines (`with_client_cpu`; in production the clients run elsewhere). Each bench process
+    also spends CPU once, starting (imports, tokenizer, prompts): the slope between the
+    warm-up run and the measured one, which send different numbers of requests, leaves that
+    out; with equal counts, the measured run's CPU over its requests (an overestimate)."""
+    (warm_sent, warm_s), (sent, cpu_s) = runs
+    if sent > warm_sent:
+        return max(0.0, (cpu_s - warm_s) / (sent - warm_sent))
+    return cpu_s / sent
+
+
+def bench_run(
+    args: argparse.Namespace, model: Path, url: str, rates: str, out: Path, seed: int, slo: str
+) -> tuple[int, float]:
+    """One `splitserve bench` run at `rates`, saved to `out`: the requests it sent and the
+    CPU seconds it spent (it shares the cores it measures: `client_cpu_per_request`)."""
+    from bench_plan_pick import splitserve
+
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    bench = splitserve(
+        "bench", "--url", url, "--tokenizer", str(model), "--endpoint", "completions",
+        "--rate", rates, "--num-requests", str(args.num_requests), "--warmup", str(args.warmup),
+        "--input-len", str(args.input_len), "--output-len", str(args.output_len), "--slo", slo,
+        "--attainment", str(args.target), "--seed", str(seed), "--json", str(out), "--quiet",
+    )  # fmt: skip
+    subprocess.run(bench, check=True, stdout=subprocess.DEVNULL)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu_s = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    return sum(len(level["requests"]) for level in json.loads(out.read_text())["levels"]), cpu_s
+
+
+def measure(args: argparse.Namespace) -> Path:
+    """Calibrate, then measure each layout with `splitserve bench` (and with `--repeat` once
+    more, from a fresh start); returns the folder holding the profile, the runs and what
+    `predict` needs."""
+    from bench_model import compute_dtype, cpu_isa_flags, resolve_bench_model
+    from bench_plan_pick import calibrate
+
+    model, dtype = resolve_bench_model(args.model), compute_dtype()
+    cpus = sorted(os.sched_getaffinity(0))
+    print(f"model {model}; ISA {cpu_isa_flags()}; dtype {dtype}; CPUs {cpus}", flush=True)
+    folder = Path(tempfile.mkdtemp(prefix="bench-sim-predicts-"))
+    calibrate(args, model, dtype, folder / "profile.json")
+    saved: dict = {"model": str(model), "dtype": dtype, "isa": cpu_isa_flags(), "cpus": cpus}
+    saved |= {"budget": args.budget, "input_len": args.input_len, "layouts": {}, "repeats": {}}
+    for name in args.layouts:
+        stem = name.replace(" ", "-")
+        saved["layouts"][name] = measure_layout(args, model, dtype, folder, name, stem)
+        if args.repeat:
+            saved["repeats"][name] = measure_layout(args, model, dtype, folder, name, f"{stem}{REPEAT}")
+        (folder / MEASURED).write_text(json.dumps(saved, indent=1))
+    print(f"measured: {folder} (--replay {folder} predicts it again)", flush=True)
+    return folder
+
+
+def measure_layout(
+    args: argparse.Namespace, model: Path, dtype: str, folder: Path, name: str, stem: str
+) -> dict:
+    """Start layout `name`, bench it (an unmeasured run, then the measured one, saved as
+    `stem`.json) and stop it; returns what `predict` needs of it."""
+    from bench_plan_pick import WARM_UP_SEED, splitserve
+    from bench_render import free_port, served
+
+    cpus = sorted(os.sched_getaffinity(0))
+    command, layout = layout_of(name, cpus)
+    port = free_port()
+    flags = ["--dtype", dtype, "--max-model-len", str(args.max_model_len), "--log-level", "warning"]
+    argv = splitserve(command[0], str(model), *command[1:], "--port", str(port), *flags)
+    for entry in layout.cpu_affinity(cpus):
+        argv += ["--cpu-affinity", entry]
+    if args.step_log:
+        argv += ["--step-log", str(folder / f"{stem}-steps.jsonl")]
+    slo = f"ttft={args.slo_ttft_ms}ms,gap={args.slo_gap_ms}ms"
+    with served(argv, port, name) as url:
+        # first an unmeasured run (a fresh stack's first burst builds its kernels per batch
+        # shape) with prompts of its own: one the measured run sent again would be a
+        # prefix-cache hit there
+        warm_up = (f"{max(args.rates):g}", folder / "warm-up.json", args.seed + WARM_UP_SEED)
+        client_cpu = [bench_run(args, model, url, *warm_up, slo)]
+        measured_from = time.monotonic()
+        routed_before = proxy_routes(url) if command[0] == "up" else {}
+        rates = ",".join(f"{r:g}" for r in args.rates)
+        client_cpu.append(bench_run(args, model, url, rates, folder / f"{stem}.json", args.seed, slo))
+        if command[0] == "up":  # how the proxy routed the measured run, and on what costs
+            routed = {path: n - routed_before.get(path, 0.0) for path, n in proxy_routes(url).items()}
+            workers = httpx.get(url + "/workers", timeout=30).json()
+            proxy = {"routed": routed, "pd_costs": workers.get("pd_costs")}
+        else:
+            proxy = {}
+    return {
+        "argv": argv[3:],
+        "client_s_per_request": client_cpu_per_request(client_cpu),
+        "measured_from": measured_from if args.step_log else None,
+        **proxy,
+    }

@@ -1,0 +1,60 @@
+"""benchmarks/bench_sim_predicts_bench.py's figures of a saved bench run, the ones its
+prediction and its `--repeat` noise floor are both counted on."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture
+def script(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the script imports its sibling modules
+    return importlib.import_module("bench_sim_predicts_bench")
+
+
+def level(rate: float, ttft_ms: float, itl_ms: float, attained: float) -> dict:
+    ttft = {"p50": ttft_ms / 1e3, "p90": 2 * ttft_ms / 1e3}
+    itl = {"p50": itl_ms / 1e3, "p90": 2 * itl_ms / 1e3, "p99": 3 * itl_ms / 1e3}
+    return {
+        "load": {"rate": rate},
+        "summary": {"ttft": ttft, "itl": itl, "attainment": {"ttft=500ms": attained}},
+    }
+
+
+def run(goodput: float, *levels: dict) -> dict:
+    return {"slos": ["ttft=500ms"], "levels": list(levels), "goodput_distserve": {"ttft=500ms": goodput}}
+
+
+def test_a_runs_figures_are_named_by_rate_and_in_ms_or_percent(script):
+    figures = script.measured_figures(run(4.0, level(4, 40, 6, 1.0), level(12.5, 70, 16, 0.0)))
+    assert figures == {
+        "4 TTFT p50 ms": pytest.approx(40),
+        "4 TTFT p90 ms": pytest.approx(80),
+        "4 ITL p50 ms": pytest.approx(6),
+        "4 ITL p90 ms": pytest.approx(12),
+        "4 ITL p99 ms": pytest.approx(18),
+        "4 attainment ttft=500ms %": pytest.approx(100),
+        "12.5 TTFT p50 ms": pytest.approx(70),
+        "12.5 TTFT p90 ms": pytest.approx(140),
+        "12.5 ITL p50 ms": pytest.approx(16),
+        "12.5 ITL p90 ms": pytest.approx(32),
+        "12.5 ITL p99 ms": pytest.approx(48),
+        "12.5 attainment ttft=500ms %": 0.0,
+        "goodput ttft=500ms": 4.0,
+    }
+
+
+def test_two_runs_errors_count_only_figures_measured_non_zero(script):
+    first = script.measured_figures(run(4.0, level(4, 40, 6, 0.0)))
+    again = script.measured_figures(run(12.0, level(4, 44, 5.4, 0.5)))
+    errors = script.relative_errors(again, first)
+    assert "4 attainment ttft=500ms %" not in errors  # measured 0 the first time: no ratio
+    assert errors["4 TTFT p50 ms"] == pytest.approx(0.10)
+    assert errors["4 ITL p99 ms"] == pytest.approx(0.10)
+    assert errors["goodput ttft=500ms"] == pytest.approx(2.0)
+    assert len(errors) == 6
