@@ -201,7 +201,9 @@ def serve_deployment(dep: Deployment, prompt_tokens: int) -> Deployment:
     long-prefill cap), and no proxy or render tier. Its OpenAI API is its own CPU: the
     engine API's (measured on `up`'s one-thread decode engine) and the tokenizing the render
     tier measured, also a delay before the engine sees the prompt; its detokenizing is not
-    measured apart (in `up` it is part of the tiers' CPU per token) and counts nothing."""
+    measured apart (in `up` it is part of the tiers' CPU per token) and counts nothing. Its
+    way in and out is its API's (the engine API's time beyond its steps), where `up`'s is
+    the proxy's."""
     uncapped = replace(dep.sched.scheduler, long_prefill_token_threshold=0)
     dep = replace(dep, sched=replace(dep.sched, scheduler=uncapped))
     if dep.cpu is None:
@@ -210,7 +212,7 @@ def serve_deployment(dep: Deployment, prompt_tokens: int) -> Deployment:
     tokenize = c.render_s_per_request + c.render_s_per_token * prompt_tokens
     cpu = replace(
         c,
-        proxy_s_per_request=0.0,
+        proxy_s_per_request=c.api_s_per_request,
         cpu_s_per_request=0.0,
         cpu_s_per_remote_request=0.0,
         cpu_s_per_step=0.0,

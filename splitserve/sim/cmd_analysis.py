@@ -274,6 +274,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
                 )
             measured.append((count, found))
         threads, samples = measured[0]
+        api_s = probes[0].api_latency_s(repeats=args.repeats)
         if args.save:
             doc = {"model": model.name, "gpu": gpu.name, "samples": calibrate.samples_to_json(samples)}
             with open(args.save, "w") as f:
@@ -287,7 +288,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if args.out:
         if not args.engine:
             return write_profile(args, model, gpu, samples)
-        return write_profile(args, model, gpu, samples, threads, dict(measured[1:]))
+        return write_profile(args, model, gpu, samples, threads, dict(measured[1:]), api_s)
     res = calibrate.fit(
         rl,
         samples,

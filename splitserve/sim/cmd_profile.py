@@ -21,9 +21,11 @@ def write_profile(
     samples: list[Sample],
     threads: int | None = None,
     other_samples: dict[int, list[Sample]] | None = None,
+    api_s: float | None = None,
 ) -> int:
     """The profile of `samples` (measured on an engine of `threads`), the tiers `args`
-    names, and the step models of engines of other thread counts."""
+    names, the step models of engines of other thread counts and, where the tiers are
+    measured, the engine API's time per request beyond its steps (`api_s`)."""
     if (args.render or args.pd or args.proxy) and not args.engine:
         raise CalibrationError("--render, --proxy and --pd measure alongside --engine URL")
     cpu = handoff = None
@@ -53,6 +55,8 @@ def write_profile(
             engine_s_per_step=own.per_step,
             engine_s_per_token=own.per_token,
         )
+    if cpu is not None and api_s is not None:
+        cpu = replace(cpu, api_s_per_request=api_s)
     if args.pd:
         from splitserve.sim.tier_probe import measure_handoff
 
@@ -92,7 +96,8 @@ def write_profile(
         lines.append(
             f"  render   {cpu.render_s_per_request * 1e3:.2f} ms/request"
             f" + {cpu.render_s_per_token * 1e6:.2f} us/token; "
-            f"proxy {cpu.proxy_s_per_request * 1e3:.2f} ms/request"
+            f"proxy {cpu.proxy_s_per_request * 1e3:.2f} ms/request; "
+            f"the engine's API {cpu.api_s_per_request * 1e3:.2f} ms/request beyond its steps"
         )
         lines.append(
             f"  tiers' CPU {cpu.cpu_s_per_request * 1e3:.2f} ms/request"

@@ -103,6 +103,22 @@ class EngineProbe:
             return None
         return after[STEP_SECONDS] - before[STEP_SECONDS]
 
+    def api_latency_s(self, tokens: int = 16, repeats: int = 3) -> float | None:
+        """A request's time outside the engine's steps (HTTP, JSON, its way in and out): the
+        wall time of a one-token answer on an idle engine less the one step that computed
+        it, as the engine's stats time it; the fastest of `repeats`. None if the engine's
+        stats list no steps, or no repeat ran in one step."""
+        best = None
+        for _ in range(repeats):
+            start = time.perf_counter()
+            self.generate(tokens, 1)
+            wall = time.perf_counter() - start
+            recent = self.stats().get("recent_steps") or []
+            if recent and int(recent[-1][0]) == tokens:
+                outside = max(0.0, wall - float(recent[-1][1]))
+                best = outside if best is None else min(best, outside)
+        return best
+
     def stats(self) -> dict:
         stats = json.loads(self._call("/inference/v1/stats"))
         return stats if isinstance(stats, dict) else {}

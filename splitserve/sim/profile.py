@@ -52,6 +52,9 @@ class CpuCosts:
     render_s_per_request: float = 0.0
     render_s_per_token: float = 0.0  # per prompt token
     proxy_s_per_request: float = 0.0  # beyond the render tier's, on the way in
+    # an engine's own HTTP API beyond its steps (the request's way in, the answer's way out):
+    # all of `serve`'s way, which has no proxy (in `up` the proxy's figure holds it)
+    api_s_per_request: float = 0.0
     cpu_s_per_request: float = 0.0
     cpu_s_per_remote_request: float = 0.0  # beyond cpu_s_per_request
     cpu_s_per_step: float = 0.0

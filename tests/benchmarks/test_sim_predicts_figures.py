@@ -58,3 +58,26 @@ def test_two_runs_errors_count_only_figures_measured_non_zero(script):
     assert errors["4 ITL p99 ms"] == pytest.approx(0.10)
     assert errors["goodput ttft=500ms"] == pytest.approx(2.0)
     assert len(errors) == 6
+
+
+def test_serve_meets_a_request_with_its_own_api_where_up_has_its_proxy(script):
+    """`serve` has no proxy or render tier: its prompt reaches the engine after its
+    tokenizing and its API's own time (the profile's `api_s_per_request`), and the tiers'
+    CPU is not charged to it."""
+    from splitserve.sim import Deployment, load_gpu, load_model
+    from splitserve.sim.profile import CpuCosts
+
+    cpu = CpuCosts(
+        render_s_per_request=0.001,
+        render_s_per_token=1e-6,
+        proxy_s_per_request=0.008,
+        api_s_per_request=0.004,
+        cpu_s_per_request=0.005,
+        cpu_s_per_token=0.001,
+    )
+    up = Deployment(load_model("Qwen2.5-7B"), load_gpu("L40S"), cpu=cpu)
+    serve = script.serve_deployment(up, 256)
+    assert up.cpu.delay_s(256) == pytest.approx(0.001 + 256e-6 + 0.008)
+    assert serve.cpu.delay_s(256) == pytest.approx(0.001 + 256e-6 + 0.004)
+    assert serve.cpu.cpu_s_per_request == serve.cpu.cpu_s_per_token == 0.0
+    assert serve.sched.scheduler.long_prefill_token_threshold == 0

@@ -128,6 +128,8 @@ def test_calibrate_a_live_engine_predicts_held_out_steps(tiny_model: str, tmp_pa
     assert prefill_measured / 10 < prefill_predicted < prefill_measured * 10, (prefill_measured, fitted)
     assert decode_measured / 10 < decode_predicted < decode_measured * 10, (decode_measured, fitted)
     assert steps.prefill_s(1024) > steps.prefill_s(32) > 0, fitted
+    # the engine API's time beyond its steps: a request's HTTP way in and out, never nothing
+    assert profile.cpu is not None and 0 < profile.cpu.api_s_per_request < 1.0, profile.cpu
     # prompts prefilled beside decodes (12 tries, each kept only if its steps were the
     # shapes asked for): what a chunk adds to a decode step, >= 0 by construction
     assert any(s.kind == "mixed" and s.batch in (1, 4) for s in profile.samples), profile.samples
