@@ -274,7 +274,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
                 )
             measured.append((count, found))
         threads, samples = measured[0]
-        api_s = probes[0].api_latency_s(repeats=args.repeats)
+        api_s = probes[0].api_latency_s(repeats=args.repeats) if args.out else None  # a profile's figure
         if args.save:
             doc = {"model": model.name, "gpu": gpu.name, "samples": calibrate.samples_to_json(samples)}
             with open(args.save, "w") as f:
