@@ -223,16 +223,15 @@ def serve_deployment(dep: Deployment, prompt_tokens: int) -> Deployment:
 
 
 def with_client_cpu(dep: Deployment, client_s_per_token: float) -> Deployment:
-    """The bench client's CPU, which it spends reading each streamed token, charged as the
-    simulator charges the tiers' CPU per streamed token, but at a second of each busy
-    engine's time per second of it, not the tiers' share of the cores (`cpu_loss`): one
-    process, on one core at a time, which stops whichever engine it lands beside. (Charged
-    per request, at each arrival, the simulated prompt steps came out 20 ms longer than the
-    engines logged them while their decode steps came out shorter; in four runs per token
-    predicted `serve` and 1P+1D closer in every one: docs/sim.md.)"""
+    """The bench client's CPU, which it spends reading each streamed token, placed as the
+    simulator places the tiers' CPU per streamed token, but costing the engine it lands
+    beside a second per second of it, not `own_loss`: one process, on one core at a time.
+    (Charged per request, at each arrival, the simulated prompt steps came out 20 ms longer
+    than the engines logged them while their decode steps came out shorter; in four runs per
+    token predicted `serve` and 1P+1D closer in every one: docs/sim.md.)"""
     if dep.cpu is None or client_s_per_token <= 0:
         return dep
-    per_token = dep.cpu.cpu_s_per_token + client_s_per_token / dep.cpu_loss
+    per_token = dep.cpu.cpu_s_per_token + client_s_per_token / dep.own_loss
     return replace(dep, cpu=replace(dep.cpu, cpu_s_per_token=per_token))
 
 

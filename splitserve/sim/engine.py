@@ -85,6 +85,12 @@ class Engine:
         self.serving_done_s = 0.0  # the tiers' CPU of the work finish_step last accounted for
         self._serving_per_step_s = 0.0  # of the in-flight step (each step of a run)
         self.cpu_debt_s = 0.0  # time lost to the tiers' CPU since its last step began
+        # the share of the tiers' CPU of its streams that runs on its own cores: set by the
+        # simulator before each step is planned, kept for the step in flight
+        self.tiers_share = 1.0
+        # the tiers' CPU that went to this engine's cores while it was idle, not yet run
+        self.idle_backlog_s = 0.0
+        self.idle_backlog_at = 0.0
         self.step_chunks: list[np.ndarray] = []  # step end times, appended in order
         self.step_lengths: list[np.ndarray] = []  # and how long each step took
         self.step_token_counts: list[int] = []  # the tokens each of those steps computed, per chunk
@@ -111,6 +117,10 @@ class Engine:
     def outstanding(self) -> int:
         return len(self.waiting) + len(self.ready) + len(self.pulls) + len(self.run_ids)
 
+    def idle(self) -> bool:
+        """Neither stepping nor holding work to step on."""
+        return self.busy_until is None and not self.outstanding()
+
     def enqueue_prefill(self, rid: int, cached: int) -> None:
         self.waiting.append([rid, cached, int(self._prompt[rid]), False])
 
@@ -118,6 +128,11 @@ class Engine:
         """Time the tiers around the engine took from it (their CPU on its cores): its
         next step takes that much longer."""
         self.cpu_debt_s += seconds
+
+    def backlog_at(self, now: float, cores: float) -> float:
+        """The idle backlog left at `now`, its `cores` having run it since it last grew
+        (they were idle: the backlog only grows while the engine is)."""
+        return max(0.0, self.idle_backlog_s - (now - self.idle_backlog_at) * cores)
 
     def cut_run(self, now: float) -> float | None:
         """New work arrived at `now` during a decode-only run: end the run at the first step
@@ -189,14 +204,14 @@ class Engine:
                 cost = cost + self.roofline.prefill(n, past=past)
                 streamed += past + n >= int(self._prompt[rid])
             self._serving_per_step_s = c.shared_s(streamed)
-            end = now + self.roofline.step_s(cost) + debt + c.stall_s(streamed)
+            end = now + self.roofline.step_s(cost) + debt + c.stall_s(streamed, self.tiers_share)
         else:
             steps = min(self.run_left)
             if self.sched.max_run_steps is not None:
                 steps = min(steps, self.sched.max_run_steps)
             durations = self.roofline.decode_times(batch, ctx + batch * np.arange(steps))
             self._serving_per_step_s = c.shared_s(batch)
-            durations += c.stall_s(batch)
+            durations += c.stall_s(batch, self.tiers_share)
             durations[0] += debt
             self._run_times = now + np.cumsum(durations)
             end = float(self._run_times[-1])

@@ -173,11 +173,11 @@ def layout_deployment(
     """`base` run as `layout`: its engine counts, each engine on its share of the cores
     (with the steps measured on that many threads, if `measured_steps` has them)."""
     cores = layout.cores_per_engine
-    # the tiers run on every core: an engine stalls while its cores run their work (a share
-    # cores / host cores of it), and a k-thread engine loses k times that: its other threads
-    # wait at the step's next barrier (measured: a 2-thread serve-like engine's steps ran
-    # 13 s beyond the profile's during 6.4 s of the tiers' and the client's CPU)
-    dep = replace(base, gpu=cores_spec(cores), cpu_loss=cores / layout.engines, own_loss=cores)
+    # the tiers' CPU runs on an idle engine's cores, or beside busy ones (simulator.py); a
+    # k-thread engine loses k seconds per second of it on its cores: its other threads wait
+    # at the step's next barrier (measured: a 2-thread serve-like engine's steps ran 13 s
+    # beyond the profile's during 6.4 s of the tiers' and the client's CPU)
+    dep = replace(base, gpu=cores_spec(cores), own_loss=cores)
     if measured_steps and cores in measured_steps:
         dep = replace(dep, steps=measured_steps[cores])
     elif base.steps is not None:

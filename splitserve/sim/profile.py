@@ -68,29 +68,37 @@ class CpuCosts:
     def delay_s(self, prompt_tokens: int) -> float:
         return self.render_s_per_request + self.render_s_per_token * prompt_tokens + self.proxy_s_per_request
 
-    def stream_cpu(self, tiers_loss: float, own_loss: float) -> StreamCpu:
-        """What a streaming engine's steps cost it, when it loses `tiers_loss` seconds per
-        second of the tiers' CPU and `own_loss` per second of its own process's."""
+    def stream_cpu(self, loss: float) -> StreamCpu:
+        """What a streaming engine's steps cost it, when it loses `loss` seconds per second
+        of other CPU on its cores: its own process's, and its share of the tiers'."""
         return StreamCpu(
-            tiers_loss * self.cpu_s_per_step + own_loss * self.engine_s_per_step,
-            tiers_loss * self.cpu_s_per_token + own_loss * self.engine_s_per_token,
+            loss * self.engine_s_per_step,
+            loss * self.engine_s_per_token,
             self.cpu_s_per_step,
             self.cpu_s_per_token,
+            loss,
         )
 
 
 class StreamCpu(NamedTuple):
-    """A streaming step's CPU beyond its compute: `stall_*` lengthen the engine's own step
-    (its share of the tiers' CPU and its own API's); `shared_*` is the tiers' CPU, of which
-    every other busy engine loses its share too (simulator.py)."""
+    """A streaming step's CPU beyond its compute: `own_*` lengthens the engine's own step
+    (its own API, on its cores); `shared_*` is the tiers' CPU, which runs on an idle
+    engine's cores where there is one (simulator.py) and otherwise on every busy engine's,
+    this one losing `tiers_loss` seconds per second of it."""
 
-    stall_s_per_step: float = 0.0
-    stall_s_per_token: float = 0.0
+    own_s_per_step: float = 0.0
+    own_s_per_token: float = 0.0
     shared_s_per_step: float = 0.0
     shared_s_per_token: float = 0.0
+    tiers_loss: float = 0.0
 
-    def stall_s(self, streamed: int) -> float:
-        return self.stall_s_per_step + self.stall_s_per_token * streamed if streamed else 0.0
+    def stall_s(self, streamed: int, tiers_share: float = 1.0) -> float:
+        """How much longer a step streaming `streamed` tokens takes, when `tiers_share` of
+        the tiers' CPU for them runs on this engine's cores."""
+        if not streamed:
+            return 0.0
+        own = self.own_s_per_step + self.own_s_per_token * streamed
+        return own + self.tiers_loss * tiers_share * self.shared_s(streamed)
 
     def shared_s(self, streamed: int) -> float:
         return self.shared_s_per_step + self.shared_s_per_token * streamed if streamed else 0.0

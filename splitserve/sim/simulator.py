@@ -77,10 +77,9 @@ class Deployment:
     # request through a prefill worker
     pd_costs: CostModel | None = None
     cpu: CpuCosts | None = None  # the tiers around the engines: delays and CPU (profile.py)
-    # seconds each busy engine loses per second of the tiers' CPU, which runs on every core:
-    # E engines of k threads on E k cores lose k / E (host_planner.layout_deployment); and
-    # per second of its own process's CPU beyond its engine thread, on its own k cores: k
-    cpu_loss: float = 1.0
+    # seconds an engine of k threads loses per second of CPU other processes run on its k
+    # cores (its own process's beyond its engine thread, the tiers' placed there): k, as
+    # its other threads wait at the step's next barrier (host_planner.layout_deployment)
     own_loss: float = 1.0
 
     def __post_init__(self) -> None:
@@ -147,7 +146,7 @@ class _Sim:
         if self.dep.kv_limit and sched.kv_capacity_tokens is None and role != "prefill":
             cap, slot = rl.kv_capacity_tokens(self.dep.mem_util), rl.state_slot_tokens()
             sched = replace(sched, kv_capacity_tokens=cap, state_tokens_per_request=slot)
-        stream = (self.dep.cpu or CpuCosts()).stream_cpu(self.dep.cpu_loss, self.dep.own_loss)
+        stream = (self.dep.cpu or CpuCosts()).stream_cpu(self.dep.own_loss)
         made = [
             Engine(len(self.engines) + i, role, rl, sched, self.wl.prompt, self.wl.output, stream)
             for i in range(count)
@@ -164,6 +163,7 @@ class _Sim:
         if e.busy_until is None:
             self.start(e, t)
         else:
+            e.tiers_share = self.tiers_share(e, t)
             end = e.cut_run(t)
             if end is not None:
                 self.push(end, _STEP_END, e.index, e.version)
@@ -176,14 +176,18 @@ class _Sim:
         def admitted(rid: int, step: int) -> None:
             self.first_step[rid], self.engine_of[rid] = step, e.index
 
+        # what the tiers left on its cores while it was idle runs before its step
+        e.charge_cpu(self.dep.own_loss * e.backlog_at(t, self.dep.own_loss))
+        e.idle_backlog_s = 0.0
+        e.tiers_share = self.tiers_share(e, t)
         end = e.plan(t, admitted)
         if end is not None:
             self.push(end, _STEP_END, e.index, e.version)
 
     def step_end(self, e: Engine, t: float) -> None:
         _, finished, prefilled = e.finish_step()
-        if e.serving_done_s > 0:  # its streams' CPU ran on the others' cores too
-            self.charge_others(e, e.serving_done_s)
+        if e.serving_done_s > 0 and e.tiers_share < 1:  # its streams' CPU ran elsewhere too
+            self.place_tiers_cpu(e, (1 - e.tiers_share) * e.serving_done_s, t)
         for rid in finished:
             self.done(rid, t)
         for rid in prefilled:
@@ -221,7 +225,7 @@ class _Sim:
             sticky = fresh and self.engine_of[prev] >= 0
             e = self.engines[int(self.engine_of[prev])] if sticky else self.pick(self.front)
             cached = int(wl.prefix[rid]) if sticky else 0
-            self.enqueue_prefill(e, rid, min(cached, prompt - 1))
+            self.enqueue_prefill(e, rid, min(cached, prompt - 1), t)
             self.wake(e, t)
             return
         sticky = fresh and self.prefill_of[prev] >= 0
@@ -242,25 +246,49 @@ class _Sim:
         if pull_s > 0:
             self.push(t + pull_s, _ENQ_PREFILL, e.index, rid)
         else:
-            self.enqueue_prefill(e, rid, int(self.cached[rid]))
+            self.enqueue_prefill(e, rid, int(self.cached[rid]), t)
             self.wake(e, t)
 
-    def enqueue_prefill(self, e: Engine, rid: int, cached: int) -> None:
+    def enqueue_prefill(self, e: Engine, rid: int, cached: int, t: float) -> None:
         """`rid`'s prompt onto `e`; the tiers' CPU for it (more on the P/D path) is charged,
         and `e`'s own (its API; a prefill worker's KV push) to `e`, on its own cores."""
+        e.enqueue_prefill(rid, cached)
         if (cpu := self.dep.cpu) is not None:
             remote = e.role == "prefill"
-            self.charge_others(None, cpu.cpu_s_per_request + remote * cpu.cpu_s_per_remote_request)
             own = cpu.prefill_engine_s_per_request if remote else cpu.engine_s_per_request
             e.charge_cpu(self.dep.own_loss * own)
-        e.enqueue_prefill(rid, cached)
+            self.place_tiers_cpu(None, cpu.cpu_s_per_request + remote * cpu.cpu_s_per_remote_request, t)
 
-    def charge_others(self, source: Engine | None, cpu_s: float) -> None:
-        """The tiers spent `cpu_s` of CPU, on every core: each busy engine but `source`
-        (which has its share in its own step) loses its share of it; an idle one nothing."""
-        for other in self.engines:
-            if other is not source and other.busy_until is not None:
-                other.charge_cpu(self.dep.cpu_loss * cpu_s)
+    def place_tiers_cpu(self, source: Engine | None, cpu_s: float, t: float) -> None:
+        """The tiers spent `cpu_s` of CPU at `t` (`source`'s streams: its share is in its
+        own steps). It runs where a core is free: on an idle engine's cores, which run it
+        before that engine's next step; with none idle, beside the busy engines, each losing
+        `own_loss` seconds per second of its share (`tiers_shares`)."""
+        if cpu_s <= 0:
+            return
+        idle = [o for o in self.engines if o is not source and o.idle()]
+        if idle:
+            o = min(idle, key=lambda o: (o.backlog_at(t, self.dep.own_loss), o.index))
+            o.idle_backlog_s, o.idle_backlog_at = o.backlog_at(t, self.dep.own_loss) + cpu_s, t
+            return
+        shares = self.tiers_shares(t)
+        left = sum(share for o, share in zip(self.engines, shares, strict=True) if o is not source)
+        for o, share in zip(self.engines, shares, strict=True):
+            if o is not source and left > 0:
+                o.charge_cpu(self.dep.own_loss * cpu_s * share / left)
+
+    def tiers_shares(self, t: float) -> list[float]:
+        """With every engine busy, the share of the tiers' CPU each one's cores run: the
+        tiers' threads stay on the core they last found idle, and find a core idle as often
+        as its engine has been idle so far."""
+        idle = [max(1e-3, 1.0 - o.busy_s / min(t, o.window_end)) if t > 0 else 1.0 for o in self.engines]
+        return [x / sum(idle) for x in idle]
+
+    def tiers_share(self, e: Engine, t: float) -> float:
+        """The share of the tiers' CPU for `e`'s streams that runs on `e`'s cores now."""
+        if any(o is not e and o.idle() for o in self.engines):
+            return 0.0
+        return self.tiers_shares(t)[self.engines.index(e)]
 
     def prefill_locally(self, rid: int, t: float) -> bool:
         """Conditional disaggregation: the decode worker the request would go to prefills
@@ -274,7 +302,7 @@ class _Sim:
         if decide(inputs, self.dep.pd_costs).remote:
             return False
         self.local[rid] = True
-        self.enqueue_prefill(d, rid, 0)
+        self.enqueue_prefill(d, rid, 0, t)
         self.wake(d, t)
         return True
 
@@ -340,7 +368,7 @@ class _Sim:
                 self.wake(self.engines[a], t)
             else:  # _ENQ_PREFILL
                 e = self.engines[a]
-                self.enqueue_prefill(e, b, int(self.cached[b]))
+                self.enqueue_prefill(e, b, int(self.cached[b]), t)
                 self.wake(e, t)
         return self._collect()
 

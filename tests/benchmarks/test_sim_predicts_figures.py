@@ -4,6 +4,7 @@ prediction and its `--repeat` noise floor are both counted on."""
 from __future__ import annotations
 
 import importlib
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -81,3 +82,22 @@ def test_serve_meets_a_request_with_its_own_api_where_up_has_its_proxy(script):
     assert serve.cpu.delay_s(256) == pytest.approx(0.001 + 256e-6 + 0.004)
     assert serve.cpu.cpu_s_per_request == serve.cpu.cpu_s_per_token == 0.0
     assert serve.sched.scheduler.long_prefill_token_threshold == 0
+
+
+def test_the_bench_clients_cpu_costs_the_engine_beside_it_a_second_per_second(script):
+    """The client reads each streamed token on one core: a two-thread engine it lands beside
+    loses the client's time once (not twice, as for the tiers' many threads), and with a
+    second engine idle it loses nothing (its core runs the client)."""
+    import numpy as np
+
+    from splitserve.sim import Deployment, Workload, load_gpu, load_model, simulate
+    from splitserve.sim.profile import CpuCosts
+
+    one = Workload.open_loop([0.0], [256], [64])
+    model, gpu = load_model("Qwen2.5-7B"), load_gpu("L40S")
+    dep = Deployment(model, gpu, replicas=1, routing="least_loaded", cpu=CpuCosts())
+    base = np.median(simulate(dep, one).gaps[0])
+    for threads in (1.0, 2.0):
+        client = script.with_client_cpu(replace(dep, own_loss=threads), 0.001)
+        assert np.median(simulate(client, one).gaps[0]) == pytest.approx(base + 0.001, abs=1e-9)
+        assert np.median(simulate(replace(client, replicas=2), one).gaps[0]) == pytest.approx(base, abs=1e-9)
