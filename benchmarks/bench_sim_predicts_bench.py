@@ -100,12 +100,13 @@ def deployment(args: argparse.Namespace) -> Deployment:
 
 
 def workload_of(level: dict) -> Workload:
-    """The level's arrivals (bench's seeded stream) with each request's recorded lengths."""
+    """The level's arrivals (bench's seeded stream) with each request's recorded lengths.
+    bench sends its first request at once and each next one a gap later (bench/load.py),
+    where `arrival_times` puts the first after one gap."""
     load, reqs = level["load"], sorted(level["requests"], key=lambda r: r["request_id"])
     n = len(reqs)
-    arrival = arrival_times(
-        load["rate"], n, load["seed"], load.get("arrival", "poisson"), load.get("burstiness", 1.0)
-    )
+    gaps = (load["rate"], n - 1, load["seed"], load.get("arrival", "poisson"), load.get("burstiness", 1.0))
+    arrival = [0.0, *arrival_times(*gaps)]
     mean_in = round(float(np.mean([r["input_tokens"] for r in reqs if r["input_tokens"]])))
     prompts = [r["input_tokens"] or mean_in for r in reqs]
     outputs = [max(1, r["output_tokens"] or 1) for r in reqs]

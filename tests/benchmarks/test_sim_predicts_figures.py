@@ -101,3 +101,21 @@ def test_the_bench_clients_cpu_costs_the_engine_beside_it_a_second_per_second(sc
         client = script.with_client_cpu(replace(dep, own_loss=threads), 0.001)
         assert np.median(simulate(client, one).gaps[0]) == pytest.approx(base + 0.001, abs=1e-9)
         assert np.median(simulate(replace(client, replicas=2), one).gaps[0]) == pytest.approx(base, abs=1e-9)
+
+
+def test_the_simulated_arrivals_are_the_ones_bench_sent(script):
+    """bench sends request 0 at once and each next one a seeded gap later: request i of
+    the simulated level arrives when bench sent request i."""
+    import random
+
+    from splitserve.goodput import interarrival_times
+
+    load = {"rate": 5.0, "seed": 3, "arrival": "poisson", "burstiness": 1.0}
+    requests = [{"request_id": i, "input_tokens": 100 + i, "output_tokens": 8} for i in range(4)]
+    wl = script.workload_of({"load": load, "requests": requests})
+    gaps = interarrival_times(5.0, random.Random(3), "poisson", 1.0)
+    sent = [0.0]
+    for _ in range(3):
+        sent.append(sent[-1] + next(gaps))
+    assert list(wl.arrival) == pytest.approx(sent, abs=1e-12)
+    assert list(wl.prompt) == [100, 101, 102, 103]
