@@ -13,7 +13,8 @@ measured in that bench run.
 
 One run, everything measured here (`--measure`, benchmarks/sim_predicts_measure.py): a
 profile is calibrated as bench_plan_pick.py does, then `serve`, `up --prefill 0 --decode 1`
-(serve-like) and `up --prefill 1 --decode 1` as the planner would start them are each
+(serve-like), `up --prefill 1 --decode 1` and `up --prefill 0 --decode 2` (two collocated
+engines, one a core) as the planner would start them are each
 measured by `splitserve bench` at the given rates (one unmeasured run first; with
 `--repeat`, each layout is started and measured a second time: the noise floor), and each
 run is predicted as the planner sees that layout (sim/host_planner.py: the profile's steps

@@ -1,6 +1,7 @@
 """What `bench_sim_predicts_bench.py --measure` measures, on this machine: a profile
 calibrated as bench_plan_pick.py does, then each layout (`serve`, `up --prefill 0 --decode
-1`, `up --prefill 1 --decode 1`, pinned as the planner would start them) measured by
+1`, `up --prefill 1 --decode 1`, `up --prefill 0 --decode 2`, pinned as the planner would
+start them) measured by
 `splitserve bench` after an unmeasured run, everything saved in one folder
 (`measured.json` beside the profile, the runs and the step logs) for `--replay`.
 
@@ -27,7 +28,7 @@ import httpx
 
 from splitserve.sim.host_planner import HostLayout
 
-LAYOUTS = ("serve", "up serve-like", "up 1P+1D")
+LAYOUTS = ("serve", "up serve-like", "up 1P+1D", "up 2 collocated")
 MEASURED = "measured.json"  # what --measure saved beside the profile and the runs, for --replay
 REPEAT = "-repeat"  # the suffix of a layout's second measurement (`--repeat`)
 
@@ -41,6 +42,10 @@ def layout_of(name: str, cpus: Sequence[int]) -> tuple[list[str], HostLayout]:
         "up 1P+1D": (
             ["up", "--prefill", "1", "--decode", "1"],
             HostLayout(1, 1, (tuple(cpus[:half]), tuple(cpus[half:]))),
+        ),
+        "up 2 collocated": (
+            ["up", "--prefill", "0", "--decode", "2"],
+            HostLayout(0, 2, (tuple(cpus[:half]), tuple(cpus[half:]))),
         ),
     }[name]
 

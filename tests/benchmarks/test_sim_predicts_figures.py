@@ -119,3 +119,15 @@ def test_the_simulated_arrivals_are_the_ones_bench_sent(script):
         sent.append(sent[-1] + next(gaps))
     assert list(wl.arrival) == pytest.approx(sent, abs=1e-12)
     assert list(wl.prompt) == [100, 101, 102, 103]
+
+
+def test_two_collocated_engines_are_measured_as_the_planner_starts_them(monkeypatch):
+    """`--layouts "up 2 collocated"`: `up --prefill 0 --decode 2`, one engine a core, pinned
+    as `up --plan` pins its pick (the layout the planner picks on two cores)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    measure = importlib.import_module("sim_predicts_measure")
+    command, layout = measure.layout_of("up 2 collocated", [0, 1])
+    assert command == ["up", "--prefill", "0", "--decode", "2"]
+    assert layout.label() == "2 decode (collocated)"
+    assert layout.cpu_affinity([0, 1]) == ["decode-0=0", "decode-1=1"]
+    assert "up 2 collocated" in measure.LAYOUTS
