@@ -106,8 +106,8 @@ def workload_of(level: dict) -> Workload:
     where `arrival_times` puts the first after one gap."""
     load, reqs = level["load"], sorted(level["requests"], key=lambda r: r["request_id"])
     n = len(reqs)
-    gaps = (load["rate"], n - 1, load["seed"], load.get("arrival", "poisson"), load.get("burstiness", 1.0))
-    arrival = [0.0, *arrival_times(*gaps)]
+    stream = (load["rate"], n - 1, load["seed"], load.get("arrival", "poisson"), load.get("burstiness", 1.0))
+    arrival = [0.0, *arrival_times(*stream)]
     mean_in = round(float(np.mean([r["input_tokens"] for r in reqs if r["input_tokens"]])))
     prompts = [r["input_tokens"] or mean_in for r in reqs]
     outputs = [max(1, r["output_tokens"] or 1) for r in reqs]

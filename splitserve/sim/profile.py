@@ -83,8 +83,8 @@ class CpuCosts:
 class StreamCpu(NamedTuple):
     """A streaming step's CPU beyond its compute: `own_*` lengthens the engine's own step
     (its own API, on its cores); `shared_*` is the tiers' CPU, which runs on an idle
-    engine's cores where there is one (simulator.py) and otherwise on every busy engine's,
-    this one losing `tiers_loss` seconds per second of it."""
+    engine's cores where there is one and otherwise beside the busy engines by their idle
+    shares (simulator.py), this one losing `tiers_loss` seconds per second of its share."""
 
     own_s_per_step: float = 0.0
     own_s_per_token: float = 0.0

@@ -288,7 +288,7 @@ class _Sim:
         """The share of the tiers' CPU for `e`'s streams that runs on `e`'s cores now."""
         if any(o is not e and o.idle() for o in self.engines):
             return 0.0
-        return self.tiers_shares(t)[self.engines.index(e)]
+        return self.tiers_shares(t)[e.index]
 
     def prefill_locally(self, rid: int, t: float) -> bool:
         """Conditional disaggregation: the decode worker the request would go to prefills
