@@ -19,9 +19,12 @@ measured by `splitserve bench` at the given rates (one unmeasured run first; wit
 `--repeat`, each layout is started and measured a second time: the noise floor), and each
 run is predicted as the planner sees that layout (sim/host_planner.py: the profile's steps
 on the layout's cores). With `--step-log` the engines log their steps, printed beside the
-simulator's per role and by tokens a step. Everything measured stays in the folder
-printed; `--replay FOLDER` predicts it again, with the code as it is then, without
-measuring:
+simulator's per role and by tokens a step, and each layout is predicted with the profile
+re-timed by its own engines' steps in the unmeasured run before its measurement (`sim
+retime`, sim/retime.py: the same engines' speed now, not the probe engines' minutes
+before; `--as-calibrated` predicts with the profile as calibrated). Everything measured
+stays in the folder printed; `--replay FOLDER` predicts it again, with the code as it is
+then, without measuring:
 
     python benchmarks/bench_sim_predicts_bench.py --measure [--model bench|smollm2|DIR] \
         [--rates 2 8 14] [--input-len 256] [--output-len 32] [--layouts serve "up 1P+1D"] \
@@ -50,9 +53,9 @@ from sim_predicts_measure import LAYOUTS, MEASURED, REPEAT, layout_of, measure
 from step_tables import step_rows, ttft_part_rows
 
 from splitserve.config import UP_LONG_PREFILL_TOKEN_THRESHOLD, SchedulerConfig
-from splitserve.engine.step_log import read_step_log
 from splitserve.goodput import SLO, arrival_times, distserve_goodput
 from splitserve.protocol.pd_decision import CostModel
+from splitserve.protocol.step_record import read_step_log
 from splitserve.sim import (
     Deployment,
     Efficiency,
@@ -63,9 +66,11 @@ from splitserve.sim import (
     load_model,
     simulate,
 )
+from splitserve.sim.calibrate import CalibrationError
 from splitserve.sim.metrics import met
-from splitserve.sim.profile import load_profile
+from splitserve.sim.profile import EngineProfile, load_profile
 from splitserve.sim.result import SimResult
+from splitserve.sim.retime import factor_rows, retime_profile
 
 
 def deployment(args: argparse.Namespace) -> Deployment:
@@ -242,9 +247,24 @@ def remote_share(results: list[SimResult]) -> float:
     return float(remote.mean()) if len(remote) else 0.0
 
 
-def predict(folder: Path) -> None:
+def layout_profile(profile: EngineProfile, name: str, step_log: Path, measured_from: float) -> EngineProfile:
+    """`profile` re-timed by the layout's engines' own steps before its measured run (the
+    unmeasured run that warmed it up), where they logged them with their shapes."""
+    warm = [r for r in read_step_log(step_log) if r.t < measured_from]
+    try:
+        retimed, factors = retime_profile(profile, warm)
+    except CalibrationError as exc:
+        print(f"{name}: the profile as calibrated ({exc})", flush=True)
+        return profile
+    print(f"{name}: the profile re-timed by its engines' steps in the unmeasured run before it")
+    print("\n".join("  " + row for row in factor_rows(factors)), flush=True)
+    return retimed
+
+
+def predict(folder: Path, as_calibrated: bool = False) -> None:
     """Each layout `measure` saved in `folder`, predicted as the planner sees it (the
-    profile's steps on the layout's cores) and set beside its measured run, figure by
+    profile's steps on the layout's cores; re-timed by its engines' warm-up steps, where
+    they were logged, unless `as_calibrated`) and set beside its measured run, figure by
     figure and, where the engines logged their steps, step by step."""
     from splitserve.sim.host_planner import host_deployment, layout_deployment
     from splitserve.sim.specs import load_model as load_model_spec
@@ -255,7 +275,7 @@ def predict(folder: Path) -> None:
     scheduler = SchedulerConfig(
         max_num_batched_tokens=saved["budget"], long_prefill_token_threshold=UP_LONG_PREFILL_TOKEN_THRESHOLD
     )
-    base = host_deployment(load_model_spec(saved["model"]), profile, scheduler)
+    model_spec = load_model_spec(saved["model"])
     all_errors: dict[str, float] = {}
     repeat_errors: dict[str, float] = {}
     for name, measured in saved["layouts"].items():
@@ -264,7 +284,12 @@ def predict(folder: Path) -> None:
         run = json.loads((folder / f"{stem}.json").read_text())
         client_s = measured["client_s_per_request"]
         print(f"\n{name}: the bench client spent {client_s * 1e3:.1f} ms of CPU per request", flush=True)
-        dep = layout_deployment(base, layout, profile.threads or len(saved["cpus"]), profile.measured_steps())
+        step_log = folder / f"{stem}-steps.jsonl"
+        mine = profile
+        if measured["measured_from"] is not None and not as_calibrated:
+            mine = layout_profile(profile, name, step_log, measured["measured_from"])
+        base = host_deployment(model_spec, mine, scheduler)
+        dep = layout_deployment(base, layout, mine.threads or len(saved["cpus"]), mine.measured_steps())
         if command[0] == "serve":
             dep = serve_deployment(dep, saved["input_len"])
         streamed = [q["output_tokens"] for lv in run["levels"] for q in lv["requests"] if q["output_tokens"]]
@@ -276,7 +301,6 @@ def predict(folder: Path) -> None:
         print(f"\n{name}: the time to first token by the server's phases")
         print("\n".join(ttft_part_rows(run, results)))
         if measured["measured_from"] is not None:
-            step_log = folder / f"{stem}-steps.jsonl"
             real = [r for r in read_step_log(step_log) if r.t > measured["measured_from"]]
             simulated = [(role, trace) for r in results for role, trace in zip(r.roles, r.steps, strict=True)]
             print(f"\n{name}: the engines' steps in the measured run ({step_log}) and the simulator's")
@@ -350,13 +374,19 @@ def main() -> None:
     m.add_argument(
         "--repeat", action="store_true", help="measure each layout again, on a fresh start: the noise floor"
     )
+    p.add_argument(
+        "--as-calibrated",
+        action="store_true",
+        help="with --measure or --replay: predict with the profile as calibrated, not re-timed by "
+        "each layout's logged warm-up steps",
+    )
     args = p.parse_args()
     if args.measure:
         args.model = args.bench_model
-        predict(measure(args))
+        predict(measure(args), args.as_calibrated)
         return
     if args.replay:
-        predict(Path(args.replay))
+        predict(Path(args.replay), args.as_calibrated)
         return
     if not (args.bench_json and args.model and args.gpu and (args.profile or args.fit)):
         p.error("give BENCH_JSON MODEL GPU with --profile or --fit, or --measure")

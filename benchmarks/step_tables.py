@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from splitserve.engine.step_log import StepRecord
+from splitserve.protocol.step_record import StepRecord
 from splitserve.protocol.timeline import DECODE, PHASES
 from splitserve.sim.result import SimResult, StepTrace
 

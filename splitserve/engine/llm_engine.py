@@ -20,8 +20,8 @@ from splitserve.engine.block_manager import BlockManager, cdiv
 from splitserve.engine.kv_store_client import KVStoreClient
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.multimodal import MultiModalInputs
-from splitserve.engine.outputs import EngineStats, RequestOutput
-from splitserve.engine.request import Request
+from splitserve.engine.outputs import EngineStats, RequestOutput, StepShape
+from splitserve.engine.request import Request, ScheduledRequest
 from splitserve.engine.scheduler import Scheduler
 from splitserve.gguf_file import shared_gguf_readers
 from splitserve.kv.connector.base import KVCacheAllocator, KVConnector
@@ -99,6 +99,7 @@ class LLMEngine:
         self.step_thread_wait_s = 0.0
         self.step_wait = ThreadWait()
         self.last_step_tokens = 0
+        self.last_step_shape = StepShape()
         # the last steps' (tokens, seconds): `sim calibrate` reads a prompt's step beside
         # decodes from it, the step itself rather than a difference of counters
         self.recent_steps: deque[tuple[int, float]] = deque(maxlen=RECENT_STEPS)
@@ -248,6 +249,7 @@ class LLMEngine:
         if wait_start is not None and (wait_end := self.step_wait.seconds()) is not None:
             self.step_thread_wait_s += wait_end - wait_start
         self.last_step_tokens = scheduler_output.num_tokens
+        self.last_step_shape = step_shape(scheduler_output.scheduled)
         self.recent_steps.append((self.last_step_tokens, self.last_step_time_s))
         self.num_steps += 1
         return outputs
@@ -292,6 +294,7 @@ class LLMEngine:
             step_thread_wait_s=self.step_thread_wait_s,
             long_prefill_token_threshold=sched.config.long_prefill_token_threshold,
             recent_steps=tuple(self.recent_steps),
+            last_step_shape=self.last_step_shape,
         )
 
     def check_integrity(self) -> None:
@@ -308,6 +311,14 @@ class LLMEngine:
             self.ec_connector.shutdown()
         if self.runner.ffn is not None:
             self.runner.ffn.close()
+
+
+def step_shape(scheduled: list[ScheduledRequest]) -> StepShape:
+    """A step's work as the simulator prices it: a sequence computing one token decodes
+    (a decode worker's first step computes the prompt's last token, one token all the same)."""
+    decodes = [s for s in scheduled if s.num_tokens == 1]
+    chunks = tuple((s.num_tokens, s.position_start) for s in scheduled if s.num_tokens > 1)
+    return StepShape(len(decodes), sum(s.position_start for s in decodes), chunks)
 
 
 def request_output(

@@ -41,6 +41,16 @@ class RequestOutput(NamedTuple):
     metrics: dict
 
 
+class StepShape(NamedTuple):
+    """What one step computed, as the simulator's step model prices it: the sequences that
+    decoded one token, the tokens those attended (their contexts, summed), and each prompt
+    chunk's (tokens, tokens computed before it)."""
+
+    decodes: int = 0
+    decode_context: int = 0
+    chunks: tuple[tuple[int, int], ...] = ()
+
+
 class EngineStats(NamedTuple):
     num_running: int
     num_waiting: int  # includes requests waiting for remote KV
@@ -64,3 +74,4 @@ class EngineStats(NamedTuple):
     step_thread_wait_s: float = 0.0  # its time waiting runnable for a core in steps (Linux)
     long_prefill_token_threshold: int = 0  # a prompt's tokens a step beside decodes (0: no cap)
     recent_steps: tuple[tuple[int, float], ...] = ()  # the last steps' (tokens, seconds), oldest first
+    last_step_shape: StepShape = StepShape()  # what the last step computed (`sim retime` prices it)

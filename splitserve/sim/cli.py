@@ -7,7 +7,16 @@ import argparse
 import os
 import sys
 
-from splitserve.sim import cmd_afd, cmd_analysis, cmd_checks, cmd_cpu_tier, cmd_plan, cmd_simulation, cpu_tier
+from splitserve.sim import (
+    cmd_afd,
+    cmd_analysis,
+    cmd_checks,
+    cmd_cpu_tier,
+    cmd_plan,
+    cmd_profile,
+    cmd_simulation,
+    cpu_tier,
+)
 from splitserve.sim.calibrate import CalibrationError
 from splitserve.sim.specs import SpecError
 from splitserve.sim.workload import WorkloadError
@@ -299,6 +308,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
+    p = sub.add_parser("retime", help="a profile's step times re-timed from a live engine's --step-log")
+    p.add_argument("--profile", required=True, help="a `sim calibrate --engine URL --out FILE` profile")
+    p.add_argument("--step-log", required=True, metavar="FILE", help="an engine's (or `up`'s) --step-log")
+    p.add_argument(
+        "--before",
+        type=float,
+        default=None,
+        metavar="T",
+        help="only the steps logged before T (CLOCK_MONOTONIC seconds, the log's `t`)",
+    )
+    p.add_argument("--out", required=True, metavar="FILE", help="where to write the re-timed profile")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
     p = sub.add_parser("calibrate", help="fit efficiency factors to measured step times (JSON)")
     _common(p)
     p.add_argument("input", nargs="?", help="JSON of samples (see docs/sim.md)")
@@ -362,7 +384,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     name = "cmd_" + args.sim_command.replace("-", "_")
-    modules = (cmd_analysis, cmd_simulation, cmd_checks, cmd_plan, cmd_cpu_tier, cmd_afd)
+    modules = (cmd_analysis, cmd_simulation, cmd_checks, cmd_plan, cmd_cpu_tier, cmd_afd, cmd_profile)
     handler = next(getattr(m, name) for m in modules if hasattr(m, name))
     try:
         return int(handler(args) or 0)

@@ -1,15 +1,18 @@
 """`sim calibrate ... --out FILE`: the engine profile from measured steps (and, with
 `--render URL` / `--pd URL`, the tiers around the engine), for `--profile FILE` and the
-proxy's `--pd-cost-profile FILE`."""
+proxy's `--pd-cost-profile FILE`; `sim retime`: a profile's steps re-timed from a live
+engine's step log (retime.py)."""
 
 from __future__ import annotations
 
 import argparse
 from dataclasses import replace
 
+from splitserve.protocol.step_record import read_step_log
 from splitserve.sim.calibrate import CalibrationError, Sample
 from splitserve.sim.cmd_common import emit
-from splitserve.sim.profile import CpuCosts, build_profile, save_profile
+from splitserve.sim.profile import CpuCosts, build_profile, load_profile, save_profile
+from splitserve.sim.retime import factor_rows, retime_profile
 from splitserve.sim.specs import GPUSpec, ModelSpec
 from splitserve.sim.step_model import fit_errors, fit_step_model
 
@@ -119,3 +122,24 @@ def write_profile(
         )
     data = {**profile.to_json(), "path": args.out}
     return emit(args, data, lines)
+
+
+def cmd_retime(args: argparse.Namespace) -> int:
+    """`sim retime`: the profile's step times re-timed from a live engine's step log."""
+    profile = load_profile(args.profile)
+    try:
+        records = read_step_log(args.step_log)
+    except OSError as exc:
+        raise CalibrationError(f"--step-log {args.step_log}: cannot read it ({exc})") from None
+    except ValueError as exc:
+        raise CalibrationError(f"--step-log {exc}") from None
+    if args.before is not None:
+        records = [r for r in records if r.t < args.before]
+    if not records:
+        before = f" before {args.before}" if args.before is not None else ""
+        raise CalibrationError(f"--step-log {args.step_log}: no steps logged{before}")
+    retimed, factors = retime_profile(profile, records)
+    save_profile(retimed, args.out)
+    lines = [f"{args.profile} re-timed by the steps of {args.step_log} -> {args.out}"]
+    lines += ["  " + row for row in factor_rows(factors)]
+    return emit(args, {"path": args.out, "factors": [f._asdict() for f in factors]}, lines)

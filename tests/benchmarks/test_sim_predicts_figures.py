@@ -4,6 +4,7 @@ prediction and its `--repeat` noise floor are both counted on."""
 from __future__ import annotations
 
 import importlib
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -131,3 +132,29 @@ def test_two_collocated_engines_are_measured_as_the_planner_starts_them(monkeypa
     assert layout.label() == "2 decode (collocated)"
     assert layout.cpu_affinity([0, 1]) == ["decode-0=0", "decode-1=1"]
     assert "up 2 collocated" in measure.LAYOUTS
+
+
+def test_each_layout_is_retimed_by_its_engines_warm_up_steps_alone(script, tmp_path: Path, capsys):
+    """The unmeasured run before a layout's measurement re-times the profile it is
+    predicted with; the measured run's own steps do not (nor does a log without shapes)."""
+    from splitserve.sim.profile import EngineProfile
+    from splitserve.sim.step_model import StepModel
+
+    model = StepModel(0.002, 20e-6, 4e-9, (1, 4), (0.004, 0.006), 1e-7)
+    profile = EngineProfile(model, threads=1)
+    lines, cpu, t = [], 0.0, 0.0
+    for i in range(40):  # 20 warm-up steps at 2x the model, then 20 measured ones at 5x
+        cost = (2.0 if i < 20 else 5.0) * float(model.decode_s(1, 300))
+        cpu, t = cpu + cost, t + cost
+        lines.append({"pid": 3, "role": "decode", "t": t, "step_s": cost, "tokens": 1, "running": 1,
+                      "thread_cpu_s": cpu, "decodes": 1, "context": 300, "chunks": [], "threads": 1,
+                      "borrowed": False})  # fmt: skip
+    log = tmp_path / "steps.jsonl"
+    log.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    retimed = script.layout_profile(profile, "up 1P+1D", log, measured_from=lines[19]["t"] + 1e-6)
+    assert retimed.steps.decode_base_s[0] == pytest.approx(2.0 * model.decode_base_s[0])
+    assert "1 thread(s): decode B=1: x2.00" in capsys.readouterr().out
+    shapeless = [{k: v for k, v in line.items() if k != "decodes"} for line in lines]
+    log.write_text("".join(json.dumps(line) + "\n" for line in shapeless))
+    assert script.layout_profile(profile, "up 1P+1D", log, measured_from=1e9) is profile
+    assert "the profile as calibrated" in capsys.readouterr().out

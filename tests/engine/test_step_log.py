@@ -11,7 +11,7 @@ import sys
 import httpx
 import pytest
 
-from splitserve.engine.step_log import read_step_log
+from splitserve.protocol.step_record import read_step_log
 from tests.conftest import free_port, running_server
 
 PROMPT = list(range(20, 60))  # 40 token IDs: one prefill step within any budget

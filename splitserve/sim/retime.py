@@ -1,0 +1,158 @@
+"""`sim retime`: a profile's step times re-timed from a live engine's own steps (its
+`--step-log`), for the engines that are running now.
+
+`sim calibrate --engine URL` times each step shape a few times on a probe engine, in a
+minute or two. On a shared host the same engine's speed moves by tens of percent from one
+process to the next and over minutes (docs/sim.md: one one-thread engine's one-token step
+4.3 ms in a calibration and 7.3-7.5 ms in the run that followed it, at every load). The
+step log of an engine that is serving says what its steps cost now: each record carries
+the step's shape (`StepShape`) and the engine thread's CPU time, so each logged step can
+be set against what the profile's model says for the same shape.
+
+What is re-timed, per thread count the profile has a model for (steps run on an idle
+lender's CPUs too are left out: their threads are not the engine's own):
+
+- Decode: each batch size of the model's table by the median ratio of the logged
+  decode-only steps from it up to the next one (where at least `MIN_STEPS` were logged;
+  else by the median over every decode-only step), the context slope by that overall
+  median; the table kept non-decreasing.
+- Prompts: the prefill terms (fixed, per token, per attended pair) and a chunk's fixed
+  cost beside decodes by one median ratio over the steps that computed prompt chunks: the
+  step's CPU less its decodes' (re-timed) part, over the chunks' modelled part.
+
+A step's cost is the engine thread's CPU since the same process's previous record: its
+wait for a core is left out, since the simulator puts the tiers' CPU beside the steps
+itself (simulator.py). The model's shape (which batch sizes cost what relative to each
+other, the split between per-token and per-pair work) stays the calibration's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import NamedTuple
+
+import numpy as np
+
+from splitserve.protocol.step_record import StepRecord
+from splitserve.sim.calibrate import CalibrationError
+from splitserve.sim.profile import EngineProfile
+from splitserve.sim.step_model import StepModel
+
+MIN_STEPS = 10  # logged decode steps a batch size of the table needs for a factor of its own
+
+
+class RetimeFactors(NamedTuple):
+    threads: int
+    batches: tuple[int, ...]  # the decode table's batch sizes
+    decode: tuple[float, ...]  # per batch size: logged / modelled
+    prompt: float  # a prompt chunk's work: logged / modelled
+    decode_steps: int  # the logged steps each was measured on
+    prompt_steps: int
+
+
+class PricedStep(NamedTuple):
+    record: StepRecord
+    cpu_s: float  # the engine thread's CPU for it
+
+
+def priced_steps(records: Sequence[StepRecord]) -> list[PricedStep]:
+    """The logged steps that carry their shape, each with the engine thread's CPU since
+    the same process's previous record (the first record of a process has none)."""
+    last: dict[int, float] = {}
+    out = []
+    for r in records:
+        before = last.get(r.pid)
+        last[r.pid] = r.thread_cpu_s
+        if before is None or r.decodes is None or r.threads is None or r.borrowed:
+            continue
+        out.append(PricedStep(r, r.thread_cpu_s - before))
+    return out
+
+
+def decode_part_s(model: StepModel, r: StepRecord) -> float:
+    return float(model.decode_s(r.decodes or 0, r.context or 0)) if r.decodes else 0.0
+
+
+def prompt_part_s(model: StepModel, r: StepRecord) -> float:
+    """The modelled time of a step's prompt chunks (ProfiledRoofline.step_s's terms)."""
+    work = sum(model.prefill_s_per_token * n + model.prefill_s_per_pair * n * (past + (n + 1) / 2)
+               for n, past in r.chunks)  # fmt: skip
+    return work + (model.mixed_fixed_s if r.decodes else model.prefill_fixed_s)
+
+
+def retime_steps(
+    model: StepModel, steps: Sequence[PricedStep], threads: int
+) -> tuple[StepModel, RetimeFactors]:
+    """`model` re-timed by `steps`, logged on an engine of `threads` (module doc)."""
+    decoding = [s for s in steps if s.record.decodes and not s.record.chunks]
+    ratios = np.array([s.cpu_s / decode_part_s(model, s.record) for s in decoding])
+    overall = float(np.median(ratios)) if len(ratios) else 1.0
+    batches = np.array([s.record.decodes for s in decoding])
+    factors = []
+    for i, b in enumerate(model.decode_batches):
+        upper = model.decode_batches[i + 1] if i + 1 < len(model.decode_batches) else np.inf
+        mine = ratios[(batches >= b) & (batches < upper)]
+        factors.append(float(np.median(mine)) if len(mine) >= MIN_STEPS else overall)
+    base = np.maximum.accumulate(np.array(model.decode_base_s) * np.array(factors))
+    decode = replace(
+        model,
+        decode_base_s=tuple(float(x) for x in base),
+        decode_s_per_context_token=model.decode_s_per_context_token * overall,
+    )
+    prompting = [s for s in steps if s.record.chunks]
+    prompt_ratios = [
+        (s.cpu_s - decode_part_s(decode, s.record)) / prompt_part_s(model, s.record) for s in prompting
+    ]
+    prompt = max(0.0, float(np.median(prompt_ratios))) if prompt_ratios else 1.0
+    retimed = replace(
+        decode,
+        prefill_fixed_s=model.prefill_fixed_s * prompt,
+        prefill_s_per_token=model.prefill_s_per_token * prompt,
+        prefill_s_per_pair=model.prefill_s_per_pair * prompt,
+        mixed_fixed_s=model.mixed_fixed_s * prompt,
+    )
+    counts = (len(decoding), len(prompting))
+    return retimed, RetimeFactors(threads, model.decode_batches, tuple(factors), prompt, *counts)
+
+
+def retime_profile(
+    profile: EngineProfile, records: Sequence[StepRecord]
+) -> tuple[EngineProfile, list[RetimeFactors]]:
+    """`profile` with the step models of every thread count the log has steps of re-timed.
+    CalibrationError when the log has no step the profile has a model for."""
+    steps = priced_steps(records)
+    if not steps:
+        raise CalibrationError(
+            "the step log has no step with its shape (an engine's --step-log from before shapes were logged?)"
+        )
+    measured = profile.measured_steps()
+    if not measured:
+        raise CalibrationError("the profile does not say which thread count its steps were measured on")
+    found = sorted({s.record.threads for s in steps if s.record.threads is not None})
+    usable = [t for t in found if t in measured]
+    if not usable:
+        raise CalibrationError(
+            f"the step log's engines ran on {found} thread(s); the profile has steps of {sorted(measured)}"
+        )
+    retimed: dict[int, StepModel] = {}
+    factors = []
+    for threads in usable:
+        model, f = retime_steps(measured[threads], [s for s in steps if s.record.threads == threads], threads)
+        retimed[threads] = model
+        factors.append(f)
+    primary = retimed.get(profile.threads, profile.steps) if profile.threads else profile.steps
+    others = {k: retimed.get(k, v) for k, v in profile.other_steps.items()}
+    return replace(profile, steps=primary, other_steps=others), factors
+
+
+def factor_rows(factors: Sequence[RetimeFactors]) -> list[str]:
+    """One line per thread count: the factors each part of its model was re-timed by."""
+    rows = []
+    for f in factors:
+        table = ", ".join(f"B={b}: x{x:.2f}" for b, x in zip(f.batches, f.decode, strict=True))
+        rows.append(
+            f"{f.threads} thread(s): decode {table} ({f.decode_steps} steps); "
+            f"prompts x{f.prompt:.2f} ({f.prompt_steps} steps)"
+        )
+    return rows
