@@ -52,10 +52,14 @@ def test_the_engine_counts_its_threads_wait_for_a_core_in_steps(tiny_model, tmp_
         body = {"token_ids": PROMPT, "sampling_params": sampling}
         assert httpx.post(base + "/inference/v1/generate", json=body, timeout=60).status_code == 200
         metrics = httpx.get(base + "/metrics", timeout=10).text
-        recent = httpx.get(base + "/inference/v1/stats", timeout=10).json()["recent_steps"]
+        stats = httpx.get(base + "/inference/v1/stats", timeout=10).json()
+        recent = stats["recent_steps"]
     records = read_step_log(log)
     assert [(r.tokens, r.step_s) for r in records] == [(n, round(s, 6)) for n, s in recent]
     assert [n for n, _ in recent] == [len(PROMPT)] + [1] * (sampling["max_tokens"] - 1)
+    # the last step decoded the answer's last token, attending the prompt and the rest
+    last = {"decodes": 1, "decode_context": len(PROMPT) + sampling["max_tokens"] - 2, "chunks": []}
+    assert stats["last_step_shape"] == last
     found = [float(line.split()[-1]) for line in metrics.splitlines()
              if line.startswith("splitserve_step_thread_wait_seconds_total")]  # fmt: skip
     assert len(found) == 1, metrics

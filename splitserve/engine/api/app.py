@@ -166,6 +166,7 @@ def create_engine_app(
 
     @app.get("/inference/v1/stats")
     async def stats() -> JSONResponse:
-        return JSONResponse(engine.stats()._asdict())
+        found = engine.stats()
+        return JSONResponse({**found._asdict(), "last_step_shape": found.last_step_shape._asdict()})
 
     return app
