@@ -55,7 +55,7 @@ from step_tables import step_rows, ttft_part_rows
 from splitserve.config import UP_LONG_PREFILL_TOKEN_THRESHOLD, SchedulerConfig
 from splitserve.goodput import SLO, arrival_times, distserve_goodput
 from splitserve.protocol.pd_decision import CostModel
-from splitserve.protocol.step_record import read_step_log
+from splitserve.protocol.step_record import StepRecord, read_step_log
 from splitserve.sim import (
     Deployment,
     Efficiency,
@@ -247,10 +247,12 @@ def remote_share(results: list[SimResult]) -> float:
     return float(remote.mean()) if len(remote) else 0.0
 
 
-def layout_profile(profile: EngineProfile, name: str, step_log: Path, measured_from: float) -> EngineProfile:
+def layout_profile(
+    profile: EngineProfile, name: str, logged: Sequence[StepRecord], measured_from: float
+) -> EngineProfile:
     """`profile` re-timed by the layout's engines' own steps before its measured run (the
     unmeasured run that warmed it up), where they logged them with their shapes."""
-    warm = [r for r in read_step_log(step_log) if r.t < measured_from]
+    warm = [r for r in logged if r.t < measured_from]
     try:
         retimed, factors = retime_profile(profile, warm)
     except CalibrationError as exc:
@@ -285,9 +287,10 @@ def predict(folder: Path, as_calibrated: bool = False) -> None:
         client_s = measured["client_s_per_request"]
         print(f"\n{name}: the bench client spent {client_s * 1e3:.1f} ms of CPU per request", flush=True)
         step_log = folder / f"{stem}-steps.jsonl"
+        logged = read_step_log(step_log) if measured["measured_from"] is not None else []
         mine = profile
-        if measured["measured_from"] is not None and not as_calibrated:
-            mine = layout_profile(profile, name, step_log, measured["measured_from"])
+        if logged and not as_calibrated:
+            mine = layout_profile(profile, name, logged, measured["measured_from"])
         base = host_deployment(model_spec, mine, scheduler)
         dep = layout_deployment(base, layout, mine.threads or len(saved["cpus"]), mine.measured_steps())
         if command[0] == "serve":
@@ -301,7 +304,7 @@ def predict(folder: Path, as_calibrated: bool = False) -> None:
         print(f"\n{name}: the time to first token by the server's phases")
         print("\n".join(ttft_part_rows(run, results)))
         if measured["measured_from"] is not None:
-            real = [r for r in read_step_log(step_log) if r.t > measured["measured_from"]]
+            real = [r for r in logged if r.t > measured["measured_from"]]
             simulated = [(role, trace) for r in results for role, trace in zip(r.roles, r.steps, strict=True)]
             print(f"\n{name}: the engines' steps in the measured run ({step_log}) and the simulator's")
             print("\n".join(step_rows(real, simulated)))

@@ -137,6 +137,7 @@ def test_two_collocated_engines_are_measured_as_the_planner_starts_them(monkeypa
 def test_each_layout_is_retimed_by_its_engines_warm_up_steps_alone(script, tmp_path: Path, capsys):
     """The unmeasured run before a layout's measurement re-times the profile it is
     predicted with; the measured run's own steps do not (nor does a log without shapes)."""
+    from splitserve.protocol.step_record import read_step_log
     from splitserve.sim.profile import EngineProfile
     from splitserve.sim.step_model import StepModel
 
@@ -151,10 +152,12 @@ def test_each_layout_is_retimed_by_its_engines_warm_up_steps_alone(script, tmp_p
                       "borrowed": False})  # fmt: skip
     log = tmp_path / "steps.jsonl"
     log.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    retimed = script.layout_profile(profile, "up 1P+1D", log, measured_from=lines[19]["t"] + 1e-6)
+    retimed = script.layout_profile(
+        profile, "up 1P+1D", read_step_log(log), measured_from=lines[19]["t"] + 1e-6
+    )
     assert retimed.steps.decode_base_s[0] == pytest.approx(2.0 * model.decode_base_s[0])
     assert "1 thread(s): decode B=1: x2.00" in capsys.readouterr().out
     shapeless = [{k: v for k, v in line.items() if k != "decodes"} for line in lines]
     log.write_text("".join(json.dumps(line) + "\n" for line in shapeless))
-    assert script.layout_profile(profile, "up 1P+1D", log, measured_from=1e9) is profile
+    assert script.layout_profile(profile, "up 1P+1D", read_step_log(log), measured_from=1e9) is profile
     assert "the profile as calibrated" in capsys.readouterr().out
