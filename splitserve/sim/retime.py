@@ -71,13 +71,13 @@ def priced_steps(records: Sequence[StepRecord]) -> list[PricedStep]:
 
 
 def decode_part_s(model: StepModel, r: StepRecord) -> float:
-    return float(model.decode_s(r.decodes or 0, r.context or 0)) if r.decodes else 0.0
+    return float(model.decode_s(r.decodes, r.context or 0)) if r.decodes else 0.0
 
 
 def prompt_part_s(model: StepModel, r: StepRecord) -> float:
-    """The modelled time of a step's prompt chunks (ProfiledRoofline.step_s's terms)."""
-    work = sum(model.prefill_s_per_token * n + model.prefill_s_per_pair * n * (past + (n + 1) / 2)
-               for n, past in r.chunks)  # fmt: skip
+    """The modelled time of a step's prompt chunks (ProfiledRoofline.step_s's terms): each
+    chunk's work, and one fixed cost, a prompt step's own or a chunk's beside decodes."""
+    work = sum(model.prefill_s(n, past) - model.prefill_fixed_s for n, past in r.chunks)
     return work + (model.mixed_fixed_s if r.decodes else model.prefill_fixed_s)
 
 
@@ -129,7 +129,7 @@ def retime_profile(
     measured = profile.measured_steps()
     if not measured:
         raise CalibrationError("the profile does not say which thread count its steps were measured on")
-    found = sorted({s.record.threads for s in steps if s.record.threads is not None})
+    found = sorted({s.record.threads for s in steps})
     usable = [t for t in found if t in measured]
     if not usable:
         raise CalibrationError(
