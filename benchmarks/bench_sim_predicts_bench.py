@@ -21,8 +21,10 @@ run is predicted as the planner sees that layout (sim/host_planner.py: the profi
 on the layout's cores). With `--step-log` the engines log their steps, printed beside the
 simulator's per role and by tokens a step, and each layout is predicted with the profile
 re-timed by its own engines' steps in the unmeasured run before its measurement (`sim
-retime`, sim/retime.py: the same engines' speed now, not the probe engines' minutes
-before; `--as-calibrated` predicts with the profile as calibrated). Everything measured
+retime --waits`, sim/retime.py: the same engines' speed now, not the probe engines' minutes
+before, and what their steps waited for a core, sim/step_waits.py; `--placed-cpu` re-times
+the speed only and lets the simulator place the tiers' CPU itself; `--as-calibrated`
+predicts with the profile as calibrated). Everything measured
 stays in the folder printed; `--replay FOLDER` predicts it again, with the code as it is
 then, without measuring:
 
@@ -49,7 +51,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
-from sim_predicts_measure import LAYOUTS, MEASURED, REPEAT, layout_of, measure
+from sim_predicts_measure import LAYOUTS, MEASURED, REPEAT, WARM_UP, layout_of, measure
 from step_tables import step_rows, ttft_part_rows
 
 from splitserve.config import UP_LONG_PREFILL_TOKEN_THRESHOLD, SchedulerConfig
@@ -68,9 +70,11 @@ from splitserve.sim import (
 )
 from splitserve.sim.calibrate import CalibrationError
 from splitserve.sim.metrics import met
+from splitserve.sim.path_latency import fit_path_latency, path_row
 from splitserve.sim.profile import EngineProfile, load_profile
 from splitserve.sim.result import SimResult
 from splitserve.sim.retime import factor_rows, retime_profile
+from splitserve.sim.step_waits import wait_rows
 
 
 def deployment(args: argparse.Namespace) -> Deployment:
@@ -248,22 +252,37 @@ def remote_share(results: list[SimResult]) -> float:
 
 
 def layout_profile(
-    profile: EngineProfile, name: str, logged: Sequence[StepRecord], measured_from: float
+    profile: EngineProfile,
+    name: str,
+    logged: Sequence[StepRecord],
+    measured_from: float,
+    waits: bool = True,
+    warm_up_run: dict | None = None,
 ) -> EngineProfile:
     """`profile` re-timed by the layout's engines' own steps before its measured run (the
-    unmeasured run that warmed it up), where they logged them with their shapes."""
+    unmeasured run that warmed it up), where they logged them with their shapes; with
+    `waits`, what those steps waited for a core fitted too (sim/step_waits.py), and the
+    path around the engines from that run's requests (`warm_up_run`: sim/path_latency.py)."""
     warm = [r for r in logged if r.t < measured_from]
     try:
-        retimed, factors = retime_profile(profile, warm)
+        retimed, factors = retime_profile(profile, warm, waits=waits)
     except CalibrationError as exc:
         print(f"{name}: the profile as calibrated ({exc})", flush=True)
         return profile
     print(f"{name}: the profile re-timed by its engines' steps in the unmeasured run before it")
     print("\n".join("  " + row for row in factor_rows(factors)), flush=True)
+    if retimed.waits is not None:
+        print("\n".join("  " + row for row in wait_rows(retimed.waits)), flush=True)
+    if waits and warm_up_run is not None:
+        try:
+            retimed = replace(retimed, path=fit_path_latency(warm_up_run))
+            print("  " + path_row(retimed.path), flush=True)
+        except ValueError as exc:
+            print(f"  the path around the engines as calibrated ({exc})", flush=True)
     return retimed
 
 
-def predict(folder: Path, as_calibrated: bool = False) -> None:
+def predict(folder: Path, as_calibrated: bool = False, waits: bool = True) -> None:
     """Each layout `measure` saved in `folder`, predicted as the planner sees it (the
     profile's steps on the layout's cores; re-timed by its engines' warm-up steps, where
     they were logged, unless `as_calibrated`) and set beside its measured run, figure by
@@ -290,7 +309,9 @@ def predict(folder: Path, as_calibrated: bool = False) -> None:
         logged = read_step_log(step_log) if measured["measured_from"] is not None else []
         mine = profile
         if logged and not as_calibrated:
-            mine = layout_profile(profile, name, logged, measured["measured_from"])
+            warm_up = folder / f"{stem}{WARM_UP}.json"
+            warm_up_run = json.loads(warm_up.read_text()) if warm_up.exists() else None
+            mine = layout_profile(profile, name, logged, measured["measured_from"], waits, warm_up_run)
         base = host_deployment(model_spec, mine, scheduler)
         dep = layout_deployment(base, layout, mine.threads or len(saved["cpus"]), mine.measured_steps())
         if command[0] == "serve":
@@ -383,13 +404,19 @@ def main() -> None:
         help="with --measure or --replay: predict with the profile as calibrated, not re-timed by "
         "each layout's logged warm-up steps",
     )
+    p.add_argument(
+        "--placed-cpu",
+        action="store_true",
+        help="with --measure or --replay: the simulator places the tiers' CPU on the engines' cores by "
+        "its rules, instead of the waits fitted from each layout's logged warm-up steps",
+    )
     args = p.parse_args()
     if args.measure:
         args.model = args.bench_model
-        predict(measure(args), args.as_calibrated)
+        predict(measure(args), args.as_calibrated, not args.placed_cpu)
         return
     if args.replay:
-        predict(Path(args.replay), args.as_calibrated)
+        predict(Path(args.replay), args.as_calibrated, not args.placed_cpu)
         return
     if not (args.bench_json and args.model and args.gpu and (args.profile or args.fit)):
         p.error("give BENCH_JSON MODEL GPU with --profile or --fit, or --measure")

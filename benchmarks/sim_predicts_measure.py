@@ -29,6 +29,7 @@ import httpx
 from splitserve.sim.host_planner import HostLayout
 
 LAYOUTS = ("serve", "up serve-like", "up 1P+1D", "up 2 collocated")
+WARM_UP = "-warm-up"  # a layout's unmeasured run: `stem`-warm-up.json
 MEASURED = "measured.json"  # what --measure saved beside the profile and the runs, for --replay
 REPEAT = "-repeat"  # the suffix of a layout's second measurement (`--repeat`)
 
@@ -144,7 +145,7 @@ def measure_layout(
         # steps cost 5.7 ms of CPU where its measured run's cost 4.1-4.2 at every rate
         rates = ",".join(f"{r:g}" for r in args.rates)
         requests = max(20, args.num_requests // 4)
-        warm_up = (rates, folder / "warm-up.json", args.seed + WARM_UP_SEED, slo, requests)
+        warm_up = (rates, folder / f"{stem}{WARM_UP}.json", args.seed + WARM_UP_SEED, slo, requests)
         client_cpu = [bench_run(args, model, url, *warm_up)]
         measured_from = time.monotonic()
         routed_before = proxy_routes(url) if command[0] == "up" else {}

@@ -33,9 +33,9 @@ import numpy as np
 from splitserve.config import SchedulerConfig
 from splitserve.ray_serve.config import PLANNED_TIERS, PlannerInputs, PlannerSettings
 from splitserve.router.traffic import TrafficLog, TrafficWindow
+from splitserve.sim.deployment import Deployment
 from splitserve.sim.host_planner import HostLayout, host_deployment, rank_layouts
 from splitserve.sim.profile import load_profile
-from splitserve.sim.simulator import Deployment
 from splitserve.sim.specs import ModelSpec
 from splitserve.sim.steady import SteadyState
 from splitserve.sim.workload import Workload, observed

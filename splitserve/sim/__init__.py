@@ -10,11 +10,12 @@ plus the torch-free definitions it shares with the rest of splitserve: `splitser
     result.summary()  # median TTFT, ITL p50/p99, ...
 """
 
+from splitserve.sim.deployment import Deployment, KVLink
 from splitserve.sim.engine import InstanceConfig
 from splitserve.sim.metrics import goodput
 from splitserve.sim.result import SimResult
 from splitserve.sim.roofline import Efficiency, Roofline
-from splitserve.sim.simulator import Deployment, KVLink, simulate
+from splitserve.sim.simulator import simulate
 from splitserve.sim.specs import GPUS, MODELS, GPUSpec, ModelSpec, load_gpu, load_model, model_from_hf_config
 from splitserve.sim.steady import SteadyState, estimate, search_goodput
 from splitserve.sim.workload import Workload, load_trace, sessions, synthetic

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from splitserve.sim.cmd_common import REALISTIC_EFFICIENCY
-from splitserve.sim.simulator import Deployment
+from splitserve.sim.deployment import Deployment
 
 
 def beyond_variants(base: Deployment) -> list[tuple[str, Deployment]]:

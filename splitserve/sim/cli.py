@@ -319,6 +319,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="only the steps logged before T (CLOCK_MONOTONIC seconds, the log's `t`)",
     )
     p.add_argument("--out", required=True, metavar="FILE", help="where to write the re-timed profile")
+    p.add_argument(
+        "--waits",
+        action="store_true",
+        help="fit the steps' waits for a core too (sim/step_waits.py), for predicting the layout that "
+        "logged them: the simulator puts them beside its steps instead of placing the tiers' CPU",
+    )
+    p.add_argument(
+        "--bench",
+        default=None,
+        metavar="RUN.json",
+        help="a `splitserve bench --json` run of the same layout: fit the path around the engines "
+        "(render, proxy, client) as it grows with the requests in flight (sim/path_latency.py)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     p = sub.add_parser("calibrate", help="fit efficiency factors to measured step times (JSON)")

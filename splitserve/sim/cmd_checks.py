@@ -14,7 +14,7 @@ from splitserve.sim.cmd_common import (
     require_positive,
     workload_factory,
 )
-from splitserve.sim.simulator import Deployment
+from splitserve.sim.deployment import Deployment
 from splitserve.sim.specs import load_gpu, load_model
 
 # The guide's measurements the seed quotes (Qwen2.5-7B, two L40S, 8k prompts, 256 outputs).

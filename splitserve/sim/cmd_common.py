@@ -12,9 +12,10 @@ from dataclasses import replace
 
 import numpy as np
 
+from splitserve.sim.deployment import Deployment
 from splitserve.sim.metrics import WorkloadFactory
 from splitserve.sim.roofline import Efficiency
-from splitserve.sim.simulator import Deployment, simulate
+from splitserve.sim.simulator import simulate
 from splitserve.sim.workload import (
     Workload,
     WorkloadError,

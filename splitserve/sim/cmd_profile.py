@@ -8,13 +8,16 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
+from splitserve.bench.runner import read_json
 from splitserve.protocol.step_record import read_step_log
 from splitserve.sim.calibrate import CalibrationError, Sample
 from splitserve.sim.cmd_common import emit
+from splitserve.sim.path_latency import PathLatency, fit_path_latency, path_row
 from splitserve.sim.profile import CpuCosts, build_profile, load_profile, save_profile
 from splitserve.sim.retime import factor_rows, retime_profile
 from splitserve.sim.specs import GPUSpec, ModelSpec
 from splitserve.sim.step_model import fit_errors, fit_step_model
+from splitserve.sim.step_waits import wait_rows
 
 
 def write_profile(
@@ -138,8 +141,23 @@ def cmd_retime(args: argparse.Namespace) -> int:
     if not records:
         before = f" before {args.before}" if args.before is not None else ""
         raise CalibrationError(f"--step-log {args.step_log}: no steps logged{before}")
-    retimed, factors = retime_profile(profile, records)
+    retimed, factors = retime_profile(profile, records, waits=args.waits)
+    if args.bench is not None:
+        retimed = replace(retimed, path=path_of_bench_run(args.bench))
     save_profile(retimed, args.out)
     lines = [f"{args.profile} re-timed by the steps of {args.step_log} -> {args.out}"]
     lines += ["  " + row for row in factor_rows(factors)]
-    return emit(args, {"path": args.out, "factors": [f._asdict() for f in factors]}, lines)
+    waits = retimed.waits.to_json() if retimed.waits else None
+    lines += ["  " + row for row in wait_rows(retimed.waits)] if retimed.waits else []
+    lines += ["  " + path_row(retimed.path)] if retimed.path else []
+    path = retimed.path._asdict() if retimed.path else None
+    data = {"path": args.out, "factors": [f._asdict() for f in factors], "waits": waits, "path_latency": path}
+    return emit(args, data, lines)
+
+
+def path_of_bench_run(file: str) -> PathLatency:
+    """The path latency fitted from a bench run's JSON; CalibrationError naming the file."""
+    try:
+        return fit_path_latency(read_json(file))
+    except ValueError as exc:
+        raise CalibrationError(f"--bench {file}: {exc}") from None

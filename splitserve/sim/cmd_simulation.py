@@ -20,10 +20,11 @@ from splitserve.sim.cmd_common import (
     require_positive,
     workload_factory,
 )
+from splitserve.sim.deployment import Deployment, KVLink
 from splitserve.sim.engine import InstanceConfig
 from splitserve.sim.metrics import goodput
 from splitserve.sim.profile import load_profile
-from splitserve.sim.simulator import Deployment, KVLink, simulate
+from splitserve.sim.simulator import simulate
 from splitserve.sim.specs import load_gpu, load_model
 
 

@@ -22,6 +22,7 @@ from splitserve.config import SchedulerConfig
 from splitserve.sim.profile import StreamCpu
 from splitserve.sim.result import StepTrace
 from splitserve.sim.roofline import ZERO, Cost, Roofline
+from splitserve.sim.step_waits import StepWaits
 
 
 @dataclass(frozen=True)
@@ -76,12 +77,20 @@ class Engine:
         prompt: np.ndarray,
         output: np.ndarray,
         stream_cpu: StreamCpu = StreamCpu(),
+        waits: StepWaits | None = None,
+        seed: int = 0,
     ) -> None:
         self.index, self.role, self.roofline, self.sched = index, role, roofline, sched
         self._prompt, self._output = prompt, output
         # the serving path's CPU per step that streams tokens and per token (a prefill
         # worker streams none)
         self.stream_cpu = stream_cpu if role != "prefill" else StreamCpu()
+        self.waits = waits
+        self.spread = np.array(waits.spread(role) if waits else ())
+        self.rng = np.random.default_rng([seed, index])  # draws from `spread`, one per step
+        # whether another engine was stepping when its step began: which of the fitted
+        # waits its step takes (set by the simulator before each step is planned)
+        self.others_stepping = False
         self.serving_done_s = 0.0  # the tiers' CPU of the work finish_step last accounted for
         self._serving_per_step_s = 0.0  # of the in-flight step (each step of a run)
         self.cpu_debt_s = 0.0  # time lost to the tiers' CPU since its last step began
@@ -197,6 +206,7 @@ class Engine:
         # what they spent since the last step began, lengthen its steps
         debt, self.cpu_debt_s = self.cpu_debt_s, 0.0
         c = self.stream_cpu
+        waits = self.waits.terms(self.role, self.others_stepping) if self.waits else None
         if self._chunks:
             cost: Cost = self.roofline.decode(batch, ctx) if batch else ZERO
             streamed = batch
@@ -204,7 +214,10 @@ class Engine:
                 cost = cost + self.roofline.prefill(n, past=past)
                 streamed += past + n >= int(self._prompt[rid])
             self._serving_per_step_s = c.shared_s(streamed)
-            end = now + self.roofline.step_s(cost) + debt + c.stall_s(streamed, self.tiers_share)
+            compute = self.roofline.step_s(cost)
+            waited = waits.wait_s(compute, batch, len(self._chunks)) if waits else 0.0
+            wall = (compute + waited) * float(self.spread_factors(1)[0])
+            end = now + wall + debt + c.stall_s(streamed, self.tiers_share)
         else:
             steps = min(self.run_left)
             if self.sched.max_run_steps is not None:
@@ -212,6 +225,9 @@ class Engine:
             durations = self.roofline.decode_times(batch, ctx + batch * np.arange(steps))
             self._serving_per_step_s = c.shared_s(batch)
             durations += c.stall_s(batch, self.tiers_share)
+            if waits:
+                durations += waits.wait_s(durations, batch, 0)
+            durations *= self.spread_factors(steps)
             durations[0] += debt
             self._run_times = now + np.cumsum(durations)
             end = float(self._run_times[-1])
@@ -220,6 +236,13 @@ class Engine:
             self.kv_blocked_s += self._in_window(now, end)
         self.busy_until = end
         return end
+
+    def spread_factors(self, steps: int) -> np.ndarray:
+        """What each of the next `steps` steps' modelled time is scaled by: drawn from the
+        spread its kind's logged steps had (step_waits.py), else 1."""
+        if not len(self.spread):
+            return np.ones(steps)
+        return self.spread[self.rng.integers(len(self.spread), size=steps)]
 
     def _in_window(self, start: float, end: float) -> float:
         return max(0.0, min(end, self.window_end) - min(start, self.window_end))

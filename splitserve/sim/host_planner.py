@@ -41,10 +41,10 @@ from splitserve.config import SchedulerConfig, TransferConfig
 from splitserve.goodput import SLO
 from splitserve.protocol.pd_decision import CostModel
 from splitserve.sim.cmd_common import REALISTIC_EFFICIENCY
+from splitserve.sim.deployment import Deployment, KVLink
 from splitserve.sim.engine import InstanceConfig
 from splitserve.sim.metrics import WorkloadFactory
 from splitserve.sim.profile import DECISION_PROMPT_TOKENS, EngineProfile
-from splitserve.sim.simulator import Deployment, KVLink
 from splitserve.sim.specs import GPUSpec, ModelSpec
 from splitserve.sim.steady import SteadyState, estimate, search_goodput
 from splitserve.sim.step_model import StepModel
@@ -160,6 +160,8 @@ def host_deployment(
         link=link,
         steps=profile.steps if profile else None,
         cpu=profile.cpu if profile else None,
+        waits=profile.waits if profile else None,
+        path=profile.path if profile else None,
         pd_costs=profile.decision_costs() if profile else CostModel(),
     )
 

@@ -13,8 +13,9 @@ from typing import NamedTuple
 import numpy as np
 
 from splitserve.goodput import SLO, distserve_goodput
+from splitserve.sim.deployment import Deployment
 from splitserve.sim.result import SimResult
-from splitserve.sim.simulator import Deployment, simulate
+from splitserve.sim.simulator import simulate
 from splitserve.sim.workload import Workload
 
 WorkloadFactory = Callable[[float, int, int], Workload]  # (rate, requests, seed) -> workload

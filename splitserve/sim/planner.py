@@ -13,8 +13,8 @@ from typing import NamedTuple
 import numpy as np
 
 from splitserve.goodput import SLO
+from splitserve.sim.deployment import Deployment
 from splitserve.sim.metrics import WorkloadFactory
-from splitserve.sim.simulator import Deployment
 from splitserve.sim.steady import Estimate, SteadyState, estimate, search_goodput
 
 _ITL_KEYS = ("tpot", "gap", "p99_itl")

@@ -26,14 +26,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 from splitserve.protocol.pd_decision import COST_FIELDS, CostModel
 from splitserve.sim.calibrate import CalibrationError, Sample, parse_samples, samples_to_json
+from splitserve.sim.path_latency import PathLatency
 from splitserve.sim.step_model import StepModel, fit_errors, fit_step_model
+from splitserve.sim.step_waits import StepWaits
 
 PROFILE_VERSION = 1
+T = TypeVar("T")
 # the prompt at which a prefill step's cost per token stands for the P/D decision's
 DECISION_PROMPT_TOKENS = 256
 
@@ -119,6 +123,12 @@ class EngineProfile:
     gpu: str | None = None
     threads: int | None = None  # of the engine `steps` was measured on (None: not recorded)
     other_steps: dict[int, StepModel] = field(default_factory=dict)  # engines of other thread counts
+    # what steps wait for a core beyond their compute, fitted from a layout's step logs
+    # (`sim retime`): the simulator puts it beside each step instead of placing `cpu` itself
+    waits: StepWaits | None = None
+    # the path around the engines (render, proxy, client) as it grows with the load, fitted
+    # from a bench run of the layout (`sim retime --bench`): instead of `cpu`'s fixed delays
+    path: PathLatency | None = None
 
     def measured_steps(self) -> dict[int, StepModel]:
         """Every step model measured, by the engine's thread count."""
@@ -146,6 +156,10 @@ class EngineProfile:
             sim["cpu"] = dataclasses.asdict(self.cpu)
         if self.handoff_fixed_s is not None:
             sim["handoff"] = {"fixed_s": self.handoff_fixed_s, "s_per_byte": self.handoff_s_per_byte or 0.0}
+        if self.waits is not None:
+            sim["waits"] = self.waits.to_json()
+        if self.path is not None:
+            sim["path"] = self.path._asdict()
         doc: dict = {"model": self.model, "gpu": self.gpu}
         doc.update(self.pd_costs)
         doc["samples"] = samples_to_json(list(self.samples))
@@ -250,6 +264,8 @@ def parse_profile(data: object, source: str = "profile") -> EngineProfile:
     other_steps = {
         int(k): StepModel.from_json(v, f"{source} sim.steps_by_threads.{k}") for k, v in by_threads.items()
     }
+    waits = fitted_part(sim, "waits", StepWaits.from_json, source)
+    path = fitted_part(sim, "path", PathLatency.from_json, source)
     profile = EngineProfile(
         steps,
         tuple(samples),
@@ -261,12 +277,25 @@ def parse_profile(data: object, source: str = "profile") -> EngineProfile:
         data.get("gpu") if isinstance(data.get("gpu"), str) else None,
         threads,
         other_steps,
+        waits,
+        path,
     )
     try:
         profile.decision_costs()
     except ValueError as exc:
         raise CalibrationError(f"{source}: {exc}") from None
     return profile
+
+
+def fitted_part(sim: dict, key: str, parse: Callable[[object, str], T], source: str) -> T | None:
+    """`sim[key]` parsed (a part `sim retime` fits), None where absent; CalibrationError
+    naming what is wrong."""
+    if key not in sim:
+        return None
+    try:
+        return parse(sim[key], f"{source} sim.{key}")
+    except ValueError as exc:
+        raise CalibrationError(str(exc)) from None
 
 
 def load_profile(path: str) -> EngineProfile:

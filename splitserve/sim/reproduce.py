@@ -14,10 +14,11 @@ import numpy as np
 from splitserve.goodput import SLO_AVERAGE, SLO_WORST_GAP
 from splitserve.sim import analysis
 from splitserve.sim.beyond import beyond_variants
+from splitserve.sim.deployment import Deployment, KVLink
 from splitserve.sim.kv import exposed_transfer_s, kv_bytes, transfer_s
 from splitserve.sim.metrics import goodput
 from splitserve.sim.roofline import Efficiency, Roofline
-from splitserve.sim.simulator import Deployment, KVLink, simulate
+from splitserve.sim.simulator import simulate
 from splitserve.sim.specs import load_gpu, load_model
 from splitserve.sim.workload import synthetic
 

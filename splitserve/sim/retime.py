@@ -20,10 +20,11 @@ lender's CPUs too are left out: their threads are not the engine's own):
   cost beside decodes by one median ratio over the steps that computed prompt chunks: the
   step's CPU less its decodes' (re-timed) part, over the chunks' modelled part.
 
-A step's cost is the engine thread's CPU since the same process's previous record: its
-wait for a core is left out, since the simulator puts the tiers' CPU beside the steps
-itself (simulator.py). The model's shape (which batch sizes cost what relative to each
-other, the split between per-token and per-pair work) stays the calibration's.
+A step's cost is the engine thread's CPU since the same process's previous record. Its
+wait for a core, the rest of its wall time, is fitted apart (sim/step_waits.py) and kept
+in the profile beside the step models, for the layout whose engines logged it. The
+model's shape (which batch sizes cost what relative to each other, the split between
+per-token and per-pair work) stays the calibration's.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from splitserve.protocol.step_record import StepRecord
 from splitserve.sim.calibrate import CalibrationError
 from splitserve.sim.profile import EngineProfile
 from splitserve.sim.step_model import StepModel
+from splitserve.sim.step_waits import fit_step_waits
 
 MIN_STEPS = 10  # logged decode steps a batch size of the table needs for a factor of its own
 
@@ -117,10 +119,11 @@ def retime_steps(
 
 
 def retime_profile(
-    profile: EngineProfile, records: Sequence[StepRecord]
+    profile: EngineProfile, records: Sequence[StepRecord], waits: bool = False
 ) -> tuple[EngineProfile, list[RetimeFactors]]:
-    """`profile` with the step models of every thread count the log has steps of re-timed.
-    CalibrationError when the log has no step the profile has a model for."""
+    """`profile` with the step models of every thread count the log has steps of re-timed,
+    and with `waits`, the steps' waits for a core fitted (for the layout that logged them:
+    step_waits.py). CalibrationError when the log has no step the profile has a model for."""
     steps = priced_steps(records)
     if not steps:
         raise CalibrationError(
@@ -143,7 +146,15 @@ def retime_profile(
         factors.append(f)
     primary = retimed.get(profile.threads, profile.steps) if profile.threads else profile.steps
     others = {k: retimed.get(k, v) for k, v in profile.other_steps.items()}
-    return replace(profile, steps=primary, other_steps=others), factors
+
+    def compute_s(r: StepRecord) -> float | None:
+        model = retimed.get(r.threads) if r.threads is not None else None
+        if model is None or r.decodes is None:
+            return None
+        return decode_part_s(model, r) + (prompt_part_s(model, r) if r.chunks else 0.0)
+
+    fitted = fit_step_waits(records, compute_s) if waits else profile.waits
+    return replace(profile, steps=primary, other_steps=others, waits=fitted), factors
 
 
 def factor_rows(factors: Sequence[RetimeFactors]) -> list[str]:

@@ -14,8 +14,9 @@ from typing import NamedTuple
 import numpy as np
 
 from splitserve.goodput import SLO_AVERAGE, SLO_WORST_GAP, distserve_goodput
+from splitserve.sim.deployment import Deployment, KVLink
 from splitserve.sim.metrics import met
-from splitserve.sim.simulator import Deployment, KVLink, simulate
+from splitserve.sim.simulator import simulate
 from splitserve.sim.specs import load_gpu, load_model
 from splitserve.sim.workload import synthetic
 

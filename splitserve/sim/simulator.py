@@ -10,108 +10,24 @@ limit); each of those is a switch, which is how `seed` vs `realistic` differ.
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import numpy as np
 
-from splitserve.config import TransferConfig
-from splitserve.protocol.pd_decision import CostModel, DecisionInputs, decide
+from splitserve.protocol.pd_decision import DecisionInputs, decide
+from splitserve.sim.deployment import Deployment
 from splitserve.sim.engine import Engine, InstanceConfig
 from splitserve.sim.kv import exposed_transfer_s, handoff_bytes, transfer_s
 from splitserve.sim.profile import CpuCosts
 from splitserve.sim.result import SimResult
-from splitserve.sim.roofline import Efficiency, Roofline
-from splitserve.sim.specs import GPUSpec, ModelSpec
-from splitserve.sim.step_model import ProfiledRoofline, StepModel
 from splitserve.sim.workload import Workload
 
 _ARRIVE, _STEP_END, _KV_READY, _PULL, _ENQ_PREFILL, _AT_ENGINE = range(6)
 
 
-@dataclass(frozen=True)
-class KVLink:
-    """The path KV takes from prefill to decode: a measured handoff `fixed_s` (such as the
-    guide's 1.3 s, notification included), or bytes over `gbps` plus `overhead_s`."""
-
-    fixed_s: float | None = None
-    gbps: float = 200.0
-    overhead_s: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.fixed_s is not None and self.fixed_s < 0:
-            raise ValueError("fixed transfer time must be >= 0")
-        if self.gbps <= 0 or self.overhead_s < 0:
-            raise ValueError("link bandwidth must be > 0 and overhead >= 0")
-
-
-@dataclass(frozen=True)
-class Deployment:
-    model: ModelSpec
-    gpu: GPUSpec
-    mode: str = "collocated"  # or "pd"
-    replicas: int = 2  # collocated instances behind the router
-    prefill_instances: int = 1
-    decode_instances: int = 1
-    tp: int = 1  # GPUs per collocated instance
-    tp_prefill: int = 1
-    tp_decode: int = 1
-    eff: Efficiency = field(default_factory=Efficiency)
-    combine: str = "max"
-    sched: InstanceConfig = field(default_factory=lambda: InstanceConfig(prompts_per_step=1))
-    prefill_sched: InstanceConfig = field(
-        default_factory=lambda: InstanceConfig(chunked_prefill=False, prompts_per_step=1)
-    )
-    routing: str = "round_robin"  # or "random", "least_loaded" (splitserve's router)
-    # splitserve's transfer mode: push streams KV layer by layer during prefill and decode
-    # picks it up at its next step boundary; pull sends it after prefill, once decode next
-    # checks between its steps (vLLM NIXL)
-    transfer: TransferConfig = field(default_factory=TransferConfig)
-    link: KVLink = field(default_factory=KVLink)
-    bidirectional: bool = False  # multi-turn: prefill pulls the last answer's KV back from decode
-    kv_limit: bool = False  # reserve KV memory per request; capacity from GPU memory
-    mem_util: float = 0.9
-    prefix_ttl_s: float = 480.0
-    # a measured engine (`--profile`): fitted step times instead of the roofline's
-    steps: StepModel | None = None
-    # P/D: decide each request's path on cost (conditional disaggregation); None: every
-    # request through a prefill worker
-    pd_costs: CostModel | None = None
-    cpu: CpuCosts | None = None  # the tiers around the engines: delays and CPU (profile.py)
-    # seconds an engine of k threads loses per second of CPU other processes run on its k
-    # cores (its own process's beyond its engine thread, the tiers' placed there): k, as
-    # its other threads wait at the step's next barrier (host_planner.layout_deployment)
-    own_loss: float = 1.0
-
-    def __post_init__(self) -> None:
-        if self.mode not in ("collocated", "pd"):
-            raise ValueError("mode must be 'collocated' or 'pd'")
-        if self.routing not in ("round_robin", "random", "least_loaded"):
-            raise ValueError("routing must be round_robin, random or least_loaded")
-        if min(self.replicas, self.prefill_instances, self.decode_instances) < 1:
-            raise ValueError("instance counts must be >= 1")
-        if min(self.tp, self.tp_prefill, self.tp_decode) < 1:
-            raise ValueError("tensor-parallel sizes must be >= 1")
-
-    @property
-    def gpus(self) -> int:
-        if self.mode == "collocated":
-            return self.replicas * self.tp
-        return self.prefill_instances * self.tp_prefill + self.decode_instances * self.tp_decode
-
-    def roofline(self, tp: int) -> Roofline:
-        if self.steps is not None:
-            return ProfiledRoofline(self.model, self.gpu, self.steps, tp=tp)
-        return Roofline(self.model, self.gpu, self.eff, tp=tp, combine=self.combine)
-
-    def label(self) -> str:
-        if self.mode == "collocated":
-            return f"{self.replicas}x collocated TP{self.tp} (budget {self.sched.budget})"
-        return f"{self.prefill_instances}P(TP{self.tp_prefill}):{self.decode_instances}D(TP{self.tp_decode})"
-
-
 class _Sim:
     def __init__(self, dep: Deployment, wl: Workload, seed: int) -> None:
-        self.dep, self.wl = dep, wl
+        self.dep, self.wl, self.seed = dep, wl, seed
         self.rng = np.random.default_rng(seed + 7919)
         self.heap: list[tuple[float, int, int, int, int]] = []
         self.seq = 0
@@ -122,6 +38,7 @@ class _Sim:
         self.engine_of = np.full(n, -1, dtype=np.int64)
         self.prefill_of = np.full(n, -1, dtype=np.int64)
         self.finish = np.full(n, np.nan)
+        self.in_flight = 0  # requests arrived and not finished
         self.cached = np.zeros(n, dtype=np.int64)
         self.rejected = np.zeros(n, dtype=bool)
         self.local = np.zeros(n, dtype=bool)  # P/D: prefilled on decode (conditional disaggregation)
@@ -130,6 +47,8 @@ class _Sim:
             if a >= 0:
                 self.followers.setdefault(int(a), []).append(i)
         self.engines: list[Engine] = []
+        # the tiers' CPU is placed on the engines' cores unless fitted waits stand for it
+        self.places_cpu = dep.cpu is not None and dep.waits is None
         if dep.mode == "collocated":
             self.front = self._make(dep.replicas, "both", dep.tp, dep.sched)
             self.back: list[Engine] = []
@@ -146,9 +65,11 @@ class _Sim:
         if self.dep.kv_limit and sched.kv_capacity_tokens is None and role != "prefill":
             cap, slot = rl.kv_capacity_tokens(self.dep.mem_util), rl.state_slot_tokens()
             sched = replace(sched, kv_capacity_tokens=cap, state_tokens_per_request=slot)
-        stream = (self.dep.cpu or CpuCosts()).stream_cpu(self.dep.own_loss)
+        placed = self.dep.cpu if self.places_cpu else CpuCosts()
+        stream = placed.stream_cpu(self.dep.own_loss)
+        wl, waits, seed = self.wl, self.dep.waits, self.seed
         made = [
-            Engine(len(self.engines) + i, role, rl, sched, self.wl.prompt, self.wl.output, stream)
+            Engine(len(self.engines) + i, role, rl, sched, wl.prompt, wl.output, stream, waits, seed)
             for i in range(count)
         ]
         self.engines.extend(made)
@@ -180,6 +101,7 @@ class _Sim:
         e.charge_cpu(self.dep.own_loss * e.backlog_at(t, self.dep.own_loss))
         e.idle_backlog_s = 0.0
         e.tiers_share = self.tiers_share(e, t)
+        e.others_stepping = any(o is not e and o.busy_until is not None for o in self.engines)
         end = e.plan(t, admitted)
         if end is not None:
             self.push(end, _STEP_END, e.index, e.version)
@@ -202,6 +124,7 @@ class _Sim:
 
     def done(self, rid: int, t: float) -> None:
         self.finish[rid] = t
+        self.in_flight -= 1
         for f in self.followers.get(rid, ()):
             self.push(t + float(self.wl.think_s[f]), _ARRIVE, f)
 
@@ -253,7 +176,7 @@ class _Sim:
         """`rid`'s prompt onto `e`; the tiers' CPU for it (more on the P/D path) is charged,
         and `e`'s own (its API; a prefill worker's KV push) to `e`, on its own cores."""
         e.enqueue_prefill(rid, cached)
-        if (cpu := self.dep.cpu) is not None:
+        if (cpu := self.dep.cpu) is not None and self.places_cpu:
             remote = e.role == "prefill"
             own = cpu.prefill_engine_s_per_request if remote else cpu.engine_s_per_request
             e.charge_cpu(self.dep.own_loss * own)
@@ -289,6 +212,15 @@ class _Sim:
         if any(o is not e and o.idle() for o in self.engines):
             return 0.0
         return self.tiers_shares(t)[e.index]
+
+    def stepping_changed(self, e: Engine, t: float) -> None:
+        """`e` began or stopped stepping at `t`: the other engines' decode runs end at their
+        next step boundary, so that their next steps take the fitted waits of the new state."""
+        for o in self.engines:
+            if o is not e and o.busy_until is not None:
+                end = o.cut_run(t)
+                if end is not None:
+                    self.push(end, _STEP_END, o.index, o.version)
 
     def prefill_locally(self, rid: int, t: float) -> bool:
         """Conditional disaggregation: the decode worker the request would go to prefills
@@ -326,6 +258,7 @@ class _Sim:
         d = min(self.back, key=lambda e: (e.outstanding(), e.index))
         if not d.sched.fits_ever(int(self.wl.prompt[rid]), int(self.wl.output[rid])):
             self.rejected[rid] = True
+            self.in_flight -= 1
             return
         if self.dep.transfer.mode == "pull" and self.dep.link.fixed_s is None:
             self.push(t, _PULL, d.index, rid)
@@ -341,36 +274,50 @@ class _Sim:
                 self.push(float(wl.arrival[i]), _ARRIVE, int(i))
         while self.heap:
             t, _, kind, a, b = heapq.heappop(self.heap)
-            if kind == _ARRIVE:
-                self._check_fits(a)
-                if self.rejected[a]:
-                    continue
-                self.arrive[a] = t
-                cpu = self.dep.cpu
-                if cpu is not None:  # rendered first: the engine sees it later
-                    self.push(t + cpu.delay_s(int(wl.prompt[a])), _AT_ENGINE, a)
-                else:
-                    self.arrive_at(a, t)
-            elif kind == _AT_ENGINE:
-                self.arrive_at(a, t)
-            elif kind == _STEP_END:
-                e = self.engines[a]
-                if b == e.version and e.busy_until is not None:
-                    self.step_end(e, t)
-            elif kind == _KV_READY:  # decode takes in the request and its KV, on its own cores
-                if (cpu := self.dep.cpu) is not None:
-                    own = cpu.engine_s_per_request + cpu.engine_s_per_remote_request
-                    self.engines[a].charge_cpu(self.dep.own_loss * own)
-                self.engines[a].ready.append(b)
-                self.wake(self.engines[a], t)
-            elif kind == _PULL:
-                self.engines[a].pulls.append(b)
-                self.wake(self.engines[a], t)
-            else:  # _ENQ_PREFILL
-                e = self.engines[a]
-                self.enqueue_prefill(e, b, int(self.cached[b]), t)
-                self.wake(e, t)
+            if self.dep.waits is None:
+                self.handle(t, kind, a, b)
+                continue
+            stepping = [e.busy_until is not None for e in self.engines]
+            self.handle(t, kind, a, b)
+            for e, was in zip(self.engines, stepping, strict=True):
+                if (e.busy_until is not None) != was:
+                    self.stepping_changed(e, t)
         return self._collect()
+
+    def handle(self, t: float, kind: int, a: int, b: int) -> None:
+        wl = self.wl
+        if kind == _ARRIVE:
+            self._check_fits(a)
+            if self.rejected[a]:
+                return
+            self.arrive[a] = t
+            cpu, path = self.dep.cpu, self.dep.path
+            if path is not None:  # the path's time before the engine sees it, at this load
+                self.push(t + path.delay_s(self.in_flight), _AT_ENGINE, a)
+            elif cpu is not None:  # rendered first: the engine sees it later
+                self.push(t + cpu.delay_s(int(wl.prompt[a])), _AT_ENGINE, a)
+            else:
+                self.arrive_at(a, t)
+            self.in_flight += 1
+        elif kind == _AT_ENGINE:
+            self.arrive_at(a, t)
+        elif kind == _STEP_END:
+            e = self.engines[a]
+            if b == e.version and e.busy_until is not None:
+                self.step_end(e, t)
+        elif kind == _KV_READY:  # decode takes in the request and its KV, on its own cores
+            if (cpu := self.dep.cpu) is not None and self.places_cpu:
+                own = cpu.engine_s_per_request + cpu.engine_s_per_remote_request
+                self.engines[a].charge_cpu(self.dep.own_loss * own)
+            self.engines[a].ready.append(b)
+            self.wake(self.engines[a], t)
+        elif kind == _PULL:
+            self.engines[a].pulls.append(b)
+            self.wake(self.engines[a], t)
+        else:  # _ENQ_PREFILL
+            e = self.engines[a]
+            self.enqueue_prefill(e, b, int(self.cached[b]), t)
+            self.wake(e, t)
 
     def _check_fits(self, rid: int) -> None:
         for e in self.engines:

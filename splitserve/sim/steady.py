@@ -19,9 +19,10 @@ from typing import NamedTuple
 import numpy as np
 
 from splitserve.goodput import SLO
+from splitserve.sim.deployment import Deployment
 from splitserve.sim.metrics import WorkloadFactory, met, miss_fractions
 from splitserve.sim.result import SimResult
-from splitserve.sim.simulator import Deployment, simulate
+from splitserve.sim.simulator import simulate
 
 BATCHES = 10
 T_95 = 2.262  # Student's t, 95% two-sided, BATCHES - 1 degrees of freedom

@@ -156,7 +156,16 @@ def test_each_layout_is_retimed_by_its_engines_warm_up_steps_alone(script, tmp_p
         profile, "up 1P+1D", read_step_log(log), measured_from=lines[19]["t"] + 1e-6
     )
     assert retimed.steps.decode_base_s[0] == pytest.approx(2.0 * model.decode_base_s[0])
-    assert "1 thread(s): decode B=1: x2.00" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "1 thread(s): decode B=1: x2.00" in out
+    # and what its steps waited for a core (here nothing beyond their CPU), unless told not to
+    assert retimed.waits is not None and retimed.waits.kinds["decode"][0].per_compute == 0.0
+    assert "decode waits (others idle): 0.000 s/s of compute" in out
+    speed_only = script.layout_profile(
+        profile, "up 1P+1D", read_step_log(log), measured_from=lines[19]["t"] + 1e-6, waits=False
+    )
+    assert speed_only.waits is None and speed_only.steps == retimed.steps
+    capsys.readouterr()
     shapeless = [{k: v for k, v in line.items() if k != "decodes"} for line in lines]
     log.write_text("".join(json.dumps(line) + "\n" for line in shapeless))
     assert script.layout_profile(profile, "up 1P+1D", read_step_log(log), measured_from=1e9) is profile

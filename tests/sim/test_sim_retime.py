@@ -131,6 +131,16 @@ def test_a_live_engines_step_log_retimes_a_profile_through_the_cli(tiny_model, t
     retimed = load_profile(str(out)).steps
     assert float(retimed.decode_s(1, 0)) / float(MODEL.decode_s(1, 0)) == pytest.approx(factors["decode"][0])
     assert float(retimed.decode_s(1, 45)) == pytest.approx(float(np.median(cpu)), rel=0.02)
+    assert report["waits"] is None and load_profile(str(out)).waits is None
+    # --waits: what the steps waited for a core beyond their CPU, fitted (one engine: always
+    # with no other engine stepping) with the spread of their wall times around the model
+    assert main([*args, "--waits"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    idle, stepping = load_profile(str(out)).waits.kinds["decode"]
+    assert report["waits"]["decode"]["others_idle"]["steps"] == idle.steps == len(records) - 1
+    assert stepping == idle and min(idle[:3]) >= 0.0
+    spread = load_profile(str(out)).waits.spread("decode")
+    assert len(spread) == 41 and np.mean(spread) == pytest.approx(1.0)
     # what the log cannot give is refused, and nothing is written
     assert main(["sim", "retime", "--profile", str(profile), "--step-log", str(tmp_path / "no.jsonl"),
                  "--out", str(tmp_path / "x.json")]) == 2  # fmt: skip
