@@ -372,5 +372,6 @@ class _Sim:
 
 
 def simulate(dep: Deployment, wl: Workload, seed: int = 0) -> SimResult:
-    """Run one workload through one deployment. `seed` only drives random routing."""
+    """Run one workload through one deployment. `seed` drives random routing and the draws
+    from a fitted spread of step times (`Deployment.waits`)."""
     return _Sim(dep, wl, seed).run()
