@@ -5,6 +5,7 @@ the engine. The line's fields are engine/step_log.py's module doc."""
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -42,3 +43,22 @@ def read_step_log(path: str | Path) -> list[StepRecord]:
             except (ValueError, KeyError, TypeError) as exc:
                 raise ValueError(f"{path}:{number}: not a step record ({exc})") from None
     return records
+
+
+class PricedStep(NamedTuple):
+    record: StepRecord
+    cpu_s: float  # the engine thread's CPU for it
+
+
+def priced_steps(records: Sequence[StepRecord]) -> list[PricedStep]:
+    """The logged steps that carry their shape, each with the engine thread's CPU since
+    the same process's previous record (the first record of a process has none)."""
+    last: dict[int, float] = {}
+    out = []
+    for r in records:
+        before = last.get(r.pid)
+        last[r.pid] = r.thread_cpu_s
+        if before is None or r.decodes is None or r.threads is None or r.borrowed:
+            continue
+        out.append(PricedStep(r, r.thread_cpu_s - before))
+    return out

@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from splitserve.protocol.step_record import StepRecord
+from splitserve.protocol.step_record import PricedStep, StepRecord, priced_steps
 from splitserve.sim.calibrate import CalibrationError
 from splitserve.sim.profile import EngineProfile
 from splitserve.sim.step_model import StepModel
@@ -51,25 +51,6 @@ class RetimeFactors(NamedTuple):
     prompt: float  # a prompt chunk's work: logged / modelled
     decode_steps: int  # the logged steps each was measured on
     prompt_steps: int
-
-
-class PricedStep(NamedTuple):
-    record: StepRecord
-    cpu_s: float  # the engine thread's CPU for it
-
-
-def priced_steps(records: Sequence[StepRecord]) -> list[PricedStep]:
-    """The logged steps that carry their shape, each with the engine thread's CPU since
-    the same process's previous record (the first record of a process has none)."""
-    last: dict[int, float] = {}
-    out = []
-    for r in records:
-        before = last.get(r.pid)
-        last[r.pid] = r.thread_cpu_s
-        if before is None or r.decodes is None or r.threads is None or r.borrowed:
-            continue
-        out.append(PricedStep(r, r.thread_cpu_s - before))
-    return out
 
 
 def decode_part_s(model: StepModel, r: StepRecord) -> float:

@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from splitserve.protocol.step_record import StepRecord
+from splitserve.protocol.step_record import StepRecord, priced_steps
 
 PREFILL, DECODE = "prefill", "decode"  # the kinds of engine a fit is kept by
 MIN_STEPS = 20  # logged steps a (kind, state) needs for a fit of its own
@@ -118,9 +118,9 @@ class LoggedStep(NamedTuple):
 
 
 def logged_steps(records: Sequence[StepRecord]) -> list[LoggedStep]:
-    """Each logged step with a shape (records with a previous one in their process, not on
-    a lender's CPUs), its compute (the engine thread's CPU since the previous record), its
-    wait (the rest of its wall time), and whether another process was mid-step as it began."""
+    """Each logged step with a shape (`priced_steps`), its compute (the engine thread's CPU
+    for it), its wait (the rest of its wall time), and whether another process was mid-step
+    as it began."""
     spans: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     for pid in {r.pid for r in records}:
         ends = np.array(sorted(r.t for r in records if r.pid == pid))
@@ -132,20 +132,13 @@ def logged_steps(records: Sequence[StepRecord]) -> list[LoggedStep]:
         i = int(np.searchsorted(ends, at, side="right"))  # the first step ending after `at`
         return i < len(starts) and starts[i] <= at
 
-    last: dict[int, float] = {}
     out = []
-    for r in records:
-        before = last.get(r.pid)
-        last[r.pid] = r.thread_cpu_s
-        if before is None or r.decodes is None or r.borrowed:
-            continue
-        compute = r.thread_cpu_s - before
+    for r, compute in priced_steps(records):
         start = r.t - r.step_s
         others = any(stepping(pid, start) for pid in spans if pid != r.pid)
         kind = PREFILL if r.role == PREFILL else DECODE
-        out.append(
-            LoggedStep(r, kind, compute, max(0.0, r.step_s - compute), r.decodes, len(r.chunks), others)
-        )
+        wait = max(0.0, r.step_s - compute)
+        out.append(LoggedStep(r, kind, compute, wait, r.decodes, len(r.chunks), others))
     return out
 
 
