@@ -24,7 +24,9 @@ re-timed by its own engines' steps in the unmeasured run before its measurement 
 retime --waits`, sim/retime.py: the same engines' speed now, not the probe engines' minutes
 before, and what their steps waited for a core, sim/step_waits.py; `--placed-cpu` re-times
 the speed only and lets the simulator place the tiers' CPU itself; `--as-calibrated`
-predicts with the profile as calibrated). Everything measured
+predicts with the profile as calibrated; `--fit-on-measured`, a diagnostic, fits each layout on
+its measured run itself, which leaves the model's error without the host's drift between
+runs). Everything measured
 stays in the folder printed; `--replay FOLDER` predicts it again, with the code as it is
 then, without measuring:
 
@@ -51,7 +53,16 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
-from sim_predicts_measure import LAYOUTS, MEASURED, REPEAT, WARM_UP, layout_of, measure
+from sim_predicts_measure import (
+    LAYOUTS,
+    MEASURED,
+    REPEAT,
+    WARM_UP,
+    layout_of,
+    measure,
+    serve_deployment,
+    with_client_cpu,
+)
 from step_tables import step_rows, ttft_part_rows
 
 from splitserve.config import UP_LONG_PREFILL_TOKEN_THRESHOLD, SchedulerConfig
@@ -123,6 +134,12 @@ def workload_of(level: dict) -> Workload:
     return Workload.open_loop(arrival, prompts, outputs)
 
 
+# each level is simulated this many times, with different draws of the steps' spread, of the
+# tokens' relay and of random routing, and its figures taken over every run's requests: at
+# the same arrivals, one run's TTFT p90 moved by up to 27 points from one seed to the next
+# (docs/sim.md)
+SIM_RUNS = 16
+
 # the figures issue 27's must-hold names (the rest are printed, and counted apart)
 MUST_HOLD = ("TTFT p50 ms", "TTFT p90 ms", "ITL p50 ms", "ITL p90 ms", "goodput")
 
@@ -159,18 +176,19 @@ def compare(
 ) -> tuple[list[str], dict[str, float]]:
     """Each level of a saved bench run predicted by simulating `dep` on its arrivals: one
     printable row per figure, and the relative error of every figure measured non-zero,
-    by "rate figure". `results`, when given, gets each level's simulation."""
+    by "rate figure". `results`, when given, gets the first of each level's simulations."""
     slos = [SLO.parse(s) for s in run["slos"]]
     predicted: dict[str, float] = {}
     att_pred: dict[str, list[float]] = {s.name: [] for s in slos}
     for level in run["levels"]:
-        r = simulate(dep, workload_of(level))
+        workload = workload_of(level)
+        runs = [simulate(dep, workload, seed) for seed in range(SIM_RUNS)]
         if results is not None:
-            results.append(r)
-        keep = np.arange(len(r.ttft)) >= level["load"]["warmup"]
-        itl = np.concatenate([g for g, k in zip(r.gaps, keep, strict=True) if k and len(g)])
-        ttft = r.ttft[keep]
-        attained = {s.name: float(met(s, r)[keep].mean()) for s in slos}
+            results.append(runs[0])
+        keep = np.arange(len(workload)) >= level["load"]["warmup"]
+        itl = np.concatenate([g for r in runs for g, k in zip(r.gaps, keep, strict=True) if k and len(g)])
+        ttft = np.concatenate([r.ttft[keep] for r in runs])
+        attained = {s.name: float(np.mean([met(s, r)[keep].mean() for r in runs])) for s in slos}
         summary = {
             "ttft": {"p50": np.percentile(ttft, 50), "p90": np.percentile(ttft, 90)},
             "itl": {q: np.percentile(itl, int(q[1:])) for q in ("p50", "p90", "p99")},
@@ -207,45 +225,6 @@ def print_verdict(errors: dict[str, float]) -> None:
         print(f"{label}: within 10% (measured non-zero) {within}/{len(values)}; median |error| {median:.1%}")
 
 
-def serve_deployment(dep: Deployment, prompt_tokens: int) -> Deployment:
-    """`serve` as the profile sees it: one process, its engine's own scheduler (no
-    long-prefill cap), and no proxy or render tier. Its OpenAI API is its own CPU: the
-    engine API's (measured on `up`'s one-thread decode engine) and the tokenizing the render
-    tier measured, also a delay before the engine sees the prompt; its detokenizing is not
-    measured apart (in `up` it is part of the tiers' CPU per token) and counts nothing. Its
-    way in and out is its API's (the engine API's time beyond its steps), where `up`'s is
-    the proxy's."""
-    uncapped = replace(dep.sched.scheduler, long_prefill_token_threshold=0)
-    dep = replace(dep, sched=replace(dep.sched, scheduler=uncapped))
-    if dep.cpu is None:
-        return dep
-    c = dep.cpu
-    tokenize = c.render_s_per_request + c.render_s_per_token * prompt_tokens
-    cpu = replace(
-        c,
-        proxy_s_per_request=c.api_s_per_request,
-        cpu_s_per_request=0.0,
-        cpu_s_per_remote_request=0.0,
-        cpu_s_per_step=0.0,
-        cpu_s_per_token=0.0,
-        engine_s_per_request=c.engine_s_per_request + tokenize,
-    )
-    return replace(dep, cpu=cpu)
-
-
-def with_client_cpu(dep: Deployment, client_s_per_token: float) -> Deployment:
-    """The bench client's CPU, which it spends reading each streamed token, placed as the
-    simulator places the tiers' CPU per streamed token, but costing the engine it lands
-    beside a second per second of it, not `own_loss`: one process, on one core at a time.
-    (Charged per request, at each arrival, the simulated prompt steps came out 20 ms longer
-    than the engines logged them while their decode steps came out shorter; in four runs per
-    token predicted `serve` and 1P+1D closer in every one: docs/sim.md.)"""
-    if dep.cpu is None or client_s_per_token <= 0:
-        return dep
-    per_token = dep.cpu.cpu_s_per_token + client_s_per_token / dep.own_loss
-    return replace(dep, cpu=replace(dep.cpu, cpu_s_per_token=per_token))
-
-
 def remote_share(results: list[SimResult]) -> float:
     remote = np.concatenate([r.remote for r in results if r.remote is not None] or [np.zeros(0)])
     return float(remote.mean()) if len(remote) else 0.0
@@ -258,18 +237,22 @@ def layout_profile(
     measured_from: float,
     waits: bool = True,
     warm_up_run: dict | None = None,
+    on_measured: bool = False,
 ) -> EngineProfile:
     """`profile` re-timed by the layout's engines' own steps before its measured run (the
     unmeasured run that warmed it up), where they logged them with their shapes; with
     `waits`, what those steps waited for a core fitted too (sim/step_waits.py), and the
-    path around the engines from that run's requests (`warm_up_run`: sim/path_latency.py)."""
-    warm = [r for r in logged if r.t < measured_from]
+    path around the engines and the tokens' relay from that run's requests (`warm_up_run`:
+    sim/path_latency.py). With `on_measured`, by the measured run's own steps instead
+    (and `warm_up_run` should be the measured run): a diagnostic, not a prediction."""
+    fitted_on = [r for r in logged if (r.t >= measured_from) == on_measured]
     try:
-        retimed, factors = retime_profile(profile, warm, waits=waits)
+        retimed, factors = retime_profile(profile, fitted_on, waits=waits)
     except CalibrationError as exc:
         print(f"{name}: the profile as calibrated ({exc})", flush=True)
         return profile
-    print(f"{name}: the profile re-timed by its engines' steps in the unmeasured run before it")
+    which = "the measured run itself (--fit-on-measured)" if on_measured else "the unmeasured run before it"
+    print(f"{name}: the profile re-timed by its engines' steps in {which}")
     print("\n".join("  " + row for row in factor_rows(factors)), flush=True)
     if retimed.waits is not None:
         print("\n".join("  " + row for row in wait_rows(retimed.waits)), flush=True)
@@ -282,11 +265,12 @@ def layout_profile(
     return retimed
 
 
-def predict(folder: Path, as_calibrated: bool = False, waits: bool = True) -> None:
+def predict(folder: Path, as_calibrated: bool = False, waits: bool = True, on_measured: bool = False) -> None:
     """Each layout `measure` saved in `folder`, predicted as the planner sees it (the
     profile's steps on the layout's cores; re-timed by its engines' warm-up steps, where
-    they were logged, unless `as_calibrated`) and set beside its measured run, figure by
-    figure and, where the engines logged their steps, step by step."""
+    they were logged, unless `as_calibrated`; by the measured run's own, `on_measured`)
+    and set beside its measured run, figure by figure and, where the engines logged their
+    steps, step by step."""
     from splitserve.sim.host_planner import host_deployment, layout_deployment
     from splitserve.sim.specs import load_model as load_model_spec
 
@@ -311,7 +295,10 @@ def predict(folder: Path, as_calibrated: bool = False, waits: bool = True) -> No
         if logged and not as_calibrated:
             warm_up = folder / f"{stem}{WARM_UP}.json"
             warm_up_run = json.loads(warm_up.read_text()) if warm_up.exists() else None
-            mine = layout_profile(profile, name, logged, measured["measured_from"], waits, warm_up_run)
+            fitted_on = run if on_measured else warm_up_run
+            mine = layout_profile(
+                profile, name, logged, measured["measured_from"], waits, fitted_on, on_measured
+            )
         base = host_deployment(model_spec, mine, scheduler)
         dep = layout_deployment(base, layout, mine.threads or len(saved["cpus"]), mine.measured_steps())
         if command[0] == "serve":
@@ -410,13 +397,20 @@ def main() -> None:
         help="with --measure or --replay: the simulator places the tiers' CPU on the engines' cores by "
         "its rules, instead of the waits fitted from each layout's logged warm-up steps",
     )
+    p.add_argument(
+        "--fit-on-measured",
+        action="store_true",
+        help="with --replay, a diagnostic: re-time and fit each layout on its measured run's own "
+        "steps and requests, not the run before it; what is then left is the model's error, "
+        "not the host's drift between two runs",
+    )
     args = p.parse_args()
     if args.measure:
         args.model = args.bench_model
-        predict(measure(args), args.as_calibrated, not args.placed_cpu)
+        predict(measure(args), args.as_calibrated, not args.placed_cpu, args.fit_on_measured)
         return
     if args.replay:
-        predict(Path(args.replay), args.as_calibrated, not args.placed_cpu)
+        predict(Path(args.replay), args.as_calibrated, not args.placed_cpu, args.fit_on_measured)
         return
     if not (args.bench_json and args.model and args.gpu and (args.profile or args.fit)):
         p.error("give BENCH_JSON MODEL GPU with --profile or --fit, or --measure")

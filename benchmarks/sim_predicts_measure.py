@@ -8,7 +8,9 @@ start them) measured by
 A level near or past a layout's capacity is not reproducible from one start to the next on
 a machine whose speed moves between processes: `--repeat` measures each layout twice, from
 a fresh start each time, and `predict` prints how many figures the two runs agree on
-within 10% beside the simulator's count (docs/sim.md).
+within 10% beside the simulator's count (docs/sim.md). How `serve` and the bench client
+are modelled beside the planner's layouts is here too (`serve_deployment`,
+`with_client_cpu`).
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
 
+from splitserve.sim.deployment import Deployment
 from splitserve.sim.host_planner import HostLayout
 
 LAYOUTS = ("serve", "up serve-like", "up 1P+1D", "up 2 collocated")
@@ -163,3 +167,42 @@ def measure_layout(
         "measured_from": measured_from if args.step_log else None,
         **proxy,
     }
+
+
+def serve_deployment(dep: Deployment, prompt_tokens: int) -> Deployment:
+    """`serve` as the profile sees it: one process, its engine's own scheduler (no
+    long-prefill cap), and no proxy or render tier. Its OpenAI API is its own CPU: the
+    engine API's (measured on `up`'s one-thread decode engine) and the tokenizing the render
+    tier measured, also a delay before the engine sees the prompt; its detokenizing is not
+    measured apart (in `up` it is part of the tiers' CPU per token) and counts nothing. Its
+    way in and out is its API's (the engine API's time beyond its steps), where `up`'s is
+    the proxy's."""
+    uncapped = replace(dep.sched.scheduler, long_prefill_token_threshold=0)
+    dep = replace(dep, sched=replace(dep.sched, scheduler=uncapped))
+    if dep.cpu is None:
+        return dep
+    c = dep.cpu
+    tokenize = c.render_s_per_request + c.render_s_per_token * prompt_tokens
+    cpu = replace(
+        c,
+        proxy_s_per_request=c.api_s_per_request,
+        cpu_s_per_request=0.0,
+        cpu_s_per_remote_request=0.0,
+        cpu_s_per_step=0.0,
+        cpu_s_per_token=0.0,
+        engine_s_per_request=c.engine_s_per_request + tokenize,
+    )
+    return replace(dep, cpu=cpu)
+
+
+def with_client_cpu(dep: Deployment, client_s_per_token: float) -> Deployment:
+    """The bench client's CPU, which it spends reading each streamed token, placed as the
+    simulator places the tiers' CPU per streamed token, but costing the engine it lands
+    beside a second per second of it, not `own_loss`: one process, on one core at a time.
+    (Charged per request, at each arrival, the simulated prompt steps came out 20 ms longer
+    than the engines logged them while their decode steps came out shorter; in four runs per
+    token predicted `serve` and 1P+1D closer in every one: docs/sim.md.)"""
+    if dep.cpu is None or client_s_per_token <= 0:
+        return dep
+    per_token = dep.cpu.cpu_s_per_token + client_s_per_token / dep.own_loss
+    return replace(dep, cpu=replace(dep.cpu, cpu_s_per_token=per_token))

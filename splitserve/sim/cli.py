@@ -330,7 +330,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="RUN.json",
         help="a `splitserve bench --json` run of the same layout: fit the path around the engines "
-        "(render, proxy, client) as it grows with the requests in flight (sim/path_latency.py)",
+        "(render, proxy, client) and each later token's relay back (derender, send) as they grow "
+        "with the requests in flight (sim/path_latency.py)",
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 

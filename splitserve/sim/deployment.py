@@ -70,7 +70,8 @@ class Deployment:
     # beside each step instead of placing `cpu`'s CPU on the engines' cores
     waits: StepWaits | None = None
     # the path around the engines, growing with the requests in flight (sim/path_latency.py):
-    # each request's delay before an engine sees it, instead of `cpu`'s fixed one
+    # each request's delay before an engine sees it, instead of `cpu`'s fixed one, and each
+    # later token's relay back to its client
     path: PathLatency | None = None
     # seconds an engine of k threads loses per second of CPU other processes run on its k
     # cores (its own process's beyond its engine thread, the tiers' placed there): k, as

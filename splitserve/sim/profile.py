@@ -126,8 +126,9 @@ class EngineProfile:
     # what steps wait for a core beyond their compute, fitted from a layout's step logs
     # (`sim retime`): the simulator puts it beside each step instead of placing `cpu` itself
     waits: StepWaits | None = None
-    # the path around the engines (render, proxy, client) as it grows with the load, fitted
-    # from a bench run of the layout (`sim retime --bench`): instead of `cpu`'s fixed delays
+    # the path around the engines (render, proxy, client) and each later token's relay back
+    # as they grow with the load, fitted from a bench run of the layout (`sim retime
+    # --bench`): instead of `cpu`'s fixed delays
     path: PathLatency | None = None
 
     def measured_steps(self) -> dict[int, StepModel]:

@@ -18,11 +18,13 @@ from splitserve.protocol.pd_decision import DecisionInputs, decide
 from splitserve.sim.deployment import Deployment
 from splitserve.sim.engine import Engine, InstanceConfig
 from splitserve.sim.kv import exposed_transfer_s, handoff_bytes, transfer_s
+from splitserve.sim.path_latency import PathLatency
 from splitserve.sim.profile import CpuCosts
 from splitserve.sim.result import SimResult
 from splitserve.sim.workload import Workload
 
 _ARRIVE, _STEP_END, _KV_READY, _PULL, _ENQ_PREFILL, _AT_ENGINE = range(6)
+RELAY_STREAM = 1 << 16  # the relay's draws: a random stream apart from the engines' ([seed, index])
 
 
 class _Sim:
@@ -342,6 +344,8 @@ class _Sim:
                 tokens[e.index] += o
                 served.append(int(rid))
                 token_times.append(times[s : s + o])
+        if (path := self.dep.path) is not None and (path.relay_fixed_s or path.relay_per_in_flight_s):
+            token_times = self.relayed(path, served, token_times)
         for rid, times in zip(served, token_times, strict=True):
             o = len(times)
             first, last = times[0], times[-1]
@@ -370,8 +374,24 @@ class _Sim:
             steps=tuple(e.steps() for e in self.engines),
         )
 
+    def relayed(
+        self, path: PathLatency, served: list[int], token_times: list[np.ndarray]
+    ) -> list[np.ndarray]:
+        """Each stream's token times as its client gets them: through the path's relay, at
+        the streams in flight as its first token came (sim/path_latency.py)."""
+        rng = np.random.default_rng([self.seed, RELAY_STREAM])
+        arrivals = np.sort(self.arrive[served])
+        lasts = np.sort([times[-1] for times in token_times])
+        out = []
+        for times in token_times:
+            first = times[0]
+            streams = int(np.searchsorted(arrivals, first, "left") - np.searchsorted(lasts, first, "left"))
+            out.append(path.delivered(times, streams, rng) if len(times) > 1 else times)
+        return out
+
 
 def simulate(dep: Deployment, wl: Workload, seed: int = 0) -> SimResult:
-    """Run one workload through one deployment. `seed` drives random routing and the draws
-    from a fitted spread of step times (`Deployment.waits`)."""
+    """Run one workload through one deployment. `seed` drives random routing, the draws
+    from a fitted spread of step times (`Deployment.waits`) and from the tokens' relay
+    (`Deployment.path`)."""
     return _Sim(dep, wl, seed).run()

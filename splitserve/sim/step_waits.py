@@ -20,8 +20,12 @@ less its engine thread's CPU). The simulator puts that beside each step it plans
 Steps of one shape do not take one time: the logged wall times spread around the modelled
 compute and fitted wait (a one-token step's p50 6.0 ms, its mean 6.2; the gaps a client
 sees at p90 are the long ones). So each kind also keeps the spread of logged over
-predicted wall time, as SPREAD_POINTS quantiles scaled to a mean of 1, and the simulator
-scales each step it plans by one of them, drawn at random.
+predicted wall time, as SPREAD_POINTS quantiles, and the simulator scales each step it
+plans by one of them, drawn at random. Their mean is the logged steps' wall time over the
+predicted, in total: drawn for the same steps, the simulated engine is busy as long as the
+logged one was. It is not 1: the re-timed compute is the median's (sim/retime.py), and a
+serving engine's steps are skewed long (1.04-1.12 on a `serve` engine and a prefill worker,
+0.96-1.01 on a decode worker, docs/sim.md).
 """
 
 from __future__ import annotations
@@ -52,7 +56,8 @@ class WaitTerms(NamedTuple):
 
 class StepWaits(NamedTuple):
     """By kind of engine: (the terms when every other engine was idle, when one was
-    stepping), and the spread of its steps' wall times (mean 1; empty: none)."""
+    stepping), and the spread of its steps' wall times (logged / predicted, its mean their
+    totals'; empty: none)."""
 
     kinds: dict[str, tuple[WaitTerms, WaitTerms]]
     spreads: dict[str, tuple[float, ...]]
@@ -181,15 +186,17 @@ def fit_step_waits(
             in_state = [s for s in mine if s.others_stepping == state]
             by_state.append(fit_terms(in_state) if len(in_state) >= MIN_STEPS else overall)
         kinds[kind] = (by_state[0], by_state[1])
-        ratios = []
+        walls, predicted = [], []
         for s in mine:
             modelled = compute_s(s.record)
             if modelled is not None and modelled > 0:
-                wait = by_state[s.others_stepping].wait_s(modelled, s.decodes, s.chunks)
-                ratios.append(s.record.step_s / (modelled + wait))
-        if len(ratios) >= MIN_STEPS:
+                walls.append(s.record.step_s)
+                predicted.append(modelled + by_state[s.others_stepping].wait_s(modelled, s.decodes, s.chunks))
+        if len(walls) >= MIN_STEPS:
+            ratios = np.array(walls) / np.array(predicted)
             points = np.quantile(ratios, (np.arange(SPREAD_POINTS) + 0.5) / SPREAD_POINTS)
-            spreads[kind] = tuple(float(x) for x in points / points.mean())
+            busy = float(np.sum(walls) / np.sum(predicted))  # the spread's mean (module doc)
+            spreads[kind] = tuple(float(x) for x in points / points.mean() * busy)
     return StepWaits(kinds, spreads) if kinds else None
 
 

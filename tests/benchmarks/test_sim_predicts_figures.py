@@ -170,3 +170,31 @@ def test_each_layout_is_retimed_by_its_engines_warm_up_steps_alone(script, tmp_p
     log.write_text("".join(json.dumps(line) + "\n" for line in shapeless))
     assert script.layout_profile(profile, "up 1P+1D", read_step_log(log), measured_from=1e9) is profile
     assert "the profile as calibrated" in capsys.readouterr().out
+
+
+def test_a_levels_prediction_is_taken_over_several_simulations_of_its_arrivals(script, monkeypatch):
+    """Each level is simulated SIM_RUNS times, with different draws of the steps' spread,
+    and its figures are percentiles over every run's requests, not one run's."""
+    import numpy as np
+
+    from splitserve.sim import Deployment, load_gpu, load_model, simulate
+    from splitserve.sim.step_model import StepModel
+    from splitserve.sim.step_waits import StepWaits, WaitTerms
+
+    monkeypatch.setattr(script, "SIM_RUNS", 3)
+    none = WaitTerms(0.0, 0.0, 0.0, 100)
+    waits = StepWaits({"decode": (none, none)}, {"decode": tuple(np.linspace(0.5, 2.0, 41))})
+    steps = StepModel(0.002, 20e-6, 4e-9, (1, 4, 16), (0.004, 0.006, 0.012), 1e-7, 0.001)
+    dep = Deployment(load_model("Qwen2.5-7B"), load_gpu("L40S"), steps=steps, waits=waits)
+    load = {"rate": 20.0, "seed": 5, "arrival": "poisson", "burstiness": 1.0, "warmup": 2}
+    requests = [{"request_id": i, "input_tokens": 256, "output_tokens": 8} for i in range(30)]
+    summary = level(20.0, 100.0, 10.0, 1.0)["summary"]
+    bench = run(20.0, {"load": load, "requests": requests, "summary": summary}) | {"required_attainment": 0.9}
+    results: list = []
+    _, errors = script.compare(bench, dep, results)
+    workload = script.workload_of(bench["levels"][0])
+    runs = [simulate(dep, workload, seed) for seed in range(3)]
+    pooled = np.concatenate([r.ttft[2:] for r in runs])
+    assert errors["20 TTFT p50 ms"] == pytest.approx(abs(np.percentile(pooled, 50) * 1e3 / 100.0 - 1))
+    assert np.percentile(pooled, 50) != pytest.approx(np.percentile(runs[1].ttft[2:], 50))
+    assert len(results) == 1 and np.array_equal(results[0].ttft, runs[0].ttft)  # the first, for the tables

@@ -140,7 +140,8 @@ def test_a_live_engines_step_log_retimes_a_profile_through_the_cli(tiny_model, t
     assert report["waits"]["decode"]["others_idle"]["steps"] == idle.steps == len(records) - 1
     assert stepping == idle and min(idle[:3]) >= 0.0
     spread = load_profile(str(out)).waits.spread("decode")
-    assert len(spread) == 41 and np.mean(spread) == pytest.approx(1.0)
+    # as logged over predicted (tests/sim/test_step_waits.py): the middle step near its model
+    assert len(spread) == 41 and list(spread) == sorted(spread) and 0.5 < spread[20] < 2.0
     # what the log cannot give is refused, and nothing is written
     assert main(["sim", "retime", "--profile", str(profile), "--step-log", str(tmp_path / "no.jsonl"),
                  "--out", str(tmp_path / "x.json")]) == 2  # fmt: skip
