@@ -57,11 +57,11 @@ class PathLatency(NamedTuple):
     def delay_s(self, in_flight: int) -> float:
         return self.fixed_s + self.per_in_flight_s * in_flight
 
-    def delivered(self, emitted: np.ndarray, in_flight: int, rng: np.random.Generator) -> np.ndarray:
+    def delivered(self, emitted: np.ndarray, streams: int, rng: np.random.Generator) -> np.ndarray:
         """When a stream's tokens, emitted by its engine at `emitted`, reach the client through
-        the relay (module doc), shifted so that the first arrives as emitted: the path
-        already holds the first token's way back."""
-        mean = self.relay_per_in_flight_s * in_flight
+        the relay with `streams` in flight (module doc), shifted so that the first arrives as
+        emitted: the path already holds the first token's way back."""
+        mean = self.relay_per_in_flight_s * streams
         relay = np.full(len(emitted), self.relay_fixed_s)
         if mean > 0:
             relay += rng.gamma(RELAY_SHAPE, mean / RELAY_SHAPE, len(emitted))
