@@ -45,6 +45,7 @@ import numpy as np
 from splitserve.router.pd_costs import FIXED_WINDOW
 from splitserve.sim.calibrate import CalibrationError
 from splitserve.sim.engine_probe import STEP_SECONDS, EngineProbe, http_error, run_together
+from splitserve.sim.path_latency import fit_line
 from splitserve.sim.profile import CpuCosts
 from splitserve.sim.step_model import StepModel
 
@@ -62,14 +63,6 @@ def _post(url: str, body: dict | None, timeout_s: float) -> object:
         raise CalibrationError(f"{url}: HTTP {exc.code}: {detail}") from None
     except (urllib.error.URLError, OSError, ValueError) as exc:
         raise CalibrationError(f"{url}: cannot reach it or not JSON ({exc})") from None
-
-
-def _line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
-    """Least-squares (intercept, slope), both clamped at 0."""
-    slope, intercept = np.polyfit(np.array(xs, dtype=float), np.array(ys, dtype=float), 1)
-    if slope < 0:
-        return float(max(0.0, np.mean(ys))), 0.0
-    return float(max(0.0, intercept)), float(slope)
 
 
 def measure_render(
@@ -92,7 +85,7 @@ def measure_render(
                 raise CalibrationError(f"{base}: the answer carries no token_ids") from None
         tokens.append(count)
         seconds.append(best)
-    per_request, per_token = _line(tokens, seconds)
+    per_request, per_token = fit_line(np.array(tokens, dtype=float), np.array(seconds, dtype=float))
     return CpuCosts(per_request, per_token)
 
 
@@ -280,7 +273,8 @@ def handoff_costs(
     hops, the render tier) plus the handoff; a line through the remote excesses by KV bytes
     gives its fixed part and its part per byte."""
     sizes = sorted(remote_excess_s)
-    intercept, per_byte = _line([n * kv_bytes_per_token for n in sizes], [remote_excess_s[n] for n in sizes])
+    sent = np.array([n * kv_bytes_per_token for n in sizes], dtype=float)
+    intercept, per_byte = fit_line(sent, np.array([remote_excess_s[n] for n in sizes], dtype=float))
     return max(0.0, intercept - local_excess_s), per_byte
 
 
