@@ -12,10 +12,13 @@ be set against what the profile's model says for the same shape.
 What is re-timed, per thread count the profile has a model for (steps run on an idle
 lender's CPUs too are left out: their threads are not the engine's own):
 
-- Decode: each batch size of the model's table by the median ratio of the logged
-  decode-only steps from it up to the next one (where at least `MIN_STEPS` were logged;
-  else by the median over every decode-only step), the context slope by that overall
-  median; the table kept non-decreasing.
+- Decode: the whole decode time (base and context term) at each batch size of the
+  model's table by the median ratio of the logged decode-only steps from it up to the next
+  one (where at least `MIN_STEPS` were logged; else by the median over every decode-only
+  step), kept non-decreasing at zero context. Not the base alone: a serving log's
+  sequences have about one context length, so its steps say what a batch costs, not how
+  the cost splits between base and context; scaling only the base by a ratio of the
+  whole left `serve`'s steps of 8-16 sequences 15-30% over their logged CPU (docs/sim.md).
 - Prompts: the prefill terms (fixed, per token, per attended pair) and a chunk's fixed
   cost beside decodes by one median ratio over the steps that computed prompt chunks: the
   step's CPU less its decodes' (re-timed) part, over the chunks' modelled part.
@@ -23,8 +26,8 @@ lender's CPUs too are left out: their threads are not the engine's own):
 A step's cost is the engine thread's CPU since the same process's previous record. Its
 wait for a core, the rest of its wall time, is fitted apart (sim/step_waits.py) and kept
 in the profile beside the step models, for the layout whose engines logged it. The
-model's shape (which batch sizes cost what relative to each other, the split between
-per-token and per-pair work) stays the calibration's.
+model's shape (how a step's cost splits between base and context, and between per-token
+and per-pair work) stays the calibration's.
 """
 
 from __future__ import annotations
@@ -77,12 +80,12 @@ def retime_steps(
         upper = model.decode_batches[i + 1] if i + 1 < len(model.decode_batches) else np.inf
         mine = ratios[(batches >= b) & (batches < upper)]
         factors.append(float(np.median(mine)) if len(mine) >= MIN_STEPS else overall)
-    base = np.maximum.accumulate(np.array(model.decode_base_s) * np.array(factors))
-    decode = replace(
-        model,
-        decode_base_s=tuple(float(x) for x in base),
-        decode_s_per_context_token=model.decode_s_per_context_token * overall,
-    )
+    base = np.array(model.decode_base_s)
+    scale = np.array(model.decode_scale or [1.0] * len(base)) * np.array(factors)
+    for i in range(1, len(scale)):  # a larger batch is never faster
+        if base[i] > 0:
+            scale[i] = max(scale[i], scale[i - 1] * base[i - 1] / base[i])
+    decode = replace(model, decode_scale=tuple(float(x) for x in scale))
     prompting = [s for s in steps if s.record.chunks]
     prompt_ratios = [
         (s.cpu_s - decode_part_s(decode, s.record)) / prompt_part_s(model, s.record) for s in prompting

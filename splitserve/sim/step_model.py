@@ -9,6 +9,11 @@
   over the measured batch sizes (one intercept each, fitted jointly with the shared context
   slope), made non-decreasing (a larger batch is never faster: what is left is noise),
   interpolated linearly between them and extrapolated along the last segment.
+- A re-timed model (`sim retime`, sim/retime.py) also carries a factor per measured batch
+  size on the whole decode time, base and context term together, interpolated like base:
+  what a serving engine's logged steps of that size cost over the calibrated model's. A
+  serving log holds one context length per sequence or so, so it says what a batch costs,
+  not how that splits between base and context.
 - A mixed step (decodes and prefill chunks): base(B) + context term + each chunk's per-token
   and per-pair work + mixed_fixed: what a chunk adds to a decode step beyond its tokens
   (its attention's own pass, its KV writes). Measured (mixed samples: the median of each
@@ -39,6 +44,7 @@ class StepModel:
     decode_base_s: tuple[float, ...]  # per batch size: the step time at zero context
     decode_s_per_context_token: float
     mixed_fixed_s: float = 0.0  # a prefill chunk's fixed cost beside decodes
+    decode_scale: tuple[float, ...] = ()  # per batch size: a factor on the whole decode time
 
     def __post_init__(self) -> None:
         values = (
@@ -53,6 +59,11 @@ class StepModel:
             raise CalibrationError("step model coefficients must be finite and >= 0")
         if not self.decode_batches or len(self.decode_batches) != len(self.decode_base_s):
             raise CalibrationError("the decode table needs one base time per batch size")
+        if self.decode_scale and (
+            len(self.decode_scale) != len(self.decode_batches)
+            or not all(np.isfinite(x) and x > 0 for x in self.decode_scale)
+        ):
+            raise CalibrationError("the decode scale needs one factor > 0 per batch size, or none")
         if list(self.decode_batches) != sorted(set(self.decode_batches)) or self.decode_batches[0] < 1:
             raise CalibrationError("decode batch sizes must be distinct, ascending and >= 1")
         if self.prefill_s_per_token <= 0 and self.prefill_s_per_pair <= 0:
@@ -71,7 +82,10 @@ class StepModel:
         return out
 
     def decode_s(self, batch: int, context_total: float | np.ndarray) -> np.ndarray:
-        return self.decode_base(batch) + self.decode_s_per_context_token * np.asarray(context_total)
+        unscaled = self.decode_base(batch) + self.decode_s_per_context_token * np.asarray(context_total)
+        if not self.decode_scale:
+            return unscaled
+        return unscaled * np.interp(batch, np.array(self.decode_batches, dtype=float), self.decode_scale)
 
     def mixed_s(self, tokens: float, batch: int, context_total: float) -> float:
         """A prompt of `tokens` (no cached past) prefilled beside a decode batch."""
@@ -79,17 +93,20 @@ class StepModel:
         return float(self.decode_s(batch, context_total)) + self.mixed_fixed_s + chunk
 
     def to_json(self) -> dict:
+        decode: dict = {
+            "batch_sizes": list(self.decode_batches),
+            "base_s": list(self.decode_base_s),
+            "s_per_context_token": self.decode_s_per_context_token,
+        }
+        if self.decode_scale:
+            decode["scale"] = list(self.decode_scale)
         return {
             "prefill": {
                 "fixed_s": self.prefill_fixed_s,
                 "s_per_token": self.prefill_s_per_token,
                 "s_per_pair": self.prefill_s_per_pair,
             },
-            "decode": {
-                "batch_sizes": list(self.decode_batches),
-                "base_s": list(self.decode_base_s),
-                "s_per_context_token": self.decode_s_per_context_token,
-            },
+            "decode": decode,
             "mixed": {"fixed_s": self.mixed_fixed_s},
         }
 
@@ -105,11 +122,13 @@ class StepModel:
                 tuple(float(t) for t in dec["base_s"]),
                 float(dec["s_per_context_token"]),
                 float(data.get("mixed", {}).get("fixed_s", 0.0)),  # type: ignore[attr-defined]
+                tuple(float(x) for x in dec.get("scale", ())),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise CalibrationError(
                 f"{source}: sim.steps needs prefill {{fixed_s, s_per_token, s_per_pair}} and decode "
-                f"{{batch_sizes, base_s, s_per_context_token}}, and optionally mixed {{fixed_s}} ({exc})"
+                f"{{batch_sizes, base_s, s_per_context_token, optionally scale}}, and optionally mixed "
+                f"{{fixed_s}} ({exc})"
             ) from None
 
     def predict(self, sample: Sample) -> float:

@@ -155,7 +155,7 @@ def test_each_layout_is_retimed_by_its_engines_warm_up_steps_alone(script, tmp_p
     retimed = script.layout_profile(
         profile, "up 1P+1D", read_step_log(log), measured_from=lines[19]["t"] + 1e-6
     )
-    assert retimed.steps.decode_base_s[0] == pytest.approx(2.0 * model.decode_base_s[0])
+    assert float(retimed.steps.decode_s(1, 300)) == pytest.approx(2.0 * float(model.decode_s(1, 300)))
     out = capsys.readouterr().out
     assert "1 thread(s): decode B=1: x2.00" in out
     # and what its steps waited for a core (here nothing beyond their CPU), unless told not to

@@ -61,8 +61,11 @@ def test_each_part_of_the_model_is_retimed_by_what_its_steps_cost():
     assert factors.decode == pytest.approx((1.5, 1.2, 1.35))
     assert factors.prompt == pytest.approx(1.3, rel=0.01)
     assert (factors.decode_steps, factors.prompt_steps) == (24, 10)
-    assert float(retimed.decode_s(1, 300)) == pytest.approx(1.5 * float(MODEL.decode_s(1, 300)), rel=0.05)
-    assert retimed.decode_base_s[1] == pytest.approx(1.2 * MODEL.decode_base_s[1])
+    assert float(retimed.decode_s(1, 300)) == pytest.approx(1.5 * float(MODEL.decode_s(1, 300)))
+    # the whole batch's time, its context term too: not the base alone
+    assert float(retimed.decode_s(4, 1200)) == pytest.approx(1.2 * float(MODEL.decode_s(4, 1200)))
+    assert float(retimed.decode_s(4, 40_000)) == pytest.approx(1.2 * float(MODEL.decode_s(4, 40_000)))
+    assert retimed.decode_base_s == MODEL.decode_base_s
     assert retimed.prefill_s(256) == pytest.approx(1.3 * MODEL.prefill_s(256), rel=0.01)
     assert retimed.mixed_fixed_s == pytest.approx(1.3 * MODEL.mixed_fixed_s, rel=0.01)
 
@@ -73,8 +76,25 @@ def test_the_retimed_decode_table_stays_non_decreasing():
         clock.step(2.0 * float(MODEL.decode_s(1, 100)), decodes=1, context=100)  # 8.0 ms: above B=4's 6
         clock.step(float(MODEL.decode_s(4, 400)), decodes=4, context=400)
     retimed, _ = retime_steps(MODEL, priced_steps(clock.records), threads=1)
-    assert list(retimed.decode_base_s) == sorted(retimed.decode_base_s)
-    assert retimed.decode_base_s[1] == pytest.approx(retimed.decode_base_s[0])
+    at_no_context = [float(retimed.decode_s(b, 0)) for b in MODEL.decode_batches]
+    assert at_no_context == sorted(at_no_context)
+    assert at_no_context[1] == pytest.approx(at_no_context[0])
+
+
+def test_a_retimed_model_retimed_again_keeps_both_factors_and_survives_its_json():
+    clock = Clock()
+    for i in range(12):
+        clock.step(0.8 * float(MODEL.decode_s(4, 1200 + i)), decodes=4, context=1200 + i)
+    once, _ = retime_steps(MODEL, priced_steps(clock.records), threads=1)
+    again, factors = retime_steps(once, priced_steps(clock.records), threads=1)
+    assert factors.decode[1] == pytest.approx(1.0)  # the logged steps are what `once` says
+    assert float(again.decode_s(4, 1200)) == pytest.approx(0.8 * float(MODEL.decode_s(4, 1200)))
+    assert StepModel.from_json(again.to_json(), "test") == again
+    assert "scale" not in MODEL.to_json()["decode"]
+    bad = again.to_json()
+    bad["decode"]["scale"] = [1.0, -1.0, 1.0]
+    with pytest.raises(CalibrationError, match="one factor > 0 per batch size"):
+        StepModel.from_json(bad, "test")
 
 
 def test_a_profile_is_retimed_per_thread_count_and_refuses_a_log_it_cannot_use():
@@ -86,8 +106,9 @@ def test_a_profile_is_retimed_per_thread_count_and_refuses_a_log_it_cannot_use()
         two.step(0.5 * float(MODEL.decode_s(1, 200)), decodes=1, context=200)
     retimed, factors = retime_profile(profile, one.records + two.records)
     assert {f.threads: f.decode[0] for f in factors} == pytest.approx({1: 2.0, 2: 0.5})
-    assert retimed.steps.decode_base_s[0] == pytest.approx(0.5 * MODEL.decode_base_s[0])
-    assert retimed.other_steps[1].decode_base_s[0] == pytest.approx(2.0 * other.decode_base_s[0])
+    assert float(retimed.steps.decode_s(1, 200)) == pytest.approx(0.5 * float(MODEL.decode_s(1, 200)))
+    slower = retimed.other_steps[1]
+    assert float(slower.decode_s(1, 200)) == pytest.approx(2.0 * float(other.decode_s(1, 200)))
     assert retimed.threads == 2 and retimed.measured_steps().keys() == {1, 2}
     four = Clock(threads=4)
     four.step(0.01, decodes=1, context=10)
