@@ -58,7 +58,11 @@ from sim_predicts_measure import (
     MEASURED,
     REPEAT,
     WARM_UP,
+    Fit,
+    in_windows,
     layout_of,
+    level_fits,
+    level_windows,
     measure,
     serve_deployment,
     with_client_cpu,
@@ -68,7 +72,7 @@ from step_tables import step_rows, ttft_part_rows
 from splitserve.config import UP_LONG_PREFILL_TOKEN_THRESHOLD, SchedulerConfig
 from splitserve.goodput import SLO, arrival_times, distserve_goodput
 from splitserve.protocol.pd_decision import CostModel
-from splitserve.protocol.step_record import StepRecord, read_step_log
+from splitserve.protocol.step_record import read_step_log
 from splitserve.sim import (
     Deployment,
     Efficiency,
@@ -172,15 +176,16 @@ def relative_errors(predicted: dict[str, float], measured: dict[str, float]) -> 
 
 
 def compare(
-    run: dict, dep: Deployment, results: list[SimResult] | None = None
+    run: dict, deps: Sequence[Deployment], results: list[SimResult] | None = None
 ) -> tuple[list[str], dict[str, float]]:
-    """Each level of a saved bench run predicted by simulating `dep` on its arrivals: one
-    printable row per figure, and the relative error of every figure measured non-zero,
-    by "rate figure". `results`, when given, gets the first of each level's simulations."""
+    """Each level of a saved bench run predicted by simulating its deployment (`deps`, one
+    per level) on its arrivals: one printable row per figure, and the relative error of
+    every figure measured non-zero, by "rate figure". `results`, when given, gets the
+    first of each level's simulations."""
     slos = [SLO.parse(s) for s in run["slos"]]
     predicted: dict[str, float] = {}
     att_pred: dict[str, list[float]] = {s.name: [] for s in slos}
-    for level in run["levels"]:
+    for level, dep in zip(run["levels"], deps, strict=True):
         workload = workload_of(level)
         runs = [simulate(dep, workload, seed) for seed in range(SIM_RUNS)]
         if results is not None:
@@ -230,47 +235,36 @@ def remote_share(results: list[SimResult]) -> float:
     return float(remote.mean()) if len(remote) else 0.0
 
 
-def layout_profile(
-    profile: EngineProfile,
-    name: str,
-    logged: Sequence[StepRecord],
-    measured_from: float,
-    waits: bool = True,
-    warm_up_run: dict | None = None,
-    on_measured: bool = False,
-) -> EngineProfile:
-    """`profile` re-timed by the layout's engines' own steps before its measured run (the
-    unmeasured run that warmed it up), where they logged them with their shapes; with
-    `waits`, what those steps waited for a core fitted too (sim/step_waits.py), and the
-    path around the engines and the tokens' relay from that run's requests (`warm_up_run`:
-    sim/path_latency.py). With `on_measured`, by the measured run's own steps instead
-    (and `warm_up_run` should be the measured run): a diagnostic, not a prediction."""
-    fitted_on = [r for r in logged if (r.t >= measured_from) == on_measured]
+def layout_profile(profile: EngineProfile, name: str, fit: Fit, waits: bool = True) -> EngineProfile:
+    """`profile` re-timed by the layout's engines' own steps in `fit` (the unmeasured run
+    that warmed it up, or the one just before a level), where they logged them with their
+    shapes; with `waits`, what those steps waited for a core fitted too
+    (sim/step_waits.py), and the path around the engines and the tokens' relay from the
+    fit's run's requests (sim/path_latency.py)."""
     try:
-        retimed, factors = retime_profile(profile, fitted_on, waits=waits)
+        retimed, factors = retime_profile(profile, fit.records, waits=waits)
     except CalibrationError as exc:
         print(f"{name}: the profile as calibrated ({exc})", flush=True)
         return profile
-    which = "the measured run itself (--fit-on-measured)" if on_measured else "the unmeasured run before it"
-    print(f"{name}: the profile re-timed by its engines' steps in {which}")
+    print(f"{name}: the profile re-timed by its engines' steps in {fit.source}")
     print("\n".join("  " + row for row in factor_rows(factors)), flush=True)
     if retimed.waits is not None:
         print("\n".join("  " + row for row in wait_rows(retimed.waits)), flush=True)
-    if waits and warm_up_run is not None:
+    if waits and fit.run is not None:
         try:
-            retimed = replace(retimed, path=fit_path_latency(warm_up_run))
+            retimed = replace(retimed, path=fit_path_latency(fit.run))
             print("  " + path_row(retimed.path), flush=True)
         except ValueError as exc:
             print(f"  the path around the engines as calibrated ({exc})", flush=True)
     return retimed
 
 
-def predict(folder: Path, as_calibrated: bool = False, waits: bool = True, on_measured: bool = False) -> None:
+def predict(folder: Path, as_calibrated: bool = False, waits: bool = True, how: str = "per-level") -> None:
     """Each layout `measure` saved in `folder`, predicted as the planner sees it (the
     profile's steps on the layout's cores; re-timed by its engines' warm-up steps, where
-    they were logged, unless `as_calibrated`; by the measured run's own, `on_measured`)
-    and set beside its measured run, figure by figure and, where the engines logged their
-    steps, step by step."""
+    they were logged, unless `as_calibrated`; `how` says which: `level_fits`) and set
+    beside its measured run, figure by figure and, where the engines logged their steps,
+    step by step."""
     from splitserve.sim.host_planner import host_deployment, layout_deployment
     from splitserve.sim.specs import load_model as load_model_spec
 
@@ -291,41 +285,44 @@ def predict(folder: Path, as_calibrated: bool = False, waits: bool = True, on_me
         print(f"\n{name}: the bench client spent {client_s * 1e3:.1f} ms of CPU per request", flush=True)
         step_log = folder / f"{stem}-steps.jsonl"
         logged = read_step_log(step_log) if measured["measured_from"] is not None else []
-        mine = profile
+        profiles = [profile] * len(run["levels"])
         if logged and not as_calibrated:
             warm_up = folder / f"{stem}{WARM_UP}.json"
             warm_up_run = json.loads(warm_up.read_text()) if warm_up.exists() else None
-            fitted_on = run if on_measured else warm_up_run
-            mine = layout_profile(
-                profile, name, logged, measured["measured_from"], waits, fitted_on, on_measured
-            )
-        base = host_deployment(model_spec, mine, scheduler)
-        dep = layout_deployment(base, layout, mine.threads or len(saved["cpus"]), mine.measured_steps())
-        if command[0] == "serve":
-            dep = serve_deployment(dep, saved["input_len"])
+            fits = level_fits(measured, logged, warm_up_run, run, how)
+            unique = {id(fit): fit for fit in fits}  # levels that share a fit share its profile
+            fitted = {key: layout_profile(profile, name, fit, waits) for key, fit in unique.items()}
+            profiles = [fitted[id(fit)] for fit in fits]
         streamed = [q["output_tokens"] for lv in run["levels"] for q in lv["requests"] if q["output_tokens"]]
-        dep = with_client_cpu(dep, client_s / float(np.mean(streamed)) if streamed else 0.0)
+        deps = []
+        for mine in profiles:
+            base = host_deployment(model_spec, mine, scheduler)
+            dep = layout_deployment(base, layout, mine.threads or len(saved["cpus"]), mine.measured_steps())
+            if command[0] == "serve":
+                dep = serve_deployment(dep, saved["input_len"])
+            deps.append(with_client_cpu(dep, client_s / float(np.mean(streamed)) if streamed else 0.0))
         results: list[SimResult] = []
-        rows, errors = compare(run, dep, results)
+        rows, errors = compare(run, deps, results)
         print(f"\n{name} ({' '.join(measured['argv'])})")
         print("\n".join(rows))
         print(f"\n{name}: the time to first token by the server's phases")
         print("\n".join(ttft_part_rows(run, results)))
         if measured["measured_from"] is not None:
-            real = [r for r in logged if r.t > measured["measured_from"]]
+            real = in_windows(logged, level_windows(measured)[1])
             simulated = [(role, trace) for r in results for role, trace in zip(r.roles, r.steps, strict=True)]
             print(f"\n{name}: the engines' steps in the measured run ({step_log}) and the simulator's")
             print("\n".join(step_rows(real, simulated)))
         print_verdict(errors)
         routed = measured.get("routed")
-        if routed and dep.mode == "pd":
+        if routed and deps[0].mode == "pd":
             real_share = routed.get("pd_push", 0.0) / max(1.0, sum(routed.values()))
             print(f"prompts prefilled on a prefill worker: the proxy {real_share:.0%}, the simulator "
                   f"{remote_share(results):.0%}")  # fmt: skip
             pd = measured.get("pd_costs") or {}
             if pd.get("costs"):
                 own_results: list[SimResult] = []
-                _, own_errors = compare(run, replace(dep, pd_costs=CostModel(**pd["costs"])), own_results)
+                own = [replace(dep, pd_costs=CostModel(**pd["costs"])) for dep in deps]
+                _, own_errors = compare(run, own, own_results)
                 print(f"with the proxy's own costs ({pd['costs']}): the simulator "
                       f"{remote_share(own_results):.0%} remote")  # fmt: skip
                 print_verdict(own_errors)
@@ -385,6 +382,12 @@ def main() -> None:
     m.add_argument(
         "--repeat", action="store_true", help="measure each layout again, on a fresh start: the noise floor"
     )
+    m.add_argument(
+        "--per-level",
+        action="store_true",
+        help="each level's unmeasured run just before it (and each level predicted from its own), "
+        "not one unmeasured run of every level before the measured one",
+    )
     p.add_argument(
         "--as-calibrated",
         action="store_true",
@@ -404,19 +407,26 @@ def main() -> None:
         "steps and requests, not the run before it; what is then left is the model's error, "
         "not the host's drift between two runs",
     )
+    p.add_argument(
+        "--one-profile",
+        action="store_true",
+        help="with --replay of a --per-level run: one profile fitted on every level's warm-up, "
+        "not each level on its own",
+    )
     args = p.parse_args()
+    how = "measured" if args.fit_on_measured else "warm-up" if args.one_profile else "per-level"
     if args.measure:
         args.model = args.bench_model
-        predict(measure(args), args.as_calibrated, not args.placed_cpu, args.fit_on_measured)
+        predict(measure(args), args.as_calibrated, not args.placed_cpu, how)
         return
     if args.replay:
-        predict(Path(args.replay), args.as_calibrated, not args.placed_cpu, args.fit_on_measured)
+        predict(Path(args.replay), args.as_calibrated, not args.placed_cpu, how)
         return
     if not (args.bench_json and args.model and args.gpu and (args.profile or args.fit)):
         p.error("give BENCH_JSON MODEL GPU with --profile or --fit, or --measure")
     with open(args.bench_json) as f:
         run = json.load(f)
-    rows, errors = compare(run, deployment(args))
+    rows, errors = compare(run, [deployment(args)] * len(run["levels"]))
     print("\n".join(rows))
     print_verdict(errors)
 

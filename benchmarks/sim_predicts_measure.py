@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import resource
@@ -26,9 +27,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx
 
+from splitserve.goodput import distserve_goodput
+from splitserve.protocol.step_record import StepRecord
 from splitserve.sim.deployment import Deployment
 from splitserve.sim.host_planner import HostLayout
 
@@ -149,12 +153,20 @@ def measure_layout(
         # steps cost 5.7 ms of CPU where its measured run's cost 4.1-4.2 at every rate
         rates = ",".join(f"{r:g}" for r in args.rates)
         requests = max(20, args.num_requests // 4)
-        warm_up = (rates, folder / f"{stem}{WARM_UP}.json", args.seed + WARM_UP_SEED, slo, requests)
-        client_cpu = [bench_run(args, model, url, *warm_up)]
-        measured_from = time.monotonic()
-        routed_before = proxy_routes(url) if command[0] == "up" else {}
-        measured = (rates, folder / f"{stem}.json", args.seed, slo, args.num_requests)
-        client_cpu.append(bench_run(args, model, url, *measured))
+        routed_before: dict[str, float] = {}
+        if args.per_level:
+            if command[0] == "up":  # here the routes counted include the warm-ups'
+                routed_before = proxy_routes(url)
+            client_cpu, windows = bench_levels(args, model, url, folder, stem, slo, WARM_UP_SEED)
+            measured_from = windows["level_windows"][0][0]
+        else:
+            warm_up = (rates, folder / f"{stem}{WARM_UP}.json", args.seed + WARM_UP_SEED, slo, requests)
+            client_cpu = [bench_run(args, model, url, *warm_up)]
+            measured_from, windows = time.monotonic(), {}
+            if command[0] == "up":
+                routed_before = proxy_routes(url)
+            measured = (rates, folder / f"{stem}.json", args.seed, slo, args.num_requests)
+            client_cpu.append(bench_run(args, model, url, *measured))
         if command[0] == "up":  # how the proxy routed the measured run, and on what costs
             routed = {path: n - routed_before.get(path, 0.0) for path, n in proxy_routes(url).items()}
             workers = httpx.get(url + "/workers", timeout=30).json()
@@ -165,8 +177,98 @@ def measure_layout(
         "argv": argv[3:],
         "client_s_per_request": client_cpu_per_request(client_cpu),
         "measured_from": measured_from if args.step_log else None,
+        **(windows if args.step_log else {}),
         **proxy,
     }
+
+
+def bench_levels(
+    args: argparse.Namespace, model: Path, url: str, folder: Path, stem: str, slo: str, warm_up_seed: int
+) -> tuple[list[tuple[int, float]], dict[str, list[tuple[float, float]]]]:
+    """`--per-level`: each rate's unmeasured run just before its measured one, so that each
+    level is predicted from steps logged seconds before it at its own load, not minutes
+    before at every load (the host's speed drifts between the two: docs/sim.md). The runs
+    are merged into the layout's warm-up run and its measured run, one level each, and the
+    clock windows of each are returned beside what the client spent (`bench_run`)."""
+    warm_ups, levels, spent = [], [], [(0, 0.0), (0, 0.0)]
+    windows: dict[str, list[tuple[float, float]]] = {"warm_up_windows": [], "level_windows": []}
+    warm_up_requests = max(20, args.num_requests // 4)
+    for k, rate in enumerate(args.rates):
+        for kind, name, seed, requests, parts in (
+            ("warm_up_windows", WARM_UP, args.seed + warm_up_seed + k, warm_up_requests, warm_ups),
+            ("level_windows", "-level", args.seed + k, args.num_requests, levels),
+        ):
+            out = folder / f"{stem}{name}-{k}.json"
+            start = time.monotonic()
+            sent, cpu_s = bench_run(args, model, url, f"{rate:g}", out, seed, slo, requests)
+            windows[kind].append((start, time.monotonic()))
+            parts.append(json.loads(out.read_text()))
+            i = kind == "level_windows"
+            spent[i] = (spent[i][0] + sent, spent[i][1] + cpu_s)
+    (folder / f"{stem}{WARM_UP}.json").write_text(json.dumps(merged_run(warm_ups)))
+    (folder / f"{stem}.json").write_text(json.dumps(merged_run(levels)))
+    return spent, windows
+
+
+def merged_run(parts: Sequence[dict]) -> dict:
+    """Bench runs of one level each as one run of their levels, in order, its DistServe
+    goodput taken over all of them as `splitserve bench` takes it over its levels."""
+    levels = [level for part in parts for level in part["levels"]]
+    rates = [level["load"]["rate"] for level in levels]
+    first = parts[0]
+    goodput = {
+        slo: distserve_goodput(
+            rates, [level["summary"]["attainment"][slo] for level in levels], first["required_attainment"]
+        )
+        for slo in first["slos"]
+    }
+    return {**first, "levels": levels, "goodput_distserve": goodput}
+
+
+class Fit(NamedTuple):
+    """What a level of a layout is predicted from: the logged steps that re-time the
+    profile and fit the waits, and the bench run whose requests fit the path (`source`
+    says which run they are, for the printout)."""
+
+    source: str
+    records: list[StepRecord]
+    run: dict | None
+
+
+def in_windows(records: Sequence[StepRecord], windows: Sequence[Sequence[float]]) -> list[StepRecord]:
+    return [r for r in records if any(start <= r.t < end for start, end in windows)]
+
+
+def level_windows(measured: dict) -> tuple[list[Sequence[float]], list[Sequence[float]]]:
+    """A layout's warm-up and measured clock windows: one each (a warm-up run, then the
+    measured one), or one per level (`--per-level`)."""
+    if "level_windows" in measured:
+        return measured["warm_up_windows"], measured["level_windows"]
+    start = measured["measured_from"]
+    return [(-math.inf, start)], [(start, math.inf)]
+
+
+def level_fits(
+    measured: dict, logged: Sequence[StepRecord], warm_up_run: dict | None, run: dict, how: str
+) -> list[Fit]:
+    """One `Fit` per level of the measured run (the same object where levels share one).
+    `how`: "warm-up" (every warm-up run's steps and requests), "per-level" (each level's
+    own warm-up, where it was measured `--per-level`; else as "warm-up"), "measured" (the
+    measured run's own: a diagnostic of the model without the host's drift)."""
+    warm, levels = level_windows(measured)
+    count = len(run["levels"])
+    if how == "measured":
+        return [Fit("the measured run itself (--fit-on-measured)", in_windows(logged, levels), run)] * count
+    if how == "per-level" and len(warm) == count and warm_up_run is not None:
+        return [
+            Fit(
+                f"the unmeasured run just before its {level['load']['rate']:g} req/s",
+                in_windows(logged, [window]),
+                {**warm_up_run, "levels": [warm_up_run["levels"][k]]},
+            )
+            for k, (level, window) in enumerate(zip(run["levels"], warm, strict=True))
+        ]
+    return [Fit("the unmeasured run before it", in_windows(logged, warm), warm_up_run)] * count
 
 
 def serve_deployment(dep: Deployment, prompt_tokens: int) -> Deployment:

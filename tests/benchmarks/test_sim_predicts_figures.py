@@ -134,6 +134,18 @@ def test_two_collocated_engines_are_measured_as_the_planner_starts_them(monkeypa
     assert "up 2 collocated" in measure.LAYOUTS
 
 
+def step_lines(speeds: list[float], model) -> list[dict]:
+    """One decode step a speed (a multiple of `model`'s time), back to back on one engine."""
+    lines, cpu, t = [], 0.0, 0.0
+    for speed in speeds:
+        cost = speed * float(model.decode_s(1, 300))
+        cpu, t = cpu + cost, t + cost
+        lines.append({"pid": 3, "role": "decode", "t": t, "step_s": cost, "tokens": 1, "running": 1,
+                      "thread_cpu_s": cpu, "decodes": 1, "context": 300, "chunks": [], "threads": 1,
+                      "borrowed": False})  # fmt: skip
+    return lines
+
+
 def test_each_layout_is_retimed_by_its_engines_warm_up_steps_alone(script, tmp_path: Path, capsys):
     """The unmeasured run before a layout's measurement re-times the profile it is
     predicted with; the measured run's own steps do not (nor does a log without shapes)."""
@@ -143,33 +155,83 @@ def test_each_layout_is_retimed_by_its_engines_warm_up_steps_alone(script, tmp_p
 
     model = StepModel(0.002, 20e-6, 4e-9, (1, 4), (0.004, 0.006), 1e-7)
     profile = EngineProfile(model, threads=1)
-    lines, cpu, t = [], 0.0, 0.0
-    for i in range(40):  # 20 warm-up steps at 2x the model, then 20 measured ones at 5x
-        cost = (2.0 if i < 20 else 5.0) * float(model.decode_s(1, 300))
-        cpu, t = cpu + cost, t + cost
-        lines.append({"pid": 3, "role": "decode", "t": t, "step_s": cost, "tokens": 1, "running": 1,
-                      "thread_cpu_s": cpu, "decodes": 1, "context": 300, "chunks": [], "threads": 1,
-                      "borrowed": False})  # fmt: skip
+    lines = step_lines([2.0] * 20 + [5.0] * 20, model)  # 20 warm-up steps at 2x, 20 measured at 5x
     log = tmp_path / "steps.jsonl"
     log.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    retimed = script.layout_profile(
-        profile, "up 1P+1D", read_step_log(log), measured_from=lines[19]["t"] + 1e-6
-    )
+    measured = {"measured_from": lines[19]["t"] + 1e-6}
+    run = {"levels": [{"load": {"rate": 4.0}}, {"load": {"rate": 8.0}}]}
+    fits = script.level_fits(measured, read_step_log(log), None, run, "per-level")
+    assert len(fits) == 2 and fits[0] is fits[1]  # one warm-up run: one fit for every level
+    retimed = script.layout_profile(profile, "up 1P+1D", fits[0])
     assert float(retimed.steps.decode_s(1, 300)) == pytest.approx(2.0 * float(model.decode_s(1, 300)))
     out = capsys.readouterr().out
     assert "1 thread(s): decode B=1: x2.00" in out
     # and what its steps waited for a core (here nothing beyond their CPU), unless told not to
     assert retimed.waits is not None and retimed.waits.kinds["decode"][0].per_compute == 0.0
     assert "decode waits (others idle): 0.000 s/s of compute" in out
-    speed_only = script.layout_profile(
-        profile, "up 1P+1D", read_step_log(log), measured_from=lines[19]["t"] + 1e-6, waits=False
-    )
+    speed_only = script.layout_profile(profile, "up 1P+1D", fits[0], waits=False)
     assert speed_only.waits is None and speed_only.steps == retimed.steps
+    itself = script.level_fits(measured, read_step_log(log), None, run, "measured")[0]
+    assert {r.step_s for r in itself.records} == {lines[20]["step_s"]}  # --fit-on-measured: the 5x steps
     capsys.readouterr()
     shapeless = [{k: v for k, v in line.items() if k != "decodes"} for line in lines]
     log.write_text("".join(json.dumps(line) + "\n" for line in shapeless))
-    assert script.layout_profile(profile, "up 1P+1D", read_step_log(log), measured_from=1e9) is profile
+    (fit, _) = script.level_fits(measured, read_step_log(log), None, run, "warm-up")
+    assert script.layout_profile(profile, "up 1P+1D", fit) is profile
     assert "the profile as calibrated" in capsys.readouterr().out
+
+
+def test_a_level_measured_per_level_is_predicted_from_the_warm_up_just_before_it(
+    script, tmp_path: Path, capsys
+):
+    """`--per-level`: warm-up at 4 req/s, 4 req/s, warm-up at 8 req/s, 8 req/s. Each level
+    is re-timed by its own warm-up's steps and its path fitted from its requests; with
+    `--one-profile` (how "warm-up"), every level by every warm-up's steps."""
+    from splitserve.protocol.step_record import read_step_log
+    from splitserve.sim.profile import EngineProfile
+    from splitserve.sim.step_model import StepModel
+
+    model = StepModel(0.002, 20e-6, 4e-9, (1, 4), (0.004, 0.006), 1e-7)
+    profile = EngineProfile(model, threads=1)
+    lines = step_lines([2.0] * 20 + [9.0] * 20 + [3.0] * 20 + [9.0] * 20, model)
+    ends = [lines[i]["t"] + 1e-6 for i in (19, 39, 59, 79)]
+    measured = {
+        "measured_from": ends[0],
+        "warm_up_windows": [[0.0, ends[0]], [ends[1], ends[2]]],
+        "level_windows": [[ends[0], ends[1]], [ends[2], ends[3]]],
+    }
+    log = tmp_path / "steps.jsonl"
+    log.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    warm_up_run = {"levels": [{"load": {"rate": 4.0}, "n": 0}, {"load": {"rate": 8.0}, "n": 1}]}
+    run = {"levels": [{"load": {"rate": 4.0}}, {"load": {"rate": 8.0}}]}
+    first, second = script.level_fits(measured, read_step_log(log), warm_up_run, run, "per-level")
+    own = [[warm_up_run["levels"][0]], [warm_up_run["levels"][1]]]
+    assert [f.run["levels"] for f in (first, second)] == own
+    assert "just before its 8 req/s" in second.source
+    speeds = [
+        float(script.layout_profile(profile, "up 1P+1D", fit, waits=False).steps.decode_s(1, 300))
+        / float(model.decode_s(1, 300))
+        for fit in (first, second)
+    ]
+    assert speeds == pytest.approx([2.0, 3.0])
+    (pooled, again) = script.level_fits(measured, read_step_log(log), warm_up_run, run, "warm-up")
+    assert pooled is again and len(pooled.records) == 40 and pooled.run is warm_up_run
+    (itself, _) = script.level_fits(measured, read_step_log(log), warm_up_run, run, "measured")
+    assert len(itself.records) == 40 and {r.step_s for r in itself.records} == {lines[20]["step_s"]}
+    capsys.readouterr()
+
+
+def test_runs_of_one_level_each_merge_into_one_run_with_its_goodput(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    measure = importlib.import_module("sim_predicts_measure")
+    parts = [
+        {**run(4.0, level(rate, 40, 6, attained)), "required_attainment": 0.9}
+        for rate, attained in ((4.0, 1.0), (8.0, 0.95), (12.0, 0.5))
+    ]
+    merged = measure.merged_run(parts)
+    assert [lv["load"]["rate"] for lv in merged["levels"]] == [4.0, 8.0, 12.0]
+    assert merged["goodput_distserve"] == {"ttft=500ms": 8.0}
+    assert merged["slos"] == ["ttft=500ms"] and merged["required_attainment"] == 0.9
 
 
 def test_a_levels_prediction_is_taken_over_several_simulations_of_its_arrivals(script, monkeypatch):
@@ -191,7 +253,7 @@ def test_a_levels_prediction_is_taken_over_several_simulations_of_its_arrivals(s
     summary = level(20.0, 100.0, 10.0, 1.0)["summary"]
     bench = run(20.0, {"load": load, "requests": requests, "summary": summary}) | {"required_attainment": 0.9}
     results: list = []
-    _, errors = script.compare(bench, dep, results)
+    _, errors = script.compare(bench, [dep], results)
     workload = script.workload_of(bench["levels"][0])
     runs = [simulate(dep, workload, seed) for seed in range(3)]
     pooled = np.concatenate([r.ttft[2:] for r in runs])
