@@ -26,13 +26,16 @@ before, and what their steps waited for a core, sim/step_waits.py; `--placed-cpu
 the speed only and lets the simulator place the tiers' CPU itself; `--as-calibrated`
 predicts with the profile as calibrated; `--fit-on-measured`, a diagnostic, fits each layout on
 its measured run itself, which leaves the model's error without the host's drift between
-runs). Everything measured
+runs). With `--per-level` each rate's unmeasured run comes just before its measured one,
+and each level is predicted from the steps and requests of its own (the host's speed
+drifts over the minutes between one sweep and the next, and an engine's speed depends on
+its load; `--replay --one-profile` fits one profile on every level's instead). Everything measured
 stays in the folder printed; `--replay FOLDER` predicts it again, with the code as it is
 then, without measuring:
 
     python benchmarks/bench_sim_predicts_bench.py --measure [--model bench|smollm2|DIR] \
         [--rates 2 8 14] [--input-len 256] [--output-len 32] [--layouts serve "up 1P+1D"] \
-        [--step-log] [--repeat]
+        [--step-log] [--per-level] [--repeat]
     python benchmarks/bench_sim_predicts_bench.py --replay /tmp/bench-sim-predicts-XXXX
 
 `--profile` (a `sim calibrate --out` file): the fitted step times, the render tier's cost
@@ -404,8 +407,8 @@ def main() -> None:
         "--fit-on-measured",
         action="store_true",
         help="with --replay, a diagnostic: re-time and fit each layout on its measured run's own "
-        "steps and requests, not the run before it; what is then left is the model's error, "
-        "not the host's drift between two runs",
+        "steps and requests (each level its own, where measured --per-level), not the run "
+        "before it; what is then left is the model's error, not the host's drift between two runs",
     )
     p.add_argument(
         "--one-profile",

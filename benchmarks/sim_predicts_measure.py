@@ -2,8 +2,9 @@
 calibrated as bench_plan_pick.py does, then each layout (`serve`, `up --prefill 0 --decode
 1`, `up --prefill 1 --decode 1`, `up --prefill 0 --decode 2`, pinned as the planner would
 start them) measured by
-`splitserve bench` after an unmeasured run, everything saved in one folder
-(`measured.json` beside the profile, the runs and the step logs) for `--replay`.
+`splitserve bench` after an unmeasured run (with `--per-level`, one before each level),
+everything saved in one folder (`measured.json` beside the profile, the runs, the step
+logs and the clock windows of each run) for `--replay`.
 
 A level near or past a layout's capacity is not reproducible from one start to the next on
 a machine whose speed moves between processes: `--repeat` measures each layout twice, from
@@ -254,21 +255,28 @@ def level_fits(
     """One `Fit` per level of the measured run (the same object where levels share one).
     `how`: "warm-up" (every warm-up run's steps and requests), "per-level" (each level's
     own warm-up, where it was measured `--per-level`; else as "warm-up"), "measured" (the
-    measured run's own: a diagnostic of the model without the host's drift)."""
+    measured run's own, each level's where it was measured `--per-level`: a diagnostic of
+    the model without the host's drift)."""
     warm, levels = level_windows(measured)
     count = len(run["levels"])
+    rates = [f"{level['load']['rate']:g} req/s" for level in run["levels"]]
+    if how == "measured" and len(levels) == count:  # measured level by level: each on itself
+        return [
+            Fit(f"its {rate} level itself (--fit-on-measured)", in_windows(logged, [w]), one_level(run, k))
+            for k, (rate, w) in enumerate(zip(rates, levels, strict=True))
+        ]
     if how == "measured":
         return [Fit("the measured run itself (--fit-on-measured)", in_windows(logged, levels), run)] * count
     if how == "per-level" and len(warm) == count and warm_up_run is not None:
         return [
-            Fit(
-                f"the unmeasured run just before its {level['load']['rate']:g} req/s",
-                in_windows(logged, [window]),
-                {**warm_up_run, "levels": [warm_up_run["levels"][k]]},
-            )
-            for k, (level, window) in enumerate(zip(run["levels"], warm, strict=True))
+            Fit(f"the unmeasured run just before {rate}", in_windows(logged, [w]), one_level(warm_up_run, k))
+            for k, (rate, w) in enumerate(zip(rates, warm, strict=True))
         ]
     return [Fit("the unmeasured run before it", in_windows(logged, warm), warm_up_run)] * count
+
+
+def one_level(run: dict, k: int) -> dict:
+    return {**run, "levels": [run["levels"][k]]}
 
 
 def serve_deployment(dep: Deployment, prompt_tokens: int) -> Deployment:
