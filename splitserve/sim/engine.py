@@ -286,7 +286,10 @@ class Engine:
         k = len(times)
         self.serving_done_s = k * self._serving_per_step_s
         self.step_chunks.append(times)
-        self.step_lengths.append(np.diff(times, prepend=self._step_start))
+        lengths = np.empty(k)  # np.diff(times, prepend=start), without its cost per call
+        lengths[0] = times[0] - self._step_start
+        np.subtract(times[1:], times[:-1], out=lengths[1:])
+        self.step_lengths.append(lengths)
         self.step_token_counts.append(len(self.run_ids) + sum(n for _, n, _ in self._chunks))
         self.n_steps += k
         finished: list[int] = []

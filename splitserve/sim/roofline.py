@@ -121,6 +121,7 @@ class Roofline:
         # decode reads and writes every running sequence's Mamba state each step
         self._state_bytes_per_seq = 2.0 * model.state_bytes_per_request
         self.small_chunk_flops = 2.0 * model.active_layer_params * eff.small_chunk_tokens
+        self._dense_weight_bytes = (model.layer_params + model.head_params) * model.dtype_bytes
 
     @property
     def ridge(self) -> float:
@@ -130,8 +131,8 @@ class Roofline:
         """Weight bytes one forward pass over `tokens` tokens reads. For MoE, only the experts
         some token was routed to (expected count under uniform routing)."""
         m = self.model
-        if not m.is_moe:
-            return (m.layer_params + m.head_params) * m.dtype_bytes
+        if not m.is_moe:  # every step reads them all: summed once (a hot path of the simulator)
+            return self._dense_weight_bytes
         touched = m.experts * (1.0 - (1.0 - m.experts_per_token / m.experts) ** max(tokens, 1))
         unread = m.moe_layers * (m.experts - touched) * m.expert_params
         return (m.layer_params - unread + m.head_params) * m.dtype_bytes
