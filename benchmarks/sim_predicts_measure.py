@@ -158,7 +158,8 @@ def measure_layout(
         if args.per_level:
             if command[0] == "up":  # here the routes counted include the warm-ups'
                 routed_before = proxy_routes(url)
-            client_cpu, windows = bench_levels(args, model, url, folder, stem, slo, WARM_UP_SEED)
+            warm_up_each = (args.seed + WARM_UP_SEED, requests)
+            client_cpu, windows = bench_levels(args, model, url, folder, stem, slo, warm_up_each)
             measured_from = windows["level_windows"][0][0]
         else:
             warm_up = (rates, folder / f"{stem}{WARM_UP}.json", args.seed + WARM_UP_SEED, slo, requests)
@@ -184,27 +185,35 @@ def measure_layout(
 
 
 def bench_levels(
-    args: argparse.Namespace, model: Path, url: str, folder: Path, stem: str, slo: str, warm_up_seed: int
+    args: argparse.Namespace,
+    model: Path,
+    url: str,
+    folder: Path,
+    stem: str,
+    slo: str,
+    warm_up: tuple[int, int],
 ) -> tuple[list[tuple[int, float]], dict[str, list[tuple[float, float]]]]:
     """`--per-level`: each rate's unmeasured run just before its measured one, so that each
     level is predicted from steps logged seconds before it at its own load, not minutes
     before at every load (the host's speed drifts between the two: docs/sim.md). The runs
     are merged into the layout's warm-up run and its measured run, one level each, and the
-    clock windows of each are returned beside what the client spent (`bench_run`)."""
-    warm_ups, levels, spent = [], [], [(0, 0.0), (0, 0.0)]
+    clock windows of each are returned beside what the client spent (`bench_run`).
+    `warm_up`: the warm-up runs' first seed and requests a level."""
+    warm_ups: list[dict] = []
+    levels: list[dict] = []
+    spent = [(0, 0.0), (0, 0.0)]
     windows: dict[str, list[tuple[float, float]]] = {"warm_up_windows": [], "level_windows": []}
-    warm_up_requests = max(20, args.num_requests // 4)
     for k, rate in enumerate(args.rates):
-        for kind, name, seed, requests, parts in (
-            ("warm_up_windows", WARM_UP, args.seed + warm_up_seed + k, warm_up_requests, warm_ups),
+        runs = (
+            ("warm_up_windows", WARM_UP, warm_up[0] + k, warm_up[1], warm_ups),
             ("level_windows", "-level", args.seed + k, args.num_requests, levels),
-        ):
+        )
+        for i, (kind, name, seed, requests, parts) in enumerate(runs):
             out = folder / f"{stem}{name}-{k}.json"
             start = time.monotonic()
             sent, cpu_s = bench_run(args, model, url, f"{rate:g}", out, seed, slo, requests)
             windows[kind].append((start, time.monotonic()))
             parts.append(json.loads(out.read_text()))
-            i = kind == "level_windows"
             spent[i] = (spent[i][0] + sent, spent[i][1] + cpu_s)
     (folder / f"{stem}{WARM_UP}.json").write_text(json.dumps(merged_run(warm_ups)))
     (folder / f"{stem}.json").write_text(json.dumps(merged_run(levels)))
