@@ -35,7 +35,7 @@ then, without measuring:
 
     python benchmarks/bench_sim_predicts_bench.py --measure [--model bench|smollm2|DIR] \
         [--rates 2 8 14] [--input-len 256] [--output-len 32] [--layouts serve "up 1P+1D"] \
-        [--step-log] [--per-level] [--repeat]
+        [--step-log] [--per-level [--warm-up-s 10]] [--repeat]
     python benchmarks/bench_sim_predicts_bench.py --replay /tmp/bench-sim-predicts-XXXX
 
 `--profile` (a `sim calibrate --out` file): the fitted step times, the render tier's cost
@@ -63,16 +63,15 @@ from sim_predicts_measure import (
     WARM_UP,
     Fit,
     in_windows,
-    layout_of,
     level_fits,
     level_windows,
     measure,
-    serve_deployment,
+    planned_deployment,
     with_client_cpu,
 )
 from step_tables import step_rows, ttft_part_rows
 
-from splitserve.config import UP_LONG_PREFILL_TOKEN_THRESHOLD, SchedulerConfig
+from splitserve.config import SchedulerConfig
 from splitserve.goodput import SLO, arrival_times, distserve_goodput
 from splitserve.protocol.pd_decision import CostModel
 from splitserve.protocol.step_record import read_step_log
@@ -268,21 +267,15 @@ def predict(folder: Path, as_calibrated: bool = False, waits: bool = True, how: 
     they were logged, unless `as_calibrated`; `how` says which: `level_fits`) and set
     beside its measured run, figure by figure and, where the engines logged their steps,
     step by step."""
-    from splitserve.sim.host_planner import host_deployment, layout_deployment
     from splitserve.sim.specs import load_model as load_model_spec
 
     saved = json.loads((folder / MEASURED).read_text())
     profile = load_profile(str(folder / "profile.json"))
-    # the engines as `up` starts them (its long-prefill threshold, not the engine's default)
-    scheduler = SchedulerConfig(
-        max_num_batched_tokens=saved["budget"], long_prefill_token_threshold=UP_LONG_PREFILL_TOKEN_THRESHOLD
-    )
     model_spec = load_model_spec(saved["model"])
     all_errors: dict[str, float] = {}
     repeat_errors: dict[str, float] = {}
     for name, measured in saved["layouts"].items():
         stem = name.replace(" ", "-")
-        command, layout = layout_of(name, saved["cpus"])
         run = json.loads((folder / f"{stem}.json").read_text())
         client_s = measured["client_s_per_request"]
         print(f"\n{name}: the bench client spent {client_s * 1e3:.1f} ms of CPU per request", flush=True)
@@ -299,10 +292,9 @@ def predict(folder: Path, as_calibrated: bool = False, waits: bool = True, how: 
         streamed = [q["output_tokens"] for lv in run["levels"] for q in lv["requests"] if q["output_tokens"]]
         deps = []
         for mine in profiles:
-            base = host_deployment(model_spec, mine, scheduler)
-            dep = layout_deployment(base, layout, mine.threads or len(saved["cpus"]), mine.measured_steps())
-            if command[0] == "serve":
-                dep = serve_deployment(dep, saved["input_len"])
+            dep = planned_deployment(
+                model_spec, mine, saved["budget"], name, saved["cpus"], saved["input_len"]
+            )
             deps.append(with_client_cpu(dep, client_s / float(np.mean(streamed)) if streamed else 0.0))
         results: list[SimResult] = []
         rows, errors = compare(run, deps, results)
@@ -390,6 +382,12 @@ def main() -> None:
         action="store_true",
         help="each level's unmeasured run just before it (and each level predicted from its own), "
         "not one unmeasured run of every level before the measured one",
+    )
+    m.add_argument(
+        "--warm-up-s",
+        type=float,
+        default=10.0,
+        help="with --per-level: each level's unmeasured run sends this many seconds of arrivals, or more",
     )
     p.add_argument(
         "--as-calibrated",

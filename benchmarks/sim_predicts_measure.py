@@ -32,10 +32,13 @@ from typing import NamedTuple
 
 import httpx
 
+from splitserve.config import UP_LONG_PREFILL_TOKEN_THRESHOLD, SchedulerConfig
 from splitserve.goodput import distserve_goodput
 from splitserve.protocol.step_record import StepRecord
 from splitserve.sim.deployment import Deployment
-from splitserve.sim.host_planner import HostLayout
+from splitserve.sim.host_planner import HostLayout, host_deployment, layout_deployment
+from splitserve.sim.profile import EngineProfile
+from splitserve.sim.specs import ModelSpec
 
 LAYOUTS = ("serve", "up serve-like", "up 1P+1D", "up 2 collocated")
 WARM_UP = "-warm-up"  # a layout's unmeasured run: `stem`-warm-up.json
@@ -198,14 +201,17 @@ def bench_levels(
     before at every load (the host's speed drifts between the two: docs/sim.md). The runs
     are merged into the layout's warm-up run and its measured run, one level each, and the
     clock windows of each are returned beside what the client spent (`bench_run`).
-    `warm_up`: the warm-up runs' first seed and requests a level."""
+    `warm_up`: the warm-up runs' first seed and fewest requests a level; each sends at least
+    `--warm-up-s` seconds of arrivals, so that a level near capacity has built its queue
+    before it is fitted (60 requests at 16 req/s came to 4 s, and one such level came out
+    59% short of its time to first token: docs/sim.md)."""
     warm_ups: list[dict] = []
     levels: list[dict] = []
     spent = [(0, 0.0), (0, 0.0)]
     windows: dict[str, list[tuple[float, float]]] = {"warm_up_windows": [], "level_windows": []}
     for k, rate in enumerate(args.rates):
         runs = (
-            ("warm_up_windows", WARM_UP, warm_up[0] + k, warm_up[1], warm_ups),
+            ("warm_up_windows", WARM_UP, warm_up[0] + k, warm_up_requests(rate, warm_up[1], args), warm_ups),
             ("level_windows", "-level", args.seed + k, args.num_requests, levels),
         )
         for i, (kind, name, seed, requests, parts) in enumerate(runs):
@@ -218,6 +224,10 @@ def bench_levels(
     (folder / f"{stem}{WARM_UP}.json").write_text(json.dumps(merged_run(warm_ups)))
     (folder / f"{stem}.json").write_text(json.dumps(merged_run(levels)))
     return spent, windows
+
+
+def warm_up_requests(rate: float, fewest: int, args: argparse.Namespace) -> int:
+    return max(fewest, math.ceil(rate * args.warm_up_s))
 
 
 def merged_run(parts: Sequence[dict]) -> dict:
@@ -286,6 +296,21 @@ def level_fits(
 
 def one_level(run: dict, k: int) -> dict:
     return {**run, "levels": [run["levels"][k]]}
+
+
+def planned_deployment(
+    model_spec: ModelSpec, profile: EngineProfile, budget: int, name: str, cpus: Sequence[int], input_len: int
+) -> Deployment:
+    """Layout `name` as the planner sees it (sim/host_planner.py: the profile's steps on the
+    layout's cores), its engines' scheduler as `up` starts them (its long-prefill threshold,
+    not the engine's default), and `serve` as `serve_deployment` has it."""
+    command, layout = layout_of(name, cpus)
+    scheduler = SchedulerConfig(
+        max_num_batched_tokens=budget, long_prefill_token_threshold=UP_LONG_PREFILL_TOKEN_THRESHOLD
+    )
+    base = host_deployment(model_spec, profile, scheduler)
+    dep = layout_deployment(base, layout, profile.threads or len(cpus), profile.measured_steps())
+    return serve_deployment(dep, input_len) if command[0] == "serve" else dep
 
 
 def serve_deployment(dep: Deployment, prompt_tokens: int) -> Deployment:

@@ -78,7 +78,7 @@ def test_serve_meets_a_request_with_its_own_api_where_up_has_its_proxy(script):
         cpu_s_per_token=0.001,
     )
     up = Deployment(load_model("Qwen2.5-7B"), load_gpu("L40S"), cpu=cpu)
-    serve = script.serve_deployment(up, 256)
+    serve = importlib.import_module("sim_predicts_measure").serve_deployment(up, 256)
     assert up.cpu.delay_s(256) == pytest.approx(0.001 + 256e-6 + 0.008)
     assert serve.cpu.delay_s(256) == pytest.approx(0.001 + 256e-6 + 0.004)
     assert serve.cpu.cpu_s_per_request == serve.cpu.cpu_s_per_token == 0.0
@@ -222,6 +222,38 @@ def test_a_level_measured_per_level_is_predicted_from_the_warm_up_just_before_it
     capsys.readouterr()
 
 
+def test_each_levels_warm_up_sends_seconds_of_arrivals_at_its_rate(monkeypatch, tmp_path: Path):
+    """`--per-level --warm-up-s 10`: a level's warm-up sends 10 s of its arrivals, or a
+    quarter of the measured requests where that is more; warm-ups and levels alternate, each
+    with its clock window, and merge into one run each."""
+    import argparse
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    measure = importlib.import_module("sim_predicts_measure")
+    sent: list[tuple[str, int, int]] = []
+
+    def bench_run(args, model, url, rate, out, seed, slo, requests):
+        sent.append((out.name, seed, requests))
+        part = {**run(1.0, level(float(rate), 40, 6, 1.0)), "required_attainment": 0.9}
+        out.write_text(json.dumps(part))
+        return requests, 0.5
+
+    monkeypatch.setattr(measure, "bench_run", bench_run)
+    args = argparse.Namespace(rates=[2.0, 16.0], seed=5, num_requests=80, warm_up_s=10.0)
+    spent, windows = measure.bench_levels(args, Path("m"), "url", tmp_path, "serve", "ttft=500ms", (105, 20))
+    assert sent == [
+        ("serve-warm-up-0.json", 105, 20),
+        ("serve-level-0.json", 5, 80),
+        ("serve-warm-up-1.json", 106, 160),
+        ("serve-level-1.json", 6, 80),
+    ]
+    assert spent == [(180, 1.0), (160, 1.0)]
+    (w0, w1), (l0, l1) = windows["warm_up_windows"], windows["level_windows"]
+    assert w0[1] <= l0[0] <= l0[1] <= w1[0] <= w1[1] <= l1[0]
+    merged = json.loads((tmp_path / "serve.json").read_text())
+    assert [lv["load"]["rate"] for lv in merged["levels"]] == [2.0, 16.0]
+
+
 def test_runs_of_one_level_each_merge_into_one_run_with_its_goodput(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     measure = importlib.import_module("sim_predicts_measure")
@@ -261,3 +293,28 @@ def test_a_levels_prediction_is_taken_over_several_simulations_of_its_arrivals(s
     assert errors["20 TTFT p50 ms"] == pytest.approx(abs(np.percentile(pooled, 50) * 1e3 / 100.0 - 1))
     assert np.percentile(pooled, 50) != pytest.approx(np.percentile(runs[1].ttft[2:], 50))
     assert len(results) == 1 and np.array_equal(results[0].ttft, runs[0].ttft)  # the first, for the tables
+
+
+def test_each_layout_is_planned_with_the_scheduler_up_gives_its_engines(monkeypatch):
+    """`up`'s engines run with its long-prefill threshold and the measured token budget;
+    `serve` with its engine's own scheduler (no cap), one engine of both roles."""
+    from splitserve.config import UP_LONG_PREFILL_TOKEN_THRESHOLD
+    from splitserve.sim import load_model
+    from splitserve.sim.profile import EngineProfile
+    from splitserve.sim.step_model import StepModel
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    measure = importlib.import_module("sim_predicts_measure")
+    profile = EngineProfile(StepModel(0.002, 20e-6, 4e-9, (1, 4), (0.004, 0.006), 1e-7), threads=2)
+    planned = {
+        name: measure.planned_deployment(load_model("Qwen2.5-7B"), profile, 1024, name, [0, 1], 256)
+        for name in ("serve", "up 1P+1D", "up 2 collocated")
+    }
+    thresholds = {name: dep.sched.scheduler.long_prefill_token_threshold for name, dep in planned.items()}
+    assert thresholds == {
+        "serve": 0,
+        "up 1P+1D": UP_LONG_PREFILL_TOKEN_THRESHOLD,
+        "up 2 collocated": UP_LONG_PREFILL_TOKEN_THRESHOLD,
+    }
+    assert {dep.sched.scheduler.max_num_batched_tokens for dep in planned.values()} == {1024}
+    assert planned["up 1P+1D"].mode == "pd" and planned["serve"].mode != "pd"
