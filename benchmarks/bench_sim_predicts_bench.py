@@ -16,7 +16,9 @@ profile is calibrated as bench_plan_pick.py does, then `serve`, `up --prefill 0 
 (serve-like), `up --prefill 1 --decode 1` and `up --prefill 0 --decode 2` (two collocated
 engines, one a core) as the planner would start them are each
 measured by `splitserve bench` at the given rates (one unmeasured run first; with
-`--repeat`, each layout is started and measured a second time: the noise floor), and each
+`--repeat N`, each layout is started and measured N times more, in rounds spread over the
+run: each figure's median over the rounds is predicted, and each round against the median
+of the others is the noise floor), and each
 run is predicted as the planner sees that layout (sim/host_planner.py: the profile's steps
 on the layout's cores). With `--step-log` the engines log their steps, printed beside the
 simulator's per role and by tokens a step, and each layout is predicted with the profile
@@ -29,13 +31,15 @@ its measured run itself, which leaves the model's error without the host's drift
 runs). With `--per-level` each rate's unmeasured run comes just before its measured one,
 and each level is predicted from the steps and requests of its own (the host's speed
 drifts over the minutes between one sweep and the next, and an engine's speed depends on
-its load; `--replay --one-profile` fits one profile on every level's instead). Everything measured
+its load; `--replay --one-profile` fits one profile on every level's instead; with
+`--repeat`, `--pool-rounds` fits each layout on its warm-ups in every round at once, not
+each round on its own). Everything measured
 stays in the folder printed; `--replay FOLDER` predicts it again, with the code as it is
 then, without measuring:
 
     python benchmarks/bench_sim_predicts_bench.py --measure [--model bench|smollm2|DIR] \
         [--rates 2 8 14] [--input-len 256] [--output-len 32] [--layouts serve "up 1P+1D"] \
-        [--step-log] [--per-level [--warm-up-s 10]] [--repeat]
+        [--step-log] [--per-level [--warm-up-s 10]] [--repeat [N]]
     python benchmarks/bench_sim_predicts_bench.py --replay /tmp/bench-sim-predicts-XXXX
 
 `--profile` (a `sim calibrate --out` file): the fitted step times, the render tier's cost
@@ -54,12 +58,21 @@ import json
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
+from sim_predicts_figures import (
+    compare,
+    figure_rows,
+    measured_figures,
+    median_figures,
+    predicted_figures,
+    print_verdict,
+    relative_errors,
+)
 from sim_predicts_measure import (
     LAYOUTS,
     MEASURED,
-    REPEAT,
     WARM_UP,
     Fit,
     in_windows,
@@ -72,25 +85,16 @@ from sim_predicts_measure import (
 from step_tables import step_rows, ttft_part_rows
 
 from splitserve.config import SchedulerConfig
-from splitserve.goodput import SLO, arrival_times, distserve_goodput
 from splitserve.protocol.pd_decision import CostModel
-from splitserve.protocol.step_record import read_step_log
-from splitserve.sim import (
-    Deployment,
-    Efficiency,
-    InstanceConfig,
-    KVLink,
-    Workload,
-    load_gpu,
-    load_model,
-    simulate,
-)
+from splitserve.protocol.step_record import StepRecord, read_step_log
+from splitserve.sim import Deployment, Efficiency, InstanceConfig, KVLink, load_gpu, load_model
 from splitserve.sim.calibrate import CalibrationError
-from splitserve.sim.metrics import met
 from splitserve.sim.path_latency import fit_path_latency, path_row
 from splitserve.sim.profile import EngineProfile, load_profile
 from splitserve.sim.result import SimResult
 from splitserve.sim.retime import factor_rows, retime_profile
+from splitserve.sim.specs import ModelSpec
+from splitserve.sim.specs import load_model as load_spec
 from splitserve.sim.step_waits import wait_rows
 
 
@@ -126,112 +130,6 @@ def deployment(args: argparse.Namespace) -> Deployment:
     return dep
 
 
-def workload_of(level: dict) -> Workload:
-    """The level's arrivals (bench's seeded stream) with each request's recorded lengths.
-    bench sends its first request at once and each next one a gap later (bench/load.py),
-    where `arrival_times` puts the first after one gap."""
-    load, reqs = level["load"], sorted(level["requests"], key=lambda r: r["request_id"])
-    n = len(reqs)
-    stream = (load["rate"], n - 1, load["seed"], load.get("arrival", "poisson"), load.get("burstiness", 1.0))
-    arrival = [0.0, *arrival_times(*stream)]
-    mean_in = round(float(np.mean([r["input_tokens"] for r in reqs if r["input_tokens"]])))
-    prompts = [r["input_tokens"] or mean_in for r in reqs]
-    outputs = [max(1, r["output_tokens"] or 1) for r in reqs]
-    return Workload.open_loop(arrival, prompts, outputs)
-
-
-# each level is simulated this many times, with different draws of the steps' spread, of the
-# tokens' relay and of random routing, and its figures taken over every run's requests: at
-# the same arrivals, one run's TTFT p90 moved by up to 27 points from one seed to the next
-# (docs/sim.md)
-SIM_RUNS = 16
-
-# the figures issue 27's must-hold names (the rest are printed, and counted apart)
-MUST_HOLD = ("TTFT p50 ms", "TTFT p90 ms", "ITL p50 ms", "ITL p90 ms", "goodput")
-
-
-def level_figures(summary: dict, slo_names: Sequence[str]) -> dict[str, float]:
-    """A bench level's figures by name: TTFT and ITL in ms, attainment of each SLO in %."""
-    ms = {
-        f"{metric.upper()} {q} ms": summary[metric][q] * 1e3
-        for metric in ("ttft", "itl")
-        for q in ("p50", "p90")
-    }
-    ms["ITL p99 ms"] = summary["itl"]["p99"] * 1e3
-    return ms | {f"attainment {name} %": summary["attainment"][name] * 100 for name in slo_names}
-
-
-def measured_figures(run: dict) -> dict[str, float]:
-    """A saved bench run's figures, by "rate figure" and "goodput slo"."""
-    names = [SLO.parse(s).name for s in run["slos"]]
-    found = {
-        f"{level['load']['rate']:g} {name}": value
-        for level in run["levels"]
-        for name, value in level_figures(level["summary"], names).items()
-    }
-    return found | {f"goodput {name}": run["goodput_distserve"][name] for name in names}
-
-
-def relative_errors(predicted: dict[str, float], measured: dict[str, float]) -> dict[str, float]:
-    """|predicted / measured - 1| of every figure measured non-zero."""
-    return {k: abs(predicted[k] / m - 1) for k, m in measured.items() if m}
-
-
-def compare(
-    run: dict, deps: Sequence[Deployment], results: list[SimResult] | None = None
-) -> tuple[list[str], dict[str, float]]:
-    """Each level of a saved bench run predicted by simulating its deployment (`deps`, one
-    per level) on its arrivals: one printable row per figure, and the relative error of
-    every figure measured non-zero, by "rate figure". `results`, when given, gets the
-    first of each level's simulations."""
-    slos = [SLO.parse(s) for s in run["slos"]]
-    predicted: dict[str, float] = {}
-    att_pred: dict[str, list[float]] = {s.name: [] for s in slos}
-    for level, dep in zip(run["levels"], deps, strict=True):
-        workload = workload_of(level)
-        runs = [simulate(dep, workload, seed) for seed in range(SIM_RUNS)]
-        if results is not None:
-            results.append(runs[0])
-        keep = np.arange(len(workload)) >= level["load"]["warmup"]
-        itl = np.concatenate([g for r in runs for g, k in zip(r.gaps, keep, strict=True) if k and len(g)])
-        ttft = np.concatenate([r.ttft[keep] for r in runs])
-        attained = {s.name: float(np.mean([met(s, r)[keep].mean() for r in runs])) for s in slos}
-        summary = {
-            "ttft": {"p50": np.percentile(ttft, 50), "p90": np.percentile(ttft, 90)},
-            "itl": {q: np.percentile(itl, int(q[1:])) for q in ("p50", "p90", "p99")},
-            "attainment": attained,
-        }
-        for name, value in level_figures(summary, list(attained)).items():
-            predicted[f"{level['load']['rate']:g} {name}"] = float(value)
-        for name, a in attained.items():
-            att_pred[name].append(a)
-    rates = [lv["load"]["rate"] for lv in run["levels"]]
-    for slo in slos:
-        predicted[f"goodput {slo.name}"] = distserve_goodput(
-            rates, att_pred[slo.name], run["required_attainment"]
-        )
-    measured = measured_figures(run)
-    rows = []
-    for key, meas in measured.items():
-        pred = predicted[key]
-        if key.startswith("goodput "):
-            rows.append(f"{key:36s} sim {pred:g} req/s  bench {meas:g} req/s")
-        else:
-            rate, name = key.split(" ", 1)
-            err = f"{pred / meas - 1:+7.1%}" if meas else "      -"
-            rows.append(f"{rate:>6s} req/s  {name:36s} sim {pred:9.1f}  bench {meas:9.1f}  {err}")
-    return rows, relative_errors(predicted, measured)
-
-
-def print_verdict(errors: dict[str, float]) -> None:
-    named = {k: e for k, e in errors.items() if any(f in k for f in MUST_HOLD)}
-    for label, chosen in (("every figure", errors), ("the must-hold's (TTFT, ITL p50/p90, goodput)", named)):
-        values = list(chosen.values())
-        within = sum(e <= 0.10 for e in values)
-        median = np.median(values) if values else float("nan")
-        print(f"{label}: within 10% (measured non-zero) {within}/{len(values)}; median |error| {median:.1%}")
-
-
 def remote_share(results: list[SimResult]) -> float:
     remote = np.concatenate([r.remote for r in results if r.remote is not None] or [np.zeros(0)])
     return float(remote.mean()) if len(remote) else 0.0
@@ -261,84 +159,165 @@ def layout_profile(profile: EngineProfile, name: str, fit: Fit, waits: bool = Tr
     return retimed
 
 
-def predict(folder: Path, as_calibrated: bool = False, waits: bool = True, how: str = "per-level") -> None:
-    """Each layout `measure` saved in `folder`, predicted as the planner sees it (the
-    profile's steps on the layout's cores; re-timed by its engines' warm-up steps, where
-    they were logged, unless `as_calibrated`; `how` says which: `level_fits`) and set
-    beside its measured run, figure by figure and, where the engines logged their steps,
-    step by step."""
-    from splitserve.sim.specs import load_model as load_model_spec
+class FitChoice(NamedTuple):
+    """What each layout is predicted with: the profile `as_calibrated`, or re-timed by its
+    engines' logged steps (`level_fits` says which steps, by `how`), with the `waits` for
+    a core, path and relay fitted too; with `pool`, over all the layout's rounds at once."""
 
+    as_calibrated: bool = False
+    waits: bool = True
+    how: str = "per-level"
+    pool: bool = False
+
+
+def predict(folder: Path, choice: FitChoice = FitChoice()) -> None:
+    """Each layout `measure` saved in `folder`, predicted as the planner sees it
+    (`predict_round`) and set beside its measured run; where it was measured in several
+    rounds (`--repeat`), the median of the rounds' predictions beside the median of their
+    measurements, and each round against the median of the others (the noise floor). With
+    `choice.pool`, every round of a layout is predicted from one fit over all its rounds
+    (`pooled_profiles`), not each from its own."""
     saved = json.loads((folder / MEASURED).read_text())
     profile = load_profile(str(folder / "profile.json"))
-    model_spec = load_model_spec(saved["model"])
+    model_spec = load_spec(saved["model"])
     all_errors: dict[str, float] = {}
     repeat_errors: dict[str, float] = {}
-    for name, measured in saved["layouts"].items():
-        stem = name.replace(" ", "-")
-        run = json.loads((folder / f"{stem}.json").read_text())
-        client_s = measured["client_s_per_request"]
-        print(f"\n{name}: the bench client spent {client_s * 1e3:.1f} ms of CPU per request", flush=True)
-        step_log = folder / f"{stem}-steps.jsonl"
-        logged = read_step_log(step_log) if measured["measured_from"] is not None else []
-        profiles = [profile] * len(run["levels"])
-        if logged and not as_calibrated:
-            warm_up = folder / f"{stem}{WARM_UP}.json"
-            warm_up_run = json.loads(warm_up.read_text()) if warm_up.exists() else None
-            fits = level_fits(measured, logged, warm_up_run, run, how)
-            unique = {id(fit): fit for fit in fits}  # levels that share a fit share its profile
-            fitted = {key: layout_profile(profile, name, fit, waits) for key, fit in unique.items()}
-            profiles = [fitted[id(fit)] for fit in fits]
-        streamed = [q["output_tokens"] for lv in run["levels"] for q in lv["requests"] if q["output_tokens"]]
-        deps = []
-        for mine in profiles:
-            dep = planned_deployment(
-                model_spec, mine, saved["budget"], name, saved["cpus"], saved["input_len"]
-            )
-            deps.append(with_client_cpu(dep, client_s / float(np.mean(streamed)) if streamed else 0.0))
-        results: list[SimResult] = []
-        rows, errors = compare(run, deps, results)
-        print(f"\n{name} ({' '.join(measured['argv'])})")
-        print("\n".join(rows))
-        print(f"\n{name}: the time to first token by the server's phases")
-        print("\n".join(ttft_part_rows(run, results)))
-        if measured["measured_from"] is not None:
-            real = in_windows(logged, level_windows(measured)[1])
-            simulated = [(role, trace) for r in results for role, trace in zip(r.roles, r.steps, strict=True)]
-            print(f"\n{name}: the engines' steps in the measured run ({step_log}) and the simulator's")
-            print("\n".join(step_rows(real, simulated)))
-        print_verdict(errors)
-        routed = measured.get("routed")
-        if routed and deps[0].mode == "pd":
-            real_share = routed.get("pd_push", 0.0) / max(1.0, sum(routed.values()))
-            print(f"prompts prefilled on a prefill worker: the proxy {real_share:.0%}, the simulator "
-                  f"{remote_share(results):.0%}")  # fmt: skip
-            pd = measured.get("pd_costs") or {}
-            if pd.get("costs"):
-                own_results: list[SimResult] = []
-                own = [replace(dep, pd_costs=CostModel(**pd["costs"])) for dep in deps]
-                _, own_errors = compare(run, own, own_results)
-                print(f"with the proxy's own costs ({pd['costs']}): the simulator "
-                      f"{remote_share(own_results):.0%} remote")  # fmt: skip
-                print_verdict(own_errors)
-        all_errors.update({f"{name} {k}": e for k, e in errors.items()})
-        if name in saved.get("repeats", {}):
-            again = measured_figures(json.loads((folder / f"{stem}{REPEAT}.json").read_text()))
-            first = measured_figures(run)
-            print(f"\n{name} measured again, from a fresh start: the figures that moved more than 10%")
-            for key, value in first.items():
-                moved = again[key] / value - 1 if value else 0.0
-                if abs(moved) > 0.10:
-                    print(f"{key:48s} first {value:9.1f}  again {again[key]:9.1f}  {moved:+7.1%}")
-            errors = relative_errors(again, first)
+    for name, first in saved["layouts"].items():
+        rounds = [first, *saved.get("repeats", {}).get(name, [])]
+        pooled = None
+        if choice.pool and len(rounds) > 1 and not choice.as_calibrated:
+            pooled = pooled_profiles(folder, profile, name, rounds, choice)
+        figures = [
+            predict_round(folder, saved, profile, model_spec, name, measured, choice, pooled)
+            for measured in rounds
+        ]
+        predicted, real = median_figures([p for p, _ in figures]), median_figures([m for _, m in figures])
+        errors = relative_errors(predicted, real)
+        if len(rounds) > 1:
+            print(f"\n{name}: the median of its {len(rounds)} rounds, predicted and measured")
+            print("\n".join(figure_rows(predicted, real)))
             print_verdict(errors)
-            repeat_errors.update({f"{name} {k}": e for k, e in errors.items()})
+            noise = noise_floor([m for _, m in figures])
+            repeat_errors.update({f"{name} {key}": e for key, e in noise.items()})
+        all_errors.update({f"{name} {k}": e for k, e in errors.items()})
     machine = f"{saved['dtype']}, ISA {saved['isa']}, {len(saved['cpus'])} CPUs"
     print(f"\nmodel {Path(saved['model']).name}, {machine}; every layout:")
     print_verdict(all_errors)
     if repeat_errors:
-        print("every layout measured again, from a fresh start, against its first run (the noise floor):")
+        print("each round of every layout against the median of its others (the noise floor):")
         print_verdict(repeat_errors)
+
+
+def round_fits(folder: Path, measured: dict, run: dict, how: str) -> tuple[list[StepRecord], list[Fit]]:
+    """One round of a layout: its engines' logged steps, and what each level of its
+    measured `run` is fitted on (`level_fits`); none where its engines logged no steps."""
+    if measured["measured_from"] is None:
+        return [], []
+    logged = read_step_log(folder / f"{measured['stem']}-steps.jsonl")
+    warm_up = folder / f"{measured['stem']}{WARM_UP}.json"
+    warm_up_run = json.loads(warm_up.read_text()) if warm_up.exists() else None
+    return logged, level_fits(measured, logged, warm_up_run, run, how)
+
+
+def pooled_profiles(
+    folder: Path, profile: EngineProfile, name: str, rounds: Sequence[dict], choice: FitChoice
+) -> list[EngineProfile] | None:
+    """Each level's profile fitted on what that level is fitted on (`level_fits`) in every
+    round of the layout at once: its speed over the whole run, not in the minute of one
+    round, where a slow patch of the host's moves one round's fit by a third (docs/sim.md).
+    None where a round logged no steps."""
+    per_round = []
+    for measured in rounds:
+        run = json.loads((folder / f"{measured['stem']}.json").read_text())
+        per_round.append(round_fits(folder, measured, run, choice.how)[1])
+    if not all(per_round):
+        return None
+    fitted: dict[tuple[int, ...], EngineProfile] = {}
+    for level in zip(*per_round, strict=True):
+        key = tuple(id(fit) for fit in level)  # levels that share a fit in each round share one
+        if key not in fitted:
+            runs = [fit.run for fit in level if fit.run is not None]
+            merged = {**runs[0], "levels": [lv for r in runs for lv in r["levels"]]} if runs else None
+            records = [r for fit in level for r in fit.records]
+            pooled = Fit(f"{level[0].source}, in each of its {len(level)} rounds", records, merged)
+            fitted[key] = layout_profile(profile, name, pooled, choice.waits)
+    return [fitted[tuple(id(fit) for fit in level)] for level in zip(*per_round, strict=True)]
+
+
+def noise_floor(rounds: Sequence[dict[str, float]]) -> dict[str, float]:
+    """Each round's measured figures against the median of the other rounds' (printed:
+    those that moved more than 10%), by "round k rate figure"."""
+    errors: dict[str, float] = {}
+    for k, mine in enumerate(rounds):
+        others = median_figures([m for j, m in enumerate(rounds) if j != k])
+        print(f"\nround {k + 1} against the median of the others: the figures that moved more than 10%")
+        for key, value in others.items():
+            moved = mine[key] / value - 1 if value else 0.0
+            if abs(moved) > 0.10:
+                print(f"{key:48s} others {value:9.1f}  this {mine[key]:9.1f}  {moved:+7.1%}")
+        moved_by = relative_errors(mine, others)
+        print_verdict(moved_by)
+        errors |= {f"round {k + 1} {key}": e for key, e in moved_by.items()}
+    return errors
+
+
+def predict_round(
+    folder: Path,
+    saved: dict,
+    profile: EngineProfile,
+    model_spec: ModelSpec,
+    name: str,
+    measured: dict,
+    choice: FitChoice,
+    pooled: list[EngineProfile] | None = None,
+) -> tuple[dict[str, float], dict[str, float]]:
+    """One measurement of layout `name` (one round), predicted as the planner sees it (the
+    profile's steps on the layout's cores, re-timed as `choice` says, or each level's
+    profile from `pooled`) and printed beside its measured run, figure by figure
+    and, where the engines logged their steps, step by step; returns the predicted figures
+    and the measured ones."""
+    stem = measured["stem"]
+    run = json.loads((folder / f"{stem}.json").read_text())
+    client_s = measured["client_s_per_request"]
+    print(f"\n{stem}: the bench client spent {client_s * 1e3:.1f} ms of CPU per request", flush=True)
+    step_log = folder / f"{stem}-steps.jsonl"
+    logged, fits = round_fits(folder, measured, run, choice.how)
+    profiles = pooled or [profile] * len(run["levels"])
+    if fits and not (choice.as_calibrated or pooled):
+        unique = {id(fit): fit for fit in fits}  # levels that share a fit share its profile
+        fitted = {key: layout_profile(profile, name, fit, choice.waits) for key, fit in unique.items()}
+        profiles = [fitted[id(fit)] for fit in fits]
+    streamed = [q["output_tokens"] for lv in run["levels"] for q in lv["requests"] if q["output_tokens"]]
+    deps = []
+    for mine in profiles:
+        dep = planned_deployment(model_spec, mine, saved["budget"], name, saved["cpus"], saved["input_len"])
+        deps.append(with_client_cpu(dep, client_s / float(np.mean(streamed)) if streamed else 0.0))
+    results: list[SimResult] = []
+    predicted, real = predicted_figures(run, deps, results), measured_figures(run)
+    print(f"\n{stem} ({' '.join(measured['argv'])})")
+    print("\n".join(figure_rows(predicted, real)))
+    print(f"\n{stem}: the time to first token by the server's phases")
+    print("\n".join(ttft_part_rows(run, results)))
+    if measured["measured_from"] is not None:
+        in_run = in_windows(logged, level_windows(measured)[1])
+        simulated = [(role, trace) for r in results for role, trace in zip(r.roles, r.steps, strict=True)]
+        print(f"\n{stem}: the engines' steps in the measured run ({step_log}) and the simulator's")
+        print("\n".join(step_rows(in_run, simulated)))
+    print_verdict(relative_errors(predicted, real))
+    routed = measured.get("routed")
+    if routed and deps[0].mode == "pd":
+        real_share = routed.get("pd_push", 0.0) / max(1.0, sum(routed.values()))
+        print(f"prompts prefilled on a prefill worker: the proxy {real_share:.0%}, the simulator "
+              f"{remote_share(results):.0%}")  # fmt: skip
+        pd = measured.get("pd_costs") or {}
+        if pd.get("costs"):
+            own_results: list[SimResult] = []
+            own = [replace(dep, pd_costs=CostModel(**pd["costs"])) for dep in deps]
+            _, own_errors = compare(run, own, own_results)
+            print(f"with the proxy's own costs ({pd['costs']}): the simulator "
+                  f"{remote_share(own_results):.0%} remote")  # fmt: skip
+            print_verdict(own_errors)
+    return predicted, real
 
 
 def main() -> None:
@@ -375,7 +354,14 @@ def main() -> None:
         "--step-log", action="store_true", help="log the engines' steps and print them beside the simulator's"
     )
     m.add_argument(
-        "--repeat", action="store_true", help="measure each layout again, on a fresh start: the noise floor"
+        "--repeat",
+        type=int,
+        nargs="?",
+        const=1,
+        default=0,
+        metavar="N",
+        help="measure each layout N times more (1 if not given), each from a fresh start, in rounds "
+        "over the run; each figure predicted is compared with the median of the rounds'",
     )
     m.add_argument(
         "--per-level",
@@ -414,14 +400,22 @@ def main() -> None:
         help="with --replay of a --per-level run: one profile fitted on every level's warm-up, "
         "not each level on its own",
     )
+    p.add_argument(
+        "--pool-rounds",
+        action="store_true",
+        help="with --repeat: every round of a layout predicted from one fit over all its rounds "
+        "(each level's warm-ups in every round, or with --one-profile every warm-up), not each "
+        "round from its own",
+    )
     args = p.parse_args()
     how = "measured" if args.fit_on_measured else "warm-up" if args.one_profile else "per-level"
+    choice = FitChoice(args.as_calibrated, not args.placed_cpu, how, args.pool_rounds)
     if args.measure:
         args.model = args.bench_model
-        predict(measure(args), args.as_calibrated, not args.placed_cpu, how)
+        predict(measure(args), choice)
         return
     if args.replay:
-        predict(Path(args.replay), args.as_calibrated, not args.placed_cpu, how)
+        predict(Path(args.replay), choice)
         return
     if not (args.bench_json and args.model and args.gpu and (args.profile or args.fit)):
         p.error("give BENCH_JSON MODEL GPU with --profile or --fit, or --measure")

@@ -7,9 +7,11 @@ everything saved in one folder (`measured.json` beside the profile, the runs, th
 logs and the clock windows of each run) for `--replay`.
 
 A level near or past a layout's capacity is not reproducible from one start to the next on
-a machine whose speed moves between processes: `--repeat` measures each layout twice, from
-a fresh start each time, and `predict` prints how many figures the two runs agree on
-within 10% beside the simulator's count (docs/sim.md). How `serve` and the bench client
+a machine whose speed moves between processes: `--repeat N` measures each layout N times
+more, from a fresh start each time, in rounds spread over the run (`measure_rounds`), and
+`predict` sets the median of the rounds' predictions beside the median of their
+measurements, and prints how many figures each round agrees on with the median of the
+others within 10% beside the simulator's count (docs/sim.md). How `serve` and the bench client
 are modelled beside the planner's layouts is here too (`serve_deployment`,
 `with_client_cpu`).
 """
@@ -43,7 +45,7 @@ from splitserve.sim.specs import ModelSpec
 LAYOUTS = ("serve", "up serve-like", "up 1P+1D", "up 2 collocated")
 WARM_UP = "-warm-up"  # a layout's unmeasured run: `stem`-warm-up.json
 MEASURED = "measured.json"  # what --measure saved beside the profile and the runs, for --replay
-REPEAT = "-repeat"  # the suffix of a layout's second measurement (`--repeat`)
+REPEAT = "-repeat"  # a layout's k-th measurement after its first: `stem`-repeat-k (`--repeat`)
 
 
 def layout_of(name: str, cpus: Sequence[int]) -> tuple[list[str], HostLayout]:
@@ -107,9 +109,9 @@ def bench_run(
 
 
 def measure(args: argparse.Namespace) -> Path:
-    """Calibrate, then measure each layout with `splitserve bench` (and with `--repeat` once
-    more, from a fresh start); returns the folder holding the profile, the runs and what
-    `predict` needs."""
+    """Calibrate, then measure each layout with `splitserve bench` (with `--repeat N`, N
+    rounds more, each from a fresh start: `measure_rounds`); returns the folder holding the
+    profile, the runs and what `predict` needs."""
     from bench_model import compute_dtype, cpu_isa_flags, resolve_bench_model
     from bench_plan_pick import calibrate
 
@@ -120,14 +122,28 @@ def measure(args: argparse.Namespace) -> Path:
     calibrate(args, model, dtype, folder / "profile.json")
     saved: dict = {"model": str(model), "dtype": dtype, "isa": cpu_isa_flags(), "cpus": cpus}
     saved |= {"budget": args.budget, "input_len": args.input_len, "layouts": {}, "repeats": {}}
-    for name in args.layouts:
-        stem = name.replace(" ", "-")
-        saved["layouts"][name] = measure_layout(args, model, dtype, folder, name, stem)
-        if args.repeat:
-            saved["repeats"][name] = measure_layout(args, model, dtype, folder, name, f"{stem}{REPEAT}")
+    for k, name in measure_rounds(args.layouts, args.repeat):
+        stem = name.replace(" ", "-") + (f"{REPEAT}-{k}" if k else "")
+        measured = measure_layout(args, model, dtype, folder, name, stem)
+        if k:
+            saved["repeats"].setdefault(name, []).append(measured)
+        else:
+            saved["layouts"][name] = measured
         (folder / MEASURED).write_text(json.dumps(saved, indent=1))
     print(f"measured: {folder} (--replay {folder} predicts it again)", flush=True)
     return folder
+
+
+def measure_rounds(layouts: Sequence[str], repeats: int) -> list[tuple[int, str]]:
+    """(round, layout) in the order they are measured: every layout once a round, each
+    round starting one layout further on, so that a layout's rounds are spread over the
+    whole run and none is always measured first (the host's slow patches last tens of
+    seconds to minutes: docs/sim.md)."""
+    order = []
+    for k in range(repeats + 1):
+        shift = k % len(layouts)
+        order += [(k, name) for name in [*layouts[shift:], *layouts[:shift]]]
+    return order
 
 
 def measure_layout(
@@ -179,6 +195,7 @@ def measure_layout(
         else:
             proxy = {}
     return {
+        "stem": stem,
         "argv": argv[3:],
         "client_s_per_request": client_cpu_per_request(client_cpu),
         "measured_from": measured_from if args.step_log else None,

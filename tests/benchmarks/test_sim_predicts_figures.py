@@ -1,5 +1,6 @@
 """benchmarks/bench_sim_predicts_bench.py's figures of a saved bench run, the ones its
-prediction and its `--repeat` noise floor are both counted on."""
+prediction and its `--repeat` noise floor are both counted on, and how it measures and
+predicts a layout in several rounds."""
 
 from __future__ import annotations
 
@@ -19,6 +20,12 @@ def script(monkeypatch):
     return importlib.import_module("bench_sim_predicts_bench")
 
 
+@pytest.fixture
+def figures_module(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    return importlib.import_module("sim_predicts_figures")
+
+
 def level(rate: float, ttft_ms: float, itl_ms: float, attained: float) -> dict:
     ttft = {"p50": ttft_ms / 1e3, "p90": 2 * ttft_ms / 1e3}
     itl = {"p50": itl_ms / 1e3, "p90": 2 * itl_ms / 1e3, "p99": 3 * itl_ms / 1e3}
@@ -32,8 +39,8 @@ def run(goodput: float, *levels: dict) -> dict:
     return {"slos": ["ttft=500ms"], "levels": list(levels), "goodput_distserve": {"ttft=500ms": goodput}}
 
 
-def test_a_runs_figures_are_named_by_rate_and_in_ms_or_percent(script):
-    figures = script.measured_figures(run(4.0, level(4, 40, 6, 1.0), level(12.5, 70, 16, 0.0)))
+def test_a_runs_figures_are_named_by_rate_and_in_ms_or_percent(figures_module):
+    figures = figures_module.measured_figures(run(4.0, level(4, 40, 6, 1.0), level(12.5, 70, 16, 0.0)))
     assert figures == {
         "4 TTFT p50 ms": pytest.approx(40),
         "4 TTFT p90 ms": pytest.approx(80),
@@ -51,10 +58,10 @@ def test_a_runs_figures_are_named_by_rate_and_in_ms_or_percent(script):
     }
 
 
-def test_two_runs_errors_count_only_figures_measured_non_zero(script):
-    first = script.measured_figures(run(4.0, level(4, 40, 6, 0.0)))
-    again = script.measured_figures(run(12.0, level(4, 44, 5.4, 0.5)))
-    errors = script.relative_errors(again, first)
+def test_two_runs_errors_count_only_figures_measured_non_zero(figures_module):
+    first = figures_module.measured_figures(run(4.0, level(4, 40, 6, 0.0)))
+    again = figures_module.measured_figures(run(12.0, level(4, 44, 5.4, 0.5)))
+    errors = figures_module.relative_errors(again, first)
     assert "4 attainment ttft=500ms %" not in errors  # measured 0 the first time: no ratio
     assert errors["4 TTFT p50 ms"] == pytest.approx(0.10)
     assert errors["4 ITL p99 ms"] == pytest.approx(0.10)
@@ -104,7 +111,7 @@ def test_the_bench_clients_cpu_costs_the_engine_beside_it_a_second_per_second(sc
         assert np.median(simulate(replace(client, replicas=2), one).gaps[0]) == pytest.approx(base, abs=1e-9)
 
 
-def test_the_simulated_arrivals_are_the_ones_bench_sent(script):
+def test_the_simulated_arrivals_are_the_ones_bench_sent(figures_module):
     """bench sends request 0 at once and each next one a seeded gap later: request i of
     the simulated level arrives when bench sent request i."""
     import random
@@ -113,7 +120,7 @@ def test_the_simulated_arrivals_are_the_ones_bench_sent(script):
 
     load = {"rate": 5.0, "seed": 3, "arrival": "poisson", "burstiness": 1.0}
     requests = [{"request_id": i, "input_tokens": 100 + i, "output_tokens": 8} for i in range(4)]
-    wl = script.workload_of({"load": load, "requests": requests})
+    wl = figures_module.workload_of({"load": load, "requests": requests})
     gaps = interarrival_times(5.0, random.Random(3), "poisson", 1.0)
     sent = [0.0]
     for _ in range(3):
@@ -267,7 +274,7 @@ def test_runs_of_one_level_each_merge_into_one_run_with_its_goodput(monkeypatch)
     assert merged["slos"] == ["ttft=500ms"] and merged["required_attainment"] == 0.9
 
 
-def test_a_levels_prediction_is_taken_over_several_simulations_of_its_arrivals(script, monkeypatch):
+def test_a_levels_prediction_is_taken_over_several_simulations_of_its_arrivals(figures_module, monkeypatch):
     """Each level is simulated SIM_RUNS times, with different draws of the steps' spread,
     and its figures are percentiles over every run's requests, not one run's."""
     import numpy as np
@@ -276,7 +283,7 @@ def test_a_levels_prediction_is_taken_over_several_simulations_of_its_arrivals(s
     from splitserve.sim.step_model import StepModel
     from splitserve.sim.step_waits import StepWaits, WaitTerms
 
-    monkeypatch.setattr(script, "SIM_RUNS", 3)
+    monkeypatch.setattr(figures_module, "SIM_RUNS", 3)
     none = WaitTerms(0.0, 0.0, 0.0, 100)
     waits = StepWaits({"decode": (none, none)}, {"decode": tuple(np.linspace(0.5, 2.0, 41))})
     steps = StepModel(0.002, 20e-6, 4e-9, (1, 4, 16), (0.004, 0.006, 0.012), 1e-7, 0.001)
@@ -286,8 +293,8 @@ def test_a_levels_prediction_is_taken_over_several_simulations_of_its_arrivals(s
     summary = level(20.0, 100.0, 10.0, 1.0)["summary"]
     bench = run(20.0, {"load": load, "requests": requests, "summary": summary}) | {"required_attainment": 0.9}
     results: list = []
-    _, errors = script.compare(bench, [dep], results)
-    workload = script.workload_of(bench["levels"][0])
+    _, errors = figures_module.compare(bench, [dep], results)
+    workload = figures_module.workload_of(bench["levels"][0])
     runs = [simulate(dep, workload, seed) for seed in range(3)]
     pooled = np.concatenate([r.ttft[2:] for r in runs])
     assert errors["20 TTFT p50 ms"] == pytest.approx(abs(np.percentile(pooled, 50) * 1e3 / 100.0 - 1))
@@ -318,3 +325,106 @@ def test_each_layout_is_planned_with_the_scheduler_up_gives_its_engines(monkeypa
     }
     assert {dep.sched.scheduler.max_num_batched_tokens for dep in planned.values()} == {1024}
     assert planned["up 1P+1D"].mode == "pd" and planned["serve"].mode != "pd"
+
+
+def test_each_round_measures_every_layout_starting_one_further_on(monkeypatch, tmp_path: Path):
+    """`--repeat 2`: three rounds of every layout, each from a fresh start, a layout's
+    rounds spread over the run; the first round is the layout's run, the others its
+    repeats, each saved under its own stem."""
+    import argparse
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    measure = importlib.import_module("sim_predicts_measure")
+    names = ["serve", "up 1P+1D", "up 2 collocated"]
+    assert measure.measure_rounds(names, 2) == [
+        (0, "serve"), (0, "up 1P+1D"), (0, "up 2 collocated"),
+        (1, "up 1P+1D"), (1, "up 2 collocated"), (1, "serve"),
+        (2, "up 2 collocated"), (2, "serve"), (2, "up 1P+1D"),
+    ]  # fmt: skip
+    started: list[str] = []
+
+    def measure_layout(args, model, dtype, folder, name, stem):
+        started.append(stem)
+        return {"stem": stem}
+
+    monkeypatch.setattr(measure, "measure_layout", measure_layout)
+    monkeypatch.setattr(importlib.import_module("bench_plan_pick"), "calibrate", lambda *a: None)
+    monkeypatch.setattr(importlib.import_module("bench_model"), "resolve_bench_model", lambda m: Path(m))
+    monkeypatch.setattr(measure.tempfile, "mkdtemp", lambda prefix: str(tmp_path))
+    args = argparse.Namespace(model="m", layouts=names[:2], repeat=2, budget=512, input_len=256)
+    folder = measure.measure(args)
+    assert started == ["serve", "up-1P+1D", "up-1P+1D-repeat-1", "serve-repeat-1", "serve-repeat-2",
+                       "up-1P+1D-repeat-2"]  # fmt: skip
+    saved = json.loads((folder / measure.MEASURED).read_text())
+    assert saved["layouts"] == {"serve": {"stem": "serve"}, "up 1P+1D": {"stem": "up-1P+1D"}}
+    assert saved["repeats"]["serve"] == [{"stem": "serve-repeat-1"}, {"stem": "serve-repeat-2"}]
+
+
+def test_a_layout_measured_in_rounds_is_judged_on_the_medians_of_its_rounds(
+    script, monkeypatch, tmp_path: Path, capsys
+):
+    """Predicted and measured, each figure's median over a layout's rounds, so that one
+    round in a slow patch moves neither; the noise floor is each round against the median
+    of the others."""
+    saved = {"model": "m", "dtype": "bf16", "isa": "avx512_bf16", "cpus": [0, 1], "budget": 512}
+    saved |= {"input_len": 256, "layouts": {"serve": {"k": 0}}, "repeats": {"serve": [{"k": 1}, {"k": 2}]}}
+    (tmp_path / "measured.json").write_text(json.dumps(saved))
+    measured = [
+        {"4 TTFT p50 ms": 100.0, "goodput ttft=500ms": 4.0},
+        {"4 TTFT p50 ms": 250.0, "goodput ttft=500ms": 2.0},  # a round in a slow patch
+        {"4 TTFT p50 ms": 104.0, "goodput ttft=500ms": 4.0},
+    ]
+    predicted = [
+        {"4 TTFT p50 ms": 98.0, "goodput ttft=500ms": 4.0},
+        {"4 TTFT p50 ms": 300.0, "goodput ttft=500ms": 1.0},
+        {"4 TTFT p50 ms": 103.0, "goodput ttft=500ms": 4.0},
+    ]
+    rounds: list[int] = []
+
+    def predict_round(folder, saved, profile, spec, name, measured_round, *how):
+        rounds.append(measured_round["k"])
+        return predicted[measured_round["k"]], measured[measured_round["k"]]
+
+    monkeypatch.setattr(script, "predict_round", predict_round)
+    monkeypatch.setattr(script, "load_profile", lambda path: None)
+    monkeypatch.setattr(script, "load_spec", lambda name: None)
+    script.predict(tmp_path)
+    out = capsys.readouterr().out
+    assert rounds == [0, 1, 2]
+    assert "serve: the median of its 3 rounds, predicted and measured" in out
+    assert "sim     103.0  bench     104.0    -1.0%" in out
+    every = out[out.index("; every layout:") :]
+    assert "the must-hold's (TTFT, ITL p50/p90, goodput): within 10% (measured non-zero) 2/2" in every
+    # each round against the median of the other two: with three rounds, one round in a slow
+    # patch moves the others' median for the two it is not, and the noise floor says so
+    round_one = out[out.index("round 1 against the median of the others") : out.index("round 2 against")]
+    assert "4 TTFT p50 ms" in round_one and "others     177.0  this     100.0   -43.5%" in round_one
+    floor = every[every.index("the noise floor") :]
+    assert "every figure: within 10% (measured non-zero) 0/6" in floor
+
+
+def test_pooled_rounds_fit_each_level_on_its_warm_ups_in_every_round(script, tmp_path: Path, capsys):
+    """`--pool-rounds`: a layout's rounds share one profile a level, re-timed by that
+    level's warm-up steps in every round at once (one round's at 2x, the other's at 4x),
+    never by the measured levels' own (at 9x)."""
+    from splitserve.sim.profile import EngineProfile
+    from splitserve.sim.step_model import StepModel
+
+    model = StepModel(0.002, 20e-6, 4e-9, (1, 4), (0.004, 0.006), 1e-7)
+    profile = EngineProfile(model, threads=1)
+    rounds = []
+    for k, speed in enumerate((2.0, 4.0)):
+        lines = step_lines([speed] * 20 + [9.0] * 20, model)
+        warm_end, end = lines[19]["t"] + 1e-6, lines[39]["t"] + 1e-6
+        stem = f"up-1P+1D-repeat-{k}"
+        (tmp_path / f"{stem}-steps.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+        (tmp_path / f"{stem}.json").write_text(json.dumps({"levels": [{"load": {"rate": 4.0}}]}))
+        windows = {"warm_up_windows": [[0.0, warm_end]], "level_windows": [[warm_end, end]]}
+        rounds.append({"stem": stem, "measured_from": warm_end, **windows})
+    choice = script.FitChoice(waits=False, pool=True)
+    (pooled,) = script.pooled_profiles(tmp_path, profile, "up 1P+1D", rounds, choice)
+    speed = float(pooled.steps.decode_s(1, 300)) / float(model.decode_s(1, 300))
+    assert 2.0 < speed < 4.0
+    assert "in each of its 2 rounds" in capsys.readouterr().out
+    no_log = [rounds[0], {**rounds[1], "measured_from": None}]  # a round without a step log
+    assert script.pooled_profiles(tmp_path, profile, "up 1P+1D", no_log, choice) is None
