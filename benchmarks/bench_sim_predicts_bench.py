@@ -28,12 +28,10 @@ before, and what their steps waited for a core, sim/step_waits.py; `--placed-cpu
 the speed only and lets the simulator place the tiers' CPU itself; `--as-calibrated`
 predicts with the profile as calibrated; `--fit-on-measured`, a diagnostic, fits each layout on
 its measured run itself, which leaves the model's error without the host's drift between
-runs). With `--per-level` each rate's unmeasured run comes just before its measured one,
-and each level is predicted from the steps and requests of its own (the host's speed
-drifts over the minutes between one sweep and the next, and an engine's speed depends on
-its load; `--replay --one-profile` fits one profile on every level's instead; with
-`--repeat`, `--pool-rounds` fits each layout on its warm-ups in every round at once, not
-each round on its own). Everything measured
+runs). With `--per-level` each rate's unmeasured run comes just before its measured one
+(the host's speed drifts over the minutes between one sweep and the next, and an
+engine's speed depends on its load), and one profile is fitted on the steps and requests
+of every level's (`--each-level`: each level on its own). Everything measured
 stays in the folder printed; `--replay FOLDER` predicts it again, with the code as it is
 then, without measuring:
 
@@ -162,21 +160,20 @@ def layout_profile(profile: EngineProfile, name: str, fit: Fit, waits: bool = Tr
 class FitChoice(NamedTuple):
     """What each layout is predicted with: the profile `as_calibrated`, or re-timed by its
     engines' logged steps (`level_fits` says which steps, by `how`), with the `waits` for
-    a core, path and relay fitted too; with `pool`, over all the layout's rounds at once."""
+    a core, path and relay fitted too. One profile on every warm-up of a round by default:
+    over eight runs on two hosts it held 182 must-hold figures where each level from its
+    own warm-up held 158 (docs/sim.md)."""
 
     as_calibrated: bool = False
     waits: bool = True
-    how: str = "per-level"
-    pool: bool = False
+    how: str = "warm-up"
 
 
 def predict(folder: Path, choice: FitChoice = FitChoice()) -> None:
     """Each layout `measure` saved in `folder`, predicted as the planner sees it
     (`predict_round`) and set beside its measured run; where it was measured in several
     rounds (`--repeat`), the median of the rounds' predictions beside the median of their
-    measurements, and each round against the median of the others (the noise floor). With
-    `choice.pool`, every round of a layout is predicted from one fit over all its rounds
-    (`pooled_profiles`), not each from its own."""
+    measurements, and each round against the median of the others (the noise floor)."""
     saved = json.loads((folder / MEASURED).read_text())
     profile = load_profile(str(folder / "profile.json"))
     model_spec = load_spec(saved["model"])
@@ -184,12 +181,8 @@ def predict(folder: Path, choice: FitChoice = FitChoice()) -> None:
     repeat_errors: dict[str, float] = {}
     for name, first in saved["layouts"].items():
         rounds = [first, *saved.get("repeats", {}).get(name, [])]
-        pooled = None
-        if choice.pool and len(rounds) > 1 and not choice.as_calibrated:
-            pooled = pooled_profiles(folder, profile, name, rounds, choice)
         figures = [
-            predict_round(folder, saved, profile, model_spec, name, measured, choice, pooled)
-            for measured in rounds
+            predict_round(folder, saved, profile, model_spec, name, measured, choice) for measured in rounds
         ]
         predicted, real = median_figures([p for p, _ in figures]), median_figures([m for _, m in figures])
         errors = relative_errors(predicted, real)
@@ -219,31 +212,6 @@ def round_fits(folder: Path, measured: dict, run: dict, how: str) -> tuple[list[
     return logged, level_fits(measured, logged, warm_up_run, run, how)
 
 
-def pooled_profiles(
-    folder: Path, profile: EngineProfile, name: str, rounds: Sequence[dict], choice: FitChoice
-) -> list[EngineProfile] | None:
-    """Each level's profile fitted on what that level is fitted on (`level_fits`) in every
-    round of the layout at once: its speed over the whole run, not in the minute of one
-    round, where a slow patch of the host's moves one round's fit by a third (docs/sim.md).
-    None where a round logged no steps."""
-    per_round = []
-    for measured in rounds:
-        run = json.loads((folder / f"{measured['stem']}.json").read_text())
-        per_round.append(round_fits(folder, measured, run, choice.how)[1])
-    if not all(per_round):
-        return None
-    fitted: dict[tuple[int, ...], EngineProfile] = {}
-    for level in zip(*per_round, strict=True):
-        key = tuple(id(fit) for fit in level)  # levels that share a fit in each round share one
-        if key not in fitted:
-            runs = [fit.run for fit in level if fit.run is not None]
-            merged = {**runs[0], "levels": [lv for r in runs for lv in r["levels"]]} if runs else None
-            records = [r for fit in level for r in fit.records]
-            pooled = Fit(f"{level[0].source}, in each of its {len(level)} rounds", records, merged)
-            fitted[key] = layout_profile(profile, name, pooled, choice.waits)
-    return [fitted[tuple(id(fit) for fit in level)] for level in zip(*per_round, strict=True)]
-
-
 def noise_floor(rounds: Sequence[dict[str, float]]) -> dict[str, float]:
     """Each round's measured figures against the median of the other rounds' (printed:
     those that moved more than 10%), by "round k rate figure"."""
@@ -269,21 +237,19 @@ def predict_round(
     name: str,
     measured: dict,
     choice: FitChoice,
-    pooled: list[EngineProfile] | None = None,
 ) -> tuple[dict[str, float], dict[str, float]]:
     """One measurement of layout `name` (one round), predicted as the planner sees it (the
-    profile's steps on the layout's cores, re-timed as `choice` says, or each level's
-    profile from `pooled`) and printed beside its measured run, figure by figure
-    and, where the engines logged their steps, step by step; returns the predicted figures
-    and the measured ones."""
+    profile's steps on the layout's cores, re-timed as `choice` says) and printed beside
+    its measured run, figure by figure and, where the engines logged their steps, step by
+    step; returns the predicted figures and the measured ones."""
     stem = measured["stem"]
     run = json.loads((folder / f"{stem}.json").read_text())
     client_s = measured["client_s_per_request"]
     print(f"\n{stem}: the bench client spent {client_s * 1e3:.1f} ms of CPU per request", flush=True)
     step_log = folder / f"{stem}-steps.jsonl"
     logged, fits = round_fits(folder, measured, run, choice.how)
-    profiles = pooled or [profile] * len(run["levels"])
-    if fits and not (choice.as_calibrated or pooled):
+    profiles = [profile] * len(run["levels"])
+    if fits and not choice.as_calibrated:
         unique = {id(fit): fit for fit in fits}  # levels that share a fit share its profile
         fitted = {key: layout_profile(profile, name, fit, choice.waits) for key, fit in unique.items()}
         profiles = [fitted[id(fit)] for fit in fits]
@@ -395,21 +361,14 @@ def main() -> None:
         "before it; what is then left is the model's error, not the host's drift between two runs",
     )
     p.add_argument(
-        "--one-profile",
+        "--each-level",
         action="store_true",
-        help="with --replay of a --per-level run: one profile fitted on every level's warm-up, "
-        "not each level on its own",
-    )
-    p.add_argument(
-        "--pool-rounds",
-        action="store_true",
-        help="with --repeat: every round of a layout predicted from one fit over all its rounds "
-        "(each level's warm-ups in every round, or with --one-profile every warm-up), not each "
-        "round from its own",
+        help="with --replay of a --per-level run: each level's profile fitted on its own warm-up, "
+        "not one on every level's warm-up",
     )
     args = p.parse_args()
-    how = "measured" if args.fit_on_measured else "warm-up" if args.one_profile else "per-level"
-    choice = FitChoice(args.as_calibrated, not args.placed_cpu, how, args.pool_rounds)
+    how = "measured" if args.fit_on_measured else "per-level" if args.each_level else "warm-up"
+    choice = FitChoice(args.as_calibrated, not args.placed_cpu, how)
     if args.measure:
         args.model = args.bench_model
         predict(measure(args), choice)

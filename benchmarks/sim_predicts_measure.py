@@ -213,9 +213,10 @@ def bench_levels(
     slo: str,
     warm_up: tuple[int, int],
 ) -> tuple[list[tuple[int, float]], dict[str, list[tuple[float, float]]]]:
-    """`--per-level`: each rate's unmeasured run just before its measured one, so that each
-    level is predicted from steps logged seconds before it at its own load, not minutes
-    before at every load (the host's speed drifts between the two: docs/sim.md). The runs
+    """`--per-level`: each rate's unmeasured run just before its measured one, so that the
+    steps that fit the profile were logged beside the levels they predict, each at its
+    own load, not minutes before them (the host's speed drifts over minutes: docs/sim.md;
+    `predict` fits one profile on every level's warm-up, or each level on its own). The runs
     are merged into the layout's warm-up run and its measured run, one level each, and the
     clock windows of each are returned beside what the client spent (`bench_run`).
     `warm_up`: the warm-up runs' first seed and fewest requests a level; each sends at least

@@ -191,9 +191,10 @@ def test_each_layout_is_retimed_by_its_engines_warm_up_steps_alone(script, tmp_p
 def test_a_level_measured_per_level_is_predicted_from_the_warm_up_just_before_it(
     script, tmp_path: Path, capsys
 ):
-    """`--per-level`: warm-up at 4 req/s, 4 req/s, warm-up at 8 req/s, 8 req/s. Each level
-    is re-timed by its own warm-up's steps and its path fitted from its requests; with
-    `--one-profile` (how "warm-up"), every level by every warm-up's steps."""
+    """`--per-level`: warm-up at 4 req/s, 4 req/s, warm-up at 8 req/s, 8 req/s. With
+    `--each-level` (how "per-level") each level is re-timed by its own warm-up's steps and
+    its path fitted from its requests; by default (how "warm-up"), every level by every
+    warm-up's steps."""
     from splitserve.protocol.step_record import read_step_log
     from splitserve.sim.profile import EngineProfile
     from splitserve.sim.step_model import StepModel
@@ -381,7 +382,8 @@ def test_a_layout_measured_in_rounds_is_judged_on_the_medians_of_its_rounds(
     ]
     rounds: list[int] = []
 
-    def predict_round(folder, saved, profile, spec, name, measured_round, *how):
+    def predict_round(folder, saved, profile, spec, name, measured_round, choice):
+        assert choice.how == "warm-up"  # one profile on every warm-up of a round, unless told
         rounds.append(measured_round["k"])
         return predicted[measured_round["k"]], measured[measured_round["k"]]
 
@@ -401,30 +403,3 @@ def test_a_layout_measured_in_rounds_is_judged_on_the_medians_of_its_rounds(
     assert "4 TTFT p50 ms" in round_one and "others     177.0  this     100.0   -43.5%" in round_one
     floor = every[every.index("the noise floor") :]
     assert "every figure: within 10% (measured non-zero) 0/6" in floor
-
-
-def test_pooled_rounds_fit_each_level_on_its_warm_ups_in_every_round(script, tmp_path: Path, capsys):
-    """`--pool-rounds`: a layout's rounds share one profile a level, re-timed by that
-    level's warm-up steps in every round at once (one round's at 2x, the other's at 4x),
-    never by the measured levels' own (at 9x)."""
-    from splitserve.sim.profile import EngineProfile
-    from splitserve.sim.step_model import StepModel
-
-    model = StepModel(0.002, 20e-6, 4e-9, (1, 4), (0.004, 0.006), 1e-7)
-    profile = EngineProfile(model, threads=1)
-    rounds = []
-    for k, speed in enumerate((2.0, 4.0)):
-        lines = step_lines([speed] * 20 + [9.0] * 20, model)
-        warm_end, end = lines[19]["t"] + 1e-6, lines[39]["t"] + 1e-6
-        stem = f"up-1P+1D-repeat-{k}"
-        (tmp_path / f"{stem}-steps.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
-        (tmp_path / f"{stem}.json").write_text(json.dumps({"levels": [{"load": {"rate": 4.0}}]}))
-        windows = {"warm_up_windows": [[0.0, warm_end]], "level_windows": [[warm_end, end]]}
-        rounds.append({"stem": stem, "measured_from": warm_end, **windows})
-    choice = script.FitChoice(waits=False, pool=True)
-    (pooled,) = script.pooled_profiles(tmp_path, profile, "up 1P+1D", rounds, choice)
-    speed = float(pooled.steps.decode_s(1, 300)) / float(model.decode_s(1, 300))
-    assert 2.0 < speed < 4.0
-    assert "in each of its 2 rounds" in capsys.readouterr().out
-    no_log = [rounds[0], {**rounds[1], "measured_from": None}]  # a round without a step log
-    assert script.pooled_profiles(tmp_path, profile, "up 1P+1D", no_log, choice) is None
