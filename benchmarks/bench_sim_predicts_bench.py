@@ -71,6 +71,7 @@ from sim_predicts_figures import (
 from sim_predicts_measure import (
     LAYOUTS,
     MEASURED,
+    REPEAT,
     WARM_UP,
     Fit,
     in_windows,
@@ -179,8 +180,8 @@ def predict(folder: Path, choice: FitChoice = FitChoice()) -> None:
     model_spec = load_spec(saved["model"])
     all_errors: dict[str, float] = {}
     repeat_errors: dict[str, float] = {}
-    for name, first in saved["layouts"].items():
-        rounds = [first, *saved.get("repeats", {}).get(name, [])]
+    for name in saved["layouts"]:
+        rounds = layout_rounds(saved, name)
         figures = [
             predict_round(folder, saved, profile, model_spec, name, measured, choice) for measured in rounds
         ]
@@ -199,6 +200,16 @@ def predict(folder: Path, choice: FitChoice = FitChoice()) -> None:
     if repeat_errors:
         print("each round of every layout against the median of its others (the noise floor):")
         print_verdict(repeat_errors)
+
+
+def layout_rounds(saved: dict, name: str) -> list[dict]:
+    """Layout `name`'s measurements in `saved`, its first round first. A folder measured
+    before rounds (the seventeenth session) named no stems and held one repeat at most."""
+    stem = name.replace(" ", "-")
+    again = saved.get("repeats", {}).get(name, [])
+    if isinstance(again, dict):
+        again = [{"stem": f"{stem}{REPEAT}", **again}]
+    return [{"stem": stem, **saved["layouts"][name]}, *again]
 
 
 def round_fits(folder: Path, measured: dict, run: dict, how: str) -> tuple[list[StepRecord], list[Fit]]:

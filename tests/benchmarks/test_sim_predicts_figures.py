@@ -403,3 +403,14 @@ def test_a_layout_measured_in_rounds_is_judged_on_the_medians_of_its_rounds(
     assert "4 TTFT p50 ms" in round_one and "others     177.0  this     100.0   -43.5%" in round_one
     floor = every[every.index("the noise floor") :]
     assert "every figure: within 10% (measured non-zero) 0/6" in floor
+
+
+def test_a_folder_measured_before_rounds_is_replayed_as_it_was_saved(script):
+    """A folder from before `--repeat N` named no stems and held one repeat, a dict."""
+    old = {"layouts": {"up 1P+1D": {"argv": []}}, "repeats": {"up 1P+1D": {"argv": ["again"]}}}
+    assert script.layout_rounds(old, "up 1P+1D") == [
+        {"stem": "up-1P+1D", "argv": []},
+        {"stem": "up-1P+1D-repeat", "argv": ["again"]},
+    ]
+    new = {"layouts": {"serve": {"stem": "serve"}}, "repeats": {"serve": [{"stem": "serve-repeat-1"}]}}
+    assert [r["stem"] for r in script.layout_rounds(new, "serve")] == ["serve", "serve-repeat-1"]
