@@ -228,8 +228,9 @@ def bench_levels(
     spent = [(0, 0.0), (0, 0.0)]
     windows: dict[str, list[tuple[float, float]]] = {"warm_up_windows": [], "level_windows": []}
     for k, rate in enumerate(args.rates):
+        warm_up_sent = warm_up_requests(rate, warm_up[1], args.warm_up_s)
         runs = (
-            ("warm_up_windows", WARM_UP, warm_up[0] + k, warm_up_requests(rate, warm_up[1], args), warm_ups),
+            ("warm_up_windows", WARM_UP, warm_up[0] + k, warm_up_sent, warm_ups),
             ("level_windows", "-level", args.seed + k, args.num_requests, levels),
         )
         for i, (kind, name, seed, requests, parts) in enumerate(runs):
@@ -244,8 +245,8 @@ def bench_levels(
     return spent, windows
 
 
-def warm_up_requests(rate: float, fewest: int, args: argparse.Namespace) -> int:
-    return max(fewest, math.ceil(rate * args.warm_up_s))
+def warm_up_requests(rate: float, fewest: int, seconds: float) -> int:
+    return max(fewest, math.ceil(rate * seconds))
 
 
 def merged_run(parts: Sequence[dict]) -> dict:
